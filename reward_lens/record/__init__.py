@@ -1,0 +1,8 @@
+"""The run record: a directory with a manifest, per-step telemetry and per-step rollouts."""
+
+from reward_lens.record.errors import RecordError
+from reward_lens.record.reader import Run, open_run
+from reward_lens.record.schema import OptimizerTelemetry, Rollout, RunManifest
+from reward_lens.record.writer import write_run
+
+__all__ = ["OptimizerTelemetry", "RecordError", "Rollout", "Run", "RunManifest", "open_run", "write_run"]

@@ -1,0 +1,1 @@
+"""Importers: convert what a framework leaves on disk into a reward-lens record."""

@@ -1,0 +1,331 @@
+"""Open and validate a record.
+
+``open_run`` checks what can be checked without reading the data: the manifest parses,
+its run_id is the hash of its content, every file it lists exists with the recorded size
+(a truncated file fails here), every Parquet footer parses and every column has the type
+``specs/fields.yaml`` declares. Telemetry (one row per step) is small and is validated in
+full: unique increasing steps, finite and non-negative values where the unit demands it.
+Rollouts can be large; their values are validated when a book reads them, column by column
+and row group by row group, and every error names the file, the field and the steps.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pydantic import ValidationError
+
+from reward_lens.record.errors import RecordError
+from reward_lens.record.schema import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    ROLLOUTS_FILE,
+    TELEMETRY_FILE,
+    RunManifest,
+    arrow_type,
+    content_run_id,
+)
+from reward_lens.record.writer import sha256_file
+from reward_lens_spec import Presence, load_fields
+from reward_lens_spec.models import FieldSpec
+
+
+def open_run(path: str | Path, run_id: str | None = None) -> Run:
+    """Open the record at ``path``; if ``run_id`` is given (in full or as a prefix of at
+    least ``run:`` + 8 hex digits), it must name this record."""
+    root = Path(path)
+    if not root.is_dir():
+        raise RecordError(root, "no record here (not a directory)")
+    manifest = _read_manifest(root)
+    expected = content_run_id(manifest)
+    if manifest.run_id != expected:
+        raise RecordError(root / MANIFEST_FILE, f"run_id {manifest.run_id!r} does not match the content hash "
+                          f"{expected!r}: the manifest was edited or its files were replaced", field="run_id")
+    if run_id is not None:
+        if len(run_id) < 12 or not manifest.run_id.startswith(run_id.rstrip(".")):
+            raise RecordError(root / MANIFEST_FILE, f"this record is {manifest.run_id}, not {run_id}", field="run_id")
+    for name, entry in manifest.files.items():
+        f = root / name
+        if not f.is_file():
+            raise RecordError(f, "listed in manifest.json but missing")
+        size = f.stat().st_size
+        if size != entry.bytes:
+            raise RecordError(f, f"is {size} bytes but manifest.json records {entry.bytes}: truncated or replaced")
+    for name in (TELEMETRY_FILE, ROLLOUTS_FILE):
+        if name not in manifest.files:
+            raise RecordError(root / MANIFEST_FILE, f"does not list `{name}`", field="files")
+    run = Run(root, manifest)
+    run._validate_telemetry()
+    run._validate_rollout_steps()
+    return run
+
+
+def _read_manifest(root: Path) -> RunManifest:
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        raise RecordError(path, "missing: a record directory needs manifest.json")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RecordError(path, f"not valid JSON ({exc})") from None
+    if isinstance(data, dict) and data.get("format_version") not in (None, FORMAT_VERSION):
+        raise RecordError(path, f"format_version {data.get('format_version')!r} is not supported "
+                          f"(this reward-lens reads {FORMAT_VERSION})", field="format_version")
+    try:
+        return RunManifest.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise RecordError(path, err["msg"], field=".".join(str(p) for p in err["loc"])) from None
+
+
+@dataclass(frozen=True)
+class Window:
+    """A closed range of steps [start, stop]."""
+
+    start: int
+    stop: int
+
+    def __contains__(self, step: int) -> bool:
+        return self.start <= step <= self.stop
+
+
+class Run:
+    """An opened, validated record. Data is read lazily, by column."""
+
+    def __init__(self, root: Path, manifest: RunManifest):
+        self.path = root
+        self.manifest = manifest
+        self._fields_spec = load_fields()
+        self._telemetry_file = self._open_parquet(TELEMETRY_FILE, "telemetry")
+        self._rollouts_file = self._open_parquet(ROLLOUTS_FILE, "rollouts")
+
+    def __repr__(self) -> str:
+        return f"Run({str(self.path)!r}, {self.short_id})"
+
+    @property
+    def run_id(self) -> str:
+        return self.manifest.run_id
+
+    @property
+    def short_id(self) -> str:
+        return self.run_id[:12] + "..."
+
+    # ------------------------------------------------------------------ files and types
+    def _open_parquet(self, name: str, source: str) -> pq.ParquetFile:
+        path = self.path / name
+        try:
+            pf = pq.ParquetFile(path)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise RecordError(path, f"not a readable Parquet file ({exc})") from None
+        schema = pf.schema_arrow
+        for fname, spec in self._fields_spec.by_source(source).items():
+            col = spec.column
+            if col not in schema.names:
+                if spec.constraints.required:
+                    raise RecordError(path, "required column is missing", field=col)
+                continue
+            actual = schema.field(col).type
+            if not _type_ok(actual, arrow_type(spec.dtype)):
+                raise RecordError(path, f"has type {actual}, expected {arrow_type(spec.dtype)} "
+                                  f"({spec.unit}, per specs/fields.yaml)", field=col)
+        return pf
+
+    def _read(self, pf: pq.ParquetFile, name: str, columns: Sequence[str], row_groups: Sequence[int] | None = None) -> pa.Table:
+        present = [c for c in columns if c in pf.schema_arrow.names]
+        try:
+            if row_groups is None:
+                return pf.read(columns=present)
+            return pf.read_row_groups(list(row_groups), columns=present)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise RecordError(self.path / name, f"cannot be read ({exc}): corrupt or truncated") from None
+
+    # ------------------------------------------------------------------ telemetry
+    @cached_property
+    def telemetry(self) -> pa.Table:
+        """All telemetry rows (one per step; small)."""
+        return self._read(self._telemetry_file, TELEMETRY_FILE, self._telemetry_file.schema_arrow.names)
+
+    @cached_property
+    def steps(self) -> np.ndarray:
+        return self.telemetry.column("step").to_numpy()
+
+    def telemetry_column(self, field: str) -> dict[int, float | str]:
+        """``{step: value}`` for the steps where ``field`` is present (absent steps are left out)."""
+        if field not in self.telemetry.column_names:
+            return {}
+        steps = self.steps
+        values = self.telemetry.column(field).to_pylist()
+        return {int(s): v for s, v in zip(steps, values) if v is not None}
+
+    def _validate_telemetry(self) -> None:
+        path = self.path / TELEMETRY_FILE
+        steps = self.steps
+        if len(steps):
+            dup = np.unique(steps[np.r_[False, np.diff(steps) == 0]])
+            if len(dup):
+                raise RecordError(path, "duplicate steps", field="step", steps=dup)
+            back = steps[1:][np.diff(steps) < 0]
+            if len(back):
+                raise RecordError(path, "steps are not increasing", field="step", steps=back)
+        for spec in self._fields_spec.by_source("telemetry").values():
+            if spec.column in self.telemetry.column_names:
+                _check_values(self.telemetry.column(spec.column), spec, steps, path)
+
+    # ------------------------------------------------------------------ rollouts
+    @property
+    def n_rollouts(self) -> int:
+        return self._rollouts_file.metadata.num_rows
+
+    @cached_property
+    def rollout_steps(self) -> np.ndarray:
+        """The step of every rollout row, in file order (non-decreasing)."""
+        return self._read(self._rollouts_file, ROLLOUTS_FILE, ["step"]).column("step").to_numpy()
+
+    def _validate_rollout_steps(self) -> None:
+        path = self.path / ROLLOUTS_FILE
+        steps = self.rollout_steps
+        if len(steps) and steps.min() < 0:
+            raise RecordError(path, "negative step", field="step", steps=np.unique(steps[steps < 0]))
+        back = np.flatnonzero(np.diff(steps) < 0)
+        if len(back):
+            raise RecordError(path, "rows are not sorted by step (the writer sorts them; the file was altered)",
+                              field="step", steps=steps[back + 1])
+
+    def rollout_columns(self) -> list[str]:
+        return list(self._rollouts_file.schema_arrow.names)
+
+    def read_rollouts(self, columns: Sequence[str], window: Window | None = None) -> pa.Table:
+        """Rollout columns for the steps in ``window``, validated against specs/fields.yaml.
+
+        Only row groups whose step statistics overlap the window are read.
+        """
+        return pa.concat_tables(list(self.iter_rollouts(columns, window))) if self.n_rollouts else \
+            self._read(self._rollouts_file, ROLLOUTS_FILE, ["step", *columns])
+
+    def iter_rollouts(self, columns: Sequence[str], window: Window | None = None) -> Iterator[pa.Table]:
+        """Yield the requested columns (plus ``step``) one row group at a time."""
+        path = self.path / ROLLOUTS_FILE
+        cols = ["step", *[c for c in columns if c != "step"]]
+        for c in cols:
+            if c not in self._rollouts_file.schema_arrow.names:
+                raise RecordError(path, "the book needs this column and the record does not have it", field=c)
+        meta = self._rollouts_file.metadata
+        step_idx = self._rollouts_file.schema_arrow.get_field_index("step")
+        for rg in range(meta.num_row_groups):
+            stats = meta.row_group(rg).column(step_idx).statistics
+            if window is not None and stats is not None and stats.has_min_max:
+                if stats.max < window.start or stats.min > window.stop:
+                    continue
+            table = self._read(self._rollouts_file, ROLLOUTS_FILE, cols, [rg])
+            if window is not None:
+                s = table.column("step")
+                table = table.filter(pc.and_(pc.greater_equal(s, window.start), pc.less_equal(s, window.stop)))
+            step_np = table.column("step").to_numpy()
+            for c in cols:
+                spec = self._fields_spec.fields.get(f"rollout.{c}")
+                if spec is not None:
+                    _check_values(table.column(c), spec, step_np, path)
+            yield table
+
+    # ------------------------------------------------------------------ presence
+    def fields(self) -> dict[str, Presence]:
+        """Which record fields are present, and on how many steps: the resolver's input."""
+        tel_steps = self.steps
+        all_steps = np.union1d(tel_steps, np.unique(self.rollout_steps))
+        n = len(all_steps)
+        out: dict[str, Presence] = {}
+        for name, spec in self._fields_spec.by_source("telemetry").items():
+            if name == "step" or spec.column not in self.telemetry.column_names:
+                continue
+            count = self.telemetry.num_rows - self.telemetry.column(spec.column).null_count
+            if count:
+                out[name] = Presence(int(count), n)
+        roll_steps = np.unique(self.rollout_steps)
+        meta = self._rollouts_file.metadata
+        for name, spec in self._fields_spec.by_source("rollouts").items():
+            idx = self._rollouts_file.schema_arrow.get_field_index(spec.column)
+            if idx < 0 or not len(roll_steps):
+                continue
+            nulls = _null_count(meta, spec.column)
+            if nulls == 0:
+                out[name] = Presence(len(roll_steps), n)
+            elif nulls is None or nulls < meta.num_rows:
+                col = self._read(self._rollouts_file, ROLLOUTS_FILE, ["step", spec.column])
+                valid = pc.is_valid(col.column(spec.column)).to_numpy(zero_copy_only=False)
+                k = len(np.unique(col.column("step").to_numpy()[valid]))
+                if k:
+                    out[name] = Presence(k, n)
+        if self.manifest.optimizer:
+            out["optimizer"] = Presence(n, n)
+        if self.manifest.checkpoints:
+            ck = {c.step for c in self.manifest.checkpoints}
+            out["checkpoints"] = Presence(len(ck), n)
+        return out
+
+    def verify(self) -> None:
+        """Re-hash every data file against the manifest (reads everything; not done on open)."""
+        for name, entry in self.manifest.files.items():
+            if sha256_file(self.path / name) != entry.sha256:
+                raise RecordError(self.path / name, "sha256 differs from manifest.json: the file was changed")
+        for ck in self.manifest.checkpoints:
+            for name, entry in ck.files.items():
+                p = self.path / ck.path / name
+                if not p.is_file() or sha256_file(p) != entry.sha256:
+                    raise RecordError(p, "checkpoint file missing or changed since the record was written")
+
+
+def _null_count(meta: pq.FileMetaData, column: str) -> int | None:
+    total = 0
+    for rg in range(meta.num_row_groups):
+        group = meta.row_group(rg)
+        for i in range(group.num_columns):
+            col = group.column(i)
+            if col.path_in_schema.split(".")[0] == column:
+                st = col.statistics
+                if st is None or not st.has_null_count:
+                    return None
+                total += st.null_count
+                break
+    return total
+
+
+def _type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
+    if actual.equals(expected):
+        return True
+    # Parquet round-trips may turn string into large_string or int32 lists; accept the
+    # lossless widenings, nothing else.
+    if pa.types.is_string(expected) and pa.types.is_large_string(actual):
+        return True
+    if pa.types.is_list(expected) and (pa.types.is_list(actual) or pa.types.is_large_list(actual)):
+        return pa.types.is_integer(actual.value_type)
+    if pa.types.is_map(expected) and pa.types.is_map(actual):
+        return pa.types.is_floating(actual.item_type)
+    return False
+
+
+def _check_values(column: pa.ChunkedArray, spec: FieldSpec, steps: np.ndarray, path: Path) -> None:
+    if not (pa.types.is_floating(column.type) or pa.types.is_integer(column.type)):
+        return
+    values = column.to_numpy(zero_copy_only=False).astype(float)  # nulls become NaN here
+    valid = pc.is_valid(column).to_numpy(zero_copy_only=False)
+    nan_ok = not spec.constraints.finite
+    if pa.types.is_floating(column.type):
+        bad = valid & ~np.isfinite(values)
+        if bad.any():
+            kind = "NaN" if np.isnan(values[bad]).any() else "infinite"
+            if not nan_ok or kind == "NaN":
+                raise RecordError(path, f"{kind} value (absent must be stored as null, and {spec.unit} values "
+                                  "must be finite)", field=spec.column, steps=np.unique(steps[bad]))
+    if spec.constraints.nonnegative:
+        bad = valid & (values < 0)
+        if bad.any():
+            raise RecordError(path, f"negative value; a {spec.unit} quantity cannot be negative",
+                              field=spec.column, steps=np.unique(steps[bad]))

@@ -1,0 +1,140 @@
+"""The record's data model: pydantic rows and the Arrow schemas they are stored with.
+
+Units and meanings are declared once, in ``specs/fields.yaml``; this module holds the
+shapes. A test keeps the two in step: every telemetry/rollout field here is in the spec
+with the same type, and vice versa. Every optional field may be absent, and absent is
+stored as null: not zero, not NaN.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from reward_lens_spec import load_fields
+
+FORMAT_VERSION = 1
+TELEMETRY_FILE = "telemetry.parquet"
+ROLLOUTS_FILE = "rollouts.parquet"
+MANIFEST_FILE = "manifest.json"
+
+
+class OptimizerTelemetry(BaseModel):
+    """One optimizer step t (pi_t -> pi_{t+1}). Units: specs/fields.yaml."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0, description="optimizer_step: 0-based index t")
+    learning_rate: float | None = Field(None, description="dimensionless: the rate this step used")
+    grad_norm: float | None = Field(None, description="l2_norm: gradient applied, after clipping")
+    grad_norm_unclipped: float | None = Field(None, description="l2_norm: before clipping")
+    max_grad_norm: float | None = Field(None, description="l2_norm: clipping threshold")
+    update_norm: float | None = Field(None, description="l2_norm: ||theta_{t+1} - theta_t||")
+    kl_to_previous: float | None = Field(None, description="nats_per_sequence: D_t = KL(pi_{t+1} || pi_t)")
+    kl_to_previous_estimator: str | None = Field(None, description="which estimator produced kl_to_previous")
+    kl_to_ref: float | None = Field(None, description="nats_per_token: KL to the reference model")
+    ppo_kl: float | None = Field(None, description="nats_per_token: in-loop k1 KL(pi_old || pi_theta)")
+    beta: float | None = Field(None, description="dimensionless: KL-to-reference coefficient")
+
+
+class Rollout(BaseModel):
+    """One completion sampled from pi_step."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0)
+    group_id: str
+    prompt: str
+    completion: str
+    completion_ids: list[int] | None = None
+    num_tokens: int | None = Field(None, ge=0)
+    reward: float | None = None
+    rewards: dict[str, float] | None = None
+    advantage: float | None = None
+
+
+class FileEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    sha256: str
+    bytes: int
+    rows: int | None = None
+
+
+class FrameworkInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    version: str | None = None
+
+
+class ModelInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    description: str
+    architecture: str | None = None
+    n_parameters: int | None = None
+    vocab_size: int | None = None
+
+
+class CheckpointEntry(BaseModel):
+    """A policy checkpoint stored with the record: pi_step, as safetensors + config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0)
+    path: str
+    files: dict[str, FileEntry]
+
+
+class RunManifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format_version: int = FORMAT_VERSION
+    run_id: str = ""
+    framework: FrameworkInfo
+    model: ModelInfo
+    optimizer: str | None = None
+    trainer_config: dict[str, Any] = Field(default_factory=dict)
+    telemetry_per_step: bool = Field(True, description="False when telemetry rows are means over logging windows")
+    logging_steps: int = 1
+    created_by: str
+    notes: list[str] = Field(default_factory=list)
+    files: dict[str, FileEntry] = Field(default_factory=dict)
+    checkpoints: list[CheckpointEntry] = Field(default_factory=list)
+
+
+def content_run_id(manifest: RunManifest) -> str:
+    """``run:`` + sha256 of the manifest's content (per-file checksums included).
+
+    Checking it never re-reads the data files: the checksums it covers are in the manifest.
+    ``run_id`` itself and ``created_by`` (which tool version wrote it) are left out, so the
+    id is the same for every re-write of the same content.
+    """
+    payload = manifest.model_dump(mode="json", exclude={"run_id", "created_by"})
+    digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return f"run:{digest}"
+
+
+_ARROW_TYPES = {
+    "int64": pa.int64(),
+    "float64": pa.float64(),
+    "string": pa.string(),
+    "list<int64>": pa.list_(pa.int64()),
+    "map<string,float64>": pa.map_(pa.string(), pa.float64()),
+}
+
+
+def arrow_schema(source: str) -> pa.Schema:
+    """The Arrow schema of ``telemetry`` or ``rollouts``, from specs/fields.yaml."""
+    fields = load_fields().by_source(source)
+    return pa.schema([pa.field(spec.column, _ARROW_TYPES[spec.dtype], nullable=not spec.constraints.required)
+                      for spec in fields.values()])
+
+
+def arrow_type(dtype: str) -> pa.DataType:
+    return _ARROW_TYPES[dtype]

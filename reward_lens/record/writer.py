@@ -1,0 +1,154 @@
+"""Write a record atomically.
+
+Everything is written into a temporary sibling directory, checksummed, fsynced, and only
+then renamed into place: a crash at any point leaves either no record or the previous one,
+never half of one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from reward_lens import __version__
+from reward_lens.record.errors import RecordError
+from reward_lens.record.schema import (
+    MANIFEST_FILE,
+    ROLLOUTS_FILE,
+    TELEMETRY_FILE,
+    CheckpointEntry,
+    FileEntry,
+    OptimizerTelemetry,
+    Rollout,
+    RunManifest,
+    arrow_schema,
+    content_run_id,
+)
+
+# Rollouts are sorted by step and written in row groups of about this many rows, so that a
+# book reading a window of steps touches only the row groups whose step statistics overlap.
+ROLLOUT_ROW_GROUP = 4096
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_entry(path: Path, rows: int | None = None) -> FileEntry:
+    return FileEntry(sha256=sha256_file(path), bytes=path.stat().st_size, rows=rows)
+
+
+def _telemetry_table(rows: Iterable[OptimizerTelemetry]) -> pa.Table:
+    schema = arrow_schema("telemetry")
+    data = sorted((r.model_dump() for r in rows), key=lambda d: d["step"])
+    return pa.Table.from_pylist(data, schema=schema)
+
+
+def _rollouts_table(rows: Iterable[Rollout] | pa.Table) -> pa.Table:
+    schema = arrow_schema("rollouts")
+    if isinstance(rows, pa.Table):
+        table = rows.select([f.name for f in schema if f.name in rows.column_names])
+        for f in schema:
+            if f.name not in table.column_names:
+                table = table.append_column(f, pa.nulls(table.num_rows, f.type))
+        table = table.select(schema.names).cast(schema)
+    else:
+        data = [r.model_dump() for r in rows]
+        for d in data:
+            if d["rewards"] is not None:
+                d["rewards"] = list(d["rewards"].items())
+        table = pa.Table.from_pylist(data, schema=schema)
+    # Stable sort keeps the within-step order the trainer produced.
+    return table.take(pa.compute.sort_indices(table, sort_keys=[("step", "ascending")]))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_run(
+    path: str | Path,
+    *,
+    framework: Mapping[str, Any],
+    model: Mapping[str, Any],
+    telemetry: Iterable[OptimizerTelemetry],
+    rollouts: Iterable[Rollout] | pa.Table,
+    optimizer: str | None = None,
+    trainer_config: Mapping[str, Any] | None = None,
+    telemetry_per_step: bool = True,
+    logging_steps: int = 1,
+    notes: Iterable[str] = (),
+    checkpoints: Mapping[int, str | Path] | None = None,
+    overwrite: bool = False,
+) -> RunManifest:
+    """Write a record directory at ``path`` and return its manifest.
+
+    ``checkpoints`` maps a step to a directory (safetensors + config + tokenizer files) that
+    is copied into ``checkpoints/step-<step>/``.
+    """
+    dest = Path(path)
+    if dest.exists() and not overwrite:
+        raise RecordError(dest, "a record already exists here (pass overwrite=True to replace it)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        tel = _telemetry_table(telemetry)
+        rol = _rollouts_table(rollouts)
+        pq.write_table(tel, tmp / TELEMETRY_FILE, compression="zstd")
+        pq.write_table(rol, tmp / ROLLOUTS_FILE, compression="zstd", row_group_size=ROLLOUT_ROW_GROUP)
+        files = {
+            TELEMETRY_FILE: _file_entry(tmp / TELEMETRY_FILE, tel.num_rows),
+            ROLLOUTS_FILE: _file_entry(tmp / ROLLOUTS_FILE, rol.num_rows),
+        }
+        ckpts = []
+        for step, src in sorted((checkpoints or {}).items()):
+            rel = f"checkpoints/step-{int(step)}"
+            shutil.copytree(src, tmp / rel)
+            entries = {p.relative_to(tmp / rel).as_posix(): _file_entry(p)
+                       for p in sorted((tmp / rel).rglob("*")) if p.is_file()}
+            ckpts.append(CheckpointEntry(step=int(step), path=rel, files=entries))
+        manifest = RunManifest(
+            framework=dict(framework), model=dict(model), optimizer=optimizer,
+            trainer_config=dict(trainer_config or {}), telemetry_per_step=telemetry_per_step,
+            logging_steps=logging_steps, created_by=f"reward-lens {__version__}", notes=list(notes),
+            files=files, checkpoints=ckpts,
+        )
+        manifest = manifest.model_copy(update={"run_id": content_run_id(manifest)})
+        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as fh:
+            fh.write(manifest.model_dump_json(indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        # mkdtemp makes the directory 0700; a record is data to share, so give it the
+        # permissions a plain mkdir would have had.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)
+        _fsync_dir(tmp)
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.rename(dest, old / "r")
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, dest)
+        _fsync_dir(dest.parent)
+        return manifest
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

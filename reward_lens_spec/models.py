@@ -1,0 +1,131 @@
+"""Pydantic models of the specs. Parsing lives here; evaluation lives in the resolver."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Constraints(_Strict):
+    required: bool = False
+    nonnegative: bool = False
+    finite: bool = False
+
+
+class FrameworkEntry(_Strict):
+    """How one framework supplies a field: a logged key, a config value, a derivation, or why not."""
+
+    key: str | None = None
+    config: str | None = None
+    derived: str | None = None
+    absent: str | None = None
+    note: str | None = None
+
+
+class FieldSpec(_Strict):
+    name: str = ""
+    source: Literal["telemetry", "rollouts", "manifest", "caller"]
+    dtype: str
+    unit: str
+    meaning: str
+    constraints: Constraints = Constraints()
+    companion: str | None = None
+    frameworks: dict[str, FrameworkEntry] = Field(default_factory=dict)
+
+    @property
+    def column(self) -> str:
+        """The column name inside its Parquet file (``rollout.step`` -> ``step``)."""
+        return self.name.split(".", 1)[1] if "." in self.name else self.name
+
+
+class FieldsCatalog(_Strict):
+    format_version: int
+    units: dict[str, str]
+    fields: dict[str, FieldSpec]
+
+    def by_source(self, source: str) -> dict[str, FieldSpec]:
+        return {n: f for n, f in self.fields.items() if f.source == source}
+
+    def framework_keys(self, framework: str) -> dict[str, str]:
+        """``{framework log key: record field}`` for the keys a framework logs."""
+        out: dict[str, str] = {}
+        for name, spec in self.fields.items():
+            entry = spec.frameworks.get(framework)
+            if entry is not None and entry.key is not None:
+                out[entry.key] = name
+        return out
+
+
+class Alternative(_Strict):
+    id: str
+    fields: list[str]
+    describe: str | None = None
+
+
+class NearMiss(_Strict):
+    field: str
+    gives_denominator: bool = False
+    why: str
+    only_for_optimizers: list[str] | None = None
+
+
+class Requirement(_Strict):
+    id: str
+    what: str
+    symbol: str | None = None
+    unit: str | None = None
+    needed_by: list[str] | None = None
+    alternatives: list[Alternative] = Field(min_length=1)
+    near_misses: list[NearMiss] = Field(default_factory=list)
+
+
+class Output(_Strict):
+    unit: str
+    meaning: str
+    needs_denominator: bool = False
+
+
+class EnvelopeBound(_Strict):
+    min: float | None = None
+    max: float | None = None
+    on_violation: str
+
+
+class Basis(_Strict):
+    rule: str
+    on_mismatch: str
+
+
+class BookSpec(_Strict):
+    id: str
+    function: str
+    title: str
+    series: str
+    section: str
+    module: str
+    outputs: dict[str, Output]
+    basis: Basis | None = None
+    envelope: dict[str, EnvelopeBound] = Field(default_factory=dict)
+    requires: list[Requirement]
+    refusals: dict[str, str]
+
+    def requirement(self, rid: str) -> Requirement:
+        for req in self.requires:
+            if req.id == rid:
+                return req
+        raise KeyError(f"book `{self.id}` has no requirement `{rid}`")
+
+
+class RefusalCodeSpec(_Strict):
+    title: str
+    meaning: str
+    severity: Literal["refused", "violated"]
+
+
+class RefusalCatalog(_Strict):
+    codes: dict[str, RefusalCodeSpec]

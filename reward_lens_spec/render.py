@@ -1,0 +1,97 @@
+"""Template rendering and the text / Markdown / HTML views of rendered prose.
+
+Templates write prose with a light markup: paragraphs separated by a blank line, code in
+backticks. The plain-text view wraps paragraphs; the Markdown view keeps them as they are;
+the HTML view escapes everything first and only then turns backtick spans into <code>, so
+text that came from a record can never become markup.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import textwrap
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from reward_lens_spec.errors import SpecError
+from reward_lens_spec.paths import templates_dir
+
+
+@lru_cache(maxsize=None)
+def _env(root: str) -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(root),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=False,
+        autoescape=False,  # prose is escaped per view (html_view), never half-escaped here
+    )
+    env.filters["nats"] = format_nats
+    env.filters["plural"] = lambda n, one="", many="s": one if n == 1 else many
+    env.filters["abs"] = abs
+    env.filters["join_code"] = lambda xs: ", ".join(f"`{x}`" for x in xs)
+    return env
+
+
+def format_nats(x: float) -> str:
+    """Numbers in prose: 3 significant figures, scientific outside [1e-3, 1e4)."""
+    if x != x or x in (float("inf"), float("-inf")):
+        return str(x)
+    ax = abs(x)
+    if ax != 0 and (ax < 1e-3 or ax >= 1e4):
+        return f"{x:.2e}"
+    return f"{x:.3g}"
+
+
+def render_template(name: str, context: dict[str, Any], root: Path | None = None) -> str:
+    env = _env(str(root or templates_dir()))
+    try:
+        template = env.get_template(name)
+        text = template.render(**context)
+    except jinja2.TemplateNotFound:
+        raise SpecError(f"{(root or templates_dir()) / name}:1: template not found") from None
+    except jinja2.UndefinedError as exc:
+        raise SpecError(f"{(root or templates_dir()) / name}:1: {exc.message} (missing from the refusal context)") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise SpecError(f"{exc.filename}:{exc.lineno}: {exc.message}") from None
+    return normalise_prose(text)
+
+
+def normalise_prose(text: str) -> str:
+    """Collapse whitespace inside paragraphs; keep blank lines between paragraphs."""
+    paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text.strip())]
+    return "\n\n".join(p for p in paras if p)
+
+
+def paragraphs(text: str) -> list[str]:
+    return [p for p in text.split("\n\n") if p]
+
+
+def text_view(text: str, width: int = 90, indent: str = "    ", lead: str = "") -> str:
+    out = []
+    for i, para in enumerate(paragraphs(text)):
+        first = indent + (lead if i == 0 else "")
+        out.append(textwrap.fill(para, width=width, initial_indent=first, subsequent_indent=indent,
+                                 break_long_words=False, break_on_hyphens=False))
+    return "\n".join(out)
+
+
+_CODE = re.compile(r"`([^`]+)`")
+
+
+def html_view(text: str) -> str:
+    parts = []
+    for para in paragraphs(text):
+        escaped = html.escape(para, quote=True)
+        parts.append("<p>" + _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", escaped) + "</p>")
+    return "\n".join(parts)
+
+
+def markdown_view(text: str) -> str:
+    # Backticks already mean code in Markdown; '<' would open raw HTML in most renderers.
+    return "\n\n".join(p.replace("<", "&lt;") for p in paragraphs(text))
