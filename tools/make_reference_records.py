@@ -31,19 +31,22 @@ What it does, for each record:
 The records differ in seed, prompts and reward: ``long`` (200 steps) rewards the fraction
 of lowercase ASCII letters; ``short`` (60 steps) rewards the fraction of ASCII digits.
 
-What moves. A random-initialised policy almost never emits EOS (p ~ 1/260 per token), so
-completion length in tokens sits at the cap (32) with no variance and is not in the
-default feature basis. Random bytes decode to text in which invalid UTF-8 collapses to
+What moves. A random-initialised policy rarely emits EOS (p ~ 1/260 per token, so most
+completions run to the 32-token cap), and TRL's completions table carries no token counts,
+so length in tokens is not in the default feature basis. Random bytes decode to text in which invalid UTF-8 collapses to
 U+FFFD, so the character length and the character-class fractions vary within a step.
-Measured on the records as generated here (first 20 steps vs last 20 steps of ``long``,
-pooled within-step SD in brackets):
+Measured on the records as generated here (mean over the first 20 steps -> the last 20
+steps; pooled within-step SD in brackets), printed by ``--summary``:
 
-    frac_lower     0.111 -> 0.394   (0.095)
-    frac_nonascii  0.426 -> 0.249   (0.084)
-    len_chars      22.6  -> 25.4    (3.1)
-    frac_upper     0.103 -> 0.088   (0.065)
+    long (lowercase reward)            short (digit reward)
+    frac_lower     0.110 -> 0.903 (0.073)   frac_digit     0.074 -> 0.996 (0.053)
+    frac_nonascii  0.468 -> 0.054 (0.086)   frac_nonascii  0.450 -> 0.001 (0.069)
+    frac_punct     0.136 -> 0.012 (0.057)   frac_punct     0.136 -> 0.001 (0.063)
+    frac_upper     0.106 -> 0.010 (0.048)   frac_lower     0.102 -> 0.001 (0.039)
+    len_chars      29.1  -> 31.8  (4.6)     len_chars      27.8  -> 32.0  (3.8)
 
-(printed by ``--summary``; re-measure after changing anything above).
+Every feature of the default basis varies within steps; at least five move by many
+within-step SDs over each run. Re-measure after changing anything above.
 """
 
 from __future__ import annotations

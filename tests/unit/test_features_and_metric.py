@@ -1,0 +1,93 @@
+"""Surface features on hand-made text, ledgers by hand, and degenerate features by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from reward_lens.measure.efficiency import kl_min_series, metric_g
+from reward_lens.measure.ledger.features import FEATURES, SurfaceFeatures
+from reward_lens.measure.ledger.price import StepSample, ledger_series
+from reward_lens.record import RecordError
+
+
+def test_features_on_hand_made_text():
+    f = SurfaceFeatures()
+    t = pa.table({"completion": ["ab C1", "", "x\ny\nz", "é\ufffd!"]})
+    z = f.compute(t)
+    col = {n: z[:, i] for i, n in enumerate(f.names)}
+    assert col["len_chars"].tolist() == [5, 0, 5, 3]
+    assert col["n_lines"].tolist() == [1, 1, 3, 1]
+    assert col["n_words"].tolist() == [2, 0, 3, 1]
+    assert col["frac_lower"].tolist() == [2 / 5, 0, 3 / 5, 0]
+    assert col["frac_upper"].tolist() == [1 / 5, 0, 0, 0]
+    assert col["frac_digit"].tolist() == [1 / 5, 0, 0, 0]
+    assert col["frac_space"].tolist() == [1 / 5, 0, 2 / 5, 0]
+    assert col["frac_punct"].tolist() == [0, 0, 0, 1 / 3]
+    assert col["frac_nonascii"].tolist() == [0, 0, 0, 2 / 3]
+
+
+def test_feature_selection_and_bad_names():
+    f = SurfaceFeatures(["frac_upper", "len_chars"])
+    assert f.names == ("frac_upper", "len_chars")
+    with pytest.raises(ValueError, match="unknown feature"):
+        SurfaceFeatures(["nope"])
+    with pytest.raises(ValueError, match="twice"):
+        SurfaceFeatures(["len_chars", "len_chars"])
+    with pytest.raises(RecordError, match="field `num_tokens`: feature `len_tokens` needs this column"):
+        SurfaceFeatures(["len_tokens"]).compute(pa.table({"completion": ["a"]}))
+    assert set(SurfaceFeatures().names) <= set(FEATURES)
+
+
+def test_ledger_by_hand():
+    names = ("a", "b")
+    pre = StepSample(0, names, np.array([[0.0, 1.0], [2.0, 1.0], [4.0, 4.0]]))
+    post = StepSample(1, names, np.array([[1.0, 0.0], [3.0, 2.0]]))
+    (lg,) = ledger_series([pre, post], eta_by_step={0: 0.5})
+    assert lg.step_pair == (0, 1) and lg.learning_rate == 0.5
+    np.testing.assert_allclose(lg.delta_z, [2.0 - 2.0, 1.0 - 2.0])
+    # var_pre(a) = 4, var_post(a) = 2 -> se^2 = 4/3 + 2/2
+    np.testing.assert_allclose(lg.se[0] ** 2, 4 / 3 + 1.0)
+    assert (lg.n_pre, lg.n_post) == (3, 2)
+
+
+def test_ledger_pairs_only_adjacent_steps_and_needs_two_rollouts():
+    names = ("a",)
+    s = [StepSample(t, names, np.arange(4.0)[:, None] + t) for t in (0, 1, 3)]
+    assert [lg.step_pair for lg in ledger_series(s)] == [(0, 1)]
+    with pytest.raises(ValueError, match="step 1 has 1 rollout"):
+        ledger_series([s[0], StepSample(1, names, np.ones((1, 1)))])
+
+
+def test_constant_and_collinear_features_are_named_not_crashed():
+    rng = np.random.default_rng(3)
+    names = ("a", "const", "b", "a_plus_b")
+    samples = []
+    for t in range(3):
+        a, b = rng.normal(size=20), rng.normal(size=20)
+        samples.append(StepSample(t, names, np.column_stack([a + t, np.full(20, 32.0), b, a + b])))
+    g = metric_g(samples)
+    assert g.active == ("a", "b")
+    assert g.excluded["const"].startswith("constant")
+    assert g.excluded["a_plus_b"].startswith("collinear") and "(a, b)" in g.excluded["a_plus_b"]
+    rows = kl_min_series(ledger_series(samples), g)
+    assert len(rows) == 2 and set(rows[0].shares) == {"a", "b"}
+    assert "a_plus_b" in rows[0].unpriced_movement and "const" not in rows[0].unpriced_movement
+
+
+def test_metric_g_refuses_rung_two_under_another_name():
+    s = [StepSample(0, ("a",), np.arange(3.0)[:, None])]
+    with pytest.raises(ValueError, match="fisher_kernel.*not ship"):
+        metric_g(s, method="fisher_kernel")
+    with pytest.raises(ValueError, match="unknown method"):
+        metric_g(s, method="magic")
+
+
+def test_pooled_covariance_by_hand():
+    names = ("a",)
+    s = [StepSample(0, names, np.array([[0.0], [2.0]])), StepSample(1, names, np.array([[10.0], [11.0], [12.0]]))]
+    g = metric_g(s)
+    # scatter: 2 + 2 = 4 over dof 1 + 2 = 3
+    assert g.matrix[0, 0] == pytest.approx(4 / 3, rel=1e-15)
+    assert g.n == 5 and g.damping == 0.0 and g.damping_stable and g.h2 == {"a": 1.0}

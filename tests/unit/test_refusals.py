@@ -1,0 +1,108 @@
+"""Every refusal code in the catalogue has a fixture that triggers exactly that code, and a
+refusal's views (text, Markdown, HTML, JSON) render the same data."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from reward_lens.measure.efficiency import cost_series, kl_min_series, metric_g
+from reward_lens.measure.ledger.features import SurfaceFeatures
+from reward_lens.measure.ledger.price import Ledger, StepSample, ledger_series, steps_from_run
+from reward_lens.record import open_run
+from reward_lens_spec import Subject, load_book, load_refusal_codes, make_refusal
+from tests.conftest import LONG
+
+
+def _long():
+    run = open_run(LONG)
+    samples = steps_from_run(run, SurfaceFeatures())
+    return run, samples, ledger_series(samples), metric_g(samples)
+
+
+def trigger_record_incomplete():
+    run, _, ledgers, g = _long()
+    return cost_series(ledgers, g, run_=run).refusals
+
+
+def trigger_unit_mismatch():
+    run, samples, ledgers, _ = _long()
+    names = tuple(reversed(samples[0].names))
+    g = metric_g([StepSample(s.step, names, s.z[:, ::-1]) for s in samples])
+    return cost_series(ledgers, g, run_=run).refusals
+
+
+def trigger_envelope_violated():
+    run, _, ledgers, g = _long()
+    return cost_series(ledgers[:1], g, run_=run, kl_spent={0: 1e-9}).refusals
+
+
+def trigger_limit_exceeded():
+    rng = np.random.default_rng(0)
+    k = 21
+    names = tuple(f"f{i}" for i in range(k))
+    samples = [StepSample(s, names, rng.normal(size=(40, k))) for s in range(2)]
+    return kl_min_series(ledger_series(samples), metric_g(samples)).refusals
+
+
+FIXTURES = {
+    "RECORD_INCOMPLETE": trigger_record_incomplete,
+    "UNIT_MISMATCH": trigger_unit_mismatch,
+    "ENVELOPE_VIOLATED": trigger_envelope_violated,
+    "LIMIT_EXCEEDED": trigger_limit_exceeded,
+}
+
+
+def test_every_code_has_a_fixture():
+    assert set(FIXTURES) == set(load_refusal_codes().codes)
+
+
+@pytest.mark.parametrize("code", sorted(FIXTURES))
+def test_fixture_triggers_exactly_its_code(code):
+    refusals = FIXTURES[code]()
+    assert refusals and {r.code for r in refusals} == {code}
+    for r in refusals:
+        assert r.detail and r.remedy and r.book == "cost" and r.function == "cost_series"
+
+
+def test_views_of_one_refusal():
+    (r,) = trigger_record_incomplete()
+    text = r.text()
+    assert text.splitlines()[0] == "cost_series  RECORD_INCOMPLETE"
+    assert all(line.startswith("    ") for line in text.splitlines()[1:])
+    assert max(len(line) for line in text.splitlines()) <= 90
+    assert "    Remedy: " in text
+    md = r.markdown()
+    assert "**RECORD_INCOMPLETE**" in md and "`kl_min_series`" in md
+    data = json.loads(r.model_dump_json())
+    assert data["code"] == "RECORD_INCOMPLETE" and data["subject"]["step_pairs"][0] == [0, 1]
+    assert len(data["subject"]["step_pairs"]) == 199
+    assert data["context"]["optimizer"] == "adamw_torch_fused"
+    html = r.html()
+    assert '<code>kl_min_series</code>' in html and 'id="refusal-cost-record_incomplete"' in html
+
+
+def test_html_view_escapes_record_text():
+    r = make_refusal("UNIT_MISMATCH", load_book("cost"), Subject(run_id="run:x"), {
+        "kind": "basis", "n_pairs": 1, "run": "<script>alert(1)</script>",
+        "ledger_names": ["<b>a</b>"], "metric_names": ["b"], "position": 0, "same_set": False})
+    html = r.html()
+    assert "<script>" not in html and "&lt;script&gt;" in html
+    assert "<code>&lt;b&gt;a&lt;/b&gt;</code>" in html
+    assert "<script>" not in r.markdown()
+
+
+def test_unknown_code_is_a_spec_error():
+    from reward_lens_spec import SpecError
+
+    with pytest.raises(SpecError, match="not defined"):
+        make_refusal("NOT_A_CODE", load_book("cost"), Subject(), {})
+
+
+def test_missing_context_is_a_spec_error_not_a_blank():
+    from reward_lens_spec import SpecError
+
+    with pytest.raises(SpecError, match="missing from the refusal context"):
+        make_refusal("LIMIT_EXCEEDED", load_book("cost"), Subject(), {"what": "x"})
