@@ -9,7 +9,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reward_lens_spec.errors import SpecError
-from reward_lens_spec.models import BookSpec, FieldsCatalog, RefusalCatalog
+from reward_lens_spec.models import BookSpec, FieldsCatalog, FrameworkSpec, RefusalCatalog
 from reward_lens_spec.paths import specs_dir
 from reward_lens_spec.yamlload import line_for, load_yaml_with_lines
 
@@ -91,3 +91,20 @@ def load_book(book_id: str, root: Path | None = None) -> BookSpec:
 def load_books(root: Path | None = None) -> dict[str, BookSpec]:
     base = root or specs_dir()
     return {p.stem: load_book(p.stem, base) for p in sorted((base / "books").glob("*.yaml"))}
+
+
+@lru_cache(maxsize=None)
+def _framework_cached(root: str, name: str) -> FrameworkSpec:
+    path = Path(root) / "frameworks" / f"{name}.yaml"
+    spec = load_model(path, FrameworkSpec)
+    fields = load_fields(Path(root))
+    for sup in spec.supplies:
+        for f in sup.fields:
+            if f not in fields.fields:
+                raise SpecError(f"{path}:1: supplies unknown field `{f}` (not in fields.yaml)")
+    return spec
+
+
+def load_frameworks(root: Path | None = None) -> dict[str, FrameworkSpec]:
+    base = root or specs_dir()
+    return {p.stem: _framework_cached(str(base), p.stem) for p in sorted((base / "frameworks").glob("*.yaml"))}

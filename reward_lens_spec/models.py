@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -129,3 +129,28 @@ class RefusalCodeSpec(_Strict):
 
 class RefusalCatalog(_Strict):
     codes: dict[str, RefusalCodeSpec]
+
+
+class Condition(_Strict):
+    key: str
+    op: Literal["eq", "ne", "gt", "set"]
+    value: Any = None
+
+
+class Supply(_Strict):
+    fields: list[str]
+    when: Condition | None = None
+    per_window: Literal["all", "last_step"] = "all"
+    why: str
+
+
+class FrameworkSpec(_Strict):
+    """What a framework's training configuration makes the trainer log (specs/frameworks/)."""
+
+    framework: str
+    title: str
+    detect: list[str]
+    defaults: dict[str, Any] = Field(default_factory=dict)
+    window_key: str | None = None
+    supplies: list[Supply]
+    never: dict[str, str] = Field(default_factory=dict)

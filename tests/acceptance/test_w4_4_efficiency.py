@@ -83,9 +83,9 @@ def test_remedy_is_the_shopping_list_for_this_record(monkeypatch):
     remedy = ref.remedy
     # The framework facts, corrected where the seed is wrong: TRL's beta > 0 logs KL to the
     # *reference* model, which is not D_t; veRL has no `actor/kl`.
-    assert "KL to the *reference* model (`kl_to_ref`), not `D_t`" in remedy
+    assert "KL to the reference model (`kl_to_ref`), not `D_t`" in remedy
     assert "veRL has no `actor/kl`" in remedy and "`actor/ppo_kl`" in remedy
-    assert "`beta` is 0.0 on every step of this record" in remedy
+    assert "`beta` is 0.0 on every step of this record, which is why the trainer never computed a KL at all." in remedy
     assert "`kl_spent={step: nats}`" in remedy
     assert "the recorded optimizer is `adamw_torch_fused`" in remedy
     assert "this record has `grad_norm_unclipped` (on 200 of 200 steps) and lacks `kl_to_ref`, `ppo_kl`, " \

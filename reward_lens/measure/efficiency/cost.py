@@ -190,18 +190,16 @@ def _supplied(run: Run | None, kl_spent: Mapping[int, float] | None, n_steps: in
     return sup
 
 
-def _incomplete_context(run: Run | None, missing_pairs: list[tuple[int, int]], total: int, resolution,
-                        kl_spent_given: bool) -> dict[str, Any]:
+def denominator_context(resolution, *, run_label: str, n_missing: int | None, n_total: int | None,
+                        optimizer: str | None, betas: list[float], framework: str | None,
+                        kl_spent_given: bool = False, audit: bool = False) -> dict[str, Any]:
+    """The RECORD_INCOMPLETE context for the denominator, from a resolution: shared by the
+    book (on a record) and the audit (on a logging config, before any run exists)."""
     status = resolution.status("denominator")
-    optimizer = run.manifest.optimizer if run is not None else None
-    betas = sorted(set(run.telemetry_column("beta").values())) if run is not None else []
     return {
-        "run": _short(run.run_id if run is not None else None),
-        "n_missing": len(missing_pairs), "n_total": total,
-        "framework": run.manifest.framework.name if run is not None else None,
-        "optimizer": optimizer,
-        "betas": betas,
-        "kl_spent_given": kl_spent_given,
+        "requirement": "denominator", "audit": audit, "run": run_label,
+        "n_missing": n_missing, "n_total": n_total, "framework": framework, "optimizer": optimizer,
+        "betas": betas, "kl_spent_given": kl_spent_given,
         "alternatives": [{"id": a.id, "describe": a.describe, "missing": list(a.missing), "partial": list(a.partial)}
                          for a in status.alternatives],
         "near_misses": [{"field": nm.spec.field, "present": nm.present, "why": nm.spec.why,
@@ -210,6 +208,29 @@ def _incomplete_context(run: Run | None, missing_pairs: list[tuple[int, int]], t
                          "applies": nm.applies, "only_for": nm.spec.only_for_optimizers}
                         for nm in status.near_misses],
     }
+
+
+def rollouts_context(*, run_label: str, steps_with_rollouts: int | None, steps: int | None,
+                     logging_steps: int | None, framework: str | None, audit: bool = False) -> dict[str, Any]:
+    return {"requirement": "rollouts", "audit": audit, "run": run_label, "steps_with_rollouts": steps_with_rollouts,
+            "steps": steps, "logging_steps": logging_steps, "framework": framework}
+
+
+def rollouts_refusal(run: Run, features: Any, samples: Sequence[Any]) -> Refusal:
+    """RECORD_INCOMPLETE when no two consecutive steps both have rollouts (no ledger at all)."""
+    ctx = rollouts_context(run_label=_short(run.run_id), steps_with_rollouts=len(samples),
+                           steps=int(len(np.union1d(run.steps, np.unique(run.rollout_steps)))),
+                           logging_steps=run.manifest.logging_steps, framework=run.manifest.framework.name)
+    return make_refusal("RECORD_INCOMPLETE", load_book(BOOK_ID), _subject(run.run_id, []), ctx)
+
+
+def _incomplete_context(run: Run | None, missing_pairs: list[tuple[int, int]], total: int, resolution,
+                        kl_spent_given: bool) -> dict[str, Any]:
+    return denominator_context(
+        resolution, run_label=_short(run.run_id if run is not None else None), n_missing=len(missing_pairs),
+        n_total=total, optimizer=run.manifest.optimizer if run is not None else None,
+        betas=sorted(set(run.telemetry_column("beta").values())) if run is not None else [],
+        framework=run.manifest.framework.name if run is not None else None, kl_spent_given=kl_spent_given)
 
 
 def _denominators(ledgers: Sequence[Ledger], run: Run | None, kl_spent: Mapping[int, float] | None,
@@ -311,4 +332,4 @@ def _envelope(row: KlMinRow, lg: Ledger, d_t: float) -> dict[str, Any] | None:
     return None
 
 
-__all__ = ["CostBook", "CostRow", "KlMinRow", "KlMinSeries", "cost_series", "kl_min_series"]
+__all__ = ["CostBook", "CostRow", "KlMinRow", "KlMinSeries", "cost_series", "kl_min_series", "rollouts_refusal"]

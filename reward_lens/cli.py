@@ -1,0 +1,201 @@
+"""The ``reward-lens`` command.
+
+Exit codes (all subcommands):
+  0  every book computed (audit: every --require'd book will compute)
+  1  some book refused, under --fail-on (a normal outcome for an incomplete record)
+  2  bad input: an unreadable record, config or spec; one line on stderr names the file
+     and field (the traceback only with --debug)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+FORMATS = ("md", "html", "json")
+
+
+class Progress:
+    """A one-line progress indicator on stderr, only when stderr is a terminal."""
+
+    def __init__(self, quiet: bool):
+        self.on = not quiet and sys.stderr.isatty()
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        if self.on:
+            sys.stderr.write(f"\r\033[K[{time.monotonic() - self.t0:5.1f}s] {msg}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.on:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+
+
+def _exit_for(refusals, fail_on: str) -> int:
+    if fail_on == "never":
+        return EXIT_OK
+    if fail_on == "violated":
+        return EXIT_REFUSED if any(r.severity == "violated" for r in refusals) else EXIT_OK
+    return EXIT_REFUSED if refusals else EXIT_OK
+
+
+def _record_path(args) -> Path:
+    from reward_lens.examples import example_record
+
+    if args.example:
+        if args.run_dir:
+            raise ValueError("give a RUN_DIR or --example, not both")
+        return example_record(args.example)
+    if not args.run_dir:
+        raise ValueError("give a RUN_DIR (a record directory) or --example NAME")
+    return Path(args.run_dir)
+
+
+def cmd_report(args) -> int:
+    from reward_lens.record.reader import open_run
+    from reward_lens.report import build_report, to_html, to_json, to_markdown
+    from reward_lens.report.output import write_files_atomically
+
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
+    progress = Progress(args.quiet)
+    run = open_run(_record_path(args))
+    progress("building the report")
+    report = build_report(run, progress)
+    progress("rendering")
+    render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html), "json": ("report.json", to_json)}
+    files = {render[f][0]: render[f][1](report) for f in formats}
+    written = write_files_atomically(Path(args.out), files)
+    progress.done()
+    if not args.quiet:
+        for b in report.books:
+            codes = sorted({r.code for r in b.refusals})
+            print(f"{b.function}: {b.status}" + (f" ({', '.join(codes)})" if codes else ""))
+        for p in written:
+            print(f"wrote {p}")
+    return _exit_for(report.refusals, args.fail_on)
+
+
+def cmd_audit(args) -> int:
+    from reward_lens.audit import audit
+
+    result = audit(args.config, framework=args.framework)
+    if args.format == "json":
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(f"audit of {result.source} ({result.framework} {result.kind})")
+        for note in result.notes:
+            print(f"  note: {note}")
+        print()
+        print(f"{'book':<14}{'verdict':<15}still computable")
+        for b in result.books:
+            print(f"{b.function:<14}{b.verdict:<15}{', '.join(b.partial) or ('everything' if not b.refusals else '-')}")
+        for b in result.books:
+            for r in b.refusals:
+                print()
+                print(r.text())
+    required = set(args.require or [])
+    known = {b.book for b in result.books} | {b.function for b in result.books}
+    unknown = required - known
+    if unknown:
+        raise ValueError(f"--require names unknown book(s) {sorted(unknown)}; books: {sorted(known)}")
+    refused = [b for b in result.books if b.refusals and (b.book in required or b.function in required)]
+    return EXIT_REFUSED if refused else EXIT_OK
+
+
+def cmd_publish(args) -> int:
+    from reward_lens.record.reader import open_run
+    from reward_lens.report.site import publish
+
+    progress = Progress(args.quiet)
+    runs = [open_run(p) for p in args.run_dirs]
+    files = publish(runs, Path(args.site), progress)
+    progress.done()
+    if not args.quiet:
+        print(f"wrote {len(files)} files to {args.site} (open {Path(args.site) / 'index.html'})")
+    return EXIT_OK
+
+
+def cmd_import(args) -> int:
+    if args.framework != "trl":
+        raise ValueError(f"no importer for {args.framework!r} yet (importers: trl)")
+    from reward_lens.record.importers.trl import import_trl
+
+    m = import_trl(args.source, args.record_dir, config=args.config, checkpoint=args.checkpoint,
+                   framework_version=args.framework_version, overwrite=args.overwrite)
+    if not args.quiet:
+        print(f"wrote record {args.record_dir} ({m.run_id})")
+        for note in m.notes:
+            print(f"  note: {note}")
+    return EXIT_OK
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reward-lens", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--debug", action="store_true", help="show tracebacks on bad input")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("report", help="write the books of a record as Markdown, HTML and JSON",
+                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    r.add_argument("run_dir", nargs="?", help="a record directory")
+    r.add_argument("--example", metavar="NAME", help="use a bundled reference record (long, short)")
+    r.add_argument("--out", default="reward-lens-report", help="output directory (default: ./reward-lens-report)")
+    r.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
+    r.add_argument("--fail-on", choices=("refused", "violated", "never"), default="refused",
+                   help="exit 1 when any book is refused (default), only on ENVELOPE_VIOLATED, or never")
+    r.add_argument("--quiet", action="store_true", help="no progress, no summary")
+    r.set_defaults(func=cmd_report)
+
+    a = sub.add_parser("audit", help="before training: which books will this logging config support?",
+                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("config", help="TRL GRPOConfig arguments (YAML/JSON), a veRL config, or a record manifest.json")
+    a.add_argument("--framework", help="trl or verl, when it cannot be told from the keys")
+    a.add_argument("--format", choices=("table", "json"), default="table")
+    a.add_argument("--require", action="append", metavar="BOOK", help="exit 1 if this book would refuse")
+    a.set_defaults(func=cmd_audit)
+
+    s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")
+    s.add_argument("run_dirs", nargs="+", help="record directories")
+    s.add_argument("--site", required=True, help="the site directory (replaced atomically)")
+    s.add_argument("--quiet", action="store_true")
+    s.set_defaults(func=cmd_publish)
+
+    i = sub.add_parser("import", help="convert a framework's output directory into a record")
+    i.add_argument("framework", choices=("trl",))
+    i.add_argument("source", help="the framework's output directory")
+    i.add_argument("record_dir", help="where to write the record")
+    i.add_argument("--config", help="the trainer arguments as JSON/YAML (TRL saves them only as a pickle)")
+    i.add_argument("--checkpoint", help="the directory of the policy the run started from")
+    i.add_argument("--framework-version", help="the TRL version the run used")
+    i.add_argument("--overwrite", action="store_true")
+    i.add_argument("--quiet", action="store_true")
+    i.set_defaults(func=cmd_import)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from reward_lens.record.errors import RecordError
+    from reward_lens_spec import SpecError
+
+    try:
+        return args.func(args)
+    except (RecordError, SpecError, ValueError, FileNotFoundError, OSError) as exc:
+        if args.debug:
+            raise
+        msg = " ".join(str(exc).split())
+        print(f"reward-lens: error: {msg}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""The bundled reference records (``reward-lens report --example long``).
+
+In a wheel they ship as ``reward_lens/_examples/grpo_run/<name>``; in a source checkout
+they are the test fixtures, ``tests/fixtures/grpo_run/<name>``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_PKG = Path(__file__).resolve().parent
+
+
+def examples_dir() -> Path:
+    for candidate in (_PKG / "_examples" / "grpo_run", _PKG.parent / "tests" / "fixtures" / "grpo_run"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError("the bundled example records are missing from this installation")
+
+
+def example_names() -> list[str]:
+    return sorted(p.name for p in examples_dir().iterdir() if (p / "manifest.json").is_file())
+
+
+def example_record(name: str) -> Path:
+    path = examples_dir() / name
+    if not (path / "manifest.json").is_file():
+        raise FileNotFoundError(f"no bundled example {name!r}; available: {', '.join(example_names())}")
+    return path

@@ -1,0 +1,135 @@
+"""The report as data: one pydantic model that the Markdown, HTML and JSON views render.
+
+``report.json`` is ``Report.model_dump_json``; its JSON Schema is exported to
+``reports/report.schema.json`` by ``reward-lens publish`` (and checked current by a test).
+Bump ``SCHEMA_VERSION`` on any change a consumer could notice.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1.0"
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class FieldPresence(_M):
+    field: str
+    unit: str
+    steps_present: int
+    steps_total: int
+
+
+class RunSummary(_M):
+    run_id: str
+    framework: str
+    framework_version: str | None
+    model: str
+    n_parameters: int | None
+    optimizer: str | None
+    steps: int
+    first_step: int | None
+    last_step: int | None
+    rollouts: int
+    rollouts_per_step: float | None = Field(description="mean rollouts per step that has rollouts")
+    telemetry_per_step: bool
+    fields: list[FieldPresence]
+    notes: list[str]
+
+
+class RefusalOut(_M):
+    code: str
+    severity: Literal["refused", "violated"]
+    title: str
+    book: str
+    function: str
+    run_id: str | None
+    step_pairs: list[tuple[int, int]]
+    detail: str
+    remedy: str
+    context: dict
+
+
+class FeatureOut(_M):
+    name: str
+    doc: str
+    status: str = Field(description="'priced', or why the feature is excluded from KL_min")
+
+
+class MetricOut(_M):
+    method: str
+    n: int = Field(description="rollouts the estimate pools")
+    damping: float
+    damping_stable: bool
+    reading: str
+
+
+class KlMinOut(_M):
+    step_pair: tuple[int, int]
+    kl_min: float = Field(description="nats per sequence")
+    noise_floor: float = Field(description="nats per sequence: 1/2 tr(G^-1 Sigma_dz)")
+    clears_noise_floor: bool
+    leading_feature: str | None
+    shares: dict[str, float] = Field(description="nats per sequence, by feature; sums to kl_min")
+
+
+class EfficiencyOut(_M):
+    step_pair: tuple[int, int]
+    kl_min: float = Field(description="nats per sequence")
+    kl_spent: float = Field(description="D_t, nats per sequence")
+    efficiency: float = Field(ge=0.0, le=1.0, description="KL_min / D_t, dimensionless")
+    source: str
+    resolved: bool
+
+
+class FeatureMeans(_M):
+    step: int
+    n: int
+    mean: list[float]
+    se: list[float]
+
+
+class SampleRollout(_M):
+    step: int
+    prompt: str
+    completion: str
+    reward: float | None
+    advantage: float | None
+
+
+class CostSection(_M):
+    features: list[FeatureOut]
+    metric: MetricOut
+    kl_min: list[KlMinOut]
+    efficiency: list[EfficiencyOut]
+    feature_means: list[FeatureMeans]
+    summary: dict[str, float | int | None]
+    still_works: str | None = Field(description="what part of the book is readable despite its refusals")
+
+
+class BookOut(_M):
+    id: str
+    title: str
+    series: str
+    section: str
+    function: str
+    status: Literal["computed", "partial", "refused"]
+    refusals: list[RefusalOut]
+    cost: CostSection | None = None
+
+
+class Report(_M):
+    schema_version: str = SCHEMA_VERSION
+    generator: str
+    run: RunSummary
+    books: list[BookOut]
+    samples: list[SampleRollout]
+
+    @property
+    def refusals(self) -> list[RefusalOut]:
+        return [r for b in self.books for r in b.refusals]
