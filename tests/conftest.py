@@ -38,3 +38,33 @@ def refresh_manifest(record: Path) -> None:
     m = RunManifest.model_validate(data)
     data["run_id"] = content_run_id(m)
     (record / "manifest.json").write_text(json.dumps(data, indent=2))
+
+
+def tiny_record(path: Path, completions_by_step: dict[int, list[str]], *, kl_to_previous: dict[int, float] | None = None,
+                optimizer: str = "adamw_torch_fused") -> Path:
+    """A small hand-made record (for escaping, exit-code and browser tests)."""
+    from reward_lens.record import OptimizerTelemetry, Rollout, write_run
+
+    steps = sorted(completions_by_step)
+    tel = [OptimizerTelemetry(step=s, learning_rate=1e-3, grad_norm_unclipped=1.0, beta=0.0,
+                              kl_to_previous=(kl_to_previous or {}).get(s),
+                              kl_to_previous_estimator="test" if kl_to_previous and s in kl_to_previous else None)
+           for s in steps]
+    rol = [Rollout(step=s, group_id=f"{s}:0", prompt=f"prompt <{s}> | x", completion=c, reward=float(i % 3),
+                   advantage=float(i % 3) - 1.0)
+           for s in steps for i, c in enumerate(completions_by_step[s])]
+    write_run(path, framework={"name": "test", "version": "0"}, model={"description": "hand-made"},
+              telemetry=tel, rollouts=rol, optimizer=optimizer)
+    return path
+
+
+def varied_completions(step: int, n: int = 12, seed: int = 0) -> list[str]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed * 1000 + step)
+    alphabet = list("abcdefghijKLMNOP0123 .,!\n")
+    out = []
+    for _ in range(n):
+        k = int(rng.integers(5, 30))
+        out.append("".join(rng.choice(alphabet, size=k)))
+    return out

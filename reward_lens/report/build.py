@@ -34,7 +34,7 @@ from reward_lens_spec import Refusal, load_books, load_fields, load_refusal_code
 from reward_lens_spec.render import render_template
 
 Progress = Callable[[str], None]
-SAMPLES_PER_END = 4
+SAMPLES_PER_END = 6
 
 
 def _summary(run: Run) -> RunSummary:

@@ -1,0 +1,95 @@
+"""Open the report and the site index in headless Chromium, as a person would.
+
+Uses the system Chromium (Debian's `chromium`; `.ci/run` installs it through the README's
+test command) driven by Playwright; Playwright's own browser download is never used.
+Screenshots land in test-artifacts/.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from reward_lens.record import open_run
+from reward_lens.report import build_report, to_html
+from reward_lens.report.site import publish
+from tests.acceptance.test_reports import _hostile_record
+from tests.conftest import LONG, SHORT
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+
+
+def _chromium() -> str:
+    path = os.environ.get("REWARD_LENS_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, ("headless Chromium is needed for this test: `apt-get install chromium` (the README's test "
+                  "command does this), or point REWARD_LENS_CHROMIUM at a Chromium binary")
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=_chromium(), headless=True, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+            "--disable-sync", "--no-first-run", "--disable-quic"])
+        yield b
+        b.close()
+
+
+def _open(browser, path: Path, shot: str):
+    page = browser.new_page(viewport={"width": 1100, "height": 900})
+    errors: list[str] = []
+    requests: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("request", lambda r: requests.append(r.url))
+    page.goto(path.as_uri())
+    page.wait_for_load_state("load")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / shot), full_page=True)
+    return page, errors, requests
+
+
+def test_report_renders_offline_with_plots_and_remedy(browser, tmp_path):
+    out = tmp_path / "report.html"
+    out.write_text(to_html(build_report(open_run(LONG))), encoding="utf-8")
+    page, errors, requests = _open(browser, out, "report-long.png")
+    assert errors == []
+    assert requests == [out.as_uri()]  # no fonts, scripts, styles or images fetched
+    assert page.locator("figure svg").count() == 3  # KL_min, shares, feature means (no eta: refused)
+    box = page.locator("#cost-plot-kl-min svg").bounding_box()
+    assert box and box["width"] > 300 and box["height"] > 80
+    body = page.inner_text("body")
+    assert "RECORD_INCOMPLETE" in body and "Remedy." in body and "Log the per-step KL" in body
+    assert page.locator("#refusal-cost-record_incomplete").count() == 1
+    page.close()
+
+
+def test_injected_script_does_not_run(browser, tmp_path):
+    out = tmp_path / "hostile.html"
+    out.write_text(to_html(build_report(open_run(_hostile_record(tmp_path)))), encoding="utf-8")
+    page, errors, requests = _open(browser, out, "report-hostile.png")
+    assert page.evaluate("window.__pwned") is None
+    assert page.locator("script").count() == 0 and page.locator("img").count() == 0
+    assert "<script>window.__pwned = 1</script>" in page.inner_text("#samples")
+    assert errors == [] and requests == [out.as_uri()]
+    page.close()
+
+
+def test_site_index_links_to_reports(browser, tmp_path):
+    site = tmp_path / "site"
+    publish([open_run(LONG), open_run(SHORT)], site)
+    page, errors, requests = _open(browser, site / "index.html", "site-index.png")
+    assert errors == [] and requests == [(site / "index.html").as_uri()]
+    links = page.locator("#runs a")
+    assert links.count() == 6
+    page.locator("#runs a").first.click()
+    page.wait_for_load_state("load")
+    assert page.url.endswith("/report.html") and "cost book" in page.inner_text("h2")
+    page.close()

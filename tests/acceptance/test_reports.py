@@ -1,0 +1,198 @@
+"""Reports as a person meets them: the files, their determinism, escaping, atomicity, the
+published site in reports/ kept current, and the CLI's exit codes through its entry point."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from reward_lens.record import open_run
+from reward_lens.report import build_report, to_html, to_json, to_markdown
+from reward_lens.report.model import Report
+from reward_lens.report.site import site_files
+from tests.conftest import LONG, SHORT, tiny_record, varied_completions
+
+REPO = Path(__file__).resolve().parents[2]
+SVG = re.compile(r"<svg.*?</svg>", re.S)
+CLI = [str(Path(sys.executable).with_name("reward-lens"))]
+
+
+def _json_close(a, b, path="$"):
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), path
+        for k in a:
+            _json_close(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _json_close(x, y, f"{path}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12), path
+    else:
+        assert a == b, path
+
+
+def test_published_reports_are_current():
+    """reports/ is the published site of the reference records; regenerate it with
+    `reward-lens publish tests/fixtures/grpo_run/long tests/fixtures/grpo_run/short --site reports`."""
+    fresh = site_files([open_run(LONG), open_run(SHORT)])
+    on_disk = {p.relative_to(REPO / "reports").as_posix(): p.read_text(encoding="utf-8")
+               for p in (REPO / "reports").rglob("*") if p.is_file()}
+    assert sorted(on_disk) == sorted(fresh), "reports/ has other files than publish writes: regenerate it"
+    for name, text in fresh.items():
+        if name.endswith(".json"):
+            _json_close(json.loads(on_disk[name]), json.loads(text), name)
+        else:
+            # SVG bytes depend on the matplotlib version; the text around them must match exactly.
+            assert SVG.sub("<svg/>", on_disk[name]) == SVG.sub("<svg/>", text), f"reports/{name} is stale"
+
+
+def test_golden_markdown_of_the_long_record():
+    md = (REPO / "reports" / "runs").glob("long-*/report.md")
+    text = next(md).read_text()
+    assert "| optimizer | adamw\\_torch\\_fused |" in text
+    assert "| steps | 200 (0–199) |" in text and "| rollouts | 1600 (8 per step) |" in text
+    assert "### RECORD_INCOMPLETE: The record lacks an input the book needs" in text
+    assert "199 step pair(s) of run run:" in text and "**Remedy.** Log the per-step KL" in text
+    assert "What still works: `KL_min` and its per-feature Shapley shares need no denominator" in text
+    rows = [l for l in text.splitlines() if re.match(r"^\| \d+→\d+ \|", l)]
+    assert len(rows) == 199 and all(l.count(" | ") == rows[0].count(" | ") for l in rows)
+
+
+def test_report_json_round_trips_and_the_schema_file_is_current():
+    path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
+    report = Report.model_validate_json(path.read_text())
+    assert report.schema_version == "1.0" and report.books[0].status == "partial"
+    assert len(report.books[0].cost.kl_min) == 199 and report.books[0].cost.efficiency == []
+    schema = json.loads((REPO / "reports" / "report.schema.json").read_text())
+    assert schema == json.loads(json.dumps(Report.model_json_schema()))
+
+
+def test_outputs_are_deterministic():
+    run = open_run(SHORT)
+    a, b = build_report(run), build_report(open_run(SHORT))
+    assert to_html(a) == to_html(b) and to_markdown(a) == to_markdown(b) and to_json(a) == to_json(b)
+
+
+HOSTILE = ["<script>window.__pwned = 1</script>", "a | b | c\n| d |", "`code` **bold** [x](javascript:y)",
+           "<img src=x onerror=\"window.__pwned=2\">", "\x00\x1b[31mred\x07", "&amp; &lt;"]
+
+
+def _hostile_record(tmp_path) -> Path:
+    steps = {s: HOSTILE + varied_completions(s) for s in range(4)}
+    return tiny_record(tmp_path / "hostile", steps)
+
+
+def test_record_text_is_escaped(tmp_path):
+    report = build_report(open_run(_hostile_record(tmp_path)))
+    html = to_html(report)
+    assert "<script>" not in html and "&lt;script&gt;window.__pwned = 1&lt;/script&gt;" in html
+    assert "<img src=x" not in html and "\x00" not in html and "\\x00" in html
+    md = to_markdown(report)
+    sample_rows = [l for l in md.split("## Sample rollouts")[1].splitlines() if l.startswith("| 0 |")]
+    assert sample_rows
+    for line in sample_rows:  # every row keeps exactly its five cells
+        assert len(re.findall(r"(?<!\\)\|", line)) == 6, line
+    assert "<script>" not in md and "&lt;script&gt;" in md
+
+
+def test_interrupted_report_leaves_the_previous_one(tmp_path, monkeypatch):
+    rec = _hostile_record(tmp_path)
+    out = tmp_path / "out"
+    from reward_lens import cli
+
+    assert cli.main(["report", str(rec), "--out", str(out), "--quiet", "--fail-on", "never"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    import reward_lens.report.output as output
+
+    real = output.os.replace
+    calls = []
+
+    def flaky(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(src, dst)
+
+    monkeypatch.setattr(output.os, "replace", flaky)
+    with pytest.raises(OSError):
+        output.write_files_atomically(out, {"report.md": "new", "report.html": "new"})
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert after["report.html"] == before["report.html"]  # the interrupted file kept its old content
+    assert not any(n.startswith(".") for n in after)  # no temporary left behind
+
+
+# ---------------------------------------------------------------- the CLI, as installed
+def _cli(*args, cwd=None):
+    return subprocess.run(CLI + list(args), capture_output=True, text=True, cwd=cwd)
+
+
+def test_help_documents_exit_codes():
+    out = _cli("report", "--help")
+    assert out.returncode == 0
+    for line in ("0  every book computed", "1  some book refused", "2  bad input"):
+        assert line in out.stdout
+    assert "--fail-on" in out.stdout
+
+
+def test_exit_codes(tmp_path):
+    # 1: the reference record's cost book is refused (RECORD_INCOMPLETE).
+    r = _cli("report", str(LONG), "--out", str(tmp_path / "a"), "--quiet")
+    assert r.returncode == 1 and r.stdout == "" and r.stderr == ""
+    # ... which --fail-on can gate differently.
+    assert _cli("report", str(LONG), "--out", str(tmp_path / "b"), "--quiet", "--fail-on", "violated").returncode == 0
+    assert _cli("report", str(LONG), "--out", str(tmp_path / "c"), "--quiet", "--fail-on", "never").returncode == 0
+    # 0: a record whose every step pair has a D_t large enough.
+    steps = {s: varied_completions(s, n=40) for s in range(6)}
+    rec = tiny_record(tmp_path / "full", steps, kl_to_previous={s: 50.0 for s in range(6)})
+    r = _cli("report", str(rec), "--out", str(tmp_path / "d"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "cost_series: computed" in r.stdout
+    data = json.loads((tmp_path / "d" / "report.json").read_text())
+    assert len(data["books"][0]["cost"]["efficiency"]) == 5
+    # 1 under --fail-on violated: a D_t far too small for the movement.
+    rec2 = tiny_record(tmp_path / "small", steps, kl_to_previous={s: 1e-9 for s in range(6)})
+    r = _cli("report", str(rec2), "--out", str(tmp_path / "e"), "--quiet", "--fail-on", "violated")
+    assert r.returncode == 1
+
+
+def test_bad_input_is_one_line_and_exit_two(tmp_path):
+    shutil.copytree(LONG, tmp_path / "rec")
+    p = tmp_path / "rec" / "rollouts.parquet"
+    p.write_bytes(p.read_bytes()[:1000])
+    r = _cli("report", str(tmp_path / "rec"), "--out", str(tmp_path / "o"))
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert r.stderr.startswith("reward-lens: error: ") and "rollouts.parquet" in r.stderr and "truncated" in r.stderr
+    assert not (tmp_path / "o").exists()
+    r = _cli("report", str(tmp_path / "nothing-here"))
+    assert r.returncode == 2 and "not a directory" in r.stderr
+    r = _cli("--debug", "report", str(tmp_path / "rec"), "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_example_runs_from_anywhere(tmp_path):
+    r = _cli("report", "--example", "short", "--out", "out", "--fail-on", "never", cwd=tmp_path)
+    assert r.returncode == 0 and (tmp_path / "out" / "report.html").is_file()
+    assert _cli("report", "--example", "nope", cwd=tmp_path).returncode == 2
+
+
+def test_progress_is_silent_when_not_a_terminal(tmp_path):
+    r = _cli("report", str(SHORT), "--out", str(tmp_path / "o"), "--fail-on", "never")
+    assert r.stderr == ""  # stderr is a pipe here: no progress bar
+
+
+def test_publish_site_links_are_relative(tmp_path):
+    r = _cli("publish", str(LONG), str(SHORT), "--site", str(tmp_path / "site"))
+    assert r.returncode == 0
+    index = (tmp_path / "site" / "index.html").read_text()
+    links = re.findall(r'href="([^"]+)"', index)
+    assert links and all(not l.startswith(("/", "http", "file:")) for l in links)
+    for l in links:
+        assert (tmp_path / "site" / l).is_file(), l
