@@ -1,0 +1,56 @@
+"""The wheel carries specs/, templates/ and the example records, and an installed copy
+finds them from outside the repository."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                    str(REPO)], check=True, capture_output=True)
+    (whl,) = out.glob("reward_lens-*.whl")
+    return whl
+
+
+def test_wheel_contains_specs_templates_and_examples(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for required in ("reward_lens_spec/_data/specs/fields.yaml", "reward_lens_spec/_data/specs/books/cost.yaml",
+                     "reward_lens_spec/_data/specs/refusal_codes.yaml", "reward_lens_spec/_data/specs/frameworks/trl.yaml",
+                     "reward_lens_spec/_data/templates/refusals/RECORD_INCOMPLETE/cost.remedy.j2",
+                     "reward_lens_spec/_data/templates/report/report.html.j2",
+                     "reward_lens/_examples/grpo_run/long/manifest.json",
+                     "reward_lens/_examples/grpo_run/long/rollouts.parquet",
+                     "reward_lens/cli.py"):
+        assert required in names, required
+    assert not any(n.startswith("tests/") for n in names)
+
+
+def test_installed_copy_loads_its_specs_outside_the_repo(wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+                   check=True, capture_output=True)
+    code = (
+        "import reward_lens_spec, reward_lens, sys;"
+        "from reward_lens_spec.paths import specs_dir, templates_dir;"
+        "from reward_lens_spec import load_books;"
+        f"assert reward_lens_spec.__file__.startswith({str(target)!r}), reward_lens_spec.__file__;"
+        f"assert str(specs_dir()).startswith({str(target)!r}) and str(templates_dir()).startswith({str(target)!r});"
+        "assert 'cost' in load_books();"
+        "from reward_lens.cli import main;"
+        "sys.exit(main(['report', '--example', 'long', '--out', 'out', '--quiet', '--fail-on', 'violated']))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "RECORD_INCOMPLETE" in (tmp_path / "out" / "report.md").read_text()
