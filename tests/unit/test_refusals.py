@@ -47,11 +47,20 @@ def trigger_limit_exceeded():
     return kl_min_series(ledger_series(samples), metric_g(samples)).refusals
 
 
+def trigger_proxy_refused():
+    from reward_lens.measure.whitebox.fisher import kl_spent_from_empirical_fisher
+
+    rng = np.random.default_rng(1)
+    scores = rng.normal(size=(8, 500))
+    return (kl_spent_from_empirical_fisher(scores, scores.sum(axis=0) * 1e-3, run_id="run:" + "0" * 64, step=0),)
+
+
 FIXTURES = {
     "RECORD_INCOMPLETE": trigger_record_incomplete,
     "UNIT_MISMATCH": trigger_unit_mismatch,
     "ENVELOPE_VIOLATED": trigger_envelope_violated,
     "LIMIT_EXCEEDED": trigger_limit_exceeded,
+    "PROXY_REFUSED": trigger_proxy_refused,
 }
 
 

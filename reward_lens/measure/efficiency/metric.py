@@ -3,9 +3,13 @@
 Rung 1 (``covariance_bound``) estimates G by the pooled within-step covariance C of the
 features. Since G <= C in the Loewner order (the part of a feature's variance a parameter
 move can reach is at most its variance), KL_min computed from C is a *lower* bound on the
-true minimum. Rung 2 (``fisher_kernel``, from per-sequence score vectors) is the whitebox
-extra's and is not in this version; asking for it raises rather than returning rung 1
-under its name.
+true minimum. Rung 2 (``fisher_kernel``) takes per-sequence score vectors S (n x |theta|,
+from ``reward_lens.measure.whitebox.scores``; this module itself needs only numpy) and
+computes G in kernel form, never forming the |theta| x |theta| Fisher:
+
+    G_lambda = (1/n) Zc^T K (K + n lambda I)^-1 Zc,   K = S S^T,
+
+which is J (F + lambda)^-1 J^T with J = (1/n) Zc^T S and F = (1/n) S^T S (push-through).
 
 The rung-2 limit stated where it is defined: with fewer rollouts than parameters (every
 real policy), the undamped kernel plug-in gives G-hat = C-hat exactly and h^2 = 1 for every
@@ -61,6 +65,7 @@ class MetricG:
     active: tuple[str, ...]
     excluded: dict[str, str] = field(default_factory=dict)
     reading: str = ""
+    diagnostics: dict[str, float] = field(default_factory=dict)
 
     @property
     def active_index(self) -> np.ndarray:
@@ -132,7 +137,104 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
                     "bound on the true minimum",
         )
     if method == "fisher_kernel":
-        raise ValueError("metric_g(method='fisher_kernel') needs per-sequence score vectors from the whitebox "
-                         "extra, which this version does not ship; use method='covariance_bound' (a lower bound "
-                         "on KL_min) and read it as such")
+        return fisher_kernel_metric(samples, **kwargs)
     raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+
+
+# ---------------------------------------------------------------------------- rung 2
+# Damping grid: n lambda = rho * tr(K) / n, rho on a log grid; GCV picks rho.
+RHO_GRID = np.logspace(-6, 1, 71)
+# damping_stable needs all three, each stated here with its reason:
+# a 4x change of rho (rho/2 -> 2 rho) moves KL_min by less than a factor 4^0.25 ~ 1.41;
+ELASTICITY_MAX = 0.25
+# the effective degrees of freedom tr K (K + n lambda)^-1 are at most half of n (a fit that
+# uses every sample interpolates: G = C again);
+DF_MAX_FRACTION = 0.5
+# and KL_min exceeds the covariance-bound value by 10 % (else rung 2 says nothing rung 1
+# did not).
+FLOOR_RATIO_MIN = 1.1
+
+
+def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, rho: float | None = None,
+                         delta_z: np.ndarray | None = None) -> MetricG:
+    """Rung 2 for one step: ``samples`` is the single StepSample whose rollouts ``scores``
+    were computed on (row i of S is grad log pi(y_i) at the pre-step policy).
+
+    ``rho`` fixes the damping (n lambda = rho tr(K)/n); by default it is chosen by
+    generalised cross-validation of the kernel ridge regression of z on the scores, from
+    one eigendecomposition of K. ``delta_z`` (the step's movement, same basis) lets the
+    stability check use KL_min itself; without it the check uses the KL_min expected for
+    a movement distributed like the features, 1/2 tr(G^-1 C).
+    """
+    if len(samples) != 1:
+        raise ValueError("fisher_kernel takes the one StepSample its scores were computed on, "
+                         f"not {len(samples)} steps")
+    (sample,) = samples
+    s = np.asarray(scores, dtype=np.float64)
+    n = sample.n
+    if s.ndim != 2 or s.shape[0] != n:
+        raise ValueError(f"scores have shape {s.shape}; they need one row per rollout of step {sample.step} ({n})")
+    if n < 2:
+        raise ValueError(f"step {sample.step} has {n} rollout: a metric needs at least 2")
+    if not np.isfinite(s).all():
+        raise ValueError("scores contain NaN or infinite values; no metric is built from them")
+    names = sample.names
+    zc = sample.z - sample.z.mean(axis=0)
+    c = zc.T @ zc / n
+    active, excluded = _active_set(c, sample.z.mean(axis=0), names)
+    idx = [names.index(a) for a in active]
+    k = s @ s.T
+    evals, evecs = np.linalg.eigh(k)
+    evals = np.clip(evals, 0.0, None)
+    zh = evecs.T @ zc  # features in K's eigenbasis
+    scale = float(np.trace(k)) / n
+    if scale <= 0:
+        raise ValueError("all score vectors are zero: the policy's log-probabilities do not depend on theta here")
+
+    def shrink(r: float) -> np.ndarray:
+        return evals / (evals + r * scale)
+
+    def g_of(r: float) -> np.ndarray:
+        return (zh.T * shrink(r)) @ zh / n
+
+    def gcv(r: float) -> float:
+        f = shrink(r)
+        rss = float((((1 - f) ** 2)[:, None] * zh[:, idx] ** 2).sum())
+        return n * rss / max(float((1 - f).sum()), 1e-300) ** 2
+
+    chosen_by = "caller" if rho is not None else "GCV"
+    if rho is None:
+        rho = float(min(RHO_GRID, key=gcv))
+    c_a = c[np.ix_(idx, idx)]
+
+    def stat(g: np.ndarray) -> float:
+        ga = g[np.ix_(idx, idx)]
+        if delta_z is not None:
+            d = np.asarray(delta_z, dtype=np.float64)[idx]
+            return float(0.5 * d @ np.linalg.solve(ga, d))
+        return float(0.5 * np.trace(np.linalg.solve(ga, c_a)))
+
+    g = g_of(rho)
+    diag = {"rho": rho, "df": float(shrink(rho).sum()), "n": float(n)}
+    if idx:
+        lo, mid, hi, floor = stat(g_of(rho / 2)), stat(g), stat(g_of(rho * 2)), stat(c)
+        diag["elasticity"] = abs(np.log(hi) - np.log(lo)) / np.log(4) if lo > 0 and hi > 0 else float("inf")
+        diag["floor_ratio"] = mid / floor if floor > 0 else float("inf")
+    reasons = []
+    if diag.get("elasticity", float("inf")) >= ELASTICITY_MAX:
+        reasons.append(f"KL_min moves with the damping (elasticity {diag.get('elasticity', float('inf')):.2f} "
+                       f">= {ELASTICITY_MAX})")
+    if diag["df"] > DF_MAX_FRACTION * n:
+        reasons.append(f"effective degrees of freedom {diag['df']:.1f} exceed {DF_MAX_FRACTION:g} n")
+    if diag.get("floor_ratio", 0.0) < FLOOR_RATIO_MIN:
+        reasons.append(f"KL_min is within {FLOOR_RATIO_MIN:g}x of the covariance bound "
+                       f"(ratio {diag.get('floor_ratio', 0.0):.3f})")
+    stable = not reasons
+    h2 = {names[i]: float(g[i, i] / c[i, i]) for i in idx}
+    lam = rho * scale / n
+    reading = (f"Fisher kernel (rung 2), n = {n}, damping lambda = {lam:.3g} (rho = {rho:.3g}, by "
+               f"{chosen_by})")
+    reading += ": stable" if stable else (": damping not stable (" + "; ".join(reasons) + "), so read it as the "
+                                          "covariance bound with a shrinkage applied, not as a measurement of G")
+    return MetricG(matrix=g, names=names, method="fisher_kernel", n=n, damping=lam, damping_stable=stable,
+                   h2=h2, active=active, excluded=excluded, reading=reading, diagnostics=diag)

@@ -6,14 +6,20 @@ adding feature i to S is a Schur complement,
     v(S + i) - v(S) = 1/2 r_i(S)^2 / g_ii(S),
     r_i(S) = dz_i - G_iS G_SS^-1 dz_S,   g_ii(S) = G_ii - G_iS G_SS^-1 G_Si > 0,
 
-so every marginal is >= 0 and the Shapley sum phi_i = sum_S w(|S|) (v(S+i) - v(S)) has no
-cancellation. For each target i the subsets of the other features are enumerated by
-doubling: processing feature b splits every subset T into T and T + b, and T + b's
-conditional residuals and covariance come from T's by one rank-one (Schur) step. After
-k - 1 stages every subset's r_i and g_ii are at hand. Work per target is sum_b 2^b (k-b)^2,
-i.e. O(2^k); memory at stage b is 2^b (k-b)^2 floats per step pair, and step pairs are
-processed in chunks that keep it under ``CHUNK_FLOATS``. All of it is vectorised across
-subsets and step pairs: no linear solve per subset.
+so every marginal is >= 0 and the Shapley sum phi_i = sum_S w(|S|) (v(S+i) - v(S)) adds
+non-negative terms only.
+
+All 2^k subsets are enumerated by doubling over the features in basis order: processing
+feature b splits every subset T of {0..b-1} into T and T + b, and T + b's conditional
+residuals and covariance (of the features not yet processed) come from T's by one rank-one
+Schur step, while v(T + b) = v(T) + 1/2 r_b(T)^2 / g_bb(T) accumulates non-negative terms.
+That step *is* the marginal of b given T, so every term with i above max(S) is read off
+exactly. The others are v(S + i) - v(S) from the accumulated values, whose true value is a
+non-negative Schur term: a negative difference can only be rounding (of order k eps v) and
+is set to zero. Work is sum_b 2^b (k-b)^2 ~ 6 * 2^k per step pair for the sweep plus
+k 2^(k-1) for the sum; memory at stage b is 2^b (k-b)^2 floats per step pair, and step pairs
+are processed in chunks that keep it under ``CHUNK_FLOATS``. Everything is vectorised
+across subsets and step pairs: no linear solve per subset.
 """
 
 from __future__ import annotations
@@ -71,24 +77,31 @@ def _weights(k: int) -> np.ndarray:
 def _shares_chunk(dz: np.ndarray, gg: np.ndarray) -> np.ndarray:
     p, k = dz.shape
     w = _weights(k)
-    out = np.empty((p, k))
-    for i in range(k):
-        order = [j for j in range(k) if j != i] + [i]
-        r = dz[:, order][:, None, :]  # (P, M=1, m)
-        gc = gg[:, order][:, :, order][:, None, :, :]  # (P, 1, m, m)
-        sizes = np.zeros(1, dtype=np.int64)
-        for _ in range(k - 1):
-            g00 = gc[:, :, 0, 0]
+    phi = np.zeros((p, k))
+    r = dz[:, None, :].copy()  # (P, M, m): residuals of the unprocessed features given each subset
+    gc = gg[:, None, :, :].copy()  # (P, M, m, m): their conditional covariance
+    v = np.zeros((p, 1))  # (P, M): v(T); subset index == bit mask
+    sizes = np.zeros(1, dtype=np.int64)
+    for b in range(k):
+        g00 = gc[:, :, 0, 0]
+        marginal = 0.5 * r[:, :, 0] ** 2 / g00  # m(T, b) for every T within {0..b-1}: exact, >= 0
+        phi[:, b] += marginal @ w[sizes]
+        v = np.concatenate([v, v + marginal], axis=1)
+        if b < k - 1:
             col = gc[:, :, 1:, 0]
-            coef = r[:, :, 0] / g00
-            r_in = r[:, :, 1:] - col * coef[..., None]
+            r_in = r[:, :, 1:] - col * (r[:, :, 0] / g00)[..., None]
             gc_in = gc[:, :, 1:, 1:] - col[..., :, None] * (col / g00[..., None])[..., None, :]
             r = np.concatenate([r[:, :, 1:], r_in], axis=1)
             gc = np.concatenate([gc[:, :, 1:, 1:], gc_in], axis=1)
-            sizes = np.concatenate([sizes, sizes + 1])
-        marginal = 0.5 * r[:, :, 0] ** 2 / gc[:, :, 0, 0]  # (P, 2^(k-1)), each >= 0
-        out[:, i] = marginal @ w[sizes]
-    return out
+        sizes = np.concatenate([sizes, sizes + 1])
+    masks = np.arange(2 ** k)
+    for i in range(k):
+        # S without i and with some feature above i: the terms not read off during the sweep.
+        s_masks = masks[((masks >> i) & 1 == 0) & ((masks >> (i + 1)) != 0)]
+        if len(s_masks):
+            diff = np.maximum(v[:, s_masks | (1 << i)] - v[:, s_masks], 0.0)
+            phi[:, i] += diff @ w[sizes[s_masks]]
+    return phi
 
 
 def shapley_shares(delta_z: np.ndarray, g: np.ndarray) -> np.ndarray:

@@ -1,0 +1,126 @@
+"""Report generation on a synthetic large record, against pyarrow reading the same columns.
+
+Generates (not committed) a record of 10,000 steps x 64 rollouts = 640,000 completions in a
+temporary directory, then measures in separate processes, each from a cold interpreter:
+
+* baseline: ``pyarrow.parquet.read_table`` of the columns the report reads
+  (step, completion, reward, advantage) -- the floor for any reader of this record;
+* ``reward-lens report`` (md, html, json) on the same record.
+
+Prints wall seconds and peak resident memory of each, and the ratios. The report streams the
+rollouts by row group, so its peak memory should not grow with the completion text.
+Options: ``--steps N --per-step M`` for other sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def make_record(path: Path, steps: int, per_step: int) -> None:
+    import numpy as np
+    import pyarrow as pa
+
+    from reward_lens.record import OptimizerTelemetry, write_run
+
+    rng = np.random.default_rng(0)
+    n = steps * per_step
+    alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 .,!?\n", dtype=np.uint8)
+    lengths = rng.integers(8, 64, size=n)
+    p_lower = np.repeat(np.linspace(0.3, 0.9, steps), per_step)
+    texts = []
+    for i in range(n):  # synthetic data only: a Python loop is fine in a generator
+        lower = rng.random(lengths[i]) < p_lower[i]
+        chars = np.where(lower, rng.integers(97, 123, lengths[i]), rng.choice(alphabet, lengths[i]))
+        texts.append(bytes(chars.astype(np.uint8)).decode())
+    step = np.repeat(np.arange(steps), per_step)
+    table = pa.table({
+        "step": pa.array(step, pa.int64()),
+        "group_id": pa.array([f"{s}:{j // 8}" for s, j in zip(step, np.tile(np.arange(per_step), steps))]),
+        "prompt": pa.array(["synthetic prompt"] * n),
+        "completion": pa.array(texts),
+        "reward": pa.array(rng.random(n)),
+        "advantage": pa.array(rng.normal(size=n)),
+    })
+    tel = [OptimizerTelemetry(step=s, learning_rate=1e-5, grad_norm_unclipped=1.0) for s in range(steps)]
+    write_run(path, framework={"name": "synthetic"}, model={"description": "bench"}, telemetry=tel, rollouts=table)
+
+
+# VmHWM, the peak RSS of this process image: ru_maxrss would carry over the parent's peak
+# through fork + exec (Linux folds the pre-exec high-water mark into the signal struct).
+HWM_SRC = """
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+"""
+
+BASELINE = """
+import sys, time, json
+HWM
+import pyarrow.parquet as pq
+t = time.perf_counter()
+table = pq.read_table(sys.argv[1] + "/rollouts.parquet", columns=["step", "completion", "reward", "advantage"])
+n = table.num_rows
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "rows": n}))
+"""
+
+REPORT = """
+import sys, time, json
+HWM
+t = time.perf_counter()
+from reward_lens.cli import main
+code = main(["report", sys.argv[1], "--out", sys.argv[2], "--quiet", "--fail-on", "never"])
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "code": code}))
+"""
+
+IMPORTS = """
+import time, json
+HWM
+t = time.perf_counter()
+import reward_lens.cli, reward_lens.report.render, reward_lens.report.build, matplotlib.figure
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm()}))
+"""
+
+
+def measure(code: str, *args: str) -> dict:
+    code = code.replace("HWM\n", HWM_SRC)
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, cwd=REPO)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=10_000)
+    ap.add_argument("--per-step", type=int, default=64)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rec = Path(tmp) / "record"
+        t = time.perf_counter()
+        make_record(rec, a.steps, a.per_step)
+        size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
+        print(f"record: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
+              f"(generated in {time.perf_counter() - t:.0f} s)")
+        base = measure(BASELINE, str(rec))
+        imports = measure(IMPORTS)
+        rep = measure(REPORT, str(rec), str(Path(tmp) / "out"))
+        outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out").iterdir()}
+    print(f"pyarrow read of the same columns: {base['seconds']:.2f} s, peak RSS {base['rss_mib']:.0f} MiB")
+    print(f"reward-lens imports alone:         {imports['seconds']:.2f} s, peak RSS {imports['rss_mib']:.0f} MiB")
+    print(f"reward-lens report (md,html,json): {rep['seconds']:.2f} s, peak RSS {rep['rss_mib']:.0f} MiB")
+    print(f"ratio report / pyarrow read: time {rep['seconds'] / base['seconds']:.1f}x, "
+          f"peak memory {rep['rss_mib'] / base['rss_mib']:.2f}x")
+    print("outputs: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sorted(outs.items())))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Whitebox pieces on their own: the token KL's precision, pair checks, the score matrix,
+the rung-2 kernel metric against its closed forms, and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reward_lens.measure.efficiency import metric_g
+from reward_lens.measure.ledger.price import StepSample
+from reward_lens.measure.whitebox.kl import token_kl
+from reward_lens.measure.whitebox.policy import Sequences, WhiteboxError, check_pair, load_policy
+from reward_lens.measure.whitebox.scores import check_memory, score_matrix
+from reward_lens.record import open_run
+from tests.conftest import LONG
+
+
+def _reference_kl(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a, b = a.astype(np.longdouble), b.astype(np.longdouble)
+    la = a - a.max(-1, keepdims=True)
+    la = la - np.log(np.exp(la).sum(-1, keepdims=True))
+    lb = b - b.max(-1, keepdims=True)
+    lb = lb - np.log(np.exp(lb).sum(-1, keepdims=True))
+    return (np.exp(la) * (la - lb)).sum(-1)
+
+
+def test_token_kl_is_accurate_where_naive_float32_is_not():
+    rng = np.random.default_rng(0)
+    old = rng.normal(scale=3.0, size=(64, 260)).astype(np.float32)
+    new = old + rng.normal(scale=3e-4, size=old.shape).astype(np.float32)  # a tiny step: KL ~ 1e-7
+    ref = _reference_kl(new, old)
+    ours = token_kl(torch.from_numpy(new), torch.from_numpy(old)).numpy()
+    np.testing.assert_allclose(ours, ref.astype(float), rtol=1e-6)
+    lp_new = torch.log_softmax(torch.from_numpy(new), -1)
+    lp_old = torch.log_softmax(torch.from_numpy(old), -1)
+    naive = (lp_new.exp() * (lp_new - lp_old)).sum(-1).numpy()
+    rel = np.abs(naive - ref.astype(float)) / ref.astype(float)
+    assert np.median(rel) > 0.05  # float32 differences of log-softmaxes lose the answer
+    # ... and at a huge step (logits moved by hundreds) the float64 form stays finite.
+    far = token_kl(torch.from_numpy(old * 100), torch.from_numpy(old))
+    assert torch.isfinite(far).all() and (far > 0).all()
+
+
+@pytest.fixture(scope="module")
+def policy():
+    run = open_run(LONG)
+    return load_policy(LONG / run.manifest.checkpoints[0].path)
+
+
+def test_checkpoints_that_do_not_belong_together_are_refused(policy):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model, tok = policy
+    other_cfg = Qwen3Config(**{**model.config.to_dict(), "vocab_size": 300})
+    with pytest.raises(WhiteboxError, match="vocab_size: 260 vs 300"):
+        check_pair(model, Qwen3ForCausalLM(other_cfg))
+    other_run = Qwen3ForCausalLM(Qwen3Config(**{**model.config.to_dict(), "hidden_size": 16}))
+    with pytest.raises(WhiteboxError, match="hidden_size: 8 vs 16"):
+        check_pair(model, other_run)
+    check_pair(model, model)
+
+
+def test_no_pickle_checkpoints(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    torch.save({"w": torch.zeros(1)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(WhiteboxError, match="no .safetensors weights"):
+        load_policy(tmp_path)
+
+
+def test_score_matrix_rows_are_gradients_of_log_probs(policy):
+    model, tok = policy
+    ids = torch.tensor([[65, 66, 67, 68, 69], [65, 66, 70, 71, 72]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]], dtype=torch.bool)
+    s = score_matrix(model, Sequences(ids, mask, 2))
+    assert s.shape == (2, sum(p.numel() for p in model.parameters()))
+    # Finite-difference check of row 0 along a random direction.
+    d = torch.randn(s.shape[1], dtype=torch.float64)
+    d /= d.norm()
+
+    def logp(eps: float) -> float:
+        import copy
+
+        m = copy.deepcopy(model).double()
+        off = 0
+        with torch.no_grad():
+            for p in m.parameters():
+                p += eps * d[off:off + p.numel()].view_as(p)
+                off += p.numel()
+            lp = torch.log_softmax(m(input_ids=ids[:1]).logits[:, :-1], -1).gather(-1, ids[:1, 1:, None])[..., 0]
+        return float((lp * mask[:1, 1:]).sum())
+
+    # eps = 1e-3: parts of the model (RoPE tables) stay float32 even in a float64 copy, so
+    # smaller steps drown in their rounding; at 1e-3 the central difference is good to ~1e-4.
+    fd = (logp(1e-3) - logp(-1e-3)) / 2e-3
+    assert s[0] @ d.numpy() == pytest.approx(fd, rel=2e-3)
+    with pytest.raises(WhiteboxError, match="filtered or reweighted"):
+        score_matrix(model, Sequences(ids, mask, 2), reweighted=True)
+
+
+def test_memory_is_estimated_before_allocating():
+    assert check_memory(8, 2_453_368, max_bytes=1 << 40) == 78_507_776  # the seed's 78 MB
+    with pytest.raises(WhiteboxError, match=r"8 rollouts x 7,000,000,000 parameters x 4 bytes = 224\.0 GB.*sketch"):
+        check_memory(8, 7_000_000_000, max_bytes=64 << 30)
+
+
+def _kernel_case(n=40, p=300, seed=0):
+    rng = np.random.default_rng(seed)
+    s = rng.normal(size=(n, p)) * np.linspace(3, 0.1, p)
+    z = np.column_stack([s[:, :3].sum(1) + rng.normal(size=n), rng.normal(size=n), s[:, 5] - s[:, 7]])
+    return StepSample(0, ("a", "b", "c"), z), s
+
+
+def test_fisher_kernel_equals_the_primal_formula():
+    sample, s = _kernel_case()
+    n = sample.n
+    g = metric_g([sample], method="fisher_kernel", scores=s, rho=0.3)
+    zc = sample.z - sample.z.mean(0)
+    lam = g.damping
+    # Primal: J (F + lambda)^-1 J^T with J = Zc^T S / n and F = S^T S / n (|theta| x |theta|).
+    j = zc.T @ s / n
+    f = s.T @ s / n
+    primal = j @ np.linalg.solve(f + lam * np.eye(s.shape[1]), j.T)
+    np.testing.assert_allclose(g.matrix, primal, rtol=1e-8, atol=1e-12)
+    assert lam == pytest.approx(0.3 * np.trace(s @ s.T) / n / n)
+    c = zc.T @ zc / n
+    assert g.h2 == pytest.approx({k: g.matrix[i, i] / c[i, i] for i, k in enumerate(g.names)})
+
+
+def test_undamped_kernel_gives_the_covariance_exactly():
+    """The seed's warning: with n < |theta| and lambda -> 0, G-hat = C-hat and h2 = 1."""
+    sample, s = _kernel_case()
+    g = metric_g([sample], method="fisher_kernel", scores=s, rho=1e-12)
+    assert all(v == pytest.approx(1.0, abs=1e-6) for v in g.h2.values())
+    assert not g.damping_stable and "covariance bound with a shrinkage" in g.reading
+    assert g.diagnostics["df"] > 0.99 * sample.n
+
+
+def test_kernel_metric_bad_input():
+    sample, s = _kernel_case()
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        metric_g([sample], method="fisher_kernel", scores=np.where(np.arange(s.size).reshape(s.shape) == 3, np.nan, s))
+    with pytest.raises(ValueError, match="one row per rollout"):
+        metric_g([sample], method="fisher_kernel", scores=s[:5])
+    with pytest.raises(ValueError, match="1 rollout"):
+        metric_g([StepSample(0, ("a",), np.ones((1, 1)))], method="fisher_kernel", scores=np.ones((1, 4)))
+    const = StepSample(0, ("a", "k"), np.column_stack([sample.z[:, 0], np.full(sample.n, 7.0)]))
+    g = metric_g([const], method="fisher_kernel", scores=s, rho=0.1)
+    assert g.active == ("a",) and g.excluded["k"].startswith("constant")
