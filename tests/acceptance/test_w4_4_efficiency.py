@@ -88,8 +88,8 @@ def test_remedy_is_the_shopping_list_for_this_record(monkeypatch):
     assert "`beta` is 0.0 on every step of this record, which is why the trainer never computed a KL at all." in remedy
     assert "`kl_spent={step: nats}`" in remedy
     assert "the recorded optimizer is `adamw_torch_fused`" in remedy
-    assert "this record has `grad_norm_unclipped` (on 200 of 200 steps) and lacks `kl_to_ref`, `ppo_kl`, " \
-           "`update_norm`" in remedy
+    assert "this record has `checkpoints` (on 1 of 200 steps), `grad_norm_unclipped` (on 200 of 200 steps) " \
+           "and lacks `kl_to_ref`, `ppo_kl`, `update_norm`" in remedy
     assert "returned by `kl_min_series` on this same record" in remedy
 
 

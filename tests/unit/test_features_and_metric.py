@@ -76,9 +76,9 @@ def test_constant_and_collinear_features_are_named_not_crashed():
     assert "a_plus_b" in rows[0].unpriced_movement and "const" not in rows[0].unpriced_movement
 
 
-def test_metric_g_refuses_rung_two_under_another_name():
+def test_metric_g_never_returns_rung_one_under_rung_two_s_name():
     s = [StepSample(0, ("a",), np.arange(3.0)[:, None])]
-    with pytest.raises(ValueError, match="fisher_kernel.*not ship"):
+    with pytest.raises(ValueError, match="fisher_kernel.*needs scores="):
         metric_g(s, method="fisher_kernel")
     with pytest.raises(ValueError, match="unknown method"):
         metric_g(s, method="magic")

@@ -119,7 +119,8 @@ def test_resolver_on_the_reference_record():
     assert {a.id: a.missing for a in den.alternatives} == {"record_kl": ("kl_to_previous",),
                                                            "caller_kl_spent": ("kl_spent",)}
     present = {nm.spec.field: nm for nm in den.near_misses if nm.present}
-    assert set(present) == {"grad_norm_unclipped"}
+    assert set(present) == {"grad_norm_unclipped", "checkpoints"}
+    assert present["checkpoints"].presence.count == 1  # only the starting checkpoint: no pair
     # It helps only for plain SGD, and this run used AdamW.
     assert present["grad_norm_unclipped"].applies is False
 

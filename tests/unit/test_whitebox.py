@@ -147,3 +147,39 @@ def test_kernel_metric_bad_input():
     const = StepSample(0, ("a", "k"), np.column_stack([sample.z[:, 0], np.full(sample.n, 7.0)]))
     g = metric_g([const], method="fisher_kernel", scores=s, rho=0.1)
     assert g.active == ("a",) and g.excluded["k"].startswith("constant")
+
+
+def test_kl_spent_from_checkpoints_in_a_record(policy, tmp_path):
+    """A record holding the checkpoints of steps 0 and 1 gets D_t from them, and the cost
+    book carries the estimator's name with the number."""
+    import numpy as np
+
+    from reward_lens.measure.efficiency import cost_series
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import ledger_series, steps_from_run
+    from reward_lens.measure.whitebox.experiment import grpo_gradient, rollout_sequences, stepped
+    from reward_lens.measure.whitebox.kl import kl_spent_from_checkpoints
+    from reward_lens.record import write_run
+    from reward_lens.record.reader import Window
+
+    model, tok = policy
+    src = open_run(LONG)
+    step0 = src.read_rollouts(["prompt", "completion", "advantage"], Window(0, 0)).to_pydict()
+    seqs = rollout_sequences(tok, step0["prompt"][0], step0["completion"], 32)
+    post = stepped(model, grpo_gradient(model, seqs, np.array(step0["advantage"])), 10.0)
+    ck1 = tmp_path / "ck1"
+    post.save_pretrained(ck1)
+    tok.save_pretrained(ck1)
+    rollouts = src.read_rollouts(["group_id", "prompt", "completion", "reward", "advantage"], Window(0, 1))
+    write_run(tmp_path / "rec", framework={"name": "trl"}, model={"description": "two checkpoints"},
+              telemetry=[], rollouts=rollouts, trainer_config={"max_completion_length": 32},
+              checkpoints={0: LONG / src.manifest.checkpoints[0].path, 1: ck1})
+    run = open_run(tmp_path / "rec")
+    spent = kl_spent_from_checkpoints(run, n=8)
+    assert set(spent) == {0} and spent[0].n == 8 and spent[0].mean > 0 and spent[0].se > 0
+    samples = steps_from_run(run, SurfaceFeatures())
+    from reward_lens.measure.efficiency import metric_g
+
+    book = cost_series(ledger_series(samples), metric_g(samples), run_=run, kl_spent=spent)
+    labels = [r.kl_spent_source for r in book.rows] + [r.context.get("source") for r in book.refusals]
+    assert labels == ["kl_spent (exact_post_samples)"]

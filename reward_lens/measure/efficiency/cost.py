@@ -244,7 +244,9 @@ def _denominators(ledgers: Sequence[Ledger], run: Run | None, kl_spent: Mapping[
     if kl_spent:
         if kl_spent_unit == "nats_per_sequence":
             for s, v in kl_spent.items():
-                out[int(s)] = (float(v), "caller kl_spent")
+                # A KlEstimate (whitebox) carries its estimator; a bare number is the caller's.
+                est = getattr(v, "estimator", None)
+                out[int(s)] = (float(v), f"kl_spent ({est})" if est else "caller kl_spent")
         elif kl_spent_unit == "nats_per_token":
             # Exact only as total-nats / total-tokens over the same sequences: per sequence it
             # is that mean times the mean completion length. Without token counts, refuse.

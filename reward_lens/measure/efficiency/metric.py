@@ -137,6 +137,9 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
                     "bound on the true minimum",
         )
     if method == "fisher_kernel":
+        if kwargs.get("scores") is None:
+            raise ValueError("metric_g(method='fisher_kernel') needs scores=: the per-sequence score vectors of "
+                             "the step's rollouts (reward_lens.measure.whitebox.scores.score_matrix)")
         return fisher_kernel_metric(samples, **kwargs)
     raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
 
@@ -234,6 +237,9 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
     lam = rho * scale / n
     reading = (f"Fisher kernel (rung 2), n = {n}, damping lambda = {lam:.3g} (rho = {rho:.3g}, by "
                f"{chosen_by})")
+    if chosen_by == "GCV" and rho in (RHO_GRID[0], RHO_GRID[-1]):
+        reading += (f"; GCV's minimum is at the edge of its grid [{RHO_GRID[0]:g}, {RHO_GRID[-1]:g}], "
+                    "so the data did not pin the damping down")
     reading += ": stable" if stable else (": damping not stable (" + "; ".join(reasons) + "), so read it as the "
                                           "covariance bound with a shrinkage applied, not as a measurement of G")
     return MetricG(matrix=g, names=names, method="fisher_kernel", n=n, damping=lam, damping_stable=stable,

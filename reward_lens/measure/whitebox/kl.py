@@ -43,6 +43,9 @@ class KlEstimate:
     per_sequence: tuple[float, ...]
     estimator: str = "exact_post_samples"
 
+    def __float__(self) -> float:
+        return self.mean
+
     @property
     def relative_se(self) -> float:
         return self.se / self.mean if self.mean > 0 else float("inf")
@@ -69,3 +72,40 @@ def kl_between(pre, post, prompt_ids: list[int], *, n: int = 16, max_new_tokens:
     seqs = sample(post, prompt_ids, n, max_new_tokens, eos_token_id, pad_token_id, seed)
     per = sequence_kl(post, pre, seqs)
     return KlEstimate(float(per.mean()), float(per.std(ddof=1) / np.sqrt(n)), n, tuple(per.tolist()))
+
+
+def kl_spent_from_checkpoints(run, *, n: int = 16, max_new_tokens: int | None = None,
+                              seed: int = 0) -> dict[int, KlEstimate]:
+    """D_t for every consecutive pair of checkpoints stored in a record, ``{t: KlEstimate}``
+    (pass it as ``cost_series(..., kl_spent=...)``; the estimator is carried along).
+
+    Sequences are sampled from the post-step checkpoint for the prompts of step t, ``n`` in
+    all, spread evenly over the distinct prompts; the length cap defaults to the record's
+    ``max_completion_length``.
+    """
+    from reward_lens.measure.whitebox.policy import WhiteboxError, load_policy
+    from reward_lens.record.reader import Window
+
+    by_step = {c.step: run.path / c.path for c in run.manifest.checkpoints}
+    cap = max_new_tokens or int(run.manifest.trainer_config.get("max_completion_length") or 256)
+    out: dict[int, KlEstimate] = {}
+    for t in sorted(by_step):
+        if t + 1 not in by_step:
+            continue
+        pre, tok_pre = load_policy(by_step[t])
+        post, tok_post = load_policy(by_step[t + 1])
+        check_pair(pre, post, tok_pre, tok_post)
+        prompts = sorted(set(run.read_rollouts(["prompt"], Window(t, t)).column("prompt").to_pylist()))
+        if not prompts:
+            raise WhiteboxError(f"{run.path}: step {t} has no rollouts, so no prompts to sample D_t on")
+        per: list[float] = []
+        for i, prompt in enumerate(prompts):
+            k = n // len(prompts) + (1 if i < n % len(prompts) else 0)
+            if k == 0:
+                continue
+            ids = tok_pre(prompt, add_special_tokens=False)["input_ids"]
+            seqs = sample(post, ids, k, cap, tok_post.eos_token_id, tok_post.pad_token_id, seed + 1000 * t + i)
+            per.extend(sequence_kl(post, pre, seqs).tolist())
+        arr = np.array(per)
+        out[t] = KlEstimate(float(arr.mean()), float(arr.std(ddof=1) / np.sqrt(len(arr))), len(arr), tuple(per))
+    return out
