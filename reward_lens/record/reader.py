@@ -12,6 +12,7 @@ and row group by row group, and every error names the file, the field and the st
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -59,13 +60,26 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
         size = f.stat().st_size
         if size != entry.bytes:
             raise RecordError(f, f"is {size} bytes but manifest.json records {entry.bytes}: truncated or replaced")
-    for name in (TELEMETRY_FILE, ROLLOUTS_FILE):
-        if name not in manifest.files:
-            raise RecordError(root / MANIFEST_FILE, f"does not list `{name}`", field="files")
+    if TELEMETRY_FILE not in manifest.files:
+        raise RecordError(root / MANIFEST_FILE, f"does not list `{TELEMETRY_FILE}`", field="files")
+    if not rollout_segments(manifest):
+        raise RecordError(root / MANIFEST_FILE, f"does not list `{ROLLOUTS_FILE}` (or rollouts-NNNNN.parquet "
+                          "segments)", field="files")
     run = Run(root, manifest)
     run._validate_telemetry()
     run._validate_rollout_steps()
     return run
+
+
+_SEGMENT = re.compile(r"^rollouts-(\d{5})\.parquet$")
+
+
+def rollout_segments(manifest: RunManifest) -> list[str]:
+    """The rollout files of a record in step order: ``rollouts.parquet`` for a record
+    written at once, or ``rollouts-00001.parquet``, ... for one streamed while training."""
+    if ROLLOUTS_FILE in manifest.files:
+        return [ROLLOUTS_FILE]
+    return sorted(n for n in manifest.files if _SEGMENT.match(n))
 
 
 def _read_manifest(root: Path) -> RunManifest:
@@ -105,7 +119,11 @@ class Run:
         self.manifest = manifest
         self._fields_spec = load_fields()
         self._telemetry_file = self._open_parquet(TELEMETRY_FILE, "telemetry")
-        self._rollouts_file = self._open_parquet(ROLLOUTS_FILE, "rollouts")
+        self._segments = [(name, self._open_parquet(name, "rollouts")) for name in rollout_segments(manifest)]
+        names = self._segments[0][1].schema_arrow.names
+        for name, pf in self._segments[1:]:
+            if pf.schema_arrow.names != names:
+                raise RecordError(root / name, f"has columns {pf.schema_arrow.names}, the first segment {names}")
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, {self.short_id})"
@@ -182,15 +200,15 @@ class Run:
     # ------------------------------------------------------------------ rollouts
     @property
     def n_rollouts(self) -> int:
-        return self._rollouts_file.metadata.num_rows
+        return sum(pf.metadata.num_rows for _, pf in self._segments)
 
     @cached_property
     def rollout_steps(self) -> np.ndarray:
         """The step of every rollout row, in file order (non-decreasing)."""
-        return self._read(self._rollouts_file, ROLLOUTS_FILE, ["step"]).column("step").to_numpy()
+        return np.concatenate([self._read(pf, name, ["step"]).column("step").to_numpy() for name, pf in self._segments])
 
     def _validate_rollout_steps(self) -> None:
-        path = self.path / ROLLOUTS_FILE
+        path = self.path / self._segments[0][0]
         steps = self.rollout_steps
         if len(steps) and steps.min() < 0:
             raise RecordError(path, "negative step", field="step", steps=np.unique(steps[steps < 0]))
@@ -200,40 +218,45 @@ class Run:
                               field="step", steps=steps[back + 1])
 
     def rollout_columns(self) -> list[str]:
-        return list(self._rollouts_file.schema_arrow.names)
+        return list(self._segments[0][1].schema_arrow.names)
 
     def read_rollouts(self, columns: Sequence[str], window: Window | None = None) -> pa.Table:
         """Rollout columns for the steps in ``window``, validated against specs/fields.yaml.
 
         Only row groups whose step statistics overlap the window are read.
         """
-        return pa.concat_tables(list(self.iter_rollouts(columns, window))) if self.n_rollouts else \
-            self._read(self._rollouts_file, ROLLOUTS_FILE, ["step", *columns])
+        parts = list(self.iter_rollouts(columns, window))
+        if parts:
+            return pa.concat_tables(parts)
+        name, pf = self._segments[0]
+        return self._read(pf, name, ["step", *[c for c in columns if c != "step"]]).slice(0, 0)
 
     def iter_rollouts(self, columns: Sequence[str], window: Window | None = None) -> Iterator[pa.Table]:
         """Yield the requested columns (plus ``step``) one row group at a time."""
-        path = self.path / ROLLOUTS_FILE
         cols = ["step", *[c for c in columns if c != "step"]]
         for c in cols:
-            if c not in self._rollouts_file.schema_arrow.names:
-                raise RecordError(path, "the book needs this column and the record does not have it", field=c)
-        meta = self._rollouts_file.metadata
-        step_idx = self._rollouts_file.schema_arrow.get_field_index("step")
-        for rg in range(meta.num_row_groups):
-            stats = meta.row_group(rg).column(step_idx).statistics
-            if window is not None and stats is not None and stats.has_min_max:
-                if stats.max < window.start or stats.min > window.stop:
-                    continue
-            table = self._read(self._rollouts_file, ROLLOUTS_FILE, cols, [rg])
-            if window is not None:
-                s = table.column("step")
-                table = table.filter(pc.and_(pc.greater_equal(s, window.start), pc.less_equal(s, window.stop)))
-            step_np = table.column("step").to_numpy()
-            for c in cols:
-                spec = self._fields_spec.fields.get(f"rollout.{c}")
-                if spec is not None:
-                    _check_values(table.column(c), spec, step_np, path)
-            yield table
+            if c not in self.rollout_columns():
+                raise RecordError(self.path / self._segments[0][0], "the book needs this column and the record "
+                                  "does not have it", field=c)
+        for name, pf in self._segments:
+            path = self.path / name
+            meta = pf.metadata
+            step_idx = pf.schema_arrow.get_field_index("step")
+            for rg in range(meta.num_row_groups):
+                stats = meta.row_group(rg).column(step_idx).statistics
+                if window is not None and stats is not None and stats.has_min_max:
+                    if stats.max < window.start or stats.min > window.stop:
+                        continue
+                table = self._read(pf, name, cols, [rg])
+                if window is not None:
+                    s = table.column("step")
+                    table = table.filter(pc.and_(pc.greater_equal(s, window.start), pc.less_equal(s, window.stop)))
+                step_np = table.column("step").to_numpy()
+                for c in cols:
+                    spec = self._fields_spec.fields.get(f"rollout.{c}")
+                    if spec is not None:
+                        _check_values(table.column(c), spec, step_np, path)
+                yield table
 
     # ------------------------------------------------------------------ presence
     def fields(self) -> dict[str, Presence]:
@@ -249,20 +272,20 @@ class Run:
             if count:
                 out[name] = Presence(int(count), n)
         roll_steps = np.unique(self.rollout_steps)
-        meta = self._rollouts_file.metadata
         for name, spec in self._fields_spec.by_source("rollouts").items():
-            idx = self._rollouts_file.schema_arrow.get_field_index(spec.column)
-            if idx < 0 or not len(roll_steps):
+            if spec.column not in self.rollout_columns() or not len(roll_steps):
                 continue
-            nulls = _null_count(meta, spec.column)
-            if nulls == 0:
+            counts = [_null_count(pf.metadata, spec.column) for _, pf in self._segments]
+            if all(c == 0 for c in counts):
                 out[name] = Presence(len(roll_steps), n)
-            elif nulls is None or nulls < meta.num_rows:
-                col = self._read(self._rollouts_file, ROLLOUTS_FILE, ["step", spec.column])
-                valid = pc.is_valid(col.column(spec.column)).to_numpy(zero_copy_only=False)
-                k = len(np.unique(col.column("step").to_numpy()[valid]))
-                if k:
-                    out[name] = Presence(k, n)
+            elif any(c is None or c < pf.metadata.num_rows for c, (_, pf) in zip(counts, self._segments)):
+                steps_with = set()
+                for seg, pf in self._segments:
+                    col = self._read(pf, seg, ["step", spec.column])
+                    valid = pc.is_valid(col.column(spec.column)).to_numpy(zero_copy_only=False)
+                    steps_with.update(np.unique(col.column("step").to_numpy()[valid]).tolist())
+                if steps_with:
+                    out[name] = Presence(len(steps_with), n)
         if self.manifest.optimizer:
             out["optimizer"] = Presence(n, n)
         if self.manifest.checkpoints:

@@ -36,6 +36,7 @@ class OptimizerTelemetry(BaseModel):
     update_norm: float | None = Field(None, description="l2_norm: ||theta_{t+1} - theta_t||")
     kl_to_previous: float | None = Field(None, description="nats_per_sequence: D_t = KL(pi_{t+1} || pi_t)")
     kl_to_previous_estimator: str | None = Field(None, description="which estimator produced kl_to_previous")
+    kl_to_previous_se: float | None = Field(None, description="nats_per_sequence: standard error of kl_to_previous")
     kl_to_ref: float | None = Field(None, description="nats_per_token: KL to the reference model")
     ppo_kl: float | None = Field(None, description="nats_per_token: in-loop k1 KL(pi_old || pi_theta)")
     beta: float | None = Field(None, description="dimensionless: KL-to-reference coefficient")
@@ -55,6 +56,8 @@ class Rollout(BaseModel):
     reward: float | None = None
     rewards: dict[str, float] | None = None
     advantage: float | None = None
+    logp_pre: float | None = None
+    logp_post: float | None = None
 
 
 class FileEntry(BaseModel):

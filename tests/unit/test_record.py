@@ -223,7 +223,7 @@ def test_window_reads_only_overlapping_row_groups(tmp_path):
     finally:
         writer.ROLLOUT_ROW_GROUP = old
     run = open_run(tmp_path / "r")
-    assert run._rollouts_file.metadata.num_row_groups == 10
+    assert run._segments[0][1].metadata.num_row_groups == 10
     parts = list(run.iter_rollouts(["completion"], Window(4, 5)))
     assert len(parts) == 1 and parts[0].column("step").to_pylist() == [4] * 8 + [5] * 8
 

@@ -1,0 +1,119 @@
+"""Write a record while training runs, so that a run killed mid-way leaves a readable one.
+
+Layout of a streamed record: ``telemetry.parquet`` (rewritten whole at each flush: one row
+per step, small), ``rollouts-00001.parquet``, ``rollouts-00002.parquet``, ... (one segment
+per flush, never rewritten) and ``manifest.json``. Each flush writes its new segment and
+the new telemetry to temporary names, renames them into place, and only then replaces the
+manifest (also by rename). The manifest is the commit point: ``open_run`` reads exactly the
+files it lists, so a crash at any moment leaves the record of the last completed flush.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from reward_lens import __version__
+from reward_lens.record.errors import RecordError
+from reward_lens.record.schema import (
+    MANIFEST_FILE,
+    TELEMETRY_FILE,
+    CheckpointEntry,
+    FileEntry,
+    OptimizerTelemetry,
+    Rollout,
+    RunManifest,
+    arrow_schema,
+    content_run_id,
+)
+from reward_lens.record.writer import _file_entry, _rollouts_table, _telemetry_table
+
+
+def _replace(tmp: Path, dest: Path) -> None:
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, dest)
+
+
+class RecordStream:
+    """Append telemetry rows and rollouts; ``flush()`` makes them durable and readable."""
+
+    def __init__(self, path: str | Path, *, framework: Mapping[str, Any], model: Mapping[str, Any],
+                 optimizer: str | None = None, trainer_config: Mapping[str, Any] | None = None,
+                 notes: list[str] | None = None, overwrite: bool = False):
+        self.path = Path(path)
+        if self.path.exists():
+            if not overwrite:
+                raise RecordError(self.path, "a record already exists here (pass overwrite=True to replace it)")
+            for p in self.path.iterdir():
+                if p.is_file() and (p.name.endswith(".parquet") or p.name == MANIFEST_FILE):
+                    p.unlink()
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._base = dict(framework=dict(framework), model=dict(model), optimizer=optimizer,
+                          trainer_config=dict(trainer_config or {}), created_by=f"reward-lens {__version__}",
+                          notes=list(notes or []))
+        self._telemetry: dict[int, OptimizerTelemetry] = {}
+        self._pending: list[Rollout] = []
+        self._files: dict[str, FileEntry] = {}
+        self._checkpoints: list[CheckpointEntry] = []
+        self._segment = 0
+        self.flushes = 0
+
+    def set_telemetry(self, row: OptimizerTelemetry) -> None:
+        """Add or replace the telemetry of one step (later fields merge into earlier ones)."""
+        old = self._telemetry.get(row.step)
+        if old is not None:
+            row = old.model_copy(update={k: v for k, v in row.model_dump().items() if v is not None})
+        self._telemetry[row.step] = row
+
+    def add_rollouts(self, rows: list[Rollout]) -> None:
+        self._pending.extend(rows)
+
+    def add_note(self, note: str) -> None:
+        if note not in self._base["notes"]:
+            self._base["notes"].append(note)
+
+    def add_checkpoint(self, step: int, directory: Path) -> None:
+        rel = f"checkpoints/step-{step}"
+        entries = {p.relative_to(directory).as_posix(): _file_entry(p) for p in sorted(directory.rglob("*"))
+                   if p.is_file()}
+        self._checkpoints.append(CheckpointEntry(step=step, path=rel, files=entries))
+
+    def flush(self) -> RunManifest:
+        if self._pending:
+            self._segment += 1
+            name = f"rollouts-{self._segment:05d}.parquet"
+            table = _rollouts_table(self._pending)
+            tmp = self.path / f".{name}.tmp"
+            pq.write_table(table, tmp, compression="zstd")
+            _replace(tmp, self.path / name)
+            self._files[name] = _file_entry(self.path / name, table.num_rows)
+            self._pending = []
+        tel = _telemetry_table(self._telemetry.values())
+        tmp = self.path / f".{TELEMETRY_FILE}.tmp"
+        pq.write_table(tel, tmp, compression="zstd")
+        _replace(tmp, self.path / TELEMETRY_FILE)
+        self._files[TELEMETRY_FILE] = _file_entry(self.path / TELEMETRY_FILE, tel.num_rows)
+        if not any(n.startswith("rollouts") for n in self._files):
+            # A record always has a rollouts file; before the first rollouts it is an empty segment.
+            self._segment += 1
+            name = f"rollouts-{self._segment:05d}.parquet"
+            pq.write_table(pa.Table.from_pylist([], schema=arrow_schema("rollouts")), self.path / name)
+            self._files[name] = _file_entry(self.path / name, 0)
+        manifest = RunManifest(**self._base, files=dict(self._files), checkpoints=list(self._checkpoints))
+        manifest = manifest.model_copy(update={"run_id": content_run_id(manifest)})
+        fd, tmp_name = tempfile.mkstemp(prefix=".manifest.", dir=self.path)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(manifest.model_dump_json(indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp_name, 0o644)
+        os.replace(tmp_name, self.path / MANIFEST_FILE)
+        self.flushes += 1
+        return manifest

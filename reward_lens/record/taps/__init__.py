@@ -1,0 +1,1 @@
+"""Taps: write a reward-lens record while a trainer runs."""

@@ -1,0 +1,361 @@
+"""The TRL tap: a reward-lens record written while ``GRPOTrainer`` trains, with D_t.
+
+One line in a GRPO script::
+
+    from reward_lens.record.taps.trl import RewardLensTap
+
+    trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...)
+    RewardLensTap.attach(trainer, "runs/my-run")  # <- the tap
+    trainer.train()
+
+``attach`` adds a ``TrainerCallback`` and wraps three methods *of this trainer instance*
+(no class is patched): ``_generate_and_score_completions`` (to see every rollout as
+generated: exact token ids, per-function rewards, advantages), ``compute_loss`` (to see
+which rollouts each micro-batch used, so the record is right under gradient accumulation
+and TRL's shuffling) and ``_get_grad_norm`` (what ``clip_grad_norm_`` returned).
+
+Per optimizer step t (pi_t -> pi_{t+1}) it records: the learning rate the optimizer used,
+``grad_norm_unclipped`` (the clip function's return value), ``grad_norm`` (the norm of the
+gradient actually applied, measured after clipping), ``max_grad_norm``, ``update_norm``
+(||theta_{t+1} - theta_t||, measured around ``optimizer.step()``), ``beta``, ``kl_to_ref``
+when TRL computes it (per-token mean; recorded only with ``logging_steps=1``, where TRL's
+value is per-step), and ``kl_to_previous`` = D_t in nats per sequence with its standard error
+and the estimator that produced it:
+
+* ``"rollout"`` (default) -- the full-vocabulary token-level KL(pi_{t+1} || pi_t) summed over
+  the completion positions of the step's own rollouts (teacher-forced prefixes from pi_t).
+  Cost: two extra forward passes over the step's rollouts (one per policy), no generation.
+  The prefixes come from pi_t rather than pi_{t+1}; the two expectations differ by a term of
+  third order in the step, so it agrees with the exact estimator for small steps (tested).
+* ``"exact"`` -- sample ``n_exact`` sequences from pi_{t+1} for the step's prompts and sum the
+  token KL to pi_t along them (``reward_lens.measure.whitebox.kl``). Cost: generating
+  ``n_exact`` completions and two forward passes. Off by default.
+* ``"both"`` records the exact one and keeps both in ``tap.estimates`` for comparison.
+
+Per rollout: the exact completion token ids and their count, the total reward and the reward
+of each reward function, the advantage, and log pi_t(y) and log pi_{t+1}(y) (from the
+rollout estimator's forward passes) for the rollouts the step used.
+
+Memory: pi_t is kept as a parameter snapshot from ``on_pre_optimizer_step`` (after
+clipping, before the step) until the step's estimates are done: |theta| floats of the
+parameters' dtype (4 bytes each in float32; 28 GB for a 7B model: use a smaller policy or
+``estimator=None`` there). Logits are computed in chunks of ``chunk`` sequences and reduced
+in float64 at once; no logits are kept.
+
+Crash safety: the record is flushed every ``flush_every`` steps (new rollout segment,
+rewritten telemetry, then the manifest as the commit point); a run killed mid-way leaves a
+readable record of the steps flushed. ``kl_to_ref`` of the last step arrives in TRL's log
+after that step's flush and is written by the next flush.
+
+With ``num_iterations > 1`` (or ``steps_per_generation > gradient_accumulation_steps``)
+rollouts are reused across steps; they are recorded once, under the step whose policy
+sampled them, and the rollout estimator of a later step is marked ``rollout_stale`` (its
+prefixes come from an older policy). Single-process training only: under several processes
+each sees a slice of the batch, and ``attach`` refuses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import TrainerCallback
+
+from reward_lens.record.importers.trl import TRAINER_CONFIG_KEYS
+from reward_lens.record.schema import OptimizerTelemetry, Rollout
+from reward_lens.record.stream import RecordStream
+
+INDEX_KEY = "_reward_lens_index"
+ESTIMATORS = ("rollout", "exact", "both", None)
+
+
+@dataclass
+class _Pending:
+    """A generated rollout waiting for its step's estimates before it is written."""
+
+    step: int
+    group: int
+    prompt: str
+    completion: str
+    prompt_ids: torch.Tensor
+    completion_ids: torch.Tensor
+    reward: float
+    rewards: dict[str, float]
+    advantage: float
+    logp_pre: float | None = None
+    logp_post: float | None = None
+
+
+@dataclass
+class Estimate:
+    mean: float
+    se: float
+    n: int
+    estimator: str
+    per_sequence: list[float] = field(default_factory=list)
+
+
+def _kl_and_logps(logits_new: torch.Tensor, logits_old: torch.Tensor, targets: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sequence: summed full-vocabulary KL(new || old) and the summed log-probabilities of
+    ``targets`` under each, over positions where ``mask``; float64 throughout."""
+    lp_new = torch.log_softmax(logits_new.double(), -1)
+    lp_old = torch.log_softmax(logits_old.double(), -1)
+    kl = (lp_new.exp() * (lp_new - lp_old)).sum(-1)
+    m = mask.double()
+    tok_new = lp_new.gather(-1, targets[..., None])[..., 0]
+    tok_old = lp_old.gather(-1, targets[..., None])[..., 0]
+    return (kl * m).sum(-1).numpy(), (tok_old * m).sum(-1).numpy(), (tok_new * m).sum(-1).numpy()
+
+
+class RewardLensTap(TrainerCallback):
+    def __init__(self, trainer, record_dir: str | Path, *, estimator: str | None = "rollout", n_exact: int = 16,
+                 flush_every: int = 10, chunk: int = 16, save_initial_checkpoint: bool = False,
+                 overwrite: bool = False, seed: int = 0):
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
+        if getattr(trainer.accelerator, "num_processes", 1) != 1:
+            raise ValueError("the reward-lens TRL tap records single-process runs only: with several processes "
+                             "each sees a slice of the generation batch")
+        self.trainer = trainer
+        self.estimator = estimator
+        self.n_exact = n_exact
+        self.flush_every = max(1, int(flush_every))
+        self.chunk = chunk
+        self.save_initial_checkpoint = save_initial_checkpoint
+        self.seed = seed
+        self.estimates: dict[int, dict[str, Estimate]] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._next_index = 0
+        self._used: list[int] = []
+        self._snapshot: dict[str, torch.Tensor] | None = None
+        self._row: dict[str, Any] = {}
+        self._unclipped: float | None = None
+        args = trainer.args
+        cfg = {k: v for k, v in args.to_dict().items() if k in TRAINER_CONFIG_KEYS}
+        import trl
+
+        model = trainer.model
+        n_params = sum(p.numel() for p in model.parameters())
+        notes = [f"recorded by the reward-lens TRL tap (estimator {estimator}, flush every {self.flush_every} steps)"]
+        if args.logging_steps != 1:
+            notes.append(f"logging_steps={args.logging_steps}: TRL's `kl` is a window mean, so kl_to_ref is not "
+                         "recorded")
+        self.stream = RecordStream(record_dir, framework={"name": "trl", "version": trl.__version__},
+                                   model={"description": str(getattr(model.config, "_name_or_path", "") or
+                                                             type(model).__name__),
+                                          "architecture": type(model).__name__, "n_parameters": n_params,
+                                          "vocab_size": getattr(model.config, "vocab_size", None)},
+                                   optimizer=str(getattr(args.optim, "value", args.optim)), trainer_config=cfg,
+                                   notes=notes, overwrite=overwrite)
+
+    # ------------------------------------------------------------------ attaching
+    @classmethod
+    def attach(cls, trainer, record_dir: str | Path, **kwargs) -> RewardLensTap:
+        """Add the tap to ``trainer`` (one line, before ``trainer.train()``)."""
+        tap = cls(trainer, record_dir, **kwargs)
+        gen = trainer._generate_and_score_completions
+        loss = trainer.compute_loss
+        orig_grad_norm = trainer._get_grad_norm
+
+        def generate_and_score(inputs, *a, **kw):
+            out = gen(inputs, *a, **kw)
+            if trainer.model.training:
+                tap._on_generation(out)
+            return out
+
+        def compute_loss(model, inputs, *a, **kw):
+            if INDEX_KEY in inputs:
+                tap._used.extend(inputs[INDEX_KEY].tolist())
+            return loss(model, inputs, *a, **kw)
+
+        def get_grad_norm(model, grad_norm=None):  # noqa: F811 -- transformers passes it by name
+            value = orig_grad_norm(model, grad_norm=grad_norm)
+            tap._unclipped = float(value.item() if hasattr(value, "item") else value)
+            return value
+
+        trainer._generate_and_score_completions = generate_and_score
+        trainer.compute_loss = compute_loss
+        trainer._get_grad_norm = get_grad_norm
+        trainer.add_callback(tap)
+        return tap
+
+    # ------------------------------------------------------------------ generation
+    def _on_generation(self, out: dict[str, Any]) -> None:
+        tr = self.trainer
+        n = out["completion_ids"].shape[0]
+        t = tr.state.global_step
+        names = list(tr.reward_func_names)
+        weights = tr.reward_weights.detach().cpu().numpy().astype(float)
+        rewards = np.array([[list(tr._logs["rewards"][name])[-n:][i] for name in names] for i in range(n)], float)
+        prompts = list(tr._logs["prompt"])[-n:]
+        completions = list(tr._logs["completion"])[-n:]
+        group = max(1, int(tr.num_generations))
+        idx = torch.arange(self._next_index, self._next_index + n)
+        self._next_index += n
+        for i in range(n):
+            pmask = out["prompt_mask"][i].bool().cpu()
+            cmask = out["completion_mask"][i].bool().cpu()
+            self._pending[int(idx[i])] = _Pending(
+                step=t, group=i // group, prompt=str(prompts[i]), completion=str(completions[i]),
+                prompt_ids=out["prompt_ids"][i].cpu()[pmask], completion_ids=out["completion_ids"][i].cpu()[cmask],
+                reward=float(np.nansum(rewards[i] * weights)),
+                rewards={nm: float(v) for nm, v in zip(names, rewards[i]) if not math.isnan(v)},
+                advantage=float(out["advantages"][i]))
+        out[INDEX_KEY] = idx.to(out["completion_ids"].device)
+
+    # ------------------------------------------------------------------ the step
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.save_initial_checkpoint:
+            d = self.stream.path / "checkpoints" / f"step-{state.global_step}"
+            self.trainer.model.save_pretrained(d)
+            if self.trainer.processing_class is not None:
+                self.trainer.processing_class.save_pretrained(d)
+            self.stream.add_checkpoint(state.global_step, d)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        model = self.trainer.model
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        grads = [p.grad for p in params.values() if p.grad is not None]
+        applied = float(torch.sqrt(sum((g.detach().double() ** 2).sum() for g in grads))) if grads else 0.0
+        opt = self.trainer.optimizer
+        self._row = {"step": state.global_step, "learning_rate": float(opt.param_groups[0]["lr"]),
+                     "grad_norm": applied, "grad_norm_unclipped": self._unclipped,
+                     "max_grad_norm": float(args.max_grad_norm) if args.max_grad_norm else None,
+                     "beta": float(self.trainer.beta)}
+        self._snapshot = {n: p.detach().clone() for n, p in params.items()}
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        model = self.trainer.model
+        t = state.global_step
+        snap = self._snapshot
+        with torch.no_grad():
+            sq = sum(((p.detach() - snap[n]) ** 2).sum().double() for n, p in model.named_parameters() if n in snap)
+        self._row["update_norm"] = float(torch.sqrt(sq))
+        used = [i for i in dict.fromkeys(self._used) if i in self._pending]
+        self._used = []
+        if self.estimator is not None and used:
+            was = model.training
+            model.eval()
+            try:
+                est = self._estimate(used, t, snap)
+            finally:
+                model.train(was)
+            self.estimates[t] = est
+            primary = est.get("exact") or est.get("rollout") or est.get("rollout_stale")
+            self._row.update(kl_to_previous=primary.mean, kl_to_previous_se=primary.se,
+                             kl_to_previous_estimator=primary.estimator)
+        self._snapshot = None  # release pi_t
+
+    def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        model = self.trainer.model
+        dev = next(model.parameters()).device
+        kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
+        if params is None:
+            return model(**kwargs).logits.float().cpu()
+        return torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits.float().cpu()
+
+    def _batch(self, items: list[tuple[torch.Tensor, torch.Tensor]], pad: int):
+        """Left-pad prompts, right-pad completions (TRL's layout); return ids, attention mask,
+        the completion-token mask, and the prompt width."""
+        pw = max(len(p) for p, _ in items)
+        cw = max(len(c) for _, c in items)
+        ids = torch.full((len(items), pw + cw), pad, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        comp = torch.zeros((len(items), cw), dtype=torch.bool)
+        for i, (p, c) in enumerate(items):
+            ids[i, pw - len(p):pw] = p
+            ids[i, pw:pw + len(c)] = c
+            att[i, pw - len(p):pw + len(c)] = 1
+            comp[i, :len(c)] = True
+        return ids, att, comp, pw
+
+    @torch.no_grad()
+    def _estimate(self, used: list[int], t: int, snap: dict[str, torch.Tensor]) -> dict[str, Estimate]:
+        tok = self.trainer.processing_class
+        pad = getattr(tok, "pad_token_id", None)
+        pad = 0 if pad is None else pad
+        out: dict[str, Estimate] = {}
+        stale = any(self._pending[i].step != t for i in used)
+        if self.estimator in ("rollout", "both"):
+            per: list[float] = []
+            for a in range(0, len(used), self.chunk):
+                chunk = used[a:a + self.chunk]
+                ids, att, comp, pw = self._batch([(self._pending[i].prompt_ids, self._pending[i].completion_ids)
+                                                  for i in chunk], pad)
+                new = self._forward(None, ids, att)[:, pw - 1:-1]
+                old = self._forward(snap, ids, att)[:, pw - 1:-1]
+                kl, lp_old, lp_new = _kl_and_logps(new, old, ids[:, pw:], comp)
+                per.extend(kl.tolist())
+                for j, i in enumerate(chunk):
+                    if self._pending[i].step == t:
+                        self._pending[i].logp_pre = float(lp_old[j])
+                        self._pending[i].logp_post = float(lp_new[j])
+            name = "rollout_stale" if stale else "rollout"
+            out[name] = Estimate(float(np.mean(per)), float(np.std(per, ddof=1) / math.sqrt(len(per))) if len(per) > 1
+                                 else float("nan"), len(per), name, per)
+        if self.estimator in ("exact", "both"):
+            from reward_lens.measure.whitebox.policy import sample
+
+            prompts = list(dict.fromkeys(tuple(self._pending[i].prompt_ids.tolist()) for i in used))
+            per = []
+            eos = getattr(tok, "eos_token_id", None)
+            cap = int(self.trainer.args.max_completion_length)
+            for k, prompt in enumerate(prompts):
+                m = self.n_exact // len(prompts) + (1 if k < self.n_exact % len(prompts) else 0)
+                if m == 0:
+                    continue
+                seqs = sample(self.trainer.model, list(prompt), m, cap, eos, pad, self.seed + 7919 * t + k)
+                ids, comp_full = seqs.ids, seqs.completion_mask
+                att = torch.ones_like(ids)
+                new = self._forward(None, ids, att)[:, :-1]
+                old = self._forward(snap, ids, att)[:, :-1]
+                kl, _, _ = _kl_and_logps(new, old, ids[:, 1:], comp_full[:, 1:])
+                per.extend(kl.tolist())
+            out["exact"] = Estimate(float(np.mean(per)), float(np.std(per, ddof=1) / math.sqrt(len(per)))
+                                    if len(per) > 1 else float("nan"), len(per), "exact_post_samples", per)
+        return out
+
+    def _reuse(self, args) -> int:
+        """How many optimizer steps use one generation batch."""
+        spg = int(getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps)
+        return max(1, int(getattr(args, "num_iterations", 1))) * max(1, spg // max(1, args.gradient_accumulation_steps))
+
+    def _rows(self, ready: list[int]) -> list[Rollout]:
+        rows = []
+        for i in ready:
+            p = self._pending.pop(i)
+            rows.append(Rollout(step=p.step, group_id=f"{p.step}:{p.group}", prompt=p.prompt, completion=p.completion,
+                                completion_ids=p.completion_ids.tolist(), num_tokens=int(len(p.completion_ids)),
+                                reward=p.reward, rewards=p.rewards, advantage=p.advantage, logp_pre=p.logp_pre,
+                                logp_post=p.logp_post))
+        return rows
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = state.global_step - 1
+        if self._row:
+            row = {k: v for k, v in self._row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+            self.stream.set_telemetry(OptimizerTelemetry(**row))
+            self._row = {}
+        # A generation batch is written once the last step that uses it has ended.
+        reuse = self._reuse(args)
+        ready = sorted(i for i, p in self._pending.items() if p.step + reuse - 1 <= t)
+        if ready:
+            self.stream.add_rollouts(self._rows(ready))
+        if (t + 1) % self.flush_every == 0:
+            self.stream.flush()
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and args.logging_steps == 1 and "kl" in logs and logs["kl"] is not None:
+            t = state.global_step - 1
+            if t in self.stream._telemetry:
+                self.stream.set_telemetry(OptimizerTelemetry(step=t, kl_to_ref=float(logs["kl"])))
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._pending:
+            self.stream.add_rollouts(self._rows(sorted(self._pending)))
+        self.stream.flush()
