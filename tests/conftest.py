@@ -14,6 +14,7 @@ from reward_lens.record.writer import sha256_file
 FIXTURES = Path(__file__).parent / "fixtures" / "grpo_run"
 LONG = FIXTURES / "long"
 SHORT = FIXTURES / "short"
+TAPPED = FIXTURES / "tapped"
 
 
 @pytest.fixture

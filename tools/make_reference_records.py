@@ -71,6 +71,12 @@ RECORDS = {
     "short": dict(seed=777, steps=60, reward="digits", learning_rate=5e-2, prompts=[
         "Count: ", "Numbers follow", "The year was", "Phone:", "Total =", "Room no.",
     ]),
+    # Written by the reward-lens TRL tap while training (not imported): 256 rollouts per step
+    # (32 prompts x 8) and a constant learning rate, so that features move by several
+    # standard errors per step and the cost book can be computed from the record alone.
+    "tapped": dict(seed=4242, steps=30, reward="lowercase", learning_rate=5e-2, batch=256,
+                   lr_scheduler_type="constant", tap=True,
+                   prompts=[f"{w} {i}" for i in range(8) for w in ("Note", "Item", "Line", "Word")]),
 }
 
 
@@ -114,8 +120,10 @@ REWARDS = {"lowercase": lowercase, "digits": digits}
 
 
 def train(workdir: Path, *, seed: int, steps: int, reward: str, prompts: list[str],
-          learning_rate: float = 1e-2, max_completion_length: int = 32, beta: float = 0.0) -> tuple[Path, Path]:
-    """Run TRL GRPO; return (TRL output dir, starting checkpoint dir)."""
+          learning_rate: float = 1e-2, max_completion_length: int = 32, beta: float = 0.0, batch: int = 8,
+          lr_scheduler_type: str = "linear", tap: bool = False, record: Path | None = None) -> tuple[Path, Path]:
+    """Run TRL GRPO; return (TRL output dir, starting checkpoint dir). With ``tap``, the
+    reward-lens TRL tap writes the record at ``record`` while training."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -126,15 +134,20 @@ def train(workdir: Path, *, seed: int, steps: int, reward: str, prompts: list[st
     tokenizer.save_pretrained(initial)
     out = workdir / "trl_output"
     args = GRPOConfig(
-        output_dir=str(out), max_steps=steps, per_device_train_batch_size=8, num_generations=8,
+        output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, num_generations=8,
         max_completion_length=max_completion_length, learning_rate=learning_rate, beta=beta,
         logging_steps=1, log_completions=True, num_completions_to_print=0, bf16=False,
         report_to="none", use_cpu=True, seed=seed, save_strategy="no", disable_tqdm=True,
-        lr_scheduler_type="linear", warmup_steps=0,
+        lr_scheduler_type=lr_scheduler_type, warmup_steps=0,
     )
     dataset = Dataset.from_dict({"prompt": prompts})
     trainer = GRPOTrainer(model=str(initial), reward_funcs=[REWARDS[reward]], args=args,
                           train_dataset=dataset, processing_class=tokenizer)
+    if tap:
+        from reward_lens.record.taps.trl import RewardLensTap
+
+        RewardLensTap.attach(trainer, record, estimator="rollout", flush_every=10, save_initial_checkpoint=True,
+                             overwrite=True)
     trainer.train()
     trainer.save_state()  # trainer_state.json with log_history
     (out / "grpo_config.json").write_text(json.dumps(args.to_dict(), indent=2, default=str))
@@ -149,6 +162,19 @@ def make(name: str, dest: Path, steps: int | None = None) -> None:
     spec = dict(RECORDS[name])
     if steps is not None:
         spec["steps"] = steps
+    if spec.get("tap"):
+        import shutil as _sh
+
+        from reward_lens.record.reader import open_run
+
+        with tempfile.TemporaryDirectory() as tmp:
+            staging = Path(tmp) / "record"
+            train(Path(tmp), record=staging, **spec)
+            if dest.exists():
+                _sh.rmtree(dest)
+            _sh.copytree(staging, dest)
+        print(f"{name}: {dest} {open_run(dest).run_id}")
+        return
     with tempfile.TemporaryDirectory() as tmp:
         out, initial = train(Path(tmp), **spec)
         manifest = import_trl(out, dest, checkpoint=initial, overwrite=True, framework_version=trl.__version__,

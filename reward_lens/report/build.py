@@ -89,7 +89,9 @@ def _cost_section(run: Run, progress: Progress) -> tuple[list[Refusal], CostSect
     if not ledgers:
         return [rollouts_refusal(run, features, samples)], None
     progress("estimating G and KL_min")
-    g = metric_g(samples, method="covariance_bound")
+    # Per-step covariances where every step has enough rollouts (metric_g's "auto" rule),
+    # else the window's pooled covariance; the metric's reading says which.
+    g = metric_g(samples, method="covariance_bound", scope="auto")
     book: CostBook = cost_series(ledgers, g, run_=run)
     series = book.kl_min if book.kl_min.rows or book.kl_min.refusals else kl_min_series(ledgers, g)
     docs = features.docs()

@@ -83,3 +83,27 @@ def test_generator_and_importer_end_to_end(tmp_path):
     assert run.steps.tolist() == [0, 1, 2] and run.n_rollouts == 24
     assert "kl_to_ref" not in run.fields() and "kl_to_previous" not in run.fields()
     assert manifest.optimizer == "adamw_torch_fused"
+
+
+def test_tapped_record_supports_the_cost_book_from_the_record_alone():
+    from collections import Counter
+
+    from reward_lens.measure.efficiency import cost_series, metric_g
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import ledger_series, steps_from_run
+    from tests.conftest import TAPPED
+
+    run = open_run(TAPPED)
+    assert run.manifest.framework.name == "trl" and run.manifest.optimizer == "adamw_torch_fused"
+    assert set(np.unique(run.rollout_steps, return_counts=True)[1]) == {256}
+    est = set(run.telemetry_column("kl_to_previous_estimator").values())
+    assert est == {"rollout"} and len(run.telemetry_column("kl_to_previous")) == 30
+    samples = steps_from_run(run, SurfaceFeatures())
+    g = metric_g(samples, scope="auto")
+    assert g.scope == "per_step"
+    book = cost_series(ledger_series(samples), g, run_=run)
+    codes = Counter(r.code for r in book.refusals)
+    assert "RECORD_INCOMPLETE" not in codes
+    assert len(book.rows) + sum(len(r.subject.step_pairs) for r in book.refusals) == 29
+    assert all(0.0 <= r.efficiency <= 1.0 for r in book.rows)
+    assert sum(r.resolved for r in book.rows) >= 5  # the record was made to resolve movement

@@ -16,7 +16,7 @@ from reward_lens.record import open_run
 from reward_lens.report import build_report, to_html, to_json, to_markdown
 from reward_lens.report.model import Report
 from reward_lens.report.site import site_files
-from tests.conftest import LONG, SHORT, tiny_record, varied_completions
+from tests.conftest import LONG, SHORT, TAPPED, tiny_record, varied_completions
 
 REPO = Path(__file__).resolve().parents[2]
 SVG = re.compile(r"<svg.*?</svg>", re.S)
@@ -40,8 +40,9 @@ def _json_close(a, b, path="$"):
 
 def test_published_reports_are_current():
     """reports/ is the published site of the reference records; regenerate it with
-    `reward-lens publish tests/fixtures/grpo_run/long tests/fixtures/grpo_run/short --site reports`."""
-    fresh = site_files([open_run(LONG), open_run(SHORT)])
+    `reward-lens publish tests/fixtures/grpo_run/long tests/fixtures/grpo_run/short
+    tests/fixtures/grpo_run/tapped --site reports`."""
+    fresh = site_files([open_run(LONG), open_run(SHORT), open_run(TAPPED)])
     on_disk = {p.relative_to(REPO / "reports").as_posix(): p.read_text(encoding="utf-8")
                for p in (REPO / "reports").rglob("*") if p.is_file()}
     assert sorted(on_disk) == sorted(fresh), "reports/ has other files than publish writes: regenerate it"

@@ -91,3 +91,23 @@ def test_pooled_covariance_by_hand():
     # scatter: 2 + 2 = 4 over dof 1 + 2 = 3
     assert g.matrix[0, 0] == pytest.approx(4 / 3, rel=1e-15)
     assert g.n == 5 and g.damping == 0.0 and g.damping_stable and g.h2 == {"a": 1.0}
+
+
+def test_per_step_scope_prices_each_step_with_its_own_covariance():
+    rng = np.random.default_rng(5)
+    names = ("a", "b")
+    # The policy's feature spread shrinks 10x per step: a pooled covariance would be wrong
+    # for every step, the per-step one is right for each.
+    samples = [StepSample(t, names, rng.normal(size=(400, 2)) * 10.0 ** -t + t) for t in range(3)]
+    g = metric_g(samples, scope="per_step")
+    assert g.scope == "per_step" and sorted(g.by_step) == [0, 1, 2]
+    for s in samples:
+        np.testing.assert_allclose(g.for_step(s.step).matrix, np.cov(s.z, rowvar=False), rtol=1e-12)
+    rows = kl_min_series(ledger_series(samples), g)
+    for row, lg in zip(rows, ledger_series(samples)):
+        c = np.cov(samples[lg.step_pair[0]].z, rowvar=False)
+        assert row.kl_min == pytest.approx(0.5 * lg.delta_z @ np.linalg.solve(c, lg.delta_z), rel=1e-10)
+    assert metric_g(samples, scope="auto").scope == "per_step"  # 400 >= 10 per feature x 2
+    assert metric_g([StepSample(t, names, s.z[:8]) for t, s in enumerate(samples)], scope="auto").scope == "pooled"
+    with pytest.raises(ValueError, match="scope must be"):
+        metric_g(samples, scope="window")

@@ -25,11 +25,16 @@ def test_two_commands_exist_and_pin_torch_where_torch_is_installed():
 
 
 def test_measured_table_matches_the_published_reports():
-    for name in ("long", "short"):
+    for name in ("long", "short", "tapped"):
         (path,) = (REPO / "reports" / "runs").glob(f"{name}-*/report.json")
         s = json.loads(path.read_text())["books"][0]["cost"]["summary"]
         row = next(l for l in README.splitlines() if l.startswith(f"| {name} ("))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[3] == str(s["kl_min_rows"]) and cells[4] == str(s["clear_noise_floor"])
         assert cells[5] == f"{s['median_kl_min']:.2f} / {s['median_noise_floor']:.2f}"
-        assert f"for {s['step_pairs']} step pairs" in cells[2]
+        refused = s["refused_pairs"]
+        if s["efficiency_rows"]:
+            assert f"η for {s['efficiency_rows']} step pairs (median {s['median_efficiency']:.3f})" in cells[2]
+            assert f"for {refused}" in cells[2]
+        else:
+            assert f"for {refused} step pairs" in cells[2]

@@ -137,34 +137,42 @@ def _basis_refusal(ledgers: Sequence[Ledger], g: MetricG, run_id: str | None) ->
 
 
 def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
-    idx = g.active_index
-    active = g.active
-    excluded_idx = [g.names.index(n) for n in g.excluded]
-    if not ledgers:
-        return []
-    dz = np.stack([lg.delta_z[idx] for lg in ledgers])
-    gaa = g.matrix[np.ix_(idx, idx)]
-    kl = np.atleast_1d(quad_kl_min(dz, gaa))
-    shares = np.atleast_2d(shapley_shares(dz, gaa))
-    ginv = np.linalg.inv(gaa)
-    rows = []
+    """Rows for every ledger, each priced by the metric of its step (``g.for_step``); pairs
+    that share an active set are computed together (one vectorised Shapley sweep)."""
+    groups: dict[tuple[str, ...], list[tuple[int, Ledger, MetricG]]] = {}
     for p, lg in enumerate(ledgers):
-        sigma = lg.cov_delta[np.ix_(idx, idx)]
-        m = ginv @ sigma
-        floor = 0.5 * float(np.trace(m))
-        sd = math.sqrt(max(0.5 * float(np.trace(m @ m)), 0.0))
-        lead = int(np.argmax(shares[p])) if kl[p] > 0 else None
-        rows.append(KlMinRow(
-            step_pair=lg.step_pair, kl_min=float(kl[p]),
-            shares={a: float(s) for a, s in zip(active, shares[p])},
-            noise_floor=floor, noise_sd=sd, clears_noise_floor=bool(kl[p] > floor + NOISE_Z * sd),
-            leading_feature=active[lead] if lead is not None else None,
-            leading_delta=float(lg.delta_z[idx[lead]]) if lead is not None else None,
-            leading_se=float(lg.se[idx[lead]]) if lead is not None else None,
-            n_pre=lg.n_pre, n_post=lg.n_post,
-            unpriced_movement={g.names[j]: float(lg.delta_z[j]) for j in excluded_idx if lg.delta_z[j] != 0},
-        ))
-    return rows
+        sub = g.for_step(lg.step_pair[0])
+        groups.setdefault(sub.active, []).append((p, lg, sub))
+    rows: list[KlMinRow | None] = [None] * len(ledgers)
+    for active, items in groups.items():
+        idx = items[0][2].active_index
+        if len(idx):
+            dz = np.stack([lg.delta_z[idx] for _, lg, _ in items])
+            gaa = np.stack([sub.matrix[np.ix_(idx, idx)] for _, _, sub in items])
+            kl = np.atleast_1d(quad_kl_min(dz, gaa))
+            shares = np.atleast_2d(shapley_shares(dz, gaa))
+            ginv = np.linalg.inv(gaa)
+        for q, (p, lg, sub) in enumerate(items):
+            excluded_idx = [g.names.index(n) for n in sub.excluded]
+            unpriced = {g.names[j]: float(lg.delta_z[j]) for j in excluded_idx if lg.delta_z[j] != 0}
+            if not len(idx):  # nothing varies at this step: no movement can be priced
+                rows[p] = KlMinRow(lg.step_pair, 0.0, {}, 0.0, 0.0, False, None, None, None, lg.n_pre, lg.n_post,
+                                   unpriced)
+                continue
+            m = ginv[q] @ lg.cov_delta[np.ix_(idx, idx)]
+            floor = 0.5 * float(np.trace(m))
+            sd = math.sqrt(max(0.5 * float(np.trace(m @ m)), 0.0))
+            lead = int(np.argmax(shares[q])) if kl[q] > 0 else None
+            rows[p] = KlMinRow(
+                step_pair=lg.step_pair, kl_min=float(kl[q]),
+                shares={a: float(v) for a, v in zip(active, shares[q])},
+                noise_floor=floor, noise_sd=sd, clears_noise_floor=bool(kl[q] > floor + NOISE_Z * sd),
+                leading_feature=active[lead] if lead is not None else None,
+                leading_delta=float(lg.delta_z[idx[lead]]) if lead is not None else None,
+                leading_se=float(lg.se[idx[lead]]) if lead is not None else None,
+                n_pre=lg.n_pre, n_post=lg.n_post, unpriced_movement=unpriced,
+            )
+    return [r for r in rows if r is not None]
 
 
 def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None = None) -> KlMinSeries:
@@ -172,13 +180,16 @@ def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None =
     refusal = _basis_refusal(ledgers, g, run_id)
     if refusal is not None:
         return KlMinSeries((), (refusal,), g)
-    if len(g.active) > EXACT_MAX_FEATURES:
+    widest = max([len(g.active)] + [len(sub.active) for sub in g.by_step.values()])
+    if widest > EXACT_MAX_FEATURES:
         ref = make_refusal("LIMIT_EXCEEDED", load_book(BOOK_ID), _subject(run_id, [lg.step_pair for lg in ledgers]),
-                           {"what": "exact Shapley shares", "limit": EXACT_MAX_FEATURES, "k": len(g.active),
+                           {"what": "exact Shapley shares", "limit": EXACT_MAX_FEATURES, "k": widest,
                             "run": _short(run_id)})
         return KlMinSeries((), (ref,), g)
-    if not g.active:
-        return KlMinSeries((), (), g)
+    missing = [lg.step_pair for lg in ledgers if g.scope == "per_step" and lg.step_pair[0] not in g.by_step]
+    if missing:
+        raise ValueError(f"the per-step metric has no estimate for the steps of pairs {missing[:5]}: build the "
+                         "metric from the same StepSample list as the ledgers")
     return KlMinSeries(tuple(_rows(ledgers, g)), (), g)
 
 

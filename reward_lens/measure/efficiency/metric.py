@@ -66,6 +66,16 @@ class MetricG:
     excluded: dict[str, str] = field(default_factory=dict)
     reading: str = ""
     diagnostics: dict[str, float] = field(default_factory=dict)
+    scope: str = "pooled"
+    by_step: dict[int, MetricG] = field(default_factory=dict)  # scope "per_step": G_t for each step t
+
+    def for_step(self, t: int) -> MetricG:
+        """The metric that prices the movement of step t (pi_t -> pi_{t+1})."""
+        if self.scope != "per_step":
+            return self
+        if t not in self.by_step:
+            raise KeyError(f"the per-step metric has no estimate at step {t}")
+        return self.by_step[t]
 
     @property
     def active_index(self) -> np.ndarray:
@@ -113,11 +123,25 @@ def _active_set(c: np.ndarray, mean: np.ndarray, names: tuple[str, ...]) -> tupl
     return tuple(names[i] for i in keep), excluded
 
 
+# scope="auto" prices each step with its own covariance when every step has at least this
+# many rollouts per feature (a 9-feature basis: 90 rollouts), else pools the window.
+PER_STEP_MIN_PER_FEATURE = 10
+
+
 def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **kwargs) -> MetricG:
     """Estimate G from per-step samples.
 
-    ``method="covariance_bound"``: G ~ C, the pooled within-step covariance; KL_min from it
+    ``method="covariance_bound"``: G ~ C, the within-step feature covariance; KL_min from it
     is a lower bound. ``damping`` is 0 and ``damping_stable`` True: no damping enters.
+
+    ``scope`` (covariance bound only): ``"pooled"`` (default) pools the within-step
+    covariance over the window, which is what a few rollouts per step allow, and assumes
+    the covariance is stationary over it: where the policy's feature covariance shrinks
+    (a policy collapsing onto the rewarded behaviour), the pooled C can fall below G_t and
+    KL_min can exceed the true minimum; the envelope check then refuses. ``"per_step"``
+    uses C_t, the covariance of pi_t's own rollouts, for the step t -> t+1, where the bound
+    G_t <= C_t holds exactly. ``"auto"`` picks per_step when every step has at least
+    ``PER_STEP_MIN_PER_FEATURE`` rollouts per feature.
     """
     if not samples:
         raise ValueError("metric_g needs at least one StepSample")
@@ -126,15 +150,23 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
         if s.names != names:
             raise ValueError(f"step {s.step} is in basis {s.names}, not {names}")
     if method == "covariance_bound":
+        scope = kwargs.pop("scope", "pooled")
         if kwargs:
-            raise TypeError(f"covariance_bound takes no options, got {sorted(kwargs)}")
+            raise TypeError(f"covariance_bound takes only scope=, got {sorted(kwargs)}")
+        if scope == "auto":
+            enough = min(s.n for s in samples) >= PER_STEP_MIN_PER_FEATURE * len(names)
+            scope = "per_step" if enough else "pooled"
+        if scope == "per_step":
+            return _per_step(samples)
+        if scope != "pooled":
+            raise ValueError(f"scope must be 'pooled', 'per_step' or 'auto', not {scope!r}")
         c, mean, n, _ = pooled_covariance(samples)
         active, excluded = _active_set(c, mean, names)
         return MetricG(
             matrix=c, names=names, method=method, n=n, damping=0.0, damping_stable=True,
             h2={a: 1.0 for a in active}, active=active, excluded=excluded,
-            reading="covariance bound: G is taken as the within-step covariance C >= G, so KL_min is a lower "
-                    "bound on the true minimum",
+            reading="covariance bound, pooled over the window: G is taken as the within-step covariance C >= G, "
+                    "so KL_min is a lower bound on the true minimum while C is stationary over the window",
         )
     if method == "fisher_kernel":
         if kwargs.get("scores") is None:
@@ -142,6 +174,25 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
                              "the step's rollouts (reward_lens.measure.whitebox.scores.score_matrix)")
         return fisher_kernel_metric(samples, **kwargs)
     raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+
+
+def _per_step(samples: Sequence[StepSample]) -> MetricG:
+    names = samples[0].names
+    by_step = {}
+    for s in samples:
+        if s.n < 2:
+            raise ValueError(f"step {s.step} has {s.n} rollout: a per-step covariance needs at least 2")
+        c = np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1))
+        active, excluded = _active_set(c, s.z.mean(axis=0), names)
+        by_step[s.step] = MetricG(matrix=c, names=names, method="covariance_bound", n=s.n, damping=0.0,
+                                  damping_stable=True, h2={a: 1.0 for a in active}, active=active, excluded=excluded,
+                                  reading=f"covariance bound at step {s.step}")
+    c_pool, mean, n, _ = pooled_covariance(samples)
+    active, excluded = _active_set(c_pool, mean, names)
+    return MetricG(matrix=c_pool, names=names, method="covariance_bound", n=n, damping=0.0, damping_stable=True,
+                   h2={a: 1.0 for a in active}, active=active, excluded=excluded, scope="per_step", by_step=by_step,
+                   reading="covariance bound, per step: the step t -> t+1 is priced with C_t, the covariance of "
+                           "pi_t's own rollouts (G_t <= C_t), so KL_min is a lower bound on the true minimum")
 
 
 # ---------------------------------------------------------------------------- rung 2
