@@ -125,12 +125,16 @@ def cmd_publish(args) -> int:
 
 
 def cmd_import(args) -> int:
-    if args.framework != "trl":
-        raise ValueError(f"no importer for {args.framework!r} yet (importers: trl)")
-    from reward_lens.record.importers.trl import import_trl
+    if args.framework == "verl":
+        from reward_lens.record.importers.verl import import_verl
 
-    m = import_trl(args.source, args.record_dir, config=args.config, checkpoint=args.checkpoint,
-                   framework_version=args.framework_version, overwrite=args.overwrite)
+        m = import_verl(args.source, args.record_dir, framework_version=args.framework_version,
+                        overwrite=args.overwrite)
+    else:
+        from reward_lens.record.importers.trl import import_trl
+
+        m = import_trl(args.source, args.record_dir, config=args.config, checkpoint=args.checkpoint,
+                       framework_version=args.framework_version, overwrite=args.overwrite)
     if not args.quiet:
         print(f"wrote record {args.record_dir} ({m.run_id})")
         for note in m.notes:
@@ -170,12 +174,12 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_publish)
 
     i = sub.add_parser("import", help="convert a framework's output directory into a record")
-    i.add_argument("framework", choices=("trl",))
-    i.add_argument("source", help="the framework's output directory")
+    i.add_argument("framework", choices=("trl", "verl"))
+    i.add_argument("source", help="TRL: the output directory; veRL: the metrics log (JSON lines or console)")
     i.add_argument("record_dir", help="where to write the record")
     i.add_argument("--config", help="the trainer arguments as JSON/YAML (TRL saves them only as a pickle)")
     i.add_argument("--checkpoint", help="the directory of the policy the run started from")
-    i.add_argument("--framework-version", help="the TRL version the run used")
+    i.add_argument("--framework-version", help="the framework version the run used")
     i.add_argument("--overwrite", action="store_true")
     i.add_argument("--quiet", action="store_true")
     i.set_defaults(func=cmd_import)

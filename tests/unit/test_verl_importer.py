@@ -1,0 +1,57 @@
+"""veRL metric logs: mapped by meaning; ppo_kl is never D_t."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from reward_lens.record import RecordError, open_run
+from reward_lens.record.importers.verl import import_verl
+from reward_lens.report import build_report
+
+FIX = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
+
+
+def test_jsonl_metrics_map_by_meaning(tmp_path):
+    m = import_verl(FIX / "metrics.jsonl", tmp_path / "rec", framework_version="0.5.0")
+    run = open_run(tmp_path / "rec", m.run_id)
+    assert run.steps.tolist() == [0, 1, 2]  # veRL's global_steps 1, 2, 3
+    assert run.telemetry_column("ppo_kl") == {0: 0.0, 1: 0.00031, 2: -0.00004}
+    assert run.telemetry_column("kl_to_previous") == {}  # ppo_kl is not D_t
+    assert run.telemetry_column("kl_to_ref") == {0: 0.0012, 1: 0.0019, 2: 0.0023}
+    assert run.telemetry_column("grad_norm_unclipped")[2] == 1.31 and run.telemetry_column("grad_norm") == {}
+    assert run.telemetry_column("learning_rate") == {0: 1e-06, 1: 1e-06, 2: 1e-06}
+    assert run.n_rollouts == 0 and "no rollouts" in m.notes[0]
+
+
+def test_console_lines_with_their_precision_said(tmp_path):
+    m = import_verl(FIX / "console.log", tmp_path / "rec")
+    run = open_run(tmp_path / "rec")
+    assert run.steps.tolist() == [0, 1, 2] and run.telemetry_column("grad_norm_unclipped")[2] == 1.31
+    assert any("three decimals" in n for n in m.notes)
+
+
+def test_the_report_refuses_for_lack_of_rollouts_and_names_ppo_kl(tmp_path):
+    import_verl(FIX / "metrics.jsonl", tmp_path / "rec")
+    report = build_report(open_run(tmp_path / "rec"))
+    (book,) = report.books
+    assert book.status == "refused"
+    assert [r.context["requirement"] for r in book.refusals] == ["rollouts"]
+
+
+def test_bad_lines_are_named(tmp_path):
+    bad = tmp_path / "m.jsonl"
+    bad.write_text('{"step": 1, "actor/ppo_kl": 0.1}\n{"step": 2, "actor/ppo_kl": "lots"}\n')
+    with pytest.raises(RecordError, match=r"m\.jsonl:2: field `actor/ppo_kl` at step 1: `actor/ppo_kl` is 'lots'"):
+        import_verl(bad, tmp_path / "rec")
+    bad.write_text('{"step": 1}\n{"step": 1}\n')
+    with pytest.raises(RecordError, match=r"m\.jsonl:2 at step 0: a second metrics line for this step"):
+        import_verl(bad, tmp_path / "rec")
+    bad.write_text('{"step": 1,\n')
+    with pytest.raises(RecordError, match=r"m\.jsonl:1: not valid JSON"):
+        import_verl(bad, tmp_path / "rec")
+    bad.write_text("hello\n")
+    with pytest.raises(RecordError, match="no veRL metric lines found"):
+        import_verl(bad, tmp_path / "rec")
+    assert not (tmp_path / "rec").exists()
