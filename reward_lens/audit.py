@@ -100,10 +100,7 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any]) -> tuple[dict[str, Presenc
         if sup.when is not None and not _holds(sup.when, cfg, d):
             continue
         for f in sup.fields:
-            if f in ("optimizer", "beta", "max_grad_norm"):
-                supplied[f] = Presence(steps, steps)  # config values hold on every step
-            else:
-                supplied[f] = Presence(logged, steps)
+            supplied[f] = Presence(steps, steps) if sup.per_window == "config" else Presence(logged, steps)
     for f, why in sorted(spec.never.items()):
         notes.append(f"`{f}` will be absent: {why}")
     return supplied, notes, window

@@ -140,7 +140,9 @@ class Condition(_Strict):
 class Supply(_Strict):
     fields: list[str]
     when: Condition | None = None
-    per_window: Literal["all", "last_step"] = "all"
+    # "all": logged at each logging step; "last_step": only the window's last step's data;
+    # "config": a configuration value, in force on every step whatever the window.
+    per_window: Literal["all", "last_step", "config"] = "all"
     why: str
 
 
@@ -152,5 +154,6 @@ class FrameworkSpec(_Strict):
     detect: list[str]
     defaults: dict[str, Any] = Field(default_factory=dict)
     window_key: str | None = None
+    record_config: list[str] = Field(default_factory=list)
     supplies: list[Supply]
     never: dict[str, str] = Field(default_factory=dict)

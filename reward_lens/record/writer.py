@@ -82,6 +82,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def swap_into_place(tmp: Path, dest: Path) -> None:
+    """Put the finished directory ``tmp`` at ``dest`` by renames; an existing ``dest`` is
+    moved aside first and removed only after the new one is in place."""
+    if dest.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+        os.rename(dest, old / dest.name)
+        os.rename(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dest)
+    _fsync_dir(dest.parent)
+
+
 def write_run(
     path: str | Path,
     *,
@@ -140,14 +153,7 @@ def write_run(
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
         _fsync_dir(tmp)
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.rename(dest, old / "r")
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dest)
-        _fsync_dir(dest.parent)
+        swap_into_place(tmp, dest)
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

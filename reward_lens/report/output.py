@@ -9,6 +9,8 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from reward_lens.record.writer import swap_into_place
+
 
 def write_files_atomically(out_dir: Path, files: Mapping[str, str]) -> list[Path]:
     """Write ``{relative name: text}`` under ``out_dir``; each file appears whole or not at all."""
@@ -41,13 +43,7 @@ def replace_dir_atomically(dest: Path, files: Mapping[str, str]) -> None:
     try:
         write_files_atomically(tmp, files)
         os.chmod(tmp, 0o755)
-        if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.rename(dest, old / "site")
-            os.rename(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dest)
+        swap_into_place(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -40,17 +40,17 @@ import yaml
 from reward_lens.record.errors import RecordError
 from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
-from reward_lens_spec import load_fields
+from reward_lens_spec import load_fields, load_frameworks
 
 # torch.nn.utils.clip_grad_norm_ scales by max_norm / (total_norm + 1e-6), clamped at 1.
 _CLIP_EPS = 1e-6
 _COMPLETION_BASE = ("step", "prompt", "completion", "advantage")
-# The GRPOConfig arguments a record keeps (the ones books and audits read).
-TRAINER_CONFIG_KEYS = ("optim", "learning_rate", "lr_scheduler_type", "warmup_steps", "warmup_ratio", "max_grad_norm",
-                       "beta", "num_generations", "num_iterations", "seed", "per_device_train_batch_size",
-                       "gradient_accumulation_steps", "steps_per_generation", "max_completion_length", "temperature",
-                       "loss_type", "epsilon", "scale_rewards", "logging_steps", "log_completions", "max_steps",
-                       "reward_weights", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon")
+
+
+def record_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The GRPOConfig arguments a record keeps (``record_config`` in specs/frameworks/trl.yaml)."""
+    keys = load_frameworks()["trl"].record_config
+    return {k: cfg[k] for k in keys if k in cfg}
 
 
 def load_trainer_config(path: Path) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def import_trl(
     model = {"description": model_description or str(cfg.get("model_name_or_path") or "unknown policy")}
     if checkpoint is not None:
         model.update(_checkpoint_model_info(Path(checkpoint)))
-    trainer_config = {k: cfg[k] for k in TRAINER_CONFIG_KEYS if k in cfg}
+    trainer_config = record_config(cfg)
     return write_run(record_dir, framework=framework, model=model, telemetry=telemetry, rollouts=rollouts,
                      optimizer=str(optimizer) if optimizer else None, trainer_config=trainer_config,
                      telemetry_per_step=per_step, logging_steps=logging_steps, notes=notes,

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from reward_lens.record.importers.trl import TRAINER_CONFIG_KEYS
+from reward_lens.record.importers.trl import record_config
 from reward_lens.record.schema import OptimizerTelemetry, Rollout
 from reward_lens.record.stream import RecordStream
 
@@ -136,7 +136,7 @@ class RewardLensTap(TrainerCallback):
         self._row: dict[str, Any] = {}
         self._unclipped: float | None = None
         args = trainer.args
-        cfg = {k: v for k, v in args.to_dict().items() if k in TRAINER_CONFIG_KEYS}
+        cfg = record_config(args.to_dict())
         import trl
 
         model = trainer.model
