@@ -147,7 +147,8 @@ def train(workdir: Path, *, seed: int, steps: int, reward: str, prompts: list[st
         from reward_lens.record.taps.trl import RewardLensTap
 
         RewardLensTap.attach(trainer, record, estimator="rollout", flush_every=10, save_initial_checkpoint=True,
-                             overwrite=True)
+                             overwrite=True, model_description=f"tiny Qwen3 (hidden 8, 2 layers, 260-token byte "
+                                                               f"vocabulary), random init, torch seed {seed}")
     trainer.train()
     trainer.save_state()  # trainer_state.json with log_history
     (out / "grpo_config.json").write_text(json.dumps(args.to_dict(), indent=2, default=str))

@@ -124,7 +124,7 @@ def _cost_section(run: Run, progress: Progress) -> tuple[list[Refusal], CostSect
             "top_share": (totals[top] / sum(totals.values())) if top else None})
     section = CostSection(
         features=feats,
-        metric=MetricOut(method=g.method, n=g.n, damping=g.damping, damping_stable=g.damping_stable,
+        metric=MetricOut(method=g.method, scope=g.scope, n=g.n, damping=g.damping, damping_stable=g.damping_stable,
                          reading=g.reading),
         kl_min=kl_rows, efficiency=eff, feature_means=means, summary=summary, still_works=still,
     )

@@ -63,7 +63,8 @@ class FeatureOut(_M):
 
 class MetricOut(_M):
     method: str
-    n: int = Field(description="rollouts the estimate pools")
+    scope: str = Field(description="'pooled' over the window, or 'per_step' (each step its own estimate)")
+    n: int = Field(description="rollouts the estimate uses, over all steps")
     damping: float
     damping_stable: bool
     reading: str

@@ -197,3 +197,23 @@ def test_publish_site_links_are_relative(tmp_path):
     assert links and all(not l.startswith(("/", "http", "file:")) for l in links)
     for l in links:
         assert (tmp_path / "site" / l).is_file(), l
+
+
+def test_progress_shows_on_a_terminal_and_not_under_quiet(monkeypatch, tmp_path):
+    import io
+
+    from reward_lens import cli
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    for quiet, expect in ((False, True), (True, False)):
+        err = Tty()
+        monkeypatch.setattr(sys, "stderr", err)
+        args = ["report", str(SHORT), "--out", str(tmp_path / f"o{quiet}"), "--fail-on", "never"]
+        assert cli.main(args + (["--quiet"] if quiet else [])) == 0
+        text = err.getvalue()
+        assert ("reading rollouts and computing features" in text) is expect
+        if expect:
+            assert text.endswith("\r\033[K")  # the line is cleared when done

@@ -115,7 +115,7 @@ def _kl_and_logps(logits_new: torch.Tensor, logits_old: torch.Tensor, targets: t
 class RewardLensTap(TrainerCallback):
     def __init__(self, trainer, record_dir: str | Path, *, estimator: str | None = "rollout", n_exact: int = 16,
                  flush_every: int = 10, chunk: int = 16, save_initial_checkpoint: bool = False,
-                 overwrite: bool = False, seed: int = 0):
+                 overwrite: bool = False, seed: int = 0, model_description: str | None = None):
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
         if getattr(trainer.accelerator, "num_processes", 1) != 1:
@@ -146,8 +146,8 @@ class RewardLensTap(TrainerCallback):
             notes.append(f"logging_steps={args.logging_steps}: TRL's `kl` is a window mean, so kl_to_ref is not "
                          "recorded")
         self.stream = RecordStream(record_dir, framework={"name": "trl", "version": trl.__version__},
-                                   model={"description": str(getattr(model.config, "_name_or_path", "") or
-                                                             type(model).__name__),
+                                   model={"description": model_description or str(
+                                       getattr(model.config, "_name_or_path", "") or type(model).__name__),
                                           "architecture": type(model).__name__, "n_parameters": n_params,
                                           "vocab_size": getattr(model.config, "vocab_size", None)},
                                    optimizer=str(getattr(args.optim, "value", args.optim)), trainer_config=cfg,
