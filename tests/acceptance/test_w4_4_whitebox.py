@@ -71,3 +71,20 @@ def test_empirical_fisher_factors(results):
     assert small.fisher_own_ratio > 2 * small.fisher_fresh_ratio
     # Outside the quadratic regime, far worse.
     assert large.fisher_own_ratio > 100
+
+
+@pytest.mark.whitebox
+def test_readme_table_is_what_this_experiment_measures(results):
+    """README's "When the denominator exists" rows are this run's numbers (2 % tolerance)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for size, r in results.items():
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {size:g} | "))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        d_t = float(cells[2].split("±")[0])
+        assert d_t == pytest.approx(r.d_t, rel=0.02)
+        assert float(cells[4].split("(")[0]) == pytest.approx(r.kl_min_rung1, rel=0.02)
+        fresh, own = (float(x) for x in cells[8].split("/"))
+        assert fresh == pytest.approx(r.fisher_fresh_ratio, rel=0.02) and own == pytest.approx(r.fisher_own_ratio,
+                                                                                               rel=0.02)

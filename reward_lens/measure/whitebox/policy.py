@@ -63,6 +63,13 @@ class Sequences:
         return self.ids.shape[0]
 
 
+def _cache_kw(model) -> str:
+    """transformers 5 names the KV cache ``cache``; 4.x named it ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_id: int | None,
            pad_token_id: int, seed: int) -> Sequences:
@@ -72,8 +79,9 @@ def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_
     ids = torch.tensor([prompt_ids] * n, dtype=torch.long)
     done = torch.zeros(n, dtype=torch.bool)
     mask = torch.zeros((n, len(prompt_ids)), dtype=torch.bool)
+    kw = _cache_kw(model)
     out = model(input_ids=ids, use_cache=True)
-    past = out.past_key_values
+    past = getattr(out, kw)
     logits = out.logits[:, -1, :]
     for _ in range(max_new_tokens):
         probs = torch.softmax(logits.double(), dim=-1)
@@ -85,7 +93,7 @@ def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_
             done = done | (nxt == eos_token_id)
         if bool(done.all()):
             break
-        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=nxt[:, None], use_cache=True, **{kw: past})
+        past = getattr(out, kw)
         logits = out.logits[:, -1, :]
     return Sequences(ids, mask, len(prompt_ids))
