@@ -7,9 +7,10 @@ temporary directory, then measures in separate processes, each from a cold inter
   (step, completion, reward, advantage) -- the floor for any reader of this record;
 * ``reward-lens report`` (md, html, json) on the same record.
 
-Prints wall seconds and peak resident memory of each, and the ratios. The report streams the
-rollouts by row group, so its peak memory should not grow with the completion text.
-Options: ``--steps N --per-step M`` for other sizes.
+Prints wall seconds and peak resident memory of each, and the ratios, for completions of
+two lengths (``--text-scales 1,4``: 8-63 characters, then four times that). The report
+streams the rollouts by row group, so its peak memory should grow far less with the text
+than the baseline's, which holds every completion. Options: ``--steps N --per-step M``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def make_record(path: Path, steps: int, per_step: int) -> None:
+def make_record(path: Path, steps: int, per_step: int, scale: int = 1) -> None:
     import numpy as np
     import pyarrow as pa
 
@@ -35,7 +36,7 @@ def make_record(path: Path, steps: int, per_step: int) -> None:
     rng = np.random.default_rng(0)
     n = steps * per_step
     alphabet = np.frombuffer(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJ0123456789 .,!?\n", dtype=np.uint8)
-    lengths = rng.integers(8, 64, size=n)
+    lengths = rng.integers(8, 64, size=n) * scale
     p_lower = np.repeat(np.linspace(0.3, 0.9, steps), per_step)
     texts = []
     for i in range(n):  # synthetic data only: a Python loop is fine in a generator
@@ -102,24 +103,26 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--per-step", type=int, default=64)
+    ap.add_argument("--text-scales", default="1,4")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        rec = Path(tmp) / "record"
-        t = time.perf_counter()
-        make_record(rec, a.steps, a.per_step)
-        size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
-        print(f"record: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
+    imports = measure(IMPORTS)
+    print(f"reward-lens imports alone: {imports['seconds']:.2f} s, peak RSS {imports['rss_mib']:.0f} MiB")
+    for scale in [int(x) for x in a.text_scales.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            rec = Path(tmp) / "record"
+            t = time.perf_counter()
+            make_record(rec, a.steps, a.per_step, scale)
+            size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
+            base = measure(BASELINE, str(rec))
+            rep = measure(REPORT, str(rec), str(Path(tmp) / "out"))
+            outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out").iterdir()}
+        print(f"\ntext x{scale}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
               f"(generated in {time.perf_counter() - t:.0f} s)")
-        base = measure(BASELINE, str(rec))
-        imports = measure(IMPORTS)
-        rep = measure(REPORT, str(rec), str(Path(tmp) / "out"))
-        outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out").iterdir()}
-    print(f"pyarrow read of the same columns: {base['seconds']:.2f} s, peak RSS {base['rss_mib']:.0f} MiB")
-    print(f"reward-lens imports alone:         {imports['seconds']:.2f} s, peak RSS {imports['rss_mib']:.0f} MiB")
-    print(f"reward-lens report (md,html,json): {rep['seconds']:.2f} s, peak RSS {rep['rss_mib']:.0f} MiB")
-    print(f"ratio report / pyarrow read: time {rep['seconds'] / base['seconds']:.1f}x, "
-          f"peak memory {rep['rss_mib'] / base['rss_mib']:.2f}x")
-    print("outputs: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sorted(outs.items())))
+        print(f"  pyarrow read of the same columns: {base['seconds']:.2f} s, peak RSS {base['rss_mib']:.0f} MiB")
+        print(f"  reward-lens report (md,html,json): {rep['seconds']:.2f} s, peak RSS {rep['rss_mib']:.0f} MiB")
+        print(f"  ratio report / pyarrow read: time {rep['seconds'] / base['seconds']:.1f}x, "
+              f"peak memory {rep['rss_mib'] / base['rss_mib']:.2f}x")
+        print("  outputs: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sorted(outs.items())))
 
 
 if __name__ == "__main__":

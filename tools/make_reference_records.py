@@ -164,16 +164,14 @@ def make(name: str, dest: Path, steps: int | None = None) -> None:
     if steps is not None:
         spec["steps"] = steps
     if spec.get("tap"):
-        import shutil as _sh
-
         from reward_lens.record.reader import open_run
 
         with tempfile.TemporaryDirectory() as tmp:
             staging = Path(tmp) / "record"
             train(Path(tmp), record=staging, **spec)
             if dest.exists():
-                _sh.rmtree(dest)
-            _sh.copytree(staging, dest)
+                shutil.rmtree(dest)
+            shutil.copytree(staging, dest)
         print(f"{name}: {dest} {open_run(dest).run_id}")
         return
     with tempfile.TemporaryDirectory() as tmp:

@@ -144,7 +144,7 @@ class Run:
         except (pa.ArrowInvalid, OSError) as exc:
             raise RecordError(path, f"not a readable Parquet file ({exc})") from None
         schema = pf.schema_arrow
-        for fname, spec in self._fields_spec.by_source(source).items():
+        for spec in self._fields_spec.by_source(source).values():
             col = spec.column
             if col not in schema.names:
                 if spec.constraints.required:

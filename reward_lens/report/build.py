@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 
 from reward_lens import __version__
-from reward_lens.measure.efficiency import cost_series, kl_min_series, metric_g
+from reward_lens.measure.efficiency import cost_series, metric_g
 from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.measure.ledger.price import ledger_series, learning_rates, steps_from_run, whole_run
@@ -93,7 +93,7 @@ def _cost_section(run: Run, progress: Progress) -> tuple[list[Refusal], CostSect
     # else the window's pooled covariance; the metric's reading says which.
     g = metric_g(samples, method="covariance_bound", scope="auto")
     book: CostBook = cost_series(ledgers, g, run_=run)
-    series = book.kl_min if book.kl_min.rows or book.kl_min.refusals else kl_min_series(ledgers, g)
+    series = book.kl_min
     docs = features.docs()
     feats = [FeatureOut(name=n, doc=docs[n], status="priced" if n in g.active else g.excluded[n])
              for n in g.names]

@@ -11,7 +11,6 @@ import io
 import itertools
 import json
 import math
-import re
 from fractions import Fraction
 
 import numpy as np

@@ -59,7 +59,7 @@ def test_small_step_is_refused_with_the_failed_premise(results):
         (ref,) = book.refusals
         assert ref.code == "ENVELOPE_VIOLATED" and r.raw_ratio_rung1 > 1
         assert "standard error" in ref.detail and "samples" in ref.detail
-        assert f"times `D_t`" in ref.detail and "noise floor" in ref.detail
+        assert "times `D_t`" in ref.detail and "noise floor" in ref.detail
 
 
 @pytest.mark.whitebox

@@ -10,7 +10,7 @@ import pytest
 
 from reward_lens.measure.efficiency import cost_series, kl_min_series, metric_g
 from reward_lens.measure.ledger.features import SurfaceFeatures
-from reward_lens.measure.ledger.price import Ledger, StepSample, ledger_series, steps_from_run
+from reward_lens.measure.ledger.price import StepSample, ledger_series, steps_from_run
 from reward_lens.record import open_run
 from reward_lens_spec import Subject, load_book, load_refusal_codes, make_refusal
 from tests.conftest import LONG

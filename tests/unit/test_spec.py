@@ -3,7 +3,6 @@ the resolver finds alternatives and near misses, refusals render from templates.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
