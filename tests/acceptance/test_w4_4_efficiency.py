@@ -271,3 +271,23 @@ def test_noise_floor_matches_a_monte_carlo_of_pure_noise():
     assert rows[0].noise_floor == pytest.approx(mc, rel=0.03)
     # ... and under pure noise the "clears the floor" test fires rarely (about 5 % or less).
     assert np.mean([r.clears_noise_floor for r in rows]) < 0.08
+
+
+def test_per_token_kl_converts_exactly_with_token_counts():
+    """The tapped record has completion token counts: a per-token D_t becomes nats per
+    sequence as the per-token value times the mean completion length of step t+1."""
+    import numpy as np
+
+    from tests.conftest import TAPPED
+
+    run = open_run(TAPPED)
+    samples = steps_from_run(run, SurfaceFeatures())
+    ledgers = ledger_series(samples)
+    g = metric_g(samples, scope="per_step")
+    book = cost_series(ledgers[:2], g, run_=run, kl_spent={0: 1.0, 1: 2.0}, kl_spent_unit="nats_per_token")
+    tokens = run.read_rollouts(["num_tokens"]).to_pydict()
+    steps, counts = np.array(tokens["step"]), np.array(tokens["num_tokens"], float)
+    got = {r.step_pair[0]: r.kl_spent for r in book.rows}
+    got.update({r.subject.step_pairs[0][0]: r.context["d_t"] for r in book.refusals})
+    assert got[0] == pytest.approx(1.0 * counts[steps == 1].mean(), rel=1e-12)
+    assert got[1] == pytest.approx(2.0 * counts[steps == 2].mean(), rel=1e-12)
