@@ -28,9 +28,24 @@ from reward_lens.measure.whitebox.policy import Sequences, check_pair, sample
 
 def token_kl(logits_new: torch.Tensor, logits_old: torch.Tensor) -> torch.Tensor:
     """Full-vocabulary KL(softmax(new) || softmax(old)) per position, in float64."""
-    lp_new = torch.log_softmax(logits_new.double(), dim=-1)
-    lp_old = torch.log_softmax(logits_old.double(), dim=-1)
+    return _kl(torch.log_softmax(logits_new.double(), -1), torch.log_softmax(logits_old.double(), -1))
+
+
+def _kl(lp_new: torch.Tensor, lp_old: torch.Tensor) -> torch.Tensor:
     return (lp_new.exp() * (lp_new - lp_old)).sum(-1)
+
+
+def summed_kl_and_logps(logits_new: torch.Tensor, logits_old: torch.Tensor, targets: torch.Tensor,
+                        mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per sequence, over the positions where ``mask``: the summed token KL(new || old) and
+    the summed log-probabilities of ``targets`` under old and new (float64)."""
+    lp_new = torch.log_softmax(logits_new.double(), -1)
+    lp_old = torch.log_softmax(logits_old.double(), -1)
+    kl = _kl(lp_new, lp_old)
+    m = mask.double()
+    tok_new = lp_new.gather(-1, targets[..., None])[..., 0]
+    tok_old = lp_old.gather(-1, targets[..., None])[..., 0]
+    return (kl * m).sum(-1).numpy(), (tok_old * m).sum(-1).numpy(), (tok_new * m).sum(-1).numpy()
 
 
 @dataclass(frozen=True)
@@ -46,6 +61,12 @@ class KlEstimate:
     def __float__(self) -> float:
         return self.mean
 
+    @classmethod
+    def of(cls, per_sequence, estimator: str = "exact_post_samples") -> KlEstimate:
+        per = np.asarray(per_sequence, dtype=float)
+        se = float(per.std(ddof=1) / np.sqrt(len(per))) if len(per) > 1 else float("nan")
+        return cls(float(per.mean()), se, len(per), tuple(per.tolist()), estimator)
+
     @property
     def relative_se(self) -> float:
         return self.se / self.mean if self.mean > 0 else float("inf")
@@ -55,11 +76,9 @@ class KlEstimate:
 def sequence_kl(model_new, model_old, seqs: Sequences) -> np.ndarray:
     """Per sequence: the sum over its completion positions of the token-level KL."""
     ids = seqs.ids
-    logits_new = model_new(input_ids=ids).logits[:, :-1]
+    logits_new = model_new(input_ids=ids).logits[:, :-1]  # position j predicts token j + 1
     logits_old = model_old(input_ids=ids).logits[:, :-1]
-    kl = token_kl(logits_new, logits_old)  # position j predicts token j + 1
-    mask = seqs.completion_mask[:, 1:]
-    return (kl * mask).sum(-1).numpy()
+    return summed_kl_and_logps(logits_new, logits_old, ids[:, 1:], seqs.completion_mask[:, 1:])[0]
 
 
 def kl_between(pre, post, prompt_ids: list[int], *, n: int = 16, max_new_tokens: int, eos_token_id: int | None,
@@ -70,8 +89,7 @@ def kl_between(pre, post, prompt_ids: list[int], *, n: int = 16, max_new_tokens:
         raise ValueError("D_t needs at least 2 sequences for a standard error")
     check_pair(pre, post)
     seqs = sample(post, prompt_ids, n, max_new_tokens, eos_token_id, pad_token_id, seed)
-    per = sequence_kl(post, pre, seqs)
-    return KlEstimate(float(per.mean()), float(per.std(ddof=1) / np.sqrt(n)), n, tuple(per.tolist()))
+    return KlEstimate.of(sequence_kl(post, pre, seqs))
 
 
 def kl_spent_from_checkpoints(run, *, n: int = 16, max_new_tokens: int | None = None,
@@ -106,6 +124,5 @@ def kl_spent_from_checkpoints(run, *, n: int = 16, max_new_tokens: int | None = 
             ids = tok_pre(prompt, add_special_tokens=False)["input_ids"]
             seqs = sample(post, ids, k, cap, tok_post.eos_token_id, tok_post.pad_token_id, seed + 1000 * t + i)
             per.extend(sequence_kl(post, pre, seqs).tolist())
-        arr = np.array(per)
-        out[t] = KlEstimate(float(arr.mean()), float(arr.std(ddof=1) / np.sqrt(len(arr))), len(arr), tuple(per))
+        out[t] = KlEstimate.of(per)
     return out

@@ -57,7 +57,7 @@ each sees a slice of the batch, and ``attach`` refuses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,8 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
+from reward_lens.measure.whitebox.kl import KlEstimate, summed_kl_and_logps
+from reward_lens.measure.whitebox.policy import sample
 from reward_lens.record.importers.trl import record_config
 from reward_lens.record.schema import OptimizerTelemetry, Rollout
 from reward_lens.record.stream import RecordStream
@@ -90,28 +92,6 @@ class _Pending:
     logp_post: float | None = None
 
 
-@dataclass
-class Estimate:
-    mean: float
-    se: float
-    n: int
-    estimator: str
-    per_sequence: list[float] = field(default_factory=list)
-
-
-def _kl_and_logps(logits_new: torch.Tensor, logits_old: torch.Tensor, targets: torch.Tensor,
-                  mask: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per sequence: summed full-vocabulary KL(new || old) and the summed log-probabilities of
-    ``targets`` under each, over positions where ``mask``; float64 throughout."""
-    lp_new = torch.log_softmax(logits_new.double(), -1)
-    lp_old = torch.log_softmax(logits_old.double(), -1)
-    kl = (lp_new.exp() * (lp_new - lp_old)).sum(-1)
-    m = mask.double()
-    tok_new = lp_new.gather(-1, targets[..., None])[..., 0]
-    tok_old = lp_old.gather(-1, targets[..., None])[..., 0]
-    return (kl * m).sum(-1).numpy(), (tok_old * m).sum(-1).numpy(), (tok_new * m).sum(-1).numpy()
-
-
 class RewardLensTap(TrainerCallback):
     def __init__(self, trainer, record_dir: str | Path, *, estimator: str | None = "rollout", n_exact: int = 16,
                  flush_every: int = 10, chunk: int = 16, save_initial_checkpoint: bool = False,
@@ -128,7 +108,7 @@ class RewardLensTap(TrainerCallback):
         self.chunk = chunk
         self.save_initial_checkpoint = save_initial_checkpoint
         self.seed = seed
-        self.estimates: dict[int, dict[str, Estimate]] = {}
+        self.estimates: dict[int, dict[str, KlEstimate]] = {}
         self._pending: dict[int, _Pending] = {}
         self._next_index = 0
         self._used: list[int] = []
@@ -275,11 +255,11 @@ class RewardLensTap(TrainerCallback):
         return ids, att, comp, pw
 
     @torch.no_grad()
-    def _estimate(self, used: list[int], t: int, snap: dict[str, torch.Tensor]) -> dict[str, Estimate]:
+    def _estimate(self, used: list[int], t: int, snap: dict[str, torch.Tensor]) -> dict[str, KlEstimate]:
         tok = self.trainer.processing_class
         pad = getattr(tok, "pad_token_id", None)
         pad = 0 if pad is None else pad
-        out: dict[str, Estimate] = {}
+        out: dict[str, KlEstimate] = {}
         stale = any(self._pending[i].step != t for i in used)
         if self.estimator in ("rollout", "both"):
             per: list[float] = []
@@ -289,18 +269,15 @@ class RewardLensTap(TrainerCallback):
                                                   for i in chunk], pad)
                 new = self._forward(None, ids, att)[:, pw - 1:-1]
                 old = self._forward(snap, ids, att)[:, pw - 1:-1]
-                kl, lp_old, lp_new = _kl_and_logps(new, old, ids[:, pw:], comp)
+                kl, lp_old, lp_new = summed_kl_and_logps(new, old, ids[:, pw:], comp)
                 per.extend(kl.tolist())
                 for j, i in enumerate(chunk):
                     if self._pending[i].step == t:
                         self._pending[i].logp_pre = float(lp_old[j])
                         self._pending[i].logp_post = float(lp_new[j])
             name = "rollout_stale" if stale else "rollout"
-            out[name] = Estimate(float(np.mean(per)), float(np.std(per, ddof=1) / math.sqrt(len(per))) if len(per) > 1
-                                 else float("nan"), len(per), name, per)
+            out[name] = KlEstimate.of(per, name)
         if self.estimator in ("exact", "both"):
-            from reward_lens.measure.whitebox.policy import sample
-
             prompts = list(dict.fromkeys(tuple(self._pending[i].prompt_ids.tolist()) for i in used))
             per = []
             eos = getattr(tok, "eos_token_id", None)
@@ -314,10 +291,9 @@ class RewardLensTap(TrainerCallback):
                 att = torch.ones_like(ids)
                 new = self._forward(None, ids, att)[:, :-1]
                 old = self._forward(snap, ids, att)[:, :-1]
-                kl, _, _ = _kl_and_logps(new, old, ids[:, 1:], comp_full[:, 1:])
+                kl, _, _ = summed_kl_and_logps(new, old, ids[:, 1:], comp_full[:, 1:])
                 per.extend(kl.tolist())
-            out["exact"] = Estimate(float(np.mean(per)), float(np.std(per, ddof=1) / math.sqrt(len(per)))
-                                    if len(per) > 1 else float("nan"), len(per), "exact_post_samples", per)
+            out["exact"] = KlEstimate.of(per)
         return out
 
     def _reuse(self, args) -> int:
