@@ -11,7 +11,6 @@ files it lists, so a crash at any moment leaves the record of the last completed
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -30,9 +29,8 @@ from reward_lens.record.schema import (
     Rollout,
     RunManifest,
     arrow_schema,
-    content_run_id,
 )
-from reward_lens.record.writer import _file_entry, _rollouts_table, _telemetry_table
+from reward_lens.record.writer import _file_entry, _rollouts_table, _telemetry_table, commit_manifest
 
 
 def _replace(tmp: Path, dest: Path) -> None:
@@ -106,14 +104,7 @@ class RecordStream:
             name = f"rollouts-{self._segment:05d}.parquet"
             pq.write_table(pa.Table.from_pylist([], schema=arrow_schema("rollouts")), self.path / name)
             self._files[name] = _file_entry(self.path / name, 0)
-        manifest = RunManifest(**self._base, files=dict(self._files), checkpoints=list(self._checkpoints))
-        manifest = manifest.model_copy(update={"run_id": content_run_id(manifest)})
-        fd, tmp_name = tempfile.mkstemp(prefix=".manifest.", dir=self.path)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(manifest.model_dump_json(indent=2) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp_name, 0o644)
-        os.replace(tmp_name, self.path / MANIFEST_FILE)
+        manifest = commit_manifest(self.path, RunManifest(**self._base, files=dict(self._files),
+                                                          checkpoints=list(self._checkpoints)))
         self.flushes += 1
         return manifest

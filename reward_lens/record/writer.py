@@ -82,6 +82,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def commit_manifest(directory: Path, manifest: RunManifest) -> RunManifest:
+    """Stamp ``manifest`` with its content run_id and write it into ``directory`` by
+    temp file + fsync + rename: the manifest is a record's commit point."""
+    manifest = manifest.model_copy(update={"run_id": content_run_id(manifest)})
+    fd, tmp_name = tempfile.mkstemp(prefix=".manifest.", dir=directory)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(manifest.model_dump_json(indent=2) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.chmod(tmp_name, 0o644)
+    os.replace(tmp_name, directory / MANIFEST_FILE)
+    return manifest
+
+
 def swap_into_place(tmp: Path, dest: Path) -> None:
     """Put the finished directory ``tmp`` at ``dest`` by renames; an existing ``dest`` is
     moved aside first and removed only after the new one is in place."""
@@ -142,11 +156,7 @@ def write_run(
             logging_steps=logging_steps, created_by=f"reward-lens {__version__}", notes=list(notes),
             files=files, checkpoints=ckpts,
         )
-        manifest = manifest.model_copy(update={"run_id": content_run_id(manifest)})
-        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as fh:
-            fh.write(manifest.model_dump_json(indent=2) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        manifest = commit_manifest(tmp, manifest)
         # mkdtemp makes the directory 0700; a record is data to share, so give it the
         # permissions a plain mkdir would have had.
         umask = os.umask(0)

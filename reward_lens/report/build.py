@@ -81,13 +81,13 @@ def _samples(run: Run) -> list[SampleRollout]:
 def _cost_section(run: Run, progress: Progress) -> tuple[list[Refusal], CostSection | None]:
     features = SurfaceFeatures()
     if not run.n_rollouts:
-        return [rollouts_refusal(run, features, [])], None
+        return [rollouts_refusal(run, [])], None
     window = whole_run(run)
     progress("reading rollouts and computing features")
     samples = steps_from_run(run, features, window=window)
     ledgers = ledger_series(samples, eta_by_step=learning_rates(run, window))
     if not ledgers:
-        return [rollouts_refusal(run, features, samples)], None
+        return [rollouts_refusal(run, samples)], None
     progress("estimating G and KL_min")
     # Per-step covariances where every step has enough rollouts (metric_g's "auto" rule),
     # else the window's pooled covariance; the metric's reading says which.

@@ -49,7 +49,7 @@ def fmt(x, digits: int = 4) -> str:
 
 
 @lru_cache(maxsize=None)
-def _env(root: str, autoescape: bool) -> jinja2.Environment:
+def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters.update(md_cell=md_cell, fmt=fmt, prose_md=markdown_view, visible=visible,
@@ -58,7 +58,7 @@ def _env(root: str, autoescape: bool) -> jinja2.Environment:
 
 
 def to_markdown(report: Report) -> str:
-    return _env(str(templates_dir()), False).get_template("report/report.md.j2").render(r=report)
+    return environment(str(templates_dir()), False).get_template("report/report.md.j2").render(r=report)
 
 
 def to_json(report: Report) -> str:
@@ -84,4 +84,4 @@ def figures(report: Report) -> dict[str, dict[str, Markup | None]]:
 
 
 def to_html(report: Report) -> str:
-    return _env(str(templates_dir()), True).get_template("report/report.html.j2").render(r=report, figs=figures(report))
+    return environment(str(templates_dir()), True).get_template("report/report.html.j2").render(r=report, figs=figures(report))

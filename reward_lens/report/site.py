@@ -10,7 +10,7 @@ from reward_lens.record.reader import Run
 from reward_lens.report.build import build_report
 from reward_lens.report.model import Report
 from reward_lens.report.output import replace_dir_atomically
-from reward_lens.report.render import _env, to_html, to_json, to_markdown
+from reward_lens.report.render import environment, to_html, to_json, to_markdown
 from reward_lens_spec.paths import templates_dir
 
 
@@ -32,7 +32,7 @@ def site_files(runs: Sequence[Run], progress: Callable[[str], None] | None = Non
     slugs = [e["slug"] for e in entries]
     if len(set(slugs)) != len(slugs):
         raise ValueError(f"two runs would publish to the same folder: {slugs}")
-    env_html, env_md = _env(str(templates_dir()), True), _env(str(templates_dir()), False)
+    env_html, env_md = environment(str(templates_dir()), True), environment(str(templates_dir()), False)
     files["index.html"] = env_html.get_template("report/index.html.j2").render(entries=entries)
     files["index.md"] = env_md.get_template("report/index.md.j2").render(entries=entries)
     files["report.schema.json"] = json.dumps(Report.model_json_schema(), indent=2, sort_keys=True) + "\n"

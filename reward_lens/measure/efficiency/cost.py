@@ -227,7 +227,7 @@ def rollouts_context(*, run_label: str, steps_with_rollouts: int | None, steps: 
             "steps": steps, "logging_steps": logging_steps, "framework": framework}
 
 
-def rollouts_refusal(run: Run, features: Any, samples: Sequence[Any]) -> Refusal:
+def rollouts_refusal(run: Run, samples: Sequence[Any]) -> Refusal:
     """RECORD_INCOMPLETE when no two consecutive steps both have rollouts (no ledger at all)."""
     ctx = rollouts_context(run_label=_short(run.run_id), steps_with_rollouts=len(samples),
                            steps=int(len(np.union1d(run.steps, np.unique(run.rollout_steps)))),
@@ -267,11 +267,12 @@ def _denominators(ledgers: Sequence[Ledger], run: Run | None, kl_spent: Mapping[
                                          _subject(run.run_id if run else None, [lg.step_pair for lg in ledgers]),
                                          {"kind": "per_token", "run": _short(run.run_id if run else None),
                                           "n_pairs": len(ledgers)})
-            tokens = run.read_rollouts(["num_tokens"]).to_pydict()
-            mean_tokens: dict[int, float] = {}
-            for s in set(tokens["step"]):
-                vals = [n for st, n in zip(tokens["step"], tokens["num_tokens"]) if st == s]
-                mean_tokens[s] = float(np.mean(vals))
+            tokens = run.read_rollouts(["num_tokens"])
+            steps = tokens.column("step").to_numpy()
+            counts = tokens.column("num_tokens").to_numpy(zero_copy_only=False).astype(float)
+            uniq, inverse = np.unique(steps, return_inverse=True)
+            means = np.bincount(inverse, weights=counts) / np.bincount(inverse)
+            mean_tokens = dict(zip(uniq.tolist(), means.tolist()))
             for s, v in kl_spent.items():
                 if int(s) + 1 in mean_tokens:
                     out[int(s)] = (float(v) * mean_tokens[int(s) + 1],
