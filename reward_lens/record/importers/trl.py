@@ -27,7 +27,6 @@ uses 0-based t = s - 1 for both.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import pyarrow.parquet as pq
 import yaml
 
 from reward_lens.record.errors import RecordError
+from reward_lens.record.importers import finite_number
 from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
@@ -166,7 +166,7 @@ def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path
         row: dict[str, Any] = {"step": s - 1}
         for key, field in keys.items():
             if key in entry and entry[key] is not None:
-                row[field] = _finite(entry[key], path, key, s - 1)
+                row[field] = finite_number(entry[key], path, key, s - 1)
         if max_norm is not None and max_norm > 0:
             row["max_grad_norm"] = float(max_norm)
             pre = row.get("grad_norm_unclipped")
@@ -178,16 +178,6 @@ def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path
             row["beta"] = float(beta)
         seen[s] = row
     return [OptimizerTelemetry(**seen[s]) for s in sorted(seen)]
-
-
-def _finite(value: Any, path: Path, key: str, step: int) -> float:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        raise RecordError(path, f"`{key}` is {value!r}, not a number", field=key, steps=[step]) from None
-    if not math.isfinite(v):
-        raise RecordError(path, f"`{key}` is {v}", field=key, steps=[step])
-    return v
 
 
 def _rollouts(files: list[tuple[Path, pa.Table]], cfg: Mapping[str, Any], reward_names: list[str],

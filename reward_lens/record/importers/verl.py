@@ -19,12 +19,12 @@ t = step - 1. veRL logs no per-rollout data in its metrics, so the record has no
 from __future__ import annotations
 
 import json
-import math
 import re
 from pathlib import Path
 from typing import Any
 
 from reward_lens.record.errors import RecordError
+from reward_lens.record.importers import finite_number
 from reward_lens.record.schema import OptimizerTelemetry, RunManifest
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields
@@ -83,14 +83,7 @@ def import_verl(metrics: str | Path, record_dir: str | Path, *, framework_versio
                 if field is None:
                     unmapped.add(key)
                     continue
-                try:
-                    v = float(value)
-                except (TypeError, ValueError):
-                    raise RecordError(f"{path}:{lineno}", f"`{key}` is {value!r}, not a number", field=key,
-                                      steps=[t]) from None
-                if not math.isfinite(v):
-                    raise RecordError(f"{path}:{lineno}", f"`{key}` is {v}", field=key, steps=[t])
-                row[field] = v
+                row[field] = finite_number(value, f"{path}:{lineno}", key, t)
             rows[t] = row
     if not rows:
         raise RecordError(path, "no veRL metric lines found (JSON lines with `step`, or `step:N - key:value` lines)")
