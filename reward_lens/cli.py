@@ -3,8 +3,11 @@
 Exit codes (all subcommands):
   0  every book computed (audit: every --require'd book will compute)
   1  some book refused, under --fail-on (a normal outcome for an incomplete record)
-  2  bad input: an unreadable record, config or spec; one line on stderr names the file
-     and field (the traceback only with --debug)
+  2  bad input: an unreadable record, config or spec, or an output folder holding files
+     reward-lens did not write; one line on stderr names the file and field (the
+     traceback only with --debug)
+  3  internal error: a bug in reward-lens, not in the input; one line on stderr, the
+     traceback with --debug
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
 FORMATS = ("md", "html", "json")
 
 
@@ -60,12 +63,14 @@ def _record_path(args) -> Path:
 def cmd_report(args) -> int:
     from reward_lens.record.reader import open_run
     from reward_lens.report import build_report, to_html, to_json, to_markdown
-    from reward_lens.report.output import write_files_atomically
+    from reward_lens.report.output import check_owned, replace_dir_atomically
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
         raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
+    out = Path(args.out)
+    check_owned(out, "report")  # before any work
     progress = Progress(args.quiet)
     run = open_run(_record_path(args))
     progress("building the report")
@@ -73,7 +78,7 @@ def cmd_report(args) -> int:
     progress("rendering")
     render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html), "json": ("report.json", to_json)}
     files = {render[f][0]: render[f][1](report) for f in formats}
-    written = write_files_atomically(Path(args.out), files)
+    written = replace_dir_atomically(out, files, kind="report")
     progress.done()
     if not args.quiet:
         for b in report.books:
@@ -115,9 +120,13 @@ def cmd_publish(args) -> int:
     from reward_lens.record.reader import open_run
     from reward_lens.report.site import publish
 
+    from reward_lens.report.output import check_owned
+
+    site = Path(args.site)
+    check_owned(site, "site")  # before any work
     progress = Progress(args.quiet)
     runs = [open_run(p) for p in args.run_dirs]
-    files = publish(runs, Path(args.site), progress)
+    files = publish(runs, site, progress)
     progress.done()
     if not args.quiet:
         print(f"wrote {len(files)} files to {args.site} (open {Path(args.site) / 'index.html'})")
@@ -199,6 +208,16 @@ def main(argv: list[str] | None = None) -> int:
         msg = " ".join(str(exc).split())
         print(f"reward-lens: error: {msg}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("reward-lens: interrupted (nothing half-written)", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a bug of ours: say so in one line, distinct from bad input
+        if args.debug:
+            raise
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        print(f"reward-lens: internal error: {msg} (a bug in reward-lens; --debug shows the traceback)",
+              file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

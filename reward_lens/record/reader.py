@@ -33,6 +33,7 @@ from reward_lens.record.schema import (
     RunManifest,
     arrow_type,
     content_run_id,
+    telemetry_name,
 )
 from reward_lens.record.writer import sha256_file
 from reward_lens_spec import Presence, load_fields
@@ -60,8 +61,7 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
         size = f.stat().st_size
         if size != entry.bytes:
             raise RecordError(f, f"is {size} bytes but manifest.json records {entry.bytes}: truncated or replaced")
-    if TELEMETRY_FILE not in manifest.files:
-        raise RecordError(root / MANIFEST_FILE, f"does not list `{TELEMETRY_FILE}`", field="files")
+    telemetry_file(manifest, root)
     if not rollout_segments(manifest):
         raise RecordError(root / MANIFEST_FILE, f"does not list `{ROLLOUTS_FILE}` (or rollouts-NNNNN.parquet "
                           "segments)", field="files")
@@ -80,6 +80,16 @@ def rollout_segments(manifest: RunManifest) -> list[str]:
     if ROLLOUTS_FILE in manifest.files:
         return [ROLLOUTS_FILE]
     return sorted(n for n in manifest.files if _SEGMENT.match(n))
+
+
+def telemetry_file(manifest: RunManifest, root: Path) -> str:
+    """The one telemetry file the manifest lists (``telemetry.parquet``, or a streamed
+    record's ``telemetry-NNNNN.parquet``)."""
+    names = [n for n in manifest.files if telemetry_name(n)]
+    if len(names) != 1:
+        what = "does not list" if not names else f"lists {len(names)} telemetry files ({', '.join(names)}), not one:"
+        raise RecordError(root / MANIFEST_FILE, f"{what} `{TELEMETRY_FILE}`", field="files")
+    return names[0]
 
 
 def _read_manifest(root: Path) -> RunManifest:
@@ -118,7 +128,8 @@ class Run:
         self.path = root
         self.manifest = manifest
         self._fields_spec = load_fields()
-        self._telemetry_file = self._open_parquet(TELEMETRY_FILE, "telemetry")
+        self.telemetry_name = telemetry_file(manifest, root)
+        self._telemetry_file = self._open_parquet(self.telemetry_name, "telemetry")
         self._segments = [(name, self._open_parquet(name, "rollouts")) for name in rollout_segments(manifest)]
         names = self._segments[0][1].schema_arrow.names
         for name, pf in self._segments[1:]:
@@ -169,7 +180,7 @@ class Run:
     @cached_property
     def telemetry(self) -> pa.Table:
         """All telemetry rows (one per step; small)."""
-        return self._read(self._telemetry_file, TELEMETRY_FILE, self._telemetry_file.schema_arrow.names)
+        return self._read(self._telemetry_file, self.telemetry_name, self._telemetry_file.schema_arrow.names)
 
     @cached_property
     def steps(self) -> np.ndarray:
@@ -184,7 +195,7 @@ class Run:
         return {int(s): v for s, v in zip(steps, values) if v is not None}
 
     def _validate_telemetry(self) -> None:
-        path = self.path / TELEMETRY_FILE
+        path = self.path / self.telemetry_name
         steps = self.steps
         if len(steps):
             dup = np.unique(steps[np.r_[False, np.diff(steps) == 0]])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 import pyarrow as pa
@@ -21,6 +22,13 @@ FORMAT_VERSION = 1
 TELEMETRY_FILE = "telemetry.parquet"
 ROLLOUTS_FILE = "rollouts.parquet"
 MANIFEST_FILE = "manifest.json"
+_TELEMETRY_VERSIONED = re.compile(r"^telemetry-(\d{5})\.parquet$")
+
+
+def telemetry_name(name: str) -> bool:
+    """``telemetry.parquet`` (a record written at once) or ``telemetry-NNNNN.parquet`` (the
+    one a streamed record's manifest lists)."""
+    return name == TELEMETRY_FILE or bool(_TELEMETRY_VERSIONED.match(name))
 
 
 class OptimizerTelemetry(BaseModel):

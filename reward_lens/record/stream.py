@@ -1,11 +1,13 @@
 """Write a record while training runs, so that a run killed mid-way leaves a readable one.
 
-Layout of a streamed record: ``telemetry.parquet`` (rewritten whole at each flush: one row
-per step, small), ``rollouts-00001.parquet``, ``rollouts-00002.parquet``, ... (one segment
-per flush, never rewritten) and ``manifest.json``. Each flush writes its new segment and
-the new telemetry to temporary names, renames them into place, and only then replaces the
-manifest (also by rename). The manifest is the commit point: ``open_run`` reads exactly the
-files it lists, so a crash at any moment leaves the record of the last completed flush.
+Layout of a streamed record: ``telemetry-NNNNN.parquet`` (one row per step, small; each
+flush writes a *new* file with every step so far), ``rollouts-00001.parquet``,
+``rollouts-00002.parquet``, ... (one segment per flush, never rewritten) and
+``manifest.json``. Each flush writes its new files under new names, then replaces the
+manifest by rename, and only then removes the telemetry file the old manifest listed. No
+file a committed manifest lists is ever modified, so a crash at any moment -- including
+between the data and the manifest -- leaves the record of the last completed flush, with
+every size and checksum as its manifest records them.
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from reward_lens import __version__
 from reward_lens.record.errors import RecordError
 from reward_lens.record.schema import (
     MANIFEST_FILE,
-    TELEMETRY_FILE,
     CheckpointEntry,
     FileEntry,
     OptimizerTelemetry,
     Rollout,
     RunManifest,
     arrow_schema,
+    telemetry_name,
 )
 from reward_lens.record.writer import _file_entry, _rollouts_table, _telemetry_table, commit_manifest
 
@@ -50,7 +52,8 @@ class RecordStream:
             if not overwrite:
                 raise RecordError(self.path, "a record already exists here (pass overwrite=True to replace it)")
             for p in self.path.iterdir():
-                if p.is_file() and (p.name.endswith(".parquet") or p.name == MANIFEST_FILE):
+                if p.is_file() and (p.name.endswith(".parquet") or p.name.endswith(".parquet.tmp")
+                                    or p.name == MANIFEST_FILE):
                     p.unlink()
         self.path.mkdir(parents=True, exist_ok=True)
         self._base = dict(framework=dict(framework), model=dict(model), optimizer=optimizer,
@@ -94,10 +97,14 @@ class RecordStream:
             self._files[name] = _file_entry(self.path / name, table.num_rows)
             self._pending = []
         tel = _telemetry_table(self._telemetry.values())
-        tmp = self.path / f".{TELEMETRY_FILE}.tmp"
+        previous = [n for n in self._files if telemetry_name(n)]
+        name = f"telemetry-{self.flushes + 1:05d}.parquet"
+        tmp = self.path / f".{name}.tmp"
         pq.write_table(tel, tmp, compression="zstd")
-        _replace(tmp, self.path / TELEMETRY_FILE)
-        self._files[TELEMETRY_FILE] = _file_entry(self.path / TELEMETRY_FILE, tel.num_rows)
+        _replace(tmp, self.path / name)
+        for old in previous:
+            del self._files[old]
+        self._files[name] = _file_entry(self.path / name, tel.num_rows)
         if not any(n.startswith("rollouts") for n in self._files):
             # A record always has a rollouts file; before the first rollouts it is an empty segment.
             self._segment += 1
@@ -106,5 +113,7 @@ class RecordStream:
             self._files[name] = _file_entry(self.path / name, 0)
         manifest = commit_manifest(self.path, RunManifest(**self._base, files=dict(self._files),
                                                           checkpoints=list(self._checkpoints)))
+        for old in previous:  # no committed manifest lists it any more
+            (self.path / old).unlink(missing_ok=True)
         self.flushes += 1
         return manifest

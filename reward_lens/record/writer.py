@@ -7,7 +7,9 @@ never half of one.
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -96,17 +98,66 @@ def commit_manifest(directory: Path, manifest: RunManifest) -> RunManifest:
     return manifest
 
 
+_RENAME_EXCHANGE = 2  # linux/fs.h: atomically exchange two paths
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``). False where the system or file system does not support it."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
 def swap_into_place(tmp: Path, dest: Path) -> None:
-    """Put the finished directory ``tmp`` at ``dest`` by renames; an existing ``dest`` is
-    moved aside first and removed only after the new one is in place."""
+    """Put the finished directory ``tmp`` at ``dest``. An existing ``dest`` is exchanged with
+    ``tmp`` in one atomic rename and then removed, so a kill at any moment leaves the old
+    directory or the new one at ``dest``, never neither. Where the exchange is not
+    supported, the old directory is moved aside first and ``recover_swap`` puts it back if
+    the process dies between the two renames."""
     if dest.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-        os.rename(dest, old / dest.name)
-        os.rename(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
+        if _exchange(tmp, dest):
+            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old directory
+        else:
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.rename(dest, old / dest.name)
+            os.rename(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, dest)
     _fsync_dir(dest.parent)
+
+
+def recover_swap(dest: Path) -> None:
+    """Where a fallback swap was killed between its renames, put the old ``dest`` back."""
+    if dest.exists():
+        return
+    for old in sorted(dest.parent.glob(f".{dest.name}.old-*")):
+        if (old / dest.name).is_dir():
+            os.rename(old / dest.name, dest)
+            shutil.rmtree(old, ignore_errors=True)
+            return
+
+
+def _is_our_record(path: Path) -> bool:
+    try:
+        data = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and str(data.get("created_by", "")).startswith("reward-lens")
 
 
 def write_run(
@@ -130,8 +181,12 @@ def write_run(
     is copied into ``checkpoints/step-<step>/``.
     """
     dest = Path(path)
+    recover_swap(dest)
     if dest.exists() and not overwrite:
         raise RecordError(dest, "a record already exists here (pass overwrite=True to replace it)")
+    if dest.exists() and not _is_our_record(dest):
+        raise RecordError(dest, "exists and is not a record reward-lens wrote (no manifest.json of ours); "
+                          "overwrite replaces only a record, never another folder")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:

@@ -41,5 +41,5 @@ def site_files(runs: Sequence[Run], progress: Callable[[str], None] | None = Non
 
 def publish(runs: Sequence[Run], site: Path, progress: Callable[[str], None] | None = None) -> dict[str, str]:
     files = site_files(runs, progress)
-    replace_dir_atomically(site, files)
+    replace_dir_atomically(site, files, kind="site")
     return files

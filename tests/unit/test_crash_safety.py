@@ -1,0 +1,237 @@
+"""Nothing lost, nothing half-written: output folders reward-lens does not own are refused,
+a report or site changes as a whole, a streamed record survives SIGKILL, a swap is never
+caught with nothing in place, and an internal error exits 3."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from reward_lens import cli
+from reward_lens.record.reader import open_run
+from reward_lens.record.writer import recover_swap, swap_into_place
+from reward_lens.report.output import MARKER, _locked, replace_dir_atomically
+from tests.conftest import tiny_record
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _record(tmp_path: Path, name: str = "rec") -> Path:
+    return tiny_record(tmp_path / name, {0: ["ab", "abc", "a b"], 1: ["abcd", "ab c", "x"]})
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# ---------------------------------------------------------------- ownership
+@pytest.mark.parametrize("command", ["publish", "report"])
+def test_a_folder_with_foreign_files_is_refused_and_untouched(tmp_path, capsys, command):
+    rec = _record(tmp_path)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "notes.txt").write_text("mine")
+    before = _tree(site)
+    argv = ["publish", str(rec), "--site", str(site)] if command == "publish" else \
+        ["report", str(rec), "--out", str(site), "--quiet"]
+    assert cli.main(argv) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "notes.txt" in err[0] and "did not write" in err[0]
+    assert _tree(site) == before
+
+
+def test_publish_into_the_folder_of_its_records_or_the_current_directory_is_refused(tmp_path, monkeypatch):
+    runs = tmp_path / "runs"
+    rec = _record(runs, "a")
+    before = _tree(runs)
+    assert cli.main(["publish", str(rec), "--site", str(runs)]) == cli.EXIT_BAD_INPUT
+    monkeypatch.chdir(runs)
+    assert cli.main(["publish", "a", "--site", "."]) == cli.EXIT_BAD_INPUT
+    assert _tree(runs) == before
+
+
+def test_a_folder_reward_lens_wrote_is_replaced_whole(tmp_path):
+    rec = _record(tmp_path)
+    site = tmp_path / "site"
+    assert cli.main(["publish", str(rec), "--site", str(site), "--quiet"]) == 0
+    marker = json.loads((site / MARKER).read_text())
+    assert sorted(marker["files"]) == sorted(n for n in _tree(site) if n != MARKER)
+    (site / "runs" / "stale.html").write_text("old")  # not in the marker: a user's file now
+    assert cli.main(["publish", str(rec), "--site", str(site), "--quiet"]) == cli.EXIT_BAD_INPUT
+    (site / "runs" / "stale.html").unlink()
+    assert cli.main(["publish", str(rec), "--site", str(site), "--quiet"]) == 0
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["report", str(rec), "--out", str(empty), "--quiet", "--fail-on", "never"]) == 0
+
+
+def test_import_overwrite_replaces_only_a_record(tmp_path):
+    from reward_lens.record.errors import RecordError
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    from reward_lens.record import OptimizerTelemetry, Rollout, write_run
+
+    with pytest.raises(RecordError, match="not a record reward-lens wrote"):
+        write_run(folder, framework={"name": "t", "version": "0"}, model={"description": "x"},
+                  telemetry=[OptimizerTelemetry(step=0)], rollouts=[Rollout(step=0, group_id="0:0", prompt="p", completion="a")],
+                  overwrite=True)
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------- swap
+def test_swap_exchanges_in_one_step_and_the_fallback_recovers(tmp_path, monkeypatch):
+    import reward_lens.record.writer as writer
+
+    dest, new = tmp_path / "d", tmp_path / "n"
+    dest.mkdir()
+    (dest / "f").write_text("old")
+    new.mkdir()
+    (new / "f").write_text("new")
+    swap_into_place(new, dest)
+    assert (dest / "f").read_text() == "new" and not new.exists()
+    # The fallback (no renameat2) killed between its two renames: recover_swap puts the old back.
+    new.mkdir()
+    (new / "f").write_text("newer")
+    monkeypatch.setattr(writer, "_exchange", lambda a, b: False)
+    real = os.rename
+    calls = []
+
+    def dies(a, b):
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process "dies" here
+        return real(a, b)
+
+    monkeypatch.setattr(writer.os, "rename", dies)
+    with pytest.raises(KeyboardInterrupt):
+        swap_into_place(new, dest)
+    monkeypatch.setattr(writer.os, "rename", real)
+    assert not dest.exists()
+    recover_swap(dest)
+    assert (dest / "f").read_text() == "new"
+
+
+# ---------------------------------------------------------------- kills
+WRITER = textwrap.dedent("""
+    import sys, itertools
+    sys.path.insert(0, sys.argv[2])
+    from pathlib import Path
+    from reward_lens.report.output import replace_dir_atomically
+    out = Path(sys.argv[1])
+    big = "x" * 400_000
+    for i in itertools.count():
+        tag = f"{sys.argv[3]}{i}"
+        replace_dir_atomically(out, {f"report.{e}": tag + big for e in ("md", "html", "json")})
+        print(tag, flush=True)
+""")
+
+
+def _consistent(out: Path) -> set[str]:
+    tags = {(out / f"report.{e}").read_text()[:12].rstrip("x") for e in ("md", "html", "json")}
+    assert len(tags) == 1, f"a mixed set: {tags}"
+    return tags
+
+
+@pytest.mark.slow
+def test_report_folder_survives_sigkill_at_random_points(tmp_path):
+    rng = random.Random(0)
+    out = tmp_path / "out"
+    replace_dir_atomically(out, {f"report.{e}": "seed" for e in ("md", "html", "json")})
+    for k in range(24):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(REPO), f"k{k}-"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.6 + rng.random() * 0.6)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        _consistent(out)
+    # The next writer removes what killed writers left beside the folder.
+    replace_dir_atomically(out, {f"report.{e}": "last" for e in ("md", "html", "json")})
+    assert _consistent(out) == {"last"}
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+@pytest.mark.slow
+def test_two_writers_never_interleave(tmp_path):
+    out = tmp_path / "out"
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(REPO), tag], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for tag in ("A", "B")]
+    deadline = time.monotonic() + 8
+    checks = 0
+    while time.monotonic() < deadline:
+        if (out / "report.md").exists():
+            # A reader takes the writers' lock to read the set at one instant (without it a
+            # reader that opens three files one by one can straddle an exchange).
+            with _locked(tmp_path):
+                _consistent(out)
+            checks += 1
+        time.sleep(0.01)
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
+        assert "Traceback" not in p.stderr.read() or p.returncode == -signal.SIGTERM
+    assert checks > 20
+    _consistent(out)
+
+
+STREAMER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[2])
+    from reward_lens.record.schema import OptimizerTelemetry, Rollout
+    from reward_lens.record.stream import RecordStream
+    s = RecordStream(sys.argv[1], framework={"name": "t", "version": "0"}, model={"description": "x"},
+                     overwrite=True)
+    for t in range(100000):
+        s.set_telemetry(OptimizerTelemetry(step=t, learning_rate=1e-3))
+        s.add_rollouts([Rollout(step=t, group_id=f"{t}:0", prompt="p", completion="c" * (t % 7), reward=float(i))
+                       for i in range(4)])
+        s.flush()
+""")
+
+
+@pytest.mark.slow
+def test_streamed_record_survives_sigkill_at_random_points(tmp_path):
+    rng = random.Random(1)
+    rec = tmp_path / "rec"
+    readable = 0
+    for k in range(24):
+        proc = subprocess.Popen([sys.executable, "-c", STREAMER, str(rec), str(REPO)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.2 + rng.random() * 0.8)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if not (rec / "manifest.json").exists():
+            continue  # killed before its first flush
+        run = open_run(rec)  # raises if the manifest and the files disagree
+        steps = run.steps.tolist()
+        assert steps == list(range(len(steps)))
+        run.read_rollouts(["completion"])
+        run.verify()
+        readable += 1
+    assert readable >= 20
+
+
+# ---------------------------------------------------------------- exit codes
+def test_internal_error_exits_3_in_one_line(tmp_path, monkeypatch, capsys):
+    import reward_lens.report as report
+
+    rec = _record(tmp_path)
+
+    def boom(*a, **k):
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(report, "build_report", boom)
+    assert cli.main(["report", str(rec), "--out", str(tmp_path / "o"), "--quiet"]) == cli.EXIT_INTERNAL
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "internal error" in err[0] and "ZeroDivisionError" in err[0]
+    assert not (tmp_path / "o").exists()
