@@ -65,7 +65,9 @@ class Rollout(BaseModel):
     rewards: dict[str, float] | None = None
     advantage: float | None = None
     logp_pre: float | None = None
-    logp_post: float | None = None
+    logp_post: float | None = None  # in-sample: never used for r-based estimates
+    logp_prev: float | None = None
+    kl_prev: float | None = Field(None, ge=0)
 
 
 class FileEntry(BaseModel):

@@ -210,7 +210,7 @@ def test_kl_spent_makes_the_long_record_computable():
     for row, kr in zip(book.rows, base):
         assert row.efficiency == pytest.approx(kr.kl_min / (2.0 * kr.kl_min + 1e-3), rel=1e-12)
         assert 0 <= row.efficiency <= 1 and row.kl_spent_source == "caller kl_spent"
-    assert "cost_series  199 step pair(s) with efficiency" in book.render()
+    assert "cost_series  199 step pair(s) priced (unpaired ledger)" in book.render()
 
 
 def test_small_denominator_is_refused_with_the_failed_premise():

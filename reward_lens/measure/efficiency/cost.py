@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
+from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.metric import MetricG
 from reward_lens.measure.efficiency.shapley import EXACT_MAX_FEATURES, kl_min as quad_kl_min, shapley_shares
+from reward_lens.measure.ledger.paired import PairedLedger
 from reward_lens.measure.ledger.price import Ledger
 from reward_lens.record.reader import Run
 from reward_lens_spec import Presence, Refusal, Subject, load_book, make_refusal, resolve
@@ -52,6 +54,14 @@ class KlMinRow:
     n_pre: int
     n_post: int
     unpriced_movement: dict[str, float] = field(default_factory=dict)  # excluded feature -> dz
+    p_value: float = 1.0  # of "dz = 0" (unpaired: Hotelling T^2; paired: F-test of r on z within groups)
+    resolved: bool = False  # rejected by Benjamini-Hochberg at FDR_Q across the series' rows
+    kind: str = "unpaired"  # the ledger that made the row
+
+    @property
+    def nothing_priced(self) -> bool:
+        """Every feature was excluded (constant or collinear): no movement could be priced."""
+        return not self.shares
 
     @property
     def leading_t(self) -> float | None:
@@ -78,15 +88,37 @@ class KlMinSeries(Sequence):
         return iter(self.rows)
 
 
+ROW_STATUSES = ("resolved", "unresolved", "refused", "nothing_priced")
+
+
 @dataclass(frozen=True)
 class CostRow:
+    """eta of one step pair, or of a window of consecutive step pairs (``steps`` > 1).
+
+    ``efficiency`` is KL_min / D_t, always in [0, 1] (else the row is refused, not made).
+    ``efficiency_null`` is what noise alone gives it in expectation and
+    ``efficiency_debiased`` = (eta - null) / (1 - null) (may be below 0 when noise dominates);
+    ``interval`` is a 95 % interval of the debiased value. ``status`` is "resolved" when the
+    book-wide Benjamini-Hochberg decision at FDR_Q rejects "the features explain none of the
+    step", else "unresolved"; "nothing_priced" rows (every feature excluded) carry no eta.
+    """
+
     step_pair: tuple[int, int]
-    kl_min: float
+    kl_min: float  # nats per sequence (paired: the exact I-projection; unpaired: 1/2 dz^T G^-1 dz)
     kl_spent: float  # D_t, nats per sequence
-    efficiency: float  # in [0, 1], always
+    efficiency: float | None  # in [0, 1], always; None when nothing was priced
     kl_spent_source: str
-    resolved: bool  # KL_min clears its noise floor
+    resolved: bool
     shares: dict[str, float]
+    status: str = "unresolved"
+    efficiency_debiased: float | None = None
+    efficiency_null: float | None = None
+    interval: tuple[float, float] | None = None
+    p_value: float | None = None
+    ledger: str = "unpaired"
+    steps: int = 1
+    d_t_checks: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # source -> (nats, SE)
+    d_t_disagrees: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,16 +127,46 @@ class CostBook:
     refusals: tuple[Refusal, ...]
     kl_min: KlMinSeries
     run_id: str | None = None
+    ledger: str = "unpaired"
+    window: int | str = 1
+
+    @property
+    def resolved_rows(self) -> tuple[CostRow, ...]:
+        return tuple(r for r in self.rows if r.status == "resolved")
+
+    def counts(self) -> dict[str, int]:
+        """Rows of each status; refused counts the step pairs the refusals name."""
+        out = {k: 0 for k in ROW_STATUSES}
+        for r in self.rows:
+            out[r.status] += 1
+        out["refused"] = sum(len(r.subject.step_pairs) for r in self.refusals)
+        return out
+
+    def headline(self) -> tuple[float | None, tuple[float, float] | None]:
+        """Median debiased eta over resolved rows only, with its 95 % interval (None when no row
+        is resolved: then the book has no headline number)."""
+        return _eta.headline([self._estimates[r.step_pair] for r in self.resolved_rows])
+
+    @property
+    def false_discoveries_expected(self) -> float:
+        """Benjamini-Hochberg bounds the expected share of false discoveries by FDR_Q, so of
+        the resolved rows at most this many are expected to be noise."""
+        return _eta.FDR_Q * len(self.resolved_rows)
+
+    _estimates: dict = field(default_factory=dict, repr=False, compare=False)
 
     def render(self, width: int = 90) -> str:
         """Plain text in the seed's layout: one block per refusal, then the computed rows."""
         blocks = [r.text(width) for r in self.refusals]
         if self.rows:
-            lines = [f"cost_series  {len(self.rows)} step pair(s) with efficiency"]
-            lines.append("    step pair      KL_min (nats)   D_t (nats)   efficiency   resolved")
+            c = self.counts()
+            lines = [f"cost_series  {len(self.rows)} step pair(s) priced ({self.ledger} ledger): "
+                     f"{c['resolved']} resolved, {c['unresolved']} unresolved, {c['nothing_priced']} nothing priced"]
+            lines.append("    step pair      KL_min (nats)   D_t (nats)   efficiency   status")
             for r in self.rows:
+                eff = f"{r.efficiency:>11.4f}" if r.efficiency is not None else f"{'-':>11}"
                 lines.append(f"    {r.step_pair[0]:>5d}->{r.step_pair[1]:<6d}  {r.kl_min:>13.4g}  {r.kl_spent:>11.4g}"
-                             f"  {r.efficiency:>11.4f}   {'yes' if r.resolved else 'no (below noise floor)'}")
+                             f"  {eff}   {r.status}")
             blocks.append("\n".join(lines))
         if not blocks:
             blocks.append("cost_series  no step pairs")
@@ -157,12 +219,16 @@ def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
             unpriced = {g.names[j]: float(lg.delta_z[j]) for j in excluded_idx if lg.delta_z[j] != 0}
             if not len(idx):  # nothing varies at this step: no movement can be priced
                 rows[p] = KlMinRow(lg.step_pair, 0.0, {}, 0.0, 0.0, False, None, None, None, lg.n_pre, lg.n_post,
-                                   unpriced)
+                                   unpriced, kind=lg.kind)
                 continue
             m = ginv[q] @ lg.cov_delta[np.ix_(idx, idx)]
             floor = 0.5 * float(np.trace(m))
             sd = math.sqrt(max(0.5 * float(np.trace(m @ m)), 0.0))
             lead = int(np.argmax(shares[q])) if kl[q] > 0 else None
+            if isinstance(lg, PairedLedger):
+                _, pval, _ = _eta.within_group_r2_test(lg.z[:, idx], lg.log_ratio, lg.codes, lg.n_groups)
+            else:
+                pval = _eta.hotelling_p(lg.delta_z[idx], lg.cov_delta[np.ix_(idx, idx)], lg.n_pre, lg.n_post)
             rows[p] = KlMinRow(
                 step_pair=lg.step_pair, kl_min=float(kl[q]),
                 shares={a: float(v) for a, v in zip(active, shares[q])},
@@ -170,9 +236,14 @@ def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
                 leading_feature=active[lead] if lead is not None else None,
                 leading_delta=float(lg.delta_z[idx[lead]]) if lead is not None else None,
                 leading_se=float(lg.se[idx[lead]]) if lead is not None else None,
-                n_pre=lg.n_pre, n_post=lg.n_post, unpriced_movement=unpriced,
+                n_pre=lg.n_pre, n_post=lg.n_post, unpriced_movement=unpriced, p_value=pval, kind=lg.kind,
             )
-    return [r for r in rows if r is not None]
+    out = [r for r in rows if r is not None]
+    priced = [i for i, r in enumerate(out) if not r.nothing_priced]
+    decided = _eta.benjamini_hochberg([out[i].p_value for i in priced])
+    for i, rej in zip(priced, decided):
+        out[i] = replace(out[i], resolved=bool(rej))
+    return out
 
 
 def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None = None) -> KlMinSeries:
@@ -289,58 +360,152 @@ def cost_series(
     kl_spent: Mapping[int, float] | None = None,
     *,
     kl_spent_unit: str = "nats_per_sequence",
+    window: int | str = 1,
 ) -> CostBook:
     """The cost book: eta_t = KL_min / D_t per step pair, or the refusals that replace it.
 
-    D_t for the pair (t, t+1) is ``kl_spent[t]`` if given, else the record's
+    Unpaired ledgers: D_t for the pair (t, t+1) is ``kl_spent[t]`` if given, else the record's
     ``kl_to_previous`` at step t (both nats per sequence; ``kl_spent_unit='nats_per_token'``
     converts exactly only with the record's token counts, and refuses UNIT_MISMATCH without
-    them).
+    them). Paired ledgers (``paired_ledger_series``) carry their own D_t, estimated on the
+    same sample as the exact KL_min, so eta <= 1 by construction; the record's value and the
+    token-level estimate are kept beside it as checks.
+
+    ``window``: price W consecutive step pairs together as a ratio of sums, or "adaptive".
+    Every row gets a status; "resolved" is decided across the book by Benjamini-Hochberg.
     """
     run_id = run_.run_id if run_ is not None else None
     book = load_book(BOOK_ID)
+    kinds = {lg.kind for lg in ledgers}
+    if len(kinds) > 1:
+        raise ValueError("cost_series takes the ledgers of one ledger kind, not a mix of paired and unpaired")
+    kind = kinds.pop() if kinds else "unpaired"
     series = kl_min_series(ledgers, g, run_id=run_id)
     if series.refusals:
-        return CostBook((), series.refusals, series, run_id)
+        return CostBook((), series.refusals, series, run_id, ledger=kind, window=window)
     denoms, unit_refusal = _denominators(ledgers, run_, kl_spent, kl_spent_unit)
     if unit_refusal is not None:
-        return CostBook((), (unit_refusal,), series, run_id)
-    by_pair = {r.step_pair: r for r in series.rows}
+        return CostBook((), (unit_refusal,), series, run_id, ledger=kind, window=window)
     lg_by_pair = {lg.step_pair: lg for lg in ledgers}
-    rows: list[CostRow] = []
     refusals: list[Refusal] = []
-    missing = [lg.step_pair for lg in ledgers if lg.step_pair[0] not in denoms]
+    missing = [lg.step_pair for lg in ledgers if kind == "unpaired" and lg.step_pair[0] not in denoms]
     if missing:
         n_steps = len(run_.steps) if run_ is not None else len(ledgers)
         resolution = resolve(book, _supplied(run_, kl_spent, n_steps),
                              optimizer=run_.manifest.optimizer if run_ is not None else None)
         refusals.append(make_refusal("RECORD_INCOMPLETE", book, _subject(run_id, missing),
                                      _incomplete_context(run_, missing, len(ledgers), resolution, bool(kl_spent))))
-    for pair, row in by_pair.items():
-        if pair[0] not in denoms:
+    estimates: list[_eta.EtaEstimate] = []
+    meta: dict[tuple[int, int], tuple[KlMinRow, str, dict]] = {}
+    nothing: list[CostRow] = []
+    for row in series.rows:
+        pair, lg = row.step_pair, lg_by_pair[row.step_pair]
+        if kind == "paired":
+            source = f"paired: KL(pi_{{t+1}} || pi_t) on step {pair[1]}'s rollouts, the same sample as KL_min"
+            d_t = _paired_d_hat(lg)
+        elif pair[0] in denoms:
+            d_t, source = denoms[pair[0]]
+        else:
+            continue  # named in the RECORD_INCOMPLETE refusal above
+        if row.nothing_priced:
+            nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind))
             continue
-        d_t, source = denoms[pair[0]]
-        violation = _envelope(row, lg_by_pair[pair], d_t)
+        idx = g.for_step(pair[0]).active_index
+        if kind == "paired":
+            if lg.pareto_k > lg.pareto_k_max:
+                refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pair]), {
+                    **_envelope_base(row, lg, d_t), "premise": "heavy_tails", "ratio": None, "run": _short(run_id),
+                    "source": source, "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max}))
+                continue
+            est = _eta.paired_estimate(lg, idx)
+            violation = _envelope(row, lg, est.d_t, kl_min=est.kl_min)
+        else:
+            violation = _envelope(row, lg, d_t)
+            est = None if violation else _eta.unpaired_estimate(
+                lg, g.for_step(pair[0]).matrix[np.ix_(idx, idx)], idx, row.kl_min, row.noise_floor, d_t, row.p_value)
         if violation is not None:
             refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pair]),
                                          {**violation, "run": _short(run_id), "source": source}))
             continue
-        rows.append(CostRow(pair, row.kl_min, d_t, row.kl_min / d_t, source, row.clears_noise_floor, row.shares))
-    return CostBook(tuple(rows), tuple(refusals), series, run_id)
+        estimates.append(est)
+        meta[pair] = (row, source, _d_t_checks(lg, est, run_, pair))
+    priced = _eta.windows(estimates, window)
+    decided = _eta.benjamini_hochberg([e.p_value for e in priced])
+    rows: list[CostRow] = list(nothing)
+    for est, rej in zip(priced, decided):
+        members = [m for p_, m in meta.items() if est.step_pair[0] <= p_[0] and p_[1] <= est.step_pair[1]]
+        shares: dict[str, float] = {}
+        for m in members:
+            for f, v in m[0].shares.items():
+                shares[f] = shares.get(f, 0.0) + v
+        checks = members[0][2] if est.steps == 1 else {}
+        rows.append(CostRow(
+            step_pair=est.step_pair, kl_min=est.kl_min, kl_spent=est.d_t, efficiency=est.eta,
+            kl_spent_source=members[0][1], resolved=bool(rej), shares=shares,
+            status="resolved" if rej else "unresolved", efficiency_debiased=est.eta_debiased,
+            efficiency_null=est.eta_null, interval=est.interval(), p_value=est.p_value, ledger=kind, steps=est.steps,
+            d_t_checks=checks, d_t_disagrees=_disagree(checks)))
+    rows.sort(key=lambda r: r.step_pair)
+    return CostBook(tuple(rows), tuple(refusals), series, run_id, ledger=kind, window=window,
+                    _estimates={e.step_pair: e for e in priced})
 
 
-def _envelope(row: KlMinRow, lg: Ledger, d_t: float) -> dict[str, Any] | None:
-    """None when eta = KL_min / D_t is inside [0, 1]; else the failed premise, with numbers."""
-    base = {"step_pair": list(row.step_pair), "kl_min": row.kl_min, "d_t": d_t, "noise_floor": row.noise_floor,
+def _paired_d_hat(lg: PairedLedger) -> float:
+    """mean_g KL(u_g || p_g) = mean_g [mean_i r_i + log mean_i exp(-r_i)], nats per sequence."""
+    from reward_lens.measure.efficiency.iproj import i_projection
+
+    return float(i_projection(np.zeros((len(lg.log_ratio), 0)), lg.log_ratio, lg.codes, lg.n_groups).d_hat[0])
+
+
+# Two estimates of D_t disagree when they differ by more than this many combined SEs.
+D_T_DISAGREE_Z = 3.0
+
+
+def _d_t_checks(lg: Ledger, est: _eta.EtaEstimate, run: Run | None, pair: tuple[int, int]
+                ) -> dict[str, tuple[float, float | None]]:
+    """D_t from each source beside the one eta uses: (nats per sequence, SE or None)."""
+    if not isinstance(lg, PairedLedger):
+        return {}
+    out = {"same_sample": (est.d_t, float(np.std(est.d_boot, ddof=1)))}
+    if lg.d_rb is not None:
+        out["token_kl"] = (lg.d_rb, lg.d_rb_se)
+    if run is not None:
+        rec = run.telemetry_column("kl_to_previous").get(pair[0])
+        if rec is not None:
+            out["record"] = (float(rec), run.telemetry_column("kl_to_previous_se").get(pair[0]))
+    return out
+
+
+def _disagree(checks: dict[str, tuple[float, float | None]]) -> bool:
+    if "same_sample" not in checks:
+        return False
+    v0, s0 = checks["same_sample"]
+    for name, (v, s) in checks.items():
+        if name == "same_sample" or s is None or s0 is None:
+            continue
+        if abs(v - v0) > D_T_DISAGREE_Z * math.sqrt(s ** 2 + s0 ** 2):
+            return True
+    return False
+
+
+def _envelope_base(row: KlMinRow, lg: Ledger, d_t: float) -> dict[str, Any]:
+    return {"step_pair": list(row.step_pair), "kl_min": row.kl_min, "d_t": d_t, "noise_floor": row.noise_floor,
             "clears_noise_floor": row.clears_noise_floor, "leading_feature": row.leading_feature,
             "leading_delta": row.leading_delta, "leading_se": row.leading_se,
             "leading_t": row.leading_t, "n_pre": lg.n_pre, "n_post": lg.n_post,
             "max_abs_t": float(np.max(np.abs(lg.t))) if len(lg.t) else 0.0}
+
+
+def _envelope(row: KlMinRow, lg: Ledger, d_t: float, kl_min: float | None = None) -> dict[str, Any] | None:
+    """None when eta = KL_min / D_t is inside [0, 1]; else the failed premise, with numbers."""
+    base = _envelope_base(row, lg, d_t)
+    if kl_min is not None:
+        base["kl_min"] = kl_min
     if not math.isfinite(d_t):
         return {**base, "premise": "nonfinite_denominator", "ratio": None}
     if d_t <= 0:
         return {**base, "premise": "nonpositive_denominator", "ratio": None}
-    ratio = row.kl_min / d_t
+    ratio = base["kl_min"] / d_t
     if not (0.0 <= ratio <= 1.0):
         return {**base, "premise": "ratio_above_one", "ratio": ratio}
     return None

@@ -24,6 +24,10 @@ class StepSample:
     z: np.ndarray  # (n, k) float64, features of each rollout in basis `names`
     rewards: np.ndarray | None = None  # (n,)
     advantages: np.ndarray | None = None  # (n,)
+    groups: np.ndarray | None = None  # (n,) prompt group label of each rollout
+    logp: np.ndarray | None = None  # (n,) log pi_t(y): the sampling policy (record `logp_pre`)
+    logp_prev: np.ndarray | None = None  # (n,) log pi_{t-1}(y): the policy before the last step
+    kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
 
     @property
     def n(self) -> int:
@@ -42,6 +46,7 @@ class Ledger:
     n_pre: int
     n_post: int
     learning_rate: float | None = None
+    kind: str = "unpaired"  # which ledger made it: "unpaired" (two samples) or "paired"
 
     @property
     def t(self) -> np.ndarray:
@@ -58,31 +63,48 @@ def whole_run(run: Run) -> Window:
     return Window(int(steps[0]), int(steps[-1]))
 
 
+# Columns read when present: the paired ledger needs the groups and both log-probabilities.
+OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": "groups", "logp_pre": "logp",
+                    "logp_prev": "logp_prev", "kl_prev": "kl_prev"}
+
+
 def steps_from_run(run: Run, features: SurfaceFeatures, window: Window | None = None) -> list[StepSample]:
-    """One StepSample per step in ``window``, reading only the columns the features need."""
+    """One StepSample per step in ``window``, reading only the columns the features need
+    (plus rewards, advantages, groups and log-probabilities where the record has them)."""
     window = window or whole_run(run)
     available = set(run.rollout_columns())
-    extra = [c for c in ("reward", "advantage") if c in available]
-    parts: dict[int, list[tuple[np.ndarray, np.ndarray | None, np.ndarray | None]]] = {}
+    extra = [c for c in OPTIONAL_COLUMNS if c in available]
+    parts: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}
     for table in run.iter_rollouts([*features.columns, *extra], window):
         if not table.num_rows:
             continue
         z = features.compute(table, source=str(run.path / "rollouts.parquet"))
         steps = table.column("step").to_numpy()
-        rew = table.column("reward").to_numpy(zero_copy_only=False).astype(float) if "reward" in extra else None
-        adv = table.column("advantage").to_numpy(zero_copy_only=False).astype(float) if "advantage" in extra else None
+        cols = {}
+        for c in extra:
+            col = table.column(c)
+            if c == "group_id":
+                cols[c] = np.asarray(col.to_pylist(), dtype=object)
+            elif col.null_count == 0:
+                cols[c] = col.to_numpy(zero_copy_only=False).astype(float)
+            else:  # partly null (e.g. logp_prev of the first step): NaN marks the gaps
+                cols[c] = col.fill_null(np.nan).to_numpy(zero_copy_only=False).astype(float)
         uniq, starts = np.unique(steps, return_index=True)
         bounds = [*starts[1:], len(steps)]
         for s, a, b in zip(uniq, starts, bounds):
-            parts.setdefault(int(s), []).append((z[a:b], None if rew is None else rew[a:b],
-                                                 None if adv is None else adv[a:b]))
+            parts.setdefault(int(s), []).append((z[a:b], {c: v[a:b] for c, v in cols.items()}))
     out = []
     for s in sorted(parts):
         chunks = parts[s]
         z = np.vstack([c[0] for c in chunks])
-        rew = None if chunks[0][1] is None else np.concatenate([c[1] for c in chunks])
-        adv = None if chunks[0][2] is None else np.concatenate([c[2] for c in chunks])
-        out.append(StepSample(s, features.names, z, rew, adv))
+        kw = {}
+        for c, attr in OPTIONAL_COLUMNS.items():
+            if c in extra:
+                v = np.concatenate([ch[1][c] for ch in chunks])
+                if v.dtype != object and np.isnan(v).all():
+                    continue  # absent at this step
+                kw[attr] = v
+        out.append(StepSample(s, features.names, z, **kw))
     return out
 
 

@@ -1,0 +1,148 @@
+"""The paired ledger: step t priced on rollouts independent of its update.
+
+The unpaired (two-sample) ledger compares step t's rollouts with step t+1's: different
+samples of different prompts, so its dz carries sampling noise of order 1/sqrt(n) whatever
+the step size, while D_t shrinks with the step squared. The paired ledger uses *one* sample,
+step t+1's rollouts y ~ pi_{t+1} (drawn before any gradient touched them, so independent of
+step t's update), scored under both policies: r_i = log pi_{t+1}(y_i) - log pi_t(y_i) (the
+record's ``logp_pre - logp_prev``). In Price's covariance form, within each prompt group g,
+
+    dz_g = E_{u_g}[z] - E_{p_g}[z] = -(m_g) Cov_g(p_g, z),   p_g(i) prop. to exp(-r_i),
+
+(u_g uniform over the group, p_g its self-normalised reweighting to pi_t), and dz is the mean
+over groups. The sampling noise now scales with the spread of the weights, i.e. with the
+step. Groups are the independent units: Sigma_dz = Cov_g(dz_g) / G.
+
+Never on the rollouts the step trained on: there log pi_{t+1}/pi_t is inflated by the update
+itself (GRPO raises the log-probability of positive-advantage rollouts), which is why the
+record's ``logp_post`` is never read here.
+
+Premise check: the weights pi_t / pi_{t+1} must not be too heavy-tailed for self-normalised
+importance sampling. ``pareto_khat`` fits a generalised Pareto distribution to their upper
+tail (Vehtari et al. 2024, "Pareto smoothed importance sampling", JMLR 25(72)); above
+min(1 - 1/log10 S, 0.7) the estimate is unreliable and the book refuses the step pair.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import stats
+
+from reward_lens.measure.ledger.price import Ledger, StepSample
+
+
+@dataclass(frozen=True, eq=False)
+class PairedLedger(Ledger):
+    """A Ledger made from one sample of pi_{t+1}, scored under pi_t and pi_{t+1}."""
+
+    z: np.ndarray | None = None  # (n, k) features of the independent sample
+    codes: np.ndarray | None = None  # (n,) group code 0..G-1 of each rollout
+    n_groups: int = 0
+    log_ratio: np.ndarray | None = None  # (n,) r_i = log pi_{t+1}(y_i) - log pi_t(y_i)
+    d_rb: float | None = None  # D_t from the token-level KL along the sample's prefixes, nats/seq
+    d_rb_se: float | None = None
+    pareto_k: float = float("nan")  # PSIS k-hat of the weights pi_t / pi_{t+1}
+    pareto_k_max: float = 0.7
+    dropped_rollouts: int = 0  # rollouts in groups of one (no within-group information)
+
+
+def group_codes(groups) -> tuple[np.ndarray, int]:
+    """Integer codes 0..G-1 for any array of group labels, in order of first appearance."""
+    _, first, inverse = np.unique(np.asarray(groups), return_index=True, return_inverse=True)
+    order = np.argsort(np.argsort(first))
+    return order[inverse].astype(np.int64), len(first)
+
+
+def pareto_threshold(s: int) -> float:
+    """The sample-size dependent k-hat threshold min(1 - 1/log10 S, 0.7) (Vehtari et al. 2024, sec. 3)."""
+    return min(1.0 - 1.0 / math.log10(s), 0.7) if s > 10 else 0.0
+
+
+def pareto_khat(log_w: np.ndarray) -> float:
+    """Shape of a generalised Pareto fit to the largest M = min(S/5, 3 sqrt S) weights.
+
+    The fit is scipy's maximum likelihood (``genpareto.fit`` with the location at the tail's
+    threshold), not PSIS's Zhang-Stephens posterior mean; both estimate the same shape.
+    NaN when the tail has fewer than 5 points (S < 25).
+    """
+    lw = np.asarray(log_w, dtype=np.float64)
+    s = lw.size
+    m = int(min(0.2 * s, 3 * math.sqrt(s)))
+    if m < 5:
+        return float("nan")
+    w = np.sort(np.exp(lw - lw.max()))
+    exc = w[-m:] - w[-m - 1]
+    if exc.max() <= 0:
+        return float("-inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shape, _, _ = stats.genpareto.fit(exc / exc.max(), floc=0.0)
+    return float(shape)
+
+
+def has_paired_sample(s: StepSample) -> bool:
+    """Step s's rollouts carry log pi_s and log pi_{s-1} on every rollout, and groups."""
+    return (s.logp is not None and s.logp_prev is not None and s.groups is not None
+            and bool(np.isfinite(s.logp).all()) and bool(np.isfinite(s.logp_prev).all()))
+
+
+def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> PairedLedger | str:
+    """The paired ledger of step pair (sample.step - 1, sample.step), or why it cannot be formed."""
+    if not has_paired_sample(sample):
+        return "no log-probability under the previous policy (`logp_prev`) on every rollout"
+    codes, n_groups = group_codes(sample.groups)
+    sizes = np.bincount(codes, minlength=n_groups)
+    keep = sizes[codes] >= 2
+    if int(np.unique(codes[keep]).size) < 2:
+        return f"needs at least 2 prompt groups of at least 2 rollouts; step {sample.step} has {int((sizes >= 2).sum())}"
+    z = sample.z[keep]
+    r = (sample.logp - sample.logp_prev)[keep]
+    codes, n_groups = group_codes(codes[keep])
+    onehot = np.zeros((len(r), n_groups))
+    onehot[np.arange(len(r)), codes] = 1.0
+    size = onehot.sum(axis=0)
+    lw = -r
+    gmax = np.full(n_groups, -np.inf)
+    np.maximum.at(gmax, codes, lw)
+    w = np.exp(lw - gmax[codes])
+    p = w / (onehot @ (onehot.T @ w))
+    dz_g = (onehot.T @ z) / size[:, None] - onehot.T @ (p[:, None] * z)  # (G, k)
+    dz = dz_g.mean(axis=0)
+    cov = np.atleast_2d(np.cov(dz_g, rowvar=False, ddof=1)) / n_groups
+    d_rb = d_rb_se = None
+    if sample.kl_prev is not None and np.isfinite(sample.kl_prev).all():
+        per_group = (onehot.T @ sample.kl_prev[keep]) / size
+        d_rb = float(per_group.mean())
+        d_rb_se = float(per_group.std(ddof=1) / math.sqrt(n_groups))
+    n = int(len(r))
+    return PairedLedger(
+        step_pair=(sample.step - 1, sample.step), names=sample.names, delta_z=dz,
+        se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov, n_pre=n, n_post=n,
+        learning_rate=learning_rate, kind="paired", z=z, codes=codes, n_groups=n_groups, log_ratio=r,
+        d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=pareto_khat(-r), pareto_k_max=pareto_threshold(n),
+        dropped_rollouts=int((~keep).sum()),
+    )
+
+
+def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float] | None = None
+                         ) -> tuple[list[PairedLedger], dict[tuple[int, int], str]]:
+    """Paired ledgers for every step whose rollouts are scored under the previous policy,
+    and, for the step pairs that could not be formed, why."""
+    ledgers, why = [], {}
+    names = samples[0].names if samples else ()
+    for s in samples:
+        if s.names != names:
+            raise ValueError(f"step {s.step} is in basis {s.names}, not {names}: one feature basis per ledger")
+        if s.step == 0:
+            continue
+        lg = paired_ledger(s, None if eta_by_step is None else eta_by_step.get(s.step - 1))
+        if isinstance(lg, str):
+            why[(s.step - 1, s.step)] = lg
+        else:
+            ledgers.append(lg)
+    return ledgers, why
