@@ -1,8 +1,10 @@
 """The ``reward-lens`` command.
 
 Exit codes (all subcommands):
-  0  every book computed (audit: every --require'd book will compute)
-  1  some book refused, under --fail-on (a normal outcome for an incomplete record)
+  0  every book computed a number resolved from noise (audit: every --require'd book will
+     compute)
+  1  some book refused, or resolved nothing from noise, under --fail-on (a normal outcome
+     for an incomplete record or a short run)
   2  bad input: an unreadable record, config or spec, or an output folder holding files
      reward-lens did not write; one line on stderr names the file and field (the
      traceback only with --debug)
@@ -40,12 +42,27 @@ class Progress:
             sys.stderr.flush()
 
 
-def _exit_for(refusals, fail_on: str) -> int:
+def _exit_for(report, fail_on: str) -> int:
+    """0 only when every book computed a resolved number; an unresolved book (numbers, none
+    resolved from noise) counts with the refusals."""
+    refusals = report.refusals
     if fail_on == "never":
         return EXIT_OK
     if fail_on == "violated":
         return EXIT_REFUSED if any(r.severity == "violated" for r in refusals) else EXIT_OK
-    return EXIT_REFUSED if refusals else EXIT_OK
+    return EXIT_REFUSED if refusals or any(b.status != "computed" for b in report.books) else EXIT_OK
+
+
+def _window(text: str) -> int | str:
+    if text == "adaptive":
+        return text
+    try:
+        w = int(text)
+    except ValueError:
+        w = 0
+    if w < 1:
+        raise ValueError(f"--window takes a positive number of step pairs or 'adaptive', not {text!r}")
+    return w
 
 
 def _record_path(args) -> Path:
@@ -69,12 +86,17 @@ def cmd_report(args) -> int:
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
         raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
+    from reward_lens.measure.efficiency.of_run import LEDGERS
+
     out = Path(args.out)
+    window = _window(args.window)
+    if args.ledger not in LEDGERS:
+        raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {args.ledger!r}")
     check_owned(out, "report")  # before any work
     progress = Progress(args.quiet)
     run = open_run(_record_path(args))
     progress("building the report")
-    report = build_report(run, progress)
+    report = build_report(run, progress, ledger=args.ledger, window=window)
     progress("rendering")
     render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html), "json": ("report.json", to_json)}
     files = {render[f][0]: render[f][1](report) for f in formats}
@@ -82,11 +104,10 @@ def cmd_report(args) -> int:
     progress.done()
     if not args.quiet:
         for b in report.books:
-            codes = sorted({r.code for r in b.refusals})
-            print(f"{b.function}: {b.status}" + (f" ({', '.join(codes)})" if codes else ""))
+            print(f"{b.function}: {b.status}" + (f": {b.headline}" if b.headline else ""))
         for p in written:
             print(f"wrote {p}")
-    return _exit_for(report.refusals, args.fail_on)
+    return _exit_for(report, args.fail_on)
 
 
 def cmd_audit(args) -> int:
@@ -165,6 +186,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
     r.add_argument("--fail-on", choices=("refused", "violated", "never"), default="refused",
                    help="exit 1 when any book is refused (default), only on ENVELOPE_VIOLATED, or never")
+    r.add_argument("--ledger", default="auto", help="auto (paired where the record has rollouts scored under the "
+                   "previous policy, else unpaired), paired, or unpaired")
+    r.add_argument("--window", default="1", help="price W consecutive step pairs together (ratio of sums), or "
+                   "'adaptive': merge until resolved (default 1)")
     r.add_argument("--quiet", action="store_true", help="no progress, no summary")
     r.set_defaults(func=cmd_report)
 

@@ -15,6 +15,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "grpo_run"
 LONG = FIXTURES / "long"
 SHORT = FIXTURES / "short"
 TAPPED = FIXTURES / "tapped"
+PAIRED = FIXTURES / "paired"
 
 
 @pytest.fixture

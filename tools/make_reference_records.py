@@ -77,6 +77,13 @@ RECORDS = {
     "tapped": dict(seed=4242, steps=30, reward="lowercase", learning_rate=5e-2, batch=256,
                    lr_scheduler_type="constant", tap=True,
                    prompts=[f"{w} {i}" for i in range(8) for w in ("Note", "Item", "Line", "Word")]),
+    # The paired ledger's reference: realistic settings -- 64 rollouts per step as 8 prompts x
+    # 8 generations, AdamW at a constant 1e-2 (moves the features without collapsing them in
+    # 80 steps), written by the tap, which scores each step's rollouts under the previous
+    # policy too (logp_prev, kl_prev).
+    "paired": dict(seed=2024, steps=80, reward="lowercase", learning_rate=1e-2, batch=64,
+                   lr_scheduler_type="constant", tap=True,
+                   prompts=[f"{w} {i}" for i in range(16) for w in ("Note", "Item", "Line", "Word")]),
 }
 
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 import numpy as np
 
 from reward_lens import __version__
-from reward_lens.measure.efficiency import cost_series, metric_g
 from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
+from reward_lens.measure.efficiency.of_run import price_run
 from reward_lens.measure.ledger.features import SurfaceFeatures
-from reward_lens.measure.ledger.price import ledger_series, learning_rates, steps_from_run, whole_run
+from reward_lens.measure.ledger.price import steps_from_run, whole_run
 from reward_lens.record.reader import Run, Window
 from reward_lens.report.model import (
     BookOut,
@@ -30,7 +30,7 @@ from reward_lens.report.model import (
     RunSummary,
     SampleRollout,
 )
-from reward_lens_spec import Refusal, load_books, load_fields, load_refusal_codes
+from reward_lens_spec import Refusal, Subject, load_book, load_books, load_fields, load_refusal_codes, make_refusal
 from reward_lens_spec.render import render_template
 
 Progress = Callable[[str], None]
@@ -78,49 +78,62 @@ def _samples(run: Run) -> list[SampleRollout]:
     return out
 
 
-def _cost_section(run: Run, progress: Progress) -> tuple[list[Refusal], CostSection | None]:
+def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto",
+                  window: int | str = 1) -> tuple[list[Refusal], CostSection | None]:
     features = SurfaceFeatures()
     if not run.n_rollouts:
         return [rollouts_refusal(run, [])], None
-    window = whole_run(run)
+    window_ = whole_run(run)
     progress("reading rollouts and computing features")
-    samples = steps_from_run(run, features, window=window)
-    ledgers = ledger_series(samples, eta_by_step=learning_rates(run, window))
-    if not ledgers:
-        return [rollouts_refusal(run, samples)], None
-    progress("estimating G and KL_min")
-    # Per-step covariances where every step has enough rollouts (metric_g's "auto" rule),
-    # else the window's pooled covariance; the metric's reading says which.
-    g = metric_g(samples, method="covariance_bound", scope="auto")
-    book: CostBook = cost_series(ledgers, g, run_=run)
+    samples = steps_from_run(run, features, window=window_)
+    progress(f"pricing steps ({ledger} ledger)")
+    priced = price_run(run, samples, ledger=ledger, window=window)
+    formed = [] if priced.book is None else priced.book.kl_min.rows
+    extra = _not_formed_refusals(run, priced)
+    if priced.book is None:
+        return extra or [rollouts_refusal(run, samples)], None
+    book: CostBook = priced.book
+    g = priced.metric
     series = book.kl_min
     docs = features.docs()
-    feats = [FeatureOut(name=n, doc=docs[n], status="priced" if n in g.active else g.excluded[n])
+    excluded = {n: why for sub in [g, *g.by_step.values()] for n, why in sub.excluded.items()}
+    feats = [FeatureOut(name=n, doc=docs[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
              for n in g.names]
     kl_rows = [KlMinOut(step_pair=r.step_pair, kl_min=r.kl_min, noise_floor=r.noise_floor,
-                        clears_noise_floor=r.clears_noise_floor, leading_feature=r.leading_feature, shares=r.shares)
-               for r in series.rows]
-    eff = [EfficiencyOut(step_pair=r.step_pair, kl_min=r.kl_min, kl_spent=r.kl_spent, efficiency=r.efficiency,
-                         source=r.kl_spent_source, resolved=r.resolved) for r in book.rows]
+                        clears_noise_floor=r.clears_noise_floor, p_value=r.p_value, resolved=r.resolved,
+                        leading_feature=r.leading_feature, shares=r.shares)
+               for r in formed]
+    eff = [EfficiencyOut(step_pair=r.step_pair, steps=r.steps, status=r.status, kl_min=r.kl_min, kl_spent=r.kl_spent,
+                         efficiency=r.efficiency, efficiency_null=r.efficiency_null,
+                         efficiency_debiased=r.efficiency_debiased, interval=r.interval, p_value=r.p_value,
+                         source=r.kl_spent_source, resolved=r.resolved, d_t_checks=r.d_t_checks,
+                         d_t_disagrees=r.d_t_disagrees)
+           for r in book.rows]
     means = [FeatureMeans(step=s.step, n=s.n, mean=s.z.mean(axis=0).tolist(),
                           se=(s.z.std(axis=0, ddof=1) / np.sqrt(s.n)).tolist() if s.n > 1 else [0.0] * len(g.names))
              for s in samples]
-    totals = {a: sum(r.shares.get(a, 0.0) for r in series.rows) for a in g.active}
+    totals = {a: sum(r.shares.get(a, 0.0) for r in formed) for a in g.names}
+    counts = book.counts()
+    counts["refused"] += sum(len(r.subject.step_pairs) for r in extra)
+    eta_median, eta_interval = book.headline()
     summary = {
-        "step_pairs": len(ledgers),
+        "ledger": book.ledger, "window": str(book.window),
+        "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
+        "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
+        "rows_nothing_priced": counts["nothing_priced"],
+        "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
+        "false_discoveries_expected": book.false_discoveries_expected,
+        "step_pairs": len(formed),
         "kl_min_rows": len(kl_rows),
-        "clear_noise_floor": sum(r.clears_noise_floor for r in kl_rows),
+        "kl_min_resolved": sum(r.resolved for r in kl_rows),
         "median_kl_min": float(np.median([r.kl_min for r in kl_rows])) if kl_rows else None,
         "median_noise_floor": float(np.median([r.noise_floor for r in kl_rows])) if kl_rows else None,
-        "efficiency_rows": len(eff),
-        "median_efficiency": float(np.median([r.efficiency for r in eff])) if eff else None,
-        "refused_pairs": sum(len(r.subject.step_pairs) for r in book.refusals),
     }
     top = max(totals, key=totals.get) if totals and max(totals.values()) > 0 else None
     still = None
     if book.refusals and kl_rows:
         still = render_template("report/cost_still_works.j2", {
-            "n": len(kl_rows), "clear": summary["clear_noise_floor"], "top": top,
+            "n": len(kl_rows), "resolved": summary["kl_min_resolved"], "top": top,
             "top_share": (totals[top] / sum(totals.values())) if top else None})
     section = CostSection(
         features=feats,
@@ -128,23 +141,48 @@ def _cost_section(run: Run, progress: Progress) -> tuple[list[Refusal], CostSect
                          reading=g.reading),
         kl_min=kl_rows, efficiency=eff, feature_means=means, summary=summary, still_works=still,
     )
-    return list(book.refusals), section
+    return [*extra, *book.refusals], section
+
+
+def _not_formed_refusals(run: Run, priced) -> list[Refusal]:
+    """RECORD_INCOMPLETE for the step pairs no ledger could be formed for, one per reason."""
+    by_why: dict[str, list[tuple[int, int]]] = {}
+    for pair, why in sorted(priced.not_formed.items()):
+        by_why.setdefault(why, []).append(pair)
+    out = []
+    for why, pairs in by_why.items():
+        shown = ", ".join(f"{a}->{b}" for a, b in pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
+        out.append(make_refusal("RECORD_INCOMPLETE", load_book("cost"), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
+                                {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
+                                 "n_pairs": len(pairs), "pairs_shown": shown, "why": why,
+                                 "framework": run.manifest.framework.name}))
+    return out
 
 
 BOOK_SECTIONS = {"cost": _cost_section}
 
 
-def build_report(run: Run, progress: Progress | None = None) -> Report:
+def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "auto",
+                 window: int | str = 1) -> Report:
     progress = progress or (lambda _msg: None)
     books = []
     for book_id, spec in load_books().items():
         builder = BOOK_SECTIONS.get(book_id)
         if builder is None:
             raise RuntimeError(f"specs/books/{book_id}.yaml has no section builder in reward_lens.report.build")
-        refusals, section = builder(run, progress)
+        refusals, section = builder(run, progress, ledger=ledger, window=window)
         has_numbers = section is not None and bool(section.kl_min or section.efficiency)
-        status = "computed" if not refusals else ("partial" if has_numbers else "refused")
+        resolved = section is not None and bool(section.summary.get("rows_resolved"))
+        if not has_numbers:
+            status = "refused"
+        elif refusals:
+            status = "partial"
+        else:
+            status = "computed" if resolved else "unresolved"
+        headline = render_template("report/cost_headline.j2", {
+            "status": status, "s": section.summary if section else {},
+            "codes": sorted({r.code for r in refusals})}).strip() if book_id == "cost" else None
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,
-                             function=spec.function, status=status,
+                             function=spec.function, status=status, headline=headline,
                              refusals=[refusal_out(r) for r in refusals], cost=section))
     return Report(generator=f"reward-lens {__version__}", run=_summary(run), books=books, samples=_samples(run))

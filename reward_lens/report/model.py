@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "2.0"
 
 
 class _M(BaseModel):
@@ -72,20 +72,32 @@ class MetricOut(_M):
 
 class KlMinOut(_M):
     step_pair: tuple[int, int]
-    kl_min: float = Field(description="nats per sequence")
+    kl_min: float = Field(description="nats per sequence: 1/2 dz^T G^-1 dz")
     noise_floor: float = Field(description="nats per sequence: 1/2 tr(G^-1 Sigma_dz)")
-    clears_noise_floor: bool
+    clears_noise_floor: bool = Field(description="KL_min > floor + 2 null SD (a per-row test, no multiplicity control)")
+    p_value: float = Field(description="of dz = 0 (unpaired: Hotelling T^2; paired: F-test of r on z within groups)")
+    resolved: bool = Field(description="rejected by Benjamini-Hochberg at q = 0.05 across the book's rows")
     leading_feature: str | None
     shares: dict[str, float] = Field(description="nats per sequence, by feature; sums to kl_min")
 
 
 class EfficiencyOut(_M):
-    step_pair: tuple[int, int]
-    kl_min: float = Field(description="nats per sequence")
-    kl_spent: float = Field(description="D_t, nats per sequence")
-    efficiency: float = Field(ge=0.0, le=1.0, description="KL_min / D_t, dimensionless")
+    step_pair: tuple[int, int] = Field(description="first and last step of the row (a window when steps > 1)")
+    steps: int = Field(description="step pairs the row prices (its window)")
+    status: Literal["resolved", "unresolved", "nothing_priced"]
+    kl_min: float = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
+    kl_spent: float = Field(description="D_t, nats per sequence: the denominator of this eta")
+    efficiency: float | None = Field(ge=0.0, le=1.0, description="KL_min / D_t, dimensionless; null when nothing "
+                                                                 "was priced")
+    efficiency_null: float | None = Field(description="what noise alone gives eta in expectation")
+    efficiency_debiased: float | None = Field(description="(eta - null) / (1 - null); may be below 0")
+    interval: tuple[float, float] | None = Field(description="95 % interval of efficiency_debiased")
+    p_value: float | None
     source: str
     resolved: bool
+    d_t_checks: dict[str, tuple[float, float | None]] = Field(
+        default_factory=dict, description="D_t by source (nats per sequence, SE): same_sample, token_kl, record")
+    d_t_disagrees: bool = Field(False, description="token_kl and record differ by more than 3 combined SEs")
 
 
 class FeatureMeans(_M):
@@ -109,7 +121,10 @@ class CostSection(_M):
     kl_min: list[KlMinOut]
     efficiency: list[EfficiencyOut]
     feature_means: list[FeatureMeans]
-    summary: dict[str, float | int | None]
+    summary: dict[str, float | int | str | list[float] | None] = Field(description=(
+        "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
+        "rows_nothing_priced, eta_median (debiased, resolved rows only; null when none), eta_interval ([lo, hi] or "
+        "null), false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
 
 
@@ -119,7 +134,10 @@ class BookOut(_M):
     series: str
     section: str
     function: str
-    status: Literal["computed", "partial", "refused"]
+    status: Literal["computed", "unresolved", "partial", "refused"] = Field(description=(
+        "computed: numbers with no refusal and at least one resolved row; unresolved: numbers, none resolved "
+        "from noise; partial: numbers and refusals; refused: no numbers"))
+    headline: str | None = Field(None, description="one line: what the book says, or why it says nothing")
     refusals: list[RefusalOut]
     cost: CostSection | None = None
 

@@ -105,5 +105,9 @@ def test_tapped_record_supports_the_cost_book_from_the_record_alone():
     codes = Counter(r.code for r in book.refusals)
     assert "RECORD_INCOMPLETE" not in codes
     assert len(book.rows) + sum(len(r.subject.step_pairs) for r in book.refusals) == 29
-    assert all(0.0 <= r.efficiency <= 1.0 for r in book.rows)
+    assert all(0.0 <= r.efficiency <= 1.0 for r in book.rows if r.status != "nothing_priced")
+    # From step 17 on the policy has collapsed and every feature is constant: those rows price
+    # nothing and carry no efficiency (never an eta of 0).
+    assert all(r.efficiency is None and not r.shares for r in book.rows if r.status == "nothing_priced")
+    assert sum(r.status == "nothing_priced" for r in book.rows) >= 5
     assert sum(r.resolved for r in book.rows) >= 5  # the record was made to resolve movement

@@ -16,7 +16,7 @@ from reward_lens.record import open_run
 from reward_lens.report import build_report, to_html, to_json, to_markdown
 from reward_lens.report.model import Report
 from reward_lens.report.site import site_files
-from tests.conftest import LONG, SHORT, TAPPED, tiny_record, varied_completions
+from tests.conftest import LONG, PAIRED, SHORT, TAPPED, tiny_record, varied_completions
 
 REPO = Path(__file__).resolve().parents[2]
 SVG = re.compile(r"<svg.*?</svg>", re.S)
@@ -40,9 +40,9 @@ def _json_close(a, b, path="$"):
 
 def test_published_reports_are_current():
     """reports/ is the published site of the reference records; regenerate it with
-    `reward-lens publish tests/fixtures/grpo_run/long tests/fixtures/grpo_run/short
-    tests/fixtures/grpo_run/tapped --site reports`."""
-    fresh = site_files([open_run(LONG), open_run(SHORT), open_run(TAPPED)])
+    `rm -r reports && reward-lens publish tests/fixtures/grpo_run/long tests/fixtures/grpo_run/short
+    tests/fixtures/grpo_run/tapped tests/fixtures/grpo_run/paired --site reports`."""
+    fresh = site_files([open_run(LONG), open_run(SHORT), open_run(TAPPED), open_run(PAIRED)])
     on_disk = {p.relative_to(REPO / "reports").as_posix(): p.read_text(encoding="utf-8")
                for p in (REPO / "reports").rglob("*") if p.is_file() and p.name != ".reward-lens"}
     assert sorted(on_disk) == sorted(fresh), "reports/ has other files than publish writes: regenerate it"
@@ -60,7 +60,8 @@ def test_golden_markdown_of_the_long_record():
     assert "| optimizer | adamw\\_torch\\_fused |" in text
     assert "| steps | 200 (0–199) |" in text and "| rollouts | 1600 (8 per step) |" in text
     assert "### RECORD_INCOMPLETE: The record lacks an input the book needs" in text
-    assert "199 step pair(s) of run run:" in text and "**Remedy.** Log the per-step KL" in text
+    assert "199 step pair(s) of run run:" in text and "**Remedy.** Record the run with the reward-lens tap" in text
+    assert "Log the per-step KL" in text
     assert "What still works: `KL_min` and its per-feature Shapley shares need no denominator" in text
     rows = [l for l in text.splitlines() if re.match(r"^\| \d+→\d+ \|", l)]
     assert len(rows) == 199 and all(l.count(" | ") == rows[0].count(" | ") for l in rows)
@@ -69,7 +70,7 @@ def test_golden_markdown_of_the_long_record():
 def test_report_json_round_trips_and_the_schema_file_is_current():
     path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
     report = Report.model_validate_json(path.read_text())
-    assert report.schema_version == "1.0" and report.books[0].status == "partial"
+    assert report.schema_version == "2.0" and report.books[0].status == "partial"
     assert len(report.books[0].cost.kl_min) == 199 and report.books[0].cost.efficiency == []
     schema = json.loads((REPO / "reports" / "report.schema.json").read_text())
     assert schema == json.loads(json.dumps(Report.model_json_schema()))
@@ -149,9 +150,10 @@ def test_exit_codes(tmp_path):
     # ... which --fail-on can gate differently.
     assert _cli("report", str(LONG), "--out", str(tmp_path / "b"), "--quiet", "--fail-on", "violated").returncode == 0
     assert _cli("report", str(LONG), "--out", str(tmp_path / "c"), "--quiet", "--fail-on", "never").returncode == 0
-    # 0: a record whose every step pair has a D_t large enough.
-    steps = {s: varied_completions(s, n=40) for s in range(6)}
-    rec = tiny_record(tmp_path / "full", steps, kl_to_previous={s: 50.0 for s in range(6)})
+    # 0: a record whose every step pair has a D_t large enough and a movement well resolved
+    # (completions lengthen by 12 characters a step against a spread of ~4).
+    steps = {s: [w + "x" * (12 * s) for w in varied_completions(s, n=40)] for s in range(6)}
+    rec = tiny_record(tmp_path / "full", steps, kl_to_previous={s: 1e4 for s in range(6)})
     r = _cli("report", str(rec), "--out", str(tmp_path / "d"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cost_series: computed" in r.stdout
@@ -161,6 +163,11 @@ def test_exit_codes(tmp_path):
     rec2 = tiny_record(tmp_path / "small", steps, kl_to_previous={s: 1e-9 for s in range(6)})
     r = _cli("report", str(rec2), "--out", str(tmp_path / "e"), "--quiet", "--fail-on", "violated")
     assert r.returncode == 1
+    # 1: numbers, but none resolved from noise, is not "computed" (and says so in one line).
+    noise = {s: varied_completions(s, n=40) for s in range(6)}
+    rec3 = tiny_record(tmp_path / "noise", noise, kl_to_previous={s: 50.0 for s in range(6)})
+    r = _cli("report", str(rec3), "--out", str(tmp_path / "f"))
+    assert r.returncode == 1 and "cost_series: unresolved: No efficiency is resolved from noise" in r.stdout
 
 
 def test_bad_input_is_one_line_and_exit_two(tmp_path):

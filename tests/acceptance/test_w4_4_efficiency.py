@@ -65,7 +65,9 @@ def test_seed_snippet_refuses_and_kl_min_still_runs(record, steps, monkeypatch):
     assert lines[0] == "cost_series  RECORD_INCOMPLETE"
     run_short = ns["run"].run_id[:12]
     assert lines[1] == f"    {pairs} step pair(s) of run {run_short}... carries no per-step KL (`D_t`) from record"
-    assert "    Remedy: Log the per-step KL" in text
+    # Where the seed is wrong: a TRL record's remedy leads with the project's own fix (the tap),
+    # then says how to log D_t otherwise -- and that TRL's `kl` is not it.
+    assert "    Remedy: Record the run with the reward-lens tap" in text and "Log the per-step KL" in " ".join(text.split())
     book = ns["book"]
     assert book.rows == () and [r.code for r in book.refusals] == ["RECORD_INCOMPLETE"]
     assert len(book.refusals[0].subject.step_pairs) == pairs

@@ -25,16 +25,32 @@ def test_two_commands_exist_and_pin_torch_where_torch_is_installed():
 
 
 def test_measured_table_matches_the_published_reports():
-    for name in ("long", "short", "tapped"):
+    for name in ("long", "short", "tapped", "paired"):
         (path,) = (REPO / "reports" / "runs").glob(f"{name}-*/report.json")
-        s = json.loads(path.read_text())["books"][0]["cost"]["summary"]
+        book = json.loads(path.read_text())["books"][0]
+        s = book["cost"]["summary"]
         row = next(l for l in README.splitlines() if l.startswith(f"| {name} ("))
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cells[3] == str(s["kl_min_rows"]) and cells[4] == str(s["clear_noise_floor"])
-        assert cells[5] == f"{s['median_kl_min']:.2f} / {s['median_noise_floor']:.2f}"
-        refused = s["refused_pairs"]
-        if s["efficiency_rows"]:
-            assert f"η for {s['efficiency_rows']} step pairs (median {s['median_efficiency']:.3f})" in cells[2]
-            assert f"for {refused}" in cells[2]
-        else:
-            assert f"for {refused} step pairs" in cells[2]
+        assert cells[2] == s["ledger"]
+        if s["eta_median"] is not None:
+            lo, hi = s["eta_interval"]
+            assert cells[3] == f"η = {s['eta_median']:.2f} [{lo:.2f}, {hi:.2f}]"
+        assert cells[4] == " / ".join(str(s[k]) for k in ("rows_resolved", "rows_unresolved", "rows_refused",
+                                                           "rows_nothing_priced"))
+        assert cells[5] == f"{s['kl_min_resolved']} of {s['kl_min_rows']}"
+
+
+def test_ledger_table_is_the_scripts_output():
+    import sys
+
+    sys.path.insert(0, str(REPO / "tools"))
+    from ledger_resolution import resolution, table
+
+    m = re.search(r"<!-- ledger-table:start -->\n(.+?)\n<!-- ledger-table:end -->", README, re.S)
+    record = REPO / "tests" / "fixtures" / "grpo_run" / "paired"
+    res = resolution(record)
+    assert m and m.group(1) == table(record, res)
+    # The paired ledger resolves at least as much of the run as the unpaired one at every W.
+    for w in (1, 4, 8):
+        assert res["paired"][w]["resolved"] >= res["unpaired"][w]["resolved"]
+    assert res["paired"][1]["resolved"] > 0

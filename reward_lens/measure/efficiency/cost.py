@@ -402,7 +402,7 @@ def cost_series(
         pair, lg = row.step_pair, lg_by_pair[row.step_pair]
         if kind == "paired":
             source = f"paired: KL(pi_{{t+1}} || pi_t) on step {pair[1]}'s rollouts, the same sample as KL_min"
-            d_t = _paired_d_hat(lg)
+            d_t = lg.d_hat
         elif pair[0] in denoms:
             d_t, source = denoms[pair[0]]
         else:
@@ -450,13 +450,6 @@ def cost_series(
                     _estimates={e.step_pair: e for e in priced})
 
 
-def _paired_d_hat(lg: PairedLedger) -> float:
-    """mean_g KL(u_g || p_g) = mean_g [mean_i r_i + log mean_i exp(-r_i)], nats per sequence."""
-    from reward_lens.measure.efficiency.iproj import i_projection
-
-    return float(i_projection(np.zeros((len(lg.log_ratio), 0)), lg.log_ratio, lg.codes, lg.n_groups).d_hat[0])
-
-
 # Two estimates of D_t disagree when they differ by more than this many combined SEs.
 D_T_DISAGREE_Z = 3.0
 
@@ -466,7 +459,7 @@ def _d_t_checks(lg: Ledger, est: _eta.EtaEstimate, run: Run | None, pair: tuple[
     """D_t from each source beside the one eta uses: (nats per sequence, SE or None)."""
     if not isinstance(lg, PairedLedger):
         return {}
-    out = {"same_sample": (est.d_t, float(np.std(est.d_boot, ddof=1)))}
+    out = {"same_sample": (est.d_t, float(math.sqrt(est.cov[1, 1])))}
     if lg.d_rb is not None:
         out["token_kl"] = (lg.d_rb, lg.d_rb_se)
     if run is not None:
@@ -477,15 +470,16 @@ def _d_t_checks(lg: Ledger, est: _eta.EtaEstimate, run: Run | None, pair: tuple[
 
 
 def _disagree(checks: dict[str, tuple[float, float | None]]) -> bool:
-    if "same_sample" not in checks:
+    """The record's D_t and the token-level KL along the independent sample's prefixes are
+    both unbiased for D_t; they disagree beyond D_T_DISAGREE_Z combined SEs. (The same-sample
+    plug-in that eta divides by is left out: with m rollouts per group it reads about
+    (m-1)/m of D_t, a bias its KL_min shares, so eta is unaffected.)"""
+    if "token_kl" not in checks or "record" not in checks:
         return False
-    v0, s0 = checks["same_sample"]
-    for name, (v, s) in checks.items():
-        if name == "same_sample" or s is None or s0 is None:
-            continue
-        if abs(v - v0) > D_T_DISAGREE_Z * math.sqrt(s ** 2 + s0 ** 2):
-            return True
-    return False
+    (v0, s0), (v1, s1) = checks["token_kl"], checks["record"]
+    if s0 is None or s1 is None:
+        return False
+    return abs(v1 - v0) > D_T_DISAGREE_Z * math.sqrt(s0 ** 2 + s1 ** 2)
 
 
 def _envelope_base(row: KlMinRow, lg: Ledger, d_t: float) -> dict[str, Any]:

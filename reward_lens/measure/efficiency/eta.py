@@ -17,15 +17,19 @@ For an **unpaired** ledger (two samples) eta = KL_min / D_t with D_t from the re
 noise floor 1/2 tr(G^-1 Sigma_dz) is the null expectation of KL_min, ``eta_debiased`` subtracts
 it, and the p-value is the Wald test of dz = 0 (dz^T Sigma^-1 dz ~ chi^2_k).
 
-Intervals: 95 % percentile intervals of ``eta_debiased`` from ``N_BOOT`` replicates -- a
-bootstrap over prompt groups (paired: the unit of independence), or draws of dz from its
-sampling distribution (unpaired). Seeded by the step pair, so a report is reproducible.
-Windows of W step pairs are priced as a ratio of sums, replicate by replicate.
+Intervals: 95 % intervals of ``eta_debiased`` from a delta-method standard error of the
+ratio, with the covariance of (KL_min, D_t, null) by the delete-one-group jackknife (paired:
+prompt groups are the independent units; t quantile with G - 1 degrees of freedom) or from
+draws of dz from its sampling law (unpaired). (A group bootstrap is not used: resampling
+with replacement repeats groups, which inflates an R^2-like statistic by more than its
+null correction removes.) Windows of W step pairs are priced as a ratio of sums, with the
+rows' covariances added. Seeded by the step pair, so a report is reproducible.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,16 +39,21 @@ from reward_lens.measure.efficiency.iproj import i_projection
 from reward_lens.measure.ledger.paired import PairedLedger
 from reward_lens.measure.ledger.price import Ledger
 
-# Replicates per row: the 2.5 % and 97.5 % percentiles of 400 draws are each set by ~10
-# draws, enough for an interval that is reported to two significant figures.
-N_BOOT = 400
+# Monte Carlo draws (unpaired KL_min variance; the headline median's interval): the 2.5 %
+# and 97.5 % percentiles of 400 draws are each set by ~10 draws, enough for an interval
+# reported to two significant figures.
+N_DRAWS = 400
 # False discovery rate of the book-wide decision "resolved" (Benjamini & Hochberg 1995).
 FDR_Q = 0.05
 
 
 @dataclass(frozen=True, eq=False)
 class EtaEstimate:
-    """eta of one step pair (or window), before the book-wide decision."""
+    """eta of one step pair (or window), before the book-wide decision.
+
+    ``cov`` is the sampling covariance of (KL_min, D_t, null) -- by the jackknife over prompt
+    groups (paired) or from draws of dz (unpaired) -- so a window's ratio of sums gets its
+    standard error by the delta method."""
 
     step_pair: tuple[int, int]
     kind: str  # "paired" | "unpaired"
@@ -52,9 +61,8 @@ class EtaEstimate:
     d_t: float  # nats per sequence: the denominator this eta uses
     null_kl: float  # nats per sequence: what KL_min reads from noise alone, in expectation
     p_value: float
-    kl_boot: np.ndarray  # (N_BOOT,)
-    d_boot: np.ndarray  # (N_BOOT,)
-    null_boot: np.ndarray  # (N_BOOT,)
+    cov: np.ndarray  # (3, 3) covariance of (kl_min, d_t, null_kl)
+    dof: float = float("inf")  # degrees of freedom of the SE (jackknife: G - 1)
     converged: bool = True
     steps: int = 1  # step pairs in the window
 
@@ -70,16 +78,23 @@ class EtaEstimate:
     def eta_debiased(self) -> float:
         return _debias(self.kl_min, self.d_t, self.null_kl)
 
-    def boot_debiased(self) -> np.ndarray:
-        return _debias(self.kl_boot, self.d_boot, self.null_boot)
+    @property
+    def se(self) -> float:
+        """Delta-method SE of eta_debiased = (K - N) / (D - N)."""
+        k, d, n = (np.float64(v) for v in (self.kl_min, self.d_t, self.null_kl))
+        den = d - n
+        if not den > 0:
+            return float("inf")
+        with np.errstate(all="ignore"):  # overflow at absurd scales reads as an infinite SE
+            grad = np.array([1.0 / den, -(k - n) / den / den, (k - d) / den / den])
+            var = float(grad @ self.cov @ grad)
+        return math.sqrt(var) if var >= 0 else (float("inf") if not np.isfinite(var) else 0.0)
 
     def interval(self) -> tuple[float, float]:
-        b = self.boot_debiased()
-        b = b[np.isfinite(b)]
-        if not len(b):
-            return (float("nan"), float("nan"))
-        lo, hi = np.percentile(b, [2.5, 97.5])
-        return float(lo), float(hi)
+        """95 % interval of eta_debiased: t quantile with the SE's degrees of freedom."""
+        q = float(stats.t.ppf(0.975, self.dof)) if np.isfinite(self.dof) else 1.959963984540054
+        e, se = self.eta_debiased, self.se
+        return (e - q * se, e + q * se)
 
 
 def _debias(kl, d, null):
@@ -115,19 +130,23 @@ def within_group_r2_test(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_grou
 
 
 def paired_estimate(lg: PairedLedger, active_idx: np.ndarray) -> EtaEstimate:
-    """eta on the paired sample, with group-bootstrap replicates."""
+    """eta on the paired sample; its covariance by the delete-one-group jackknife (groups are
+    the independent units; each replicate's null uses its own degrees of freedom)."""
     z = lg.z[:, active_idx]
     k = len(active_idx)
-    rng = np.random.default_rng(_seed(lg.step_pair))
-    counts = rng.multinomial(lg.n_groups, np.full(lg.n_groups, 1.0 / lg.n_groups), size=N_BOOT)
-    weights = np.vstack([np.ones((1, lg.n_groups)), counts])
-    proj = i_projection(z, lg.log_ratio, lg.codes, lg.n_groups, weights)
-    _, p, d = within_group_r2_test(z, lg.log_ratio, lg.codes, lg.n_groups)
-    nu = k / d if d > 0 else 1.0
-    return EtaEstimate(
-        step_pair=lg.step_pair, kind="paired", kl_min=float(proj.kl_min[0]), d_t=float(proj.d_hat[0]),
-        null_kl=nu * float(proj.d_hat[0]), p_value=p, kl_boot=proj.kl_min[1:], d_boot=proj.d_hat[1:],
-        null_boot=nu * proj.d_hat[1:], converged=bool(proj.converged.all()))
+    g = lg.n_groups
+    weights = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])
+    proj = i_projection(z, lg.log_ratio, lg.codes, g, weights)
+    _, p, d = within_group_r2_test(z, lg.log_ratio, lg.codes, g)
+    sizes = np.bincount(lg.codes, minlength=g)
+    dofs = np.concatenate([[d], d - (sizes - 1)])  # deleting group j removes m_j rollouts and 1 group mean
+    nu = np.where(dofs > 0, k / np.maximum(dofs, 1), 1.0)
+    theta = np.stack([proj.kl_min, proj.d_hat, nu * proj.d_hat], axis=1)  # (1 + G, 3)
+    jk = theta[1:]
+    cov = (g - 1) / g * (jk - jk.mean(axis=0)).T @ (jk - jk.mean(axis=0))
+    return EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=float(theta[0, 0]), d_t=float(theta[0, 1]),
+                       null_kl=float(theta[0, 2]), p_value=p, cov=cov, dof=g - 1,
+                       converged=bool(proj.converged.all()))
 
 
 def hotelling_p(dz: np.ndarray, sigma: np.ndarray, n_pre: int, n_post: int) -> float:
@@ -150,15 +169,17 @@ def hotelling_p(dz: np.ndarray, sigma: np.ndarray, n_pre: int, n_post: int) -> f
 
 def unpaired_estimate(lg: Ledger, g_active: np.ndarray, active_idx: np.ndarray, kl_min: float, noise_floor: float,
                       d_t: float, p: float) -> EtaEstimate:
-    """eta = KL_min / D_t on a two-sample ledger, with replicates of dz from its sampling law."""
+    """eta = KL_min / D_t on a two-sample ledger; the variance of KL_min from draws of dz from
+    its sampling law (D_t and the floor taken as known)."""
     dz = lg.delta_z[active_idx]
     sigma = lg.cov_delta[np.ix_(active_idx, active_idx)]
     rng = np.random.default_rng(_seed(lg.step_pair))
-    draws = rng.multivariate_normal(dz, sigma, size=N_BOOT, method="eigh")
-    ginv = np.linalg.inv(g_active)
-    kl_b = 0.5 * np.einsum("bi,ij,bj->b", draws, ginv, draws)
+    draws = rng.multivariate_normal(dz, sigma, size=N_DRAWS, method="eigh")
+    kl_b = 0.5 * np.einsum("bi,ij,bj->b", draws, np.linalg.inv(g_active), draws)
+    cov = np.zeros((3, 3))
+    cov[0, 0] = float(np.var(kl_b, ddof=1))
     return EtaEstimate(step_pair=lg.step_pair, kind="unpaired", kl_min=kl_min, d_t=d_t, null_kl=noise_floor,
-                       p_value=p, kl_boot=kl_b, d_boot=np.full(N_BOOT, d_t), null_boot=np.full(N_BOOT, noise_floor))
+                       p_value=p, cov=cov)
 
 
 def benjamini_hochberg(p: Sequence[float], q: float = FDR_Q) -> np.ndarray:
@@ -182,15 +203,16 @@ def fisher_combined(p: Sequence[float]) -> float:
 
 
 def window(estimates: Sequence[EtaEstimate]) -> EtaEstimate:
-    """A window of consecutive step pairs priced as a ratio of sums, replicate by replicate."""
+    """A window of consecutive step pairs priced as a ratio of sums; the rows are independent
+    samples, so their covariances add."""
     first, last = estimates[0], estimates[-1]
     return EtaEstimate(
         step_pair=(first.step_pair[0], last.step_pair[1]), kind=first.kind,
         kl_min=sum(e.kl_min for e in estimates), d_t=sum(e.d_t for e in estimates),
         null_kl=sum(e.null_kl for e in estimates), p_value=fisher_combined([e.p_value for e in estimates]),
-        kl_boot=np.sum([e.kl_boot for e in estimates], axis=0), d_boot=np.sum([e.d_boot for e in estimates], axis=0),
-        null_boot=np.sum([e.null_boot for e in estimates], axis=0),
-        converged=all(e.converged for e in estimates), steps=sum(e.steps for e in estimates))
+        cov=np.sum([e.cov for e in estimates], axis=0),
+        dof=sum(e.dof for e in estimates), converged=all(e.converged for e in estimates),
+        steps=sum(e.steps for e in estimates))
 
 
 def windows(estimates: Sequence[EtaEstimate], w: int | str) -> list[EtaEstimate]:
@@ -216,15 +238,17 @@ def windows(estimates: Sequence[EtaEstimate], w: int | str) -> list[EtaEstimate]
     return out
 
 
-def headline(resolved: Sequence[EtaEstimate]) -> tuple[float | None, tuple[float, float] | None]:
-    """Median debiased eta over the resolved rows, and a 95 % interval for that median from the
-    rows' replicates (replicate b of the median = the median of the rows' replicates b)."""
+def headline(resolved: Sequence[EtaEstimate], seed: int = 0) -> tuple[float | None, tuple[float, float] | None]:
+    """Median debiased eta over the resolved rows, and a 95 % interval for that median: each
+    row drawn from N(eta_debiased, se^2) (rows are independent samples), the median taken per
+    draw, and the 2.5 / 97.5 % percentiles of those medians."""
     if not resolved:
         return None, None
-    med = float(np.median([e.eta_debiased for e in resolved]))
-    boot = np.median(np.vstack([e.boot_debiased() for e in resolved]), axis=0)
-    boot = boot[np.isfinite(boot)]
-    if not len(boot):
+    pts = np.array([e.eta_debiased for e in resolved])
+    ses = np.array([e.se for e in resolved])
+    med = float(np.median(pts))
+    if not np.isfinite(ses).all():
         return med, None
-    lo, hi = np.percentile(boot, [2.5, 97.5])
+    draws = np.random.default_rng(seed).normal(pts, ses, size=(N_DRAWS, len(pts)))
+    lo, hi = np.percentile(np.median(draws, axis=1), [2.5, 97.5])
     return med, (float(lo), float(hi))

@@ -23,8 +23,8 @@ covariance of z under q). Two properties make this the book's exact number:
 To second order in the step, KL_min = 1/2 dz^T C^-1 dz with C the within-group covariance,
 and KL_min / D_hat is the within-group R^2 of the log-ratio on the features.
 
-Everything is vectorised over B replicates (group-resampling weights of a bootstrap), so a
-bootstrap interval costs one batched solve.
+Everything is vectorised over B replicates (the group weights of a jackknife or bootstrap), so
+all replicates cost one batched solve.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from reward_lens.measure.ledger.paired import group_log_weights
 
 # Newton stops when the constraint is met to this many within-group standard deviations
 # (the features are standardised first): far below any sampling error of dz.
@@ -53,7 +55,7 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
 
     ``z`` (n, k): features (active ones only; any affine rescaling gives the same answer);
     ``log_ratio`` (n,): r_i = log pi_{t+1}(y_i) - log pi_t(y_i); ``codes`` (n,): group of each
-    rollout; ``group_weights`` (B, G): weight of each group in each replicate (a bootstrap's
+    rollout; ``group_weights`` (B, G): weight of each group in each replicate (a jackknife's
     resampling counts), default one replicate with every group weighted equally.
     """
     z = np.asarray(z, dtype=np.float64)
@@ -68,14 +70,7 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
     zc = z - (onehot @ ((onehot.T @ z) / size[:, None]))
     sd = np.sqrt((zc ** 2).sum(axis=0) / max(n - n_groups, 1))
     zs = zc / np.where(sd > 0, sd, 1.0)
-    # log p_g(i): self-normalised log weights log(pi_t/pi_{t+1}) = -r within each group.
-    lw = -r
-    gmax = np.full(n_groups, -np.inf)
-    np.maximum.at(gmax, codes, lw)
-    lse = gmax + np.log(onehot.T @ np.exp(lw - gmax[codes]))
-    logp = lw - lse[codes]
-    # D_hat_g = KL(u_g || p_g) = mean_i (-log m_g - log p_g(i)).
-    d_g = (onehot.T @ (-np.log(size)[codes] - logp)) / size
+    logp, d_g = group_log_weights(r, codes, n_groups)
     target_g = (onehot.T @ zs) / size[:, None]  # (G, k): E_u[z] per group (0 after centring)
     target = c @ target_g  # (B, k)
     d_hat = c @ d_g

@@ -195,6 +195,44 @@ def _per_step(samples: Sequence[StepSample]) -> MetricG:
                            "pi_t's own rollouts (G_t <= C_t), so KL_min is a lower bound on the true minimum")
 
 
+def within_group_metric(ledgers) -> MetricG:
+    """Rung 1 for paired ledgers: step pair (t, t+1) is priced with the within-prompt-group
+    covariance of its own independent sample (step t+1's rollouts), C_w = sum_g sum_i (z_i -
+    zbar_g)(z_i - zbar_g)^T / (n - G). Within groups, because a policy move changes the
+    conditional law of z given the prompt, so the bound G <= E_x Cov(z | x) is the one that
+    applies; the between-prompt variance is not movement a step can buy.
+
+    No shrinkage towards a target is applied (Ledoit-Wolf / OAS shrink towards a multiple of
+    the identity, which has no meaning across features in different units, and a shrunk C is
+    no longer an upper bound on G): the exact KL_min of the paired book does not use G at all,
+    and where n - G is small relative to k the quadratic form and its shares are read as the
+    covariance bound of a noisy C, which the row's null expectation k / (n - G) states.
+    """
+    if not ledgers:
+        raise ValueError("within_group_metric needs at least one paired ledger")
+    names = ledgers[0].names
+    by_step: dict[int, MetricG] = {}
+    for lg in ledgers:
+        size = np.bincount(lg.codes, minlength=lg.n_groups).astype(float)
+        means = np.stack([np.bincount(lg.codes, weights=lg.z[:, j], minlength=lg.n_groups) for j in
+                          range(lg.z.shape[1])], axis=1) / size[:, None]
+        zc = lg.z - means[lg.codes]
+        dof = max(len(zc) - lg.n_groups, 1)
+        c = zc.T @ zc / dof
+        active, excluded = _active_set(c, lg.z.mean(axis=0), names)
+        by_step[lg.step_pair[0]] = MetricG(
+            matrix=c, names=names, method="covariance_bound", n=len(zc), damping=0.0, damping_stable=True,
+            h2={a: 1.0 for a in active}, active=active, excluded=excluded,
+            reading=f"within-group covariance of step {lg.step_pair[1]}'s rollouts")
+    first = by_step[ledgers[0].step_pair[0]]
+    return MetricG(matrix=first.matrix, names=names, method="covariance_bound",
+                   n=sum(m.n for m in by_step.values()), damping=0.0, damping_stable=True, h2=first.h2,
+                   active=first.active, excluded=first.excluded, scope="per_step", by_step=by_step,
+                   reading="covariance bound, within prompt groups, per step: the step t -> t+1 is priced with the "
+                           "within-group covariance of step t+1's rollouts (G_t <= E_x Cov(z | x)); the exact "
+                           "KL_min needs no G")
+
+
 # ---------------------------------------------------------------------------- rung 2
 # Damping grid: n lambda = rho * tr(K) / n, rho on a log grid; GCV picks rho.
 RHO_GRID = np.logspace(-6, 1, 71)

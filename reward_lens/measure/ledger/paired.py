@@ -44,6 +44,7 @@ class PairedLedger(Ledger):
     codes: np.ndarray | None = None  # (n,) group code 0..G-1 of each rollout
     n_groups: int = 0
     log_ratio: np.ndarray | None = None  # (n,) r_i = log pi_{t+1}(y_i) - log pi_t(y_i)
+    d_hat: float = float("nan")  # mean_g KL(u_g || p_g): D_t on this same sample, nats/seq
     d_rb: float | None = None  # D_t from the token-level KL along the sample's prefixes, nats/seq
     d_rb_se: float | None = None
     pareto_k: float = float("nan")  # PSIS k-hat of the weights pi_t / pi_{t+1}
@@ -56,6 +57,20 @@ def group_codes(groups) -> tuple[np.ndarray, int]:
     _, first, inverse = np.unique(np.asarray(groups), return_index=True, return_inverse=True)
     order = np.argsort(np.argsort(first))
     return order[inverse].astype(np.int64), len(first)
+
+
+def group_log_weights(log_ratio: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:
+    """log p_g(i), the self-normalised log weight pi_t/pi_{t+1} of each rollout within its group,
+    and D_g = KL(u_g || p_g) = mean_i (-log m_g - log p_g(i)) = mean r + log mean exp(-r) per
+    group (>= 0 by Jensen; to second order 1/2 Var_g(r))."""
+    lw = -np.asarray(log_ratio, dtype=np.float64)
+    size = np.bincount(codes, minlength=n_groups).astype(np.float64)
+    gmax = np.full(n_groups, -np.inf)
+    np.maximum.at(gmax, codes, lw)
+    lse = gmax + np.log(np.bincount(codes, weights=np.exp(lw - gmax[codes]), minlength=n_groups))
+    logp = lw - lse[codes]
+    d_g = np.bincount(codes, weights=-np.log(size)[codes] - logp, minlength=n_groups) / size
+    return logp, d_g
 
 
 def pareto_threshold(s: int) -> float:
@@ -106,11 +121,8 @@ def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> Pai
     onehot = np.zeros((len(r), n_groups))
     onehot[np.arange(len(r)), codes] = 1.0
     size = onehot.sum(axis=0)
-    lw = -r
-    gmax = np.full(n_groups, -np.inf)
-    np.maximum.at(gmax, codes, lw)
-    w = np.exp(lw - gmax[codes])
-    p = w / (onehot @ (onehot.T @ w))
+    logp, d_g = group_log_weights(r, codes, n_groups)
+    p = np.exp(logp)
     dz_g = (onehot.T @ z) / size[:, None] - onehot.T @ (p[:, None] * z)  # (G, k)
     dz = dz_g.mean(axis=0)
     cov = np.atleast_2d(np.cov(dz_g, rowvar=False, ddof=1)) / n_groups
@@ -124,7 +136,7 @@ def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> Pai
         step_pair=(sample.step - 1, sample.step), names=sample.names, delta_z=dz,
         se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov, n_pre=n, n_post=n,
         learning_rate=learning_rate, kind="paired", z=z, codes=codes, n_groups=n_groups, log_ratio=r,
-        d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=pareto_khat(-r), pareto_k_max=pareto_threshold(n),
+        d_hat=float(d_g.mean()), d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=pareto_khat(-r), pareto_k_max=pareto_threshold(n),
         dropped_rollouts=int((~keep).sum()),
     )
 

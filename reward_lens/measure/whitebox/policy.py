@@ -72,9 +72,10 @@ def _cache_kw(model) -> str:
 
 @torch.no_grad()
 def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_id: int | None,
-           pad_token_id: int, seed: int) -> Sequences:
-    """n completions of one prompt from the policy itself: plain softmax sampling in
-    float64, with a seeded generator. Generation stops at EOS (kept) or the length cap."""
+           pad_token_id: int, seed: int, temperature: float = 1.0) -> Sequences:
+    """n completions of one prompt from the policy itself: softmax(logits / temperature)
+    sampling in float64, with a seeded generator. Generation stops at EOS (kept) or the
+    length cap."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt_ids] * n, dtype=torch.long)
     done = torch.zeros(n, dtype=torch.bool)
@@ -84,7 +85,7 @@ def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_
     past = getattr(out, kw)
     logits = out.logits[:, -1, :]
     for _ in range(max_new_tokens):
-        probs = torch.softmax(logits.double(), dim=-1)
+        probs = torch.softmax(logits.double() / temperature, dim=-1)
         nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1)
         nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         ids = torch.cat([ids, nxt[:, None]], dim=1)

@@ -34,7 +34,20 @@ and the estimator that produced it:
 
 Per rollout: the exact completion token ids and their count, the total reward and the reward
 of each reward function, the advantage, and log pi_t(y) and log pi_{t+1}(y) (from the
-rollout estimator's forward passes) for the rollouts the step used.
+rollout estimator's forward passes) for the rollouts the step used. ``logp_post`` is
+*in-sample* (the step was computed from these rollouts) and no estimate is built on it.
+
+The paired ledger's input: pi_t's parameters are kept one step longer, and step t+1's
+rollouts (sampled from pi_{t+1} before any gradient touched them) are also scored under
+pi_t: ``logp_prev`` = log pi_t(y) and ``kl_prev`` = the full-vocabulary token KL(pi_{t+1} ||
+pi_t) summed along y's prefixes, whose mean over the step's rollouts is D_t without the
+noise of the sequence log-ratio (chain rule). Cost: one more forward pass over each step's
+rollouts, and a second parameter snapshot in memory.
+
+Log-probabilities are those of the distribution the trainer sampled from: logits divided by
+the trainer's ``temperature`` (as TRL's own loss computes them). ``top_p`` / ``top_k``
+truncation is recorded in the manifest but not applied: TRL's loss does not apply it either,
+and between two truncated distributions the KL can be infinite.
 
 Memory: pi_t is kept as a parameter snapshot from ``on_pre_optimizer_step`` (after
 clipping, before the step) until the step's estimates are done: |theta| floats of the
@@ -90,6 +103,8 @@ class _Pending:
     advantage: float
     logp_pre: float | None = None
     logp_post: float | None = None
+    logp_prev: float | None = None
+    kl_prev: float | None = None
 
 
 class RewardLensTap(TrainerCallback):
@@ -113,6 +128,9 @@ class RewardLensTap(TrainerCallback):
         self._next_index = 0
         self._used: list[int] = []
         self._snapshot: dict[str, torch.Tensor] | None = None
+        self._prev: tuple[int, dict[str, torch.Tensor]] | None = None  # (t, pi_t) kept for step t+1
+        self.temperature = float(getattr(trainer, "temperature", None) or getattr(trainer.args, "temperature", 1.0)
+                                 or 1.0)
         self._row: dict[str, Any] = {}
         self._unclipped: float | None = None
         args = trainer.args
@@ -121,7 +139,12 @@ class RewardLensTap(TrainerCallback):
 
         model = trainer.model
         n_params = sum(p.numel() for p in model.parameters())
-        notes = [f"recorded by the reward-lens TRL tap (estimator {estimator}, flush every {self.flush_every} steps)"]
+        notes = [f"recorded by the reward-lens TRL tap (estimator {estimator}, flush every {self.flush_every} steps)",
+                 f"log-probabilities at the sampling temperature {self.temperature:g}; step t's rollouts are also "
+                 "scored under pi_{t-1} (logp_prev, kl_prev) for the paired ledger"]
+        if (getattr(args, "top_p", 1.0) or 1.0) < 1.0 or (getattr(args, "top_k", 0) or 0) > 0:
+            notes.append(f"sampling truncation top_p={getattr(args, 'top_p', None)}, top_k={getattr(args, 'top_k', None)} "
+                         "is not applied to the recorded log-probabilities (as in TRL's loss)")
         if args.logging_steps != 1:
             notes.append(f"logging_steps={args.logging_steps}: TRL's `kl` is a window mean, so kl_to_ref is not "
                          "recorded")
@@ -229,15 +252,19 @@ class RewardLensTap(TrainerCallback):
             primary = est.get("exact") or est.get("rollout") or est.get("rollout_stale")
             self._row.update(kl_to_previous=primary.mean, kl_to_previous_se=primary.se,
                              kl_to_previous_estimator=primary.estimator)
-        self._snapshot = None  # release pi_t
+        # pi_t is kept until step t+1's rollouts have been scored under it (the paired ledger).
+        self._prev = (t, snap) if self.estimator is not None else None
+        self._snapshot = None
 
     def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         model = self.trainer.model
         dev = next(model.parameters()).device
         kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
         if params is None:
-            return model(**kwargs).logits.float().cpu()
-        return torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits.float().cpu()
+            logits = model(**kwargs).logits
+        else:
+            logits = torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
+        return (logits.float() / self.temperature).cpu()
 
     def _batch(self, items: list[tuple[torch.Tensor, torch.Tensor]], pad: int):
         """Left-pad prompts, right-pad completions (TRL's layout); return ids, attention mask,
@@ -261,6 +288,11 @@ class RewardLensTap(TrainerCallback):
         pad = 0 if pad is None else pad
         out: dict[str, KlEstimate] = {}
         stale = any(self._pending[i].step != t for i in used)
+        # pi_{t-1}, kept from the previous step: scores step t's rollouts for the paired ledger.
+        # With rollouts reused across steps (num_iterations > 1) the independent sample is the
+        # next *generation*; that unit is not recorded yet, so no logp_prev is written then.
+        prev = self._prev[1] if (self._prev is not None and self._prev[0] == t - 1
+                                 and self._reuse(self.trainer.args) == 1) else None
         if self.estimator in ("rollout", "both"):
             per: list[float] = []
             for a in range(0, len(used), self.chunk):
@@ -271,10 +303,17 @@ class RewardLensTap(TrainerCallback):
                 old = self._forward(snap, ids, att)[:, pw - 1:-1]
                 kl, lp_old, lp_new = summed_kl_and_logps(new, old, ids[:, pw:], comp)
                 per.extend(kl.tolist())
-                for j, i in enumerate(chunk):
-                    if self._pending[i].step == t:
-                        self._pending[i].logp_pre = float(lp_old[j])
-                        self._pending[i].logp_post = float(lp_new[j])
+                fresh = [j for j, i in enumerate(chunk) if self._pending[i].step == t]
+                if prev is not None and fresh:
+                    older = self._forward(prev, ids[fresh], att[fresh])[:, pw - 1:-1]
+                    kl_prev, lp_prev, _ = summed_kl_and_logps(old[fresh], older, ids[fresh][:, pw:], comp[fresh])
+                    for q, j in enumerate(fresh):
+                        self._pending[chunk[j]].logp_prev = float(lp_prev[q])
+                        self._pending[chunk[j]].kl_prev = float(kl_prev[q])
+                for j in fresh:
+                    i = chunk[j]
+                    self._pending[i].logp_pre = float(lp_old[j])
+                    self._pending[i].logp_post = float(lp_new[j])
             name = "rollout_stale" if stale else "rollout"
             out[name] = KlEstimate.of(per, name)
         if self.estimator in ("exact", "both"):
@@ -286,7 +325,8 @@ class RewardLensTap(TrainerCallback):
                 m = self.n_exact // len(prompts) + (1 if k < self.n_exact % len(prompts) else 0)
                 if m == 0:
                     continue
-                seqs = sample(self.trainer.model, list(prompt), m, cap, eos, pad, self.seed + 7919 * t + k)
+                seqs = sample(self.trainer.model, list(prompt), m, cap, eos, pad, self.seed + 7919 * t + k,
+                              temperature=self.temperature)
                 ids, comp_full = seqs.ids, seqs.completion_mask
                 att = torch.ones_like(ids)
                 new = self._forward(None, ids, att)[:, :-1]
@@ -308,7 +348,9 @@ class RewardLensTap(TrainerCallback):
             rows.append(Rollout(step=p.step, group_id=f"{p.step}:{p.group}", prompt=p.prompt, completion=p.completion,
                                 completion_ids=p.completion_ids.tolist(), num_tokens=int(len(p.completion_ids)),
                                 reward=p.reward, rewards=p.rewards, advantage=p.advantage, logp_pre=p.logp_pre,
-                                logp_post=p.logp_post))
+                                logp_post=p.logp_post, logp_prev=p.logp_prev,
+                                # a sum of KLs is >= 0; max() only removes float64 rounding below 0
+                                kl_prev=None if p.kl_prev is None else max(p.kl_prev, 0.0)))
         return rows
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -1,0 +1,61 @@
+"""The cost book of a record, end to end: which ledger, which metric, which window.
+
+``ledger="auto"`` uses the paired ledger where the record has independent scored rollouts
+(``logp_prev`` on the rollouts of at least one step), else the unpaired one; the book says
+which it used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from reward_lens.measure.efficiency.cost import CostBook, cost_series
+from reward_lens.measure.efficiency.metric import MetricG, metric_g, within_group_metric
+from reward_lens.measure.ledger.paired import has_paired_sample, paired_ledger_series
+from reward_lens.measure.ledger.price import StepSample, ledger_series, learning_rates
+from reward_lens.record.reader import Run
+
+LEDGERS = ("auto", "paired", "unpaired")
+
+
+@dataclass(frozen=True)
+class PricedRun:
+    book: CostBook | None
+    metric: MetricG | None
+    ledger: str
+    not_formed: dict[tuple[int, int], str]  # step pairs no ledger could be formed for, and why
+
+
+def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", window: int | str = 1) -> PricedRun:
+    if ledger not in LEDGERS:
+        raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {ledger!r}")
+    lrs = learning_rates(run)
+    if ledger == "auto":
+        ledger = "paired" if any(has_paired_sample(s) for s in samples) else "unpaired"
+    if ledger == "paired":
+        ledgers, why = paired_ledger_series(samples, lrs)
+        if not ledgers:
+            return PricedRun(None, None, ledger, why)
+        g = within_group_metric(ledgers)
+    else:
+        ledgers, why = unpaired_ledgers(samples, lrs)
+        if not ledgers:
+            return PricedRun(None, None, ledger, why)
+        ok = [s for s in samples if s.n >= 2]
+        g = metric_g(ok, method="covariance_bound", scope="auto")
+    return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why)
+
+
+def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[int, int], str]]:
+    """Two-sample ledgers for the step pairs whose steps both have >= 2 rollouts; the others
+    are named, not fatal (a step with one rollout refuses only the pairs that touch it)."""
+    steps = {s.step: s for s in samples}
+    why = {}
+    for t, s in steps.items():
+        if s.n < 2:
+            for pair in ((t - 1, t), (t, t + 1)):
+                if pair[0] in steps and pair[1] in steps:
+                    why[pair] = f"step {t} has {s.n} rollout: a two-sample ledger needs at least 2 per step"
+    ok = [s for s in samples if s.n >= 2]
+    ledgers = [lg for lg in ledger_series(ok, eta_by_step=lrs) if lg.step_pair not in why]
+    return ledgers, why

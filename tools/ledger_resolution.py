@@ -1,0 +1,55 @@
+"""How much each ledger resolves on a record: rows resolved at windows W = 1, 4, 8.
+
+    python tools/ledger_resolution.py tests/fixtures/grpo_run/paired
+
+prints, for the paired and the unpaired ledger, the share of the record's step pairs that lie
+in a row (a step pair, or a window of W) which Benjamini-Hochberg at q = 0.05 resolves --
+refused step pairs count in the total -- and the headline eta (median over resolved rows,
+debiased, 95 % interval). The
+README's table is this script's output; a test re-runs it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def resolution(record: str | Path, windows=(1, 4, 8)) -> dict[str, dict[int, dict]]:
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    run = open_run(record)
+    samples = steps_from_run(run, SurfaceFeatures())
+    out: dict[str, dict[int, dict]] = {}
+    for ledger in ("paired", "unpaired"):
+        out[ledger] = {}
+        for w in windows:
+            priced = price_run(run, samples, ledger=ledger, window=w)
+            book = priced.book
+            med, ci = book.headline()
+            out[ledger][w] = {"resolved": sum(r.steps for r in book.resolved_rows),
+                              "total": len(book.kl_min.rows) + len(priced.not_formed), "eta": med, "interval": ci}
+    return out
+
+
+def table(record: str | Path, res: dict | None = None) -> str:
+    res = res or resolution(record)
+    lines = ["| ledger | W | step pairs in resolved rows | η (median over resolved rows, debiased) [95 %] |",
+             "|---|---|---|---|"]
+    for ledger, by_w in res.items():
+        for w, r in by_w.items():
+            eta = "—" if r["eta"] is None else f"{r['eta']:.2f}" + (
+                f" [{r['interval'][0]:.2f}, {r['interval'][1]:.2f}]" if r["interval"] else "")
+            lines.append(f"| {ledger} | {w} | {r['resolved']} of {r['total']} ({100 * r['resolved'] / r['total']:.0f} %) "
+                         f"| {eta} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(table(sys.argv[1] if len(sys.argv) > 1 else REPO / "tests" / "fixtures" / "grpo_run" / "paired"))
