@@ -60,58 +60,64 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
     """
     z = np.asarray(z, dtype=np.float64)
     r = np.asarray(log_ratio, dtype=np.float64)
+    order = np.argsort(codes, kind="stable")  # groups contiguous: segment sums by reduceat
+    z, r, codes = z[order], r[order], np.asarray(codes)[order]
     n, k = z.shape
     c = np.ones((1, n_groups)) if group_weights is None else np.asarray(group_weights, dtype=np.float64)
     c = c / c.sum(axis=1, keepdims=True)
-    onehot = np.zeros((n, n_groups))
-    onehot[np.arange(n), codes] = 1.0
-    size = onehot.sum(axis=0)
+    size = np.bincount(codes, minlength=n_groups).astype(np.float64)
+    starts = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
     # Standardise by the within-group SD: the I-projection is invariant, Newton is not.
-    zc = z - (onehot @ ((onehot.T @ z) / size[:, None]))
+    zc = z - (np.add.reduceat(z, starts, axis=0) / size[:, None])[codes]
     sd = np.sqrt((zc ** 2).sum(axis=0) / max(n - n_groups, 1))
     zs = zc / np.where(sd > 0, sd, 1.0)
     logp, d_g = group_log_weights(r, codes, n_groups)
-    target_g = (onehot.T @ zs) / size[:, None]  # (G, k): E_u[z] per group (0 after centring)
-    target = c @ target_g  # (B, k)
+    # The target E_u[z] per group is 0 after centring, so the constraint is mean_g E_q[z] = 0.
     d_hat = c @ d_g
     b = c.shape[0]
     lam = np.zeros((b, k))
 
-    def evaluate(lam_):
-        a = logp[None, :] + lam_ @ zs.T  # (B, n)
-        amax = np.full((b, n_groups), -np.inf)
-        for g in range(n_groups):  # G is small (prompts per step); n may not be
-            amax[:, g] = a[:, codes == g].max(axis=1)
+    def evaluate(lam_, c_):
+        a = logp[None, :] + lam_ @ zs.T  # (B', n)
+        amax = np.maximum.reduceat(a, starts, axis=1)  # (B', G)
         e = np.exp(a - amax[:, codes])
-        zg = e @ onehot  # (B, G)
-        logz = amax + np.log(zg)
-        value = (lam_ * target).sum(axis=1) - (c * logz).sum(axis=1)
-        q = e / zg[:, codes]  # (B, n) within-group tilted probabilities
-        return value, q
+        zg = np.add.reduceat(e, starts, axis=1)
+        value = -(c_ * (amax + np.log(zg))).sum(axis=1)
+        return value, e / zg[:, codes]  # the dual value, and q: within-group tilted probabilities
 
-    value, q = evaluate(lam)
+    value, q = evaluate(lam, c)
     converged = np.zeros(b, dtype=bool)
+    live = np.ones(b, dtype=bool)  # replicates still iterating (neither converged nor stalled)
     for _ in range(MAX_ITER):
-        wq = q * c[:, codes]  # (B, n): each rollout's weight in the replicate's mixture
-        mean_g = np.einsum("bn,nk,ng->bgk", q, zs, onehot)  # (B, G, k) E_q[z] per group
-        grad = target - np.einsum("bg,bgk->bk", c, mean_g)
-        converged = np.abs(grad).max(axis=1) < GRAD_TOL
-        if converged.all():
+        i = np.nonzero(live)[0]
+        if not len(i):
             break
-        dev = zs[None, :, :] - np.einsum("bgk,ng->bnk", mean_g, onehot)
-        hess = np.einsum("bn,bnk,bnl->bkl", wq, dev, dev) + 1e-12 * np.eye(k)
+        ci, qi = c[i], q[i]
+        mean_g = np.add.reduceat(qi[:, :, None] * zs[None, :, :], starts, axis=1)  # (B', G, k) E_q[z] per group
+        grad = -np.einsum("bg,bgk->bk", ci, mean_g)
+        done = np.abs(grad).max(axis=1, initial=0.0) < GRAD_TOL
+        converged[i[done]] = True
+        live[i[done]] = False
+        i, ci, qi, grad, mean_g = i[~done], ci[~done], qi[~done], grad[~done], mean_g[~done]
+        if not len(i):
+            break
+        dev = zs[None, :, :] - mean_g[:, codes, :]
+        hess = np.einsum("bn,bnk,bnl->bkl", qi * ci[:, codes], dev, dev) + 1e-12 * np.eye(k)
         step = np.linalg.solve(hess, grad[..., None])[..., 0]
-        step[converged] = 0.0
-        t = np.ones(b)
+        t = np.ones(len(i))
+        new_value, new_q = evaluate(lam[i] + step, ci)
         for _ in range(40):  # backtracking: accept only steps that raise the dual value
-            new_value, new_q = evaluate(lam + t[:, None] * step)
-            ok = np.isfinite(new_value) & (new_value >= value - 1e-15 * np.abs(value))
+            ok = np.isfinite(new_value) & (new_value >= value[i])
             if ok.all():
                 break
             t = np.where(ok, t, t / 2)
-        ok = np.isfinite(new_value) & (new_value >= value)
-        lam = np.where(ok[:, None], lam + t[:, None] * step, lam)
-        value = np.where(ok, new_value, value)
-        q = np.where(ok[:, None], new_q, q)
-    # value >= 0 up to rounding (it starts at lambda = 0, where it is log 1 = 0).
+            bad = ~ok
+            v2, q2 = evaluate(lam[i[bad]] + t[bad, None] * step[bad], ci[bad])
+            new_value[bad], new_q[bad] = v2, q2
+        ok = np.isfinite(new_value) & (new_value >= value[i])
+        lam[i[ok]] += t[ok, None] * step[ok]
+        value[i[ok]] = new_value[ok]
+        q[i[ok]] = new_q[ok]
+        live[i[~ok]] = False  # no ascent left at float64 precision: the value stands as a lower bound
+    # value >= 0 up to rounding (it starts at lambda = 0, where it is -log 1 = 0).
     return Projection(kl_min=np.maximum(value, 0.0), d_hat=d_hat, converged=converged, lam=lam)

@@ -1,0 +1,240 @@
+"""The paired ledger and the exact KL_min, checked against independent computations: a primal
+solver for the I-projection, least squares for the R^2 identity, brute-force subset
+regressions for the LMG decomposition, and the real tapped record for the in-sample bias."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from math import factorial
+
+import numpy as np
+import pytest
+import scipy.optimize as so
+
+from reward_lens.measure.efficiency import cost_series
+from reward_lens.measure.efficiency.eta import benjamini_hochberg, within_group_r2_test, windows
+from reward_lens.measure.efficiency.iproj import i_projection
+from reward_lens.measure.efficiency.metric import within_group_metric
+from reward_lens.measure.efficiency.shapley import shapley_shares
+from reward_lens.measure.ledger.paired import group_codes, paired_ledger
+from reward_lens.measure.ledger.price import StepSample
+from tests.conftest import PAIRED
+
+
+def _primal(z, r, codes, n_groups):
+    """min_q mean_g KL(q_g || p_g) s.t. mean_g E_q[z] = mean_g zbar_g, by SLSQP over softmax logits."""
+    p = np.zeros(len(r))
+    for g in range(n_groups):
+        s = codes == g
+        p[s] = np.exp(-r[s] - np.logaddexp.reduce(-r[s]))
+    target = np.mean([z[codes == g].mean(0) for g in range(n_groups)], axis=0)
+
+    def q_of(x):
+        q = np.exp(x - x.max())
+        for g in range(n_groups):
+            s = codes == g
+            q[s] /= q[s].sum()
+        return q
+
+    def obj(x):
+        q = q_of(x)
+        return float(np.sum(q * np.log(q / p)) / n_groups)
+
+    def cons(x):
+        q = q_of(x)
+        return (q[:, None] * z).sum(0) / n_groups - target
+
+    res = so.minimize(obj, np.zeros(len(r)), constraints=[{"type": "eq", "fun": cons}], method="SLSQP",
+                      options={"ftol": 1e-15, "maxiter": 2000})
+    d_hat = float(np.mean([np.mean(-np.log((codes == g).sum()) - np.log(p[codes == g])) for g in range(n_groups)]))
+    return res.fun, d_hat
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_i_projection_matches_an_independent_primal_solver(seed):
+    rng = np.random.default_rng(seed)
+    n_groups, m, k = 3 + seed % 3, 5, 1 + seed % 3
+    codes = np.repeat(np.arange(n_groups), m)
+    z = rng.normal(size=(n_groups * m, k)) * rng.uniform(0.1, 50, size=k)  # features in different units
+    r = 0.4 * rng.normal(size=len(codes)) + 0.02 * z[:, 0] / z[:, 0].std()
+    proj = i_projection(z, r, codes, n_groups)
+    kl, d_hat = _primal(z, r, codes, n_groups)
+    assert proj.converged.all()
+    assert proj.kl_min[0] == pytest.approx(kl, rel=1e-5, abs=1e-9)
+    assert proj.d_hat[0] == pytest.approx(d_hat, rel=1e-12)
+
+
+@pytest.mark.slow
+def test_eta_exact_is_in_the_unit_interval_in_ten_thousand_cases_with_heavy_tails():
+    """10^4 samples (500 batches of 20, each sample a separate I-projection through its own
+    group weights), log-ratios drawn light- and heavy-tailed (Cauchy, scale up to 20)."""
+    rng = np.random.default_rng(7)
+    cases = bad = 0
+    for batch in range(500):
+        per, n_groups, m, k = 20, 4, 8, 1 + batch % 5
+        codes = np.repeat(np.arange(per * n_groups), m)
+        z = rng.normal(size=(len(codes), k)) * (1 + 10 * rng.random(k))
+        if batch % 2:
+            r = rng.standard_cauchy(len(codes)) * rng.uniform(0.1, 20)
+        else:
+            r = rng.normal(size=len(codes)) * rng.uniform(1e-4, 5) + 0.5 * z[:, 0] / z[:, 0].std()
+        weights = np.kron(np.eye(per), np.ones((1, n_groups)))  # replicate b = sample b's groups only
+        proj = i_projection(z, r, codes, per * n_groups, weights)
+        ok = (proj.kl_min >= 0) & (proj.kl_min <= proj.d_hat * (1 + 1e-9) + 1e-12)
+        bad += int((~ok).sum())
+        cases += per
+    assert cases == 10_000 and bad == 0
+
+
+def _within(z, r, codes, n_groups):
+    zc = z.copy()
+    rc = r.copy()
+    for g in range(n_groups):
+        s = codes == g
+        zc[s] -= z[s].mean(0)
+        rc[s] -= r[s].mean()
+    return zc, rc
+
+
+def test_to_second_order_eta_is_the_within_group_r2_and_shares_are_its_lmg_decomposition():
+    rng = np.random.default_rng(3)
+    n_groups, m, k = 16, 40, 3
+    codes = np.repeat(np.arange(n_groups), m)
+    z = rng.normal(size=(n_groups * m, k)) @ np.array([[1, 0.5, 0], [0, 1, 0.3], [0, 0, 1]]) \
+        + rng.normal(size=(n_groups, k))[codes]
+    base = z @ np.array([1.0, -0.5, 0.25]) + rng.normal(size=len(codes))
+    zc, _ = _within(z, base, codes, n_groups)
+    errs = []
+    for eps in (1e-1, 1e-2, 1e-3):
+        r = eps * base
+        proj = i_projection(z, r, codes, n_groups)
+        eta = proj.kl_min[0] / proj.d_hat[0]
+        _, rc = _within(z, r, codes, n_groups)
+        beta, *_ = np.linalg.lstsq(zc, rc, rcond=None)
+        r2 = 1 - ((rc - zc @ beta) ** 2).sum() / (rc ** 2).sum()
+        errs.append(abs(eta - r2))
+    assert errs[-1] < 1e-4 and errs[0] > errs[1] > errs[2]  # the difference vanishes with the step
+    # The LMG identity holds exactly at first order: dz = Cov_w(z, r), G = C_w.
+    r = base
+    _, rc = _within(z, r, codes, n_groups)
+    c = zc.T @ zc / len(r)
+    dz = zc.T @ rc / len(r)
+    var_r = rc @ rc / len(r)
+    shares = shapley_shares(dz, c)
+
+    def r2_of(subset):
+        if not subset:
+            return 0.0
+        x = zc[:, list(subset)]
+        b, *_ = np.linalg.lstsq(x, rc, rcond=None)
+        return 1 - ((rc - x @ b) ** 2).sum() / (rc @ rc)
+
+    lmg = np.zeros(k)
+    for i in range(k):
+        others = [j for j in range(k) if j != i]
+        for size in range(k):
+            for s in combinations(others, size):
+                w = factorial(size) * factorial(k - size - 1) / factorial(k)
+                lmg[i] += w * (r2_of(s + (i,)) - r2_of(s))
+    np.testing.assert_allclose(shares, 0.5 * var_r * lmg, rtol=1e-9)
+    # ... and the paired ledger's dz tends to that first-order dz as the step shrinks.
+    eps = 1e-4
+    sample = StepSample(1, ("a", "b", "c"), z, groups=codes.astype(str), logp=eps * r, logp_prev=np.zeros(len(r)))
+    lg = paired_ledger(sample)
+    np.testing.assert_allclose(lg.delta_z / eps, dz, rtol=1e-3)
+
+
+def test_the_null_expectation_is_k_over_d():
+    """With features independent of r, the mean eta over many samples is k/(n - G)."""
+    rng = np.random.default_rng(11)
+    n_groups, m, k, reps = 8, 8, 3, 400
+    codes = np.repeat(np.arange(n_groups), m)
+    etas = []
+    for _ in range(reps):
+        z = rng.normal(size=(len(codes), k))
+        r = 1e-3 * rng.normal(size=len(codes))
+        p = i_projection(z, r, codes, n_groups)
+        etas.append(p.kl_min[0] / p.d_hat[0])
+    d = len(codes) - n_groups
+    assert np.mean(etas) == pytest.approx(k / d, rel=0.1)
+
+
+def test_benjamini_hochberg_on_a_worked_example():
+    # m = 5, q = 0.05: thresholds i q / m = 0.01 0.02 0.03 0.04 0.05 against the sorted p-values
+    # 0.001 0.012 0.025 0.039 0.3: the largest i with p(i) <= i q / m is 4, so four are rejected.
+    p = [0.001, 0.3, 0.025, 0.039, 0.012]
+    assert benjamini_hochberg(p).tolist() == [True, False, True, True, True]
+    # m = 2: 0.04 > 0.025 and 0.5 > 0.05, so none (a per-test 0.05 would have rejected 0.04).
+    assert benjamini_hochberg([0.5, 0.04]).tolist() == [False, False]
+
+
+def _sample(step, rng, r_scale=0.1, n_groups=8, m=8, heavy=False):
+    codes = np.repeat(np.arange(n_groups), m)
+    z = rng.normal(size=(n_groups * m, 2))
+    r = r_scale * (z[:, 0] + 0.3 * rng.normal(size=len(codes)))
+    if heavy:
+        r = r_scale * rng.standard_cauchy(len(codes)) * 30
+    return StepSample(step, ("f1", "f2"), z, groups=np.array([f"{step}:{c}" for c in codes]), logp=r,
+                      logp_prev=np.zeros(len(r)))
+
+
+def test_heavy_tailed_weights_refuse_the_step_pair_with_the_numbers():
+    rng = np.random.default_rng(5)
+    ledgers = [paired_ledger(_sample(1, rng)), paired_ledger(_sample(2, rng, heavy=True))]
+    assert ledgers[1].pareto_k > ledgers[1].pareto_k_max
+    book = cost_series(ledgers, within_group_metric(ledgers))
+    assert [r.step_pair for r in book.rows] == [(0, 1)]
+    (ref,) = book.refusals
+    assert ref.code == "ENVELOPE_VIOLATED" and ref.context["premise"] == "heavy_tails"
+    assert "too heavy-tailed" in ref.detail and f"{ledgers[1].pareto_k:.3g}"[:3] in ref.detail
+
+
+def test_windows_are_ratios_of_sums_and_gaps_start_a_new_window():
+    rng = np.random.default_rng(9)
+    ledgers = [paired_ledger(_sample(s, rng)) for s in (1, 2, 3, 5, 6)]
+    book1 = cost_series(ledgers, within_group_metric(ledgers))
+    est = [book1._estimates[r.step_pair] for r in book1.rows]
+    wins = windows(est, 2)
+    assert [w.step_pair for w in wins] == [(0, 2), (2, 3), (4, 6)]
+    assert wins[0].kl_min == pytest.approx(est[0].kl_min + est[1].kl_min)
+    assert wins[0].d_t == pytest.approx(est[0].d_t + est[1].d_t)
+    book2 = cost_series(ledgers, within_group_metric(ledgers), window=2)
+    assert [r.steps for r in book2.rows] == [2, 1, 2]
+
+
+def test_a_group_of_one_is_dropped_and_too_few_groups_is_named():
+    rng = np.random.default_rng(2)
+    s = _sample(1, rng, n_groups=3, m=4)
+    groups = s.groups.copy()
+    groups[0] = "alone"
+    lg = paired_ledger(StepSample(1, s.names, s.z, groups=groups, logp=s.logp, logp_prev=s.logp_prev))
+    assert lg.dropped_rollouts == 1
+    one = StepSample(1, s.names, s.z[:4], groups=s.groups[:4], logp=s.logp[:4], logp_prev=s.logp_prev[:4])
+    assert "at least 2 prompt groups" in paired_ledger(one)
+
+
+def test_in_sample_rollouts_overstate_what_the_step_spent():
+    """On the real tapped record: on the rollouts a step trained on, log pi_{t+1}/pi_t is
+    inflated by the update (1/2 Var(r) well above D_t, R^2 on the features inflated); on the
+    next step's independent rollouts it is not."""
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    run = open_run(PAIRED)
+    samples = steps_from_run(run, SurfaceFeatures())
+    tab = run.read_rollouts(["logp_post"])
+    post, steps = tab.column("logp_post").to_numpy(), tab.column("step").to_numpy()
+    cols = [0, 3, 4, 5, 6, 7, 8]  # the features that vary (n_lines and n_words are nearly constant)
+    ratio_in, ratio_ind, r2_in, r2_ind = [], [], [], []
+    for a, b in zip(samples[:-1], samples[1:]):
+        d_t = float(np.mean(b.kl_prev))  # token-level KL along pi_{t+1}'s own samples
+        for smp, r, out_ratio, out_r2 in ((a, post[steps == a.step] - a.logp, ratio_in, r2_in),
+                                          (b, b.logp - b.logp_prev, ratio_ind, r2_ind)):
+            codes, g = group_codes(smp.groups)
+            means = np.bincount(codes, weights=r) / np.bincount(codes)
+            out_ratio.append(0.5 * np.mean((r - means[codes]) ** 2) / d_t)
+            out_r2.append(within_group_r2_test(smp.z[:, cols], r, codes, g)[0])
+    assert 0.75 < np.median(ratio_ind) < 1.05  # ~D_t on independent rollouts ((m-1)/m = 0.875 expected)
+    assert np.median(ratio_in) > 1.3 * np.median(ratio_ind)
+    assert np.median(r2_in) > np.median(r2_ind) + 0.15
