@@ -85,6 +85,14 @@ def test_readme_table_is_what_this_experiment_measures(results):
         d_t = float(cells[2].split("±")[0])
         assert d_t == pytest.approx(r.d_t, rel=0.02)
         assert float(cells[4].split("(")[0]) == pytest.approx(r.kl_min_rung1, rel=0.02)
+        if r.kl_min_rung2 is None:  # refused: the damping is not identified by the scores
+            (ref,) = r.details["book_rung2"].refusals
+            assert cells[6] == "—" and ref.context["premise"] == "damping_unidentified"
+            assert cells[7] == "ENVELOPE_VIOLATED, damping not identified"
+        else:
+            assert float(cells[6]) == pytest.approx(r.kl_min_rung2, rel=0.02)
+        if r.eta_rung2 is not None:
+            assert cells[7].startswith(f"η = {r.eta_rung2:.3f}")
         fresh, own = (float(x) for x in cells[8].split("/"))
         assert fresh == pytest.approx(r.fisher_fresh_ratio, rel=0.02) and own == pytest.approx(r.fisher_own_ratio,
                                                                                                rel=0.02)

@@ -183,3 +183,30 @@ def test_kl_spent_from_checkpoints_in_a_record(policy, tmp_path):
     book = cost_series(ledger_series(samples), metric_g(samples), run_=run, kl_spent=spent)
     labels = [r.kl_spent_source for r in book.rows] + [r.context.get("source") for r in book.refusals]
     assert labels == ["kl_spent (exact_post_samples)"]
+
+
+def test_damping_at_the_edge_of_its_range_refuses_rung_2():
+    """Features that are pure noise with respect to the scores: leave-one-out wants infinite
+    damping, the optimum runs to RHO_MAX, and the cost book refuses rather than report an
+    eta set by the search range."""
+    from reward_lens.measure.efficiency import kl_min_series
+    from reward_lens.measure.efficiency.metric import RHO_MAX
+    from reward_lens.measure.ledger.price import Ledger
+
+    rng = np.random.default_rng(4)
+    s = rng.normal(size=(40, 300))
+    sample = StepSample(0, ("a", "b"), rng.normal(size=(40, 2)))
+    g = metric_g([sample], method="fisher_kernel", scores=s)
+    assert g.diagnostics["at_boundary"]  # on the plateau towards RHO_MAX, wherever the search stopped
+    assert not g.damping_stable and "edge of its search range" in g.reading
+    lg = Ledger((0, 1), ("a", "b"), np.array([0.1, 0.0]), np.array([0.05, 0.05]), np.eye(2) * 0.0025, 40, 40)
+    series = kl_min_series([lg], g)
+    (ref,) = series.refusals
+    assert series.rows == () and ref.code == "ENVELOPE_VIOLATED" and ref.context["premise"] == "damping_unidentified"
+    assert "not identified" in ref.detail
+
+
+def test_an_informative_basis_gets_an_interior_damping():
+    sample, s = _kernel_case()
+    g = metric_g([sample], method="fisher_kernel", scores=s)
+    assert not g.diagnostics["at_boundary"] and "leave-one-out" in g.reading

@@ -251,6 +251,14 @@ def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None =
     refusal = _basis_refusal(ledgers, g, run_id)
     if refusal is not None:
         return KlMinSeries((), (refusal,), g)
+    if g.method == "fisher_kernel" and g.diagnostics.get("at_boundary"):
+        from reward_lens.measure.efficiency.metric import RHO_MAX, RHO_MIN
+
+        pairs = [lg.step_pair for lg in ledgers]
+        ref = make_refusal("ENVELOPE_VIOLATED", load_book(BOOK_ID), _subject(run_id, pairs), {
+            "premise": "damping_unidentified", "step_pair": list(pairs[0]) if pairs else [0, 0], "n_pairs": len(pairs),
+            "run": _short(run_id), "rho": g.diagnostics["rho"], "rho_min": RHO_MIN, "rho_max": RHO_MAX, "n": g.n})
+        return KlMinSeries((), (ref,), g)
     widest = max([len(g.active)] + [len(sub.active) for sub in g.by_step.values()])
     if widest > EXACT_MAX_FEATURES:
         ref = make_refusal("LIMIT_EXCEEDED", load_book(BOOK_ID), _subject(run_id, [lg.step_pair for lg in ledgers]),

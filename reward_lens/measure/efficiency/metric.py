@@ -31,7 +31,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import math
+
 import numpy as np
+from scipy import optimize
 
 from reward_lens.measure.ledger.price import StepSample
 
@@ -234,8 +237,17 @@ def within_group_metric(ledgers) -> MetricG:
 
 
 # ---------------------------------------------------------------------------- rung 2
-# Damping grid: n lambda = rho * tr(K) / n, rho on a log grid; GCV picks rho.
-RHO_GRID = np.logspace(-6, 1, 71)
+# Damping: n lambda = rho * tr(K) / n. rho is chosen by exact leave-one-out cross-validation of
+# the kernel ridge regression of z on the scores (Allen's PRESS, from one eigendecomposition),
+# minimised over log rho in [RHO_MIN, RHO_MAX] by a bounded scalar search, not a grid. An
+# optimum within BOUNDARY_TOL (in log rho) of either end is not identified by the data: rung 2
+# then refuses rather than report an eta set by the search range.
+RHO_MIN, RHO_MAX = 1e-8, 1e3
+BOUNDARY_TOL = 0.05
+# An upper end of the range whose total leave-one-out error exceeds the optimum's by no more
+# than this many standard errors of the per-rollout difference is as good as the optimum (the
+# "one-standard-error" reading of cross-validation, at ~95 %).
+LOO_SE_MULT = 2.0
 # damping_stable needs all three, each stated here with its reason:
 # a 4x change of rho (rho/2 -> 2 rho) moves KL_min by less than a factor 4^0.25 ~ 1.41;
 ELASTICITY_MAX = 0.25
@@ -252,9 +264,11 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
     """Rung 2 for one step: ``samples`` is the single StepSample whose rollouts ``scores``
     were computed on (row i of S is grad log pi(y_i) at the pre-step policy).
 
-    ``rho`` fixes the damping (n lambda = rho tr(K)/n); by default it is chosen by
-    generalised cross-validation of the kernel ridge regression of z on the scores, from
-    one eigendecomposition of K. ``delta_z`` (the step's movement, same basis) lets the
+    ``rho`` fixes the damping (n lambda = rho tr(K)/n); by default it is chosen by exact
+    leave-one-out cross-validation of the kernel ridge regression of z on the scores, from
+    one eigendecomposition of K, over a continuous range (``RHO_MIN``..``RHO_MAX``); an
+    optimum at the edge of the range is reported in ``diagnostics["at_boundary"]`` and the
+    cost book refuses the reading (ENVELOPE_VIOLATED, premise ``damping_unidentified``). ``delta_z`` (the step's movement, same basis) lets the
     stability check use KL_min itself; without it the check uses the KL_min expected for
     a movement distributed like the features, 1/2 tr(G^-1 C).
     """
@@ -289,14 +303,35 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
     def g_of(r: float) -> np.ndarray:
         return (zh.T * shrink(r)) @ zh / n
 
-    def gcv(r: float) -> float:
-        f = shrink(r)
-        rss = float((((1 - f) ** 2)[:, None] * zh[:, idx] ** 2).sum())
-        return n * rss / max(float((1 - f).sum()), 1e-300) ** 2
+    def loo_each(log_r: float) -> np.ndarray:
+        """Exact leave-one-out squared error of each rollout: sum_j (e_ij / (1 - H_ii))^2, with
+        H = K (K + n lambda)^-1 = V diag(f) V^T and e = (I - H) Zc, on the active features
+        standardised (so each feature counts equally)."""
+        f = shrink(math.exp(log_r))
+        resid = evecs @ (((1 - f)[:, None]) * zh[:, idx] / sd_active)
+        h = (evecs ** 2) @ f
+        return ((resid / np.maximum(1 - h, 1e-12)[:, None]) ** 2).sum(axis=1)
 
-    chosen_by = "caller" if rho is not None else "GCV"
+    def loo(log_r: float) -> float:
+        return float(loo_each(log_r).sum())
+
+    chosen_by = "caller" if rho is not None else "leave-one-out"
+    at_boundary = False
     if rho is None:
-        rho = float(min(RHO_GRID, key=gcv))
+        sd_active = np.sqrt(np.clip(np.diag(c)[idx], 1e-300, None)) if idx else np.ones(0)
+        lo_, hi_ = math.log(RHO_MIN), math.log(RHO_MAX)
+        res = optimize.minimize_scalar(loo, bounds=(lo_, hi_), method="bounded", options={"xatol": 1e-4})
+        rho = float(math.exp(res.x))
+        # At an edge, or not better than the upper edge by more than the LOO error's own noise:
+        # a curve that is flat towards infinite damping (features unpredictable from the
+        # scores) has no identified optimum, wherever the search stopped on its plateau, and
+        # there G -> 0 and KL_min grows without bound with the damping. (Flat towards zero
+        # damping is harmless: G -> C, the covariance bound, a finite reading.)
+        best = loo_each(res.x)
+        diff = loo_each(hi_) - best  # per rollout: the rollouts are the independent units
+        se = float(diff.std(ddof=1) * math.sqrt(len(diff))) if len(diff) > 1 else 0.0
+        flat = float(diff.sum()) <= LOO_SE_MULT * se
+        at_boundary = min(res.x - lo_, hi_ - res.x) < BOUNDARY_TOL or flat
     c_a = c[np.ix_(idx, idx)]
 
     def stat(g: np.ndarray) -> float:
@@ -307,12 +342,15 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
         return float(0.5 * np.trace(np.linalg.solve(ga, c_a)))
 
     g = g_of(rho)
-    diag = {"rho": rho, "df": float(shrink(rho).sum()), "n": float(n)}
+    diag = {"rho": rho, "df": float(shrink(rho).sum()), "n": float(n), "at_boundary": float(at_boundary)}
     if idx:
         lo, mid, hi, floor = stat(g_of(rho / 2)), stat(g), stat(g_of(rho * 2)), stat(c)
         diag["elasticity"] = abs(np.log(hi) - np.log(lo)) / np.log(4) if lo > 0 and hi > 0 else float("inf")
         diag["floor_ratio"] = mid / floor if floor > 0 else float("inf")
     reasons = []
+    if at_boundary:
+        reasons.append(f"the leave-one-out optimum of the damping is at the edge of its search range "
+                       f"[{RHO_MIN:g}, {RHO_MAX:g}] (rho = {rho:.3g}): the data do not identify it")
     if diag.get("elasticity", float("inf")) >= ELASTICITY_MAX:
         reasons.append(f"KL_min moves with the damping (elasticity {diag.get('elasticity', float('inf')):.2f} "
                        f">= {ELASTICITY_MAX})")
@@ -326,9 +364,6 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
     lam = rho * scale / n
     reading = (f"Fisher kernel (rung 2), n = {n}, damping lambda = {lam:.3g} (rho = {rho:.3g}, by "
                f"{chosen_by})")
-    if chosen_by == "GCV" and rho in (RHO_GRID[0], RHO_GRID[-1]):
-        reading += (f"; GCV's minimum is at the edge of its grid [{RHO_GRID[0]:g}, {RHO_GRID[-1]:g}], "
-                    "so the data did not pin the damping down")
     reading += ": stable" if stable else (": damping not stable (" + "; ".join(reasons) + "), so read it as the "
                                           "covariance bound with a shrinkage applied, not as a measurement of G")
     return MetricG(matrix=g, names=names, method="fisher_kernel", n=n, damping=lam, damping_stable=stable,
