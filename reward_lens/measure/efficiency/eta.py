@@ -149,13 +149,14 @@ def paired_estimate(lg: PairedLedger, active_idx: np.ndarray) -> EtaEstimate:
                        converged=bool(proj.converged.all()))
 
 
-def hotelling_p(dz: np.ndarray, sigma: np.ndarray, n_pre: int, n_post: int) -> float:
+def hotelling_p(dz: np.ndarray, sigma: np.ndarray, units: int) -> float:
     """p-value of dz = 0 on a two-sample ledger: Hotelling's T^2 = dz^T Sigma^-1 dz with
-    F = T^2 (N - k - 1) / (k (N - 2)) ~ F(k, N - k - 1), N = n_pre + n_post (exact for Gaussian
-    features with a common covariance and n_pre = n_post; Sigma estimated from few rollouts
-    makes a chi^2 reading of T^2 far too optimistic). 1 where it cannot be tested."""
+    F = T^2 (N - k - 1) / (k (N - 2)) ~ F(k, N - k - 1), N the independent units of both steps
+    (prompt groups, or rollouts where a step has one prompt); exact for Gaussian features with
+    a common covariance and equal sizes. Sigma estimated from few units makes a chi^2 reading
+    of T^2 far too optimistic. 1 where it cannot be tested."""
     k = len(dz)
-    n = n_pre + n_post
+    n = units
     if n - k - 1 < 1:
         return 1.0
     try:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats
 
-from reward_lens.measure.ledger.price import Ledger, StepSample
+from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,13 +50,6 @@ class PairedLedger(Ledger):
     pareto_k: float = float("nan")  # PSIS k-hat of the weights pi_t / pi_{t+1}
     pareto_k_max: float = 0.7
     dropped_rollouts: int = 0  # rollouts in groups of one (no within-group information)
-
-
-def group_codes(groups) -> tuple[np.ndarray, int]:
-    """Integer codes 0..G-1 for any array of group labels, in order of first appearance."""
-    _, first, inverse = np.unique(np.asarray(groups), return_index=True, return_inverse=True)
-    order = np.argsort(np.argsort(first))
-    return order[inverse].astype(np.int64), len(first)
 
 
 def group_log_weights(log_ratio: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[np.ndarray, np.ndarray]:

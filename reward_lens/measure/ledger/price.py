@@ -42,17 +42,47 @@ class Ledger:
     names: tuple[str, ...]
     delta_z: np.ndarray  # (k,) mean at t+1 minus mean at t, in feature units
     se: np.ndarray  # (k,) standard error of delta_z
-    cov_delta: np.ndarray  # (k, k) sampling covariance of delta_z: C_t / n_t + C_{t+1} / n_{t+1}
+    cov_delta: np.ndarray  # (k, k) sampling covariance of delta_z (``step_moments`` of both steps)
     n_pre: int
     n_post: int
     learning_rate: float | None = None
     kind: str = "unpaired"  # which ledger made it: "unpaired" (two samples) or "paired"
+    units: int = 0  # independent units behind cov_delta (prompt groups, or rollouts); 0: n_pre + n_post
 
     @property
     def t(self) -> np.ndarray:
         """delta_z in units of its standard error (0 where the SE is 0)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(self.se > 0, self.delta_z / np.where(self.se > 0, self.se, 1), 0.0)
+
+
+def group_codes(groups) -> tuple[np.ndarray, int]:
+    """Integer codes 0..G-1 for any array of group labels, in order of first appearance."""
+    _, first, inverse = np.unique(np.asarray(groups), return_index=True, return_inverse=True)
+    order = np.argsort(np.argsort(first))
+    return order[inverse].astype(np.int64), len(first)
+
+
+def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
+    """A step's feature mean, the sampling covariance of that mean, and its independent units.
+
+    With two or more prompt groups, the groups are the units: Cov(group means) / G, which
+    carries the between-prompt variance (two steps see different prompts, and the rollouts of
+    one prompt are not independent of each other). With one group (one prompt per step), the
+    between-prompt variance cannot be estimated from the step and the rollouts are taken as
+    the units, C / n -- an understatement whenever prompts differ in what they elicit.
+    """
+    mean = s.z.mean(axis=0)
+    if s.groups is not None:
+        codes, g = group_codes(s.groups)
+        if g >= 2:
+            size = np.bincount(codes, minlength=g).astype(float)
+            gm = np.stack([np.bincount(codes, weights=s.z[:, j], minlength=g) for j in range(s.z.shape[1])],
+                          axis=1) / size[:, None]
+            # The step mean weights groups by their size; equal sizes (GRPO) make it the mean
+            # of the group means, whose sampling covariance this is.
+            return mean, np.atleast_2d(np.cov(gm, rowvar=False, ddof=1)) / g, g
+    return mean, np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1)) / s.n, s.n
 
 
 def whole_run(run: Run) -> Window:
@@ -137,14 +167,15 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
             if side.n < 2:
                 raise ValueError(f"step {side.step} has {side.n} rollout(s); a ledger needs at least 2 per step "
                                  "to estimate the standard error of dz")
-        c_pre = np.atleast_2d(np.cov(pre.z, rowvar=False, ddof=1))
-        c_post = np.atleast_2d(np.cov(post.z, rowvar=False, ddof=1))
-        cov = c_pre / pre.n + c_post / post.n
+        m_pre, v_pre, u_pre = step_moments(pre)
+        m_post, v_post, u_post = step_moments(post)
+        cov = v_pre + v_post
         ledgers.append(Ledger(
             step_pair=(t, t + 1), names=names,
-            delta_z=post.z.mean(axis=0) - pre.z.mean(axis=0),
+            delta_z=m_post - m_pre,
             se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov,
             n_pre=pre.n, n_post=post.n,
             learning_rate=None if eta_by_step is None else eta_by_step.get(t),
+            units=u_pre + u_post,
         ))
     return ledgers

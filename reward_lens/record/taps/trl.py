@@ -42,7 +42,7 @@ rollouts (sampled from pi_{t+1} before any gradient touched them) are also score
 pi_t: ``logp_prev`` = log pi_t(y) and ``kl_prev`` = the full-vocabulary token KL(pi_{t+1} ||
 pi_t) summed along y's prefixes, whose mean over the step's rollouts is D_t without the
 noise of the sequence log-ratio (chain rule). Cost: one more forward pass over each step's
-rollouts, and a second parameter snapshot in memory.
+rollouts, and a second parameter snapshot in memory (``paired=False`` turns it off).
 
 Log-probabilities are those of the distribution the trainer sampled from: logits divided by
 the trainer's ``temperature`` (as TRL's own loss computes them). ``top_p`` / ``top_k``
@@ -110,7 +110,8 @@ class _Pending:
 class RewardLensTap(TrainerCallback):
     def __init__(self, trainer, record_dir: str | Path, *, estimator: str | None = "rollout", n_exact: int = 16,
                  flush_every: int = 10, chunk: int = 16, save_initial_checkpoint: bool = False,
-                 overwrite: bool = False, seed: int = 0, model_description: str | None = None):
+                 overwrite: bool = False, seed: int = 0, model_description: str | None = None,
+                 paired: bool = True):
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
         if getattr(trainer.accelerator, "num_processes", 1) != 1:
@@ -118,6 +119,7 @@ class RewardLensTap(TrainerCallback):
                              "each sees a slice of the generation batch")
         self.trainer = trainer
         self.estimator = estimator
+        self.paired = paired  # keep pi_t one step longer and score step t+1's rollouts under it
         self.n_exact = n_exact
         self.flush_every = max(1, int(flush_every))
         self.chunk = chunk
@@ -253,7 +255,7 @@ class RewardLensTap(TrainerCallback):
             self._row.update(kl_to_previous=primary.mean, kl_to_previous_se=primary.se,
                              kl_to_previous_estimator=primary.estimator)
         # pi_t is kept until step t+1's rollouts have been scored under it (the paired ledger).
-        self._prev = (t, snap) if self.estimator is not None else None
+        self._prev = (t, snap) if self.estimator is not None and self.paired else None
         self._snapshot = None
 
     def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
