@@ -95,6 +95,8 @@ def cmd_report(args) -> int:
     check_owned(out, "report")  # before any work
     progress = Progress(args.quiet)
     run = open_run(_record_path(args))
+    progress("verifying checksums")
+    run.verify()  # a same-size edit of a data file is refused, naming the file
     progress("building the report")
     report = build_report(run, progress, ledger=args.ledger, window=window)
     progress("rendering")
@@ -147,6 +149,8 @@ def cmd_publish(args) -> int:
     check_owned(site, "site")  # before any work
     progress = Progress(args.quiet)
     runs = [open_run(p) for p in args.run_dirs]
+    for run in runs:
+        run.verify()
     files = publish(runs, site, progress)
     progress.done()
     if not args.quiet:

@@ -55,6 +55,10 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
         if len(run_id) < 12 or not manifest.run_id.startswith(run_id.rstrip(".")):
             raise RecordError(root / MANIFEST_FILE, f"this record is {manifest.run_id}, not {run_id}", field="run_id")
     for name, entry in manifest.files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or len(parts) != 1:
+            raise RecordError(root / MANIFEST_FILE, f"lists {name!r}: a record's files are plain names inside its "
+                              "own directory", field="files")
         f = root / name
         if not f.is_file():
             raise RecordError(f, "listed in manifest.json but missing")
@@ -62,7 +66,7 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
         if size != entry.bytes:
             raise RecordError(f, f"is {size} bytes but manifest.json records {entry.bytes}: truncated or replaced")
     telemetry_file(manifest, root)
-    if not rollout_segments(manifest):
+    if not rollout_segments(manifest, root):
         raise RecordError(root / MANIFEST_FILE, f"does not list `{ROLLOUTS_FILE}` (or rollouts-NNNNN.parquet "
                           "segments)", field="files")
     run = Run(root, manifest)
@@ -74,12 +78,16 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
 _SEGMENT = re.compile(r"^rollouts-(\d{5})\.parquet$")
 
 
-def rollout_segments(manifest: RunManifest) -> list[str]:
+def rollout_segments(manifest: RunManifest, root: Path | None = None) -> list[str]:
     """The rollout files of a record in step order: ``rollouts.parquet`` for a record
     written at once, or ``rollouts-00001.parquet``, ... for one streamed while training."""
+    segments = sorted(n for n in manifest.files if _SEGMENT.match(n))
     if ROLLOUTS_FILE in manifest.files:
+        if segments:
+            raise RecordError((root or Path(".")) / MANIFEST_FILE, f"lists both `{ROLLOUTS_FILE}` and {len(segments)} rollout segment(s) "
+                              f"({segments[0]}, ...): a record has one or the other", field="files")
         return [ROLLOUTS_FILE]
-    return sorted(n for n in manifest.files if _SEGMENT.match(n))
+    return segments
 
 
 def telemetry_file(manifest: RunManifest, root: Path) -> str:
@@ -130,7 +138,12 @@ class Run:
         self._fields_spec = load_fields()
         self.telemetry_name = telemetry_file(manifest, root)
         self._telemetry_file = self._open_parquet(self.telemetry_name, "telemetry")
-        self._segments = [(name, self._open_parquet(name, "rollouts")) for name in rollout_segments(manifest)]
+        self._segments = [(name, self._open_parquet(name, "rollouts")) for name in rollout_segments(manifest, root)]
+        for name, pf in [(self.telemetry_name, self._telemetry_file), *self._segments]:
+            rows = manifest.files[name].rows
+            if rows is not None and pf.metadata.num_rows != rows:
+                raise RecordError(root / name, f"has {pf.metadata.num_rows} rows but manifest.json records {rows}",
+                                  field="rows")
         names = self._segments[0][1].schema_arrow.names
         for name, pf in self._segments[1:]:
             if pf.schema_arrow.names != names:

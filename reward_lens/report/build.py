@@ -61,6 +61,17 @@ def refusal_out(r: Refusal) -> RefusalOut:
                       detail=r.detail, remedy=r.remedy, context=r.context)
 
 
+# Sample text shown in a report is capped: a 5 MB completion would otherwise be embedded
+# whole in the HTML and the JSON. The mark says how much was left out.
+SAMPLE_TEXT_MAX = 2000
+
+
+def _capped(text: str) -> str:
+    if len(text) <= SAMPLE_TEXT_MAX:
+        return text
+    return text[:SAMPLE_TEXT_MAX] + f" … [truncated: {len(text) - SAMPLE_TEXT_MAX} more characters]"
+
+
 def _samples(run: Run) -> list[SampleRollout]:
     if not run.n_rollouts:
         return []
@@ -70,8 +81,8 @@ def _samples(run: Run) -> list[SampleRollout]:
         cols = [c for c in ("prompt", "completion", "reward", "advantage") if c in run.rollout_columns()]
         for table in run.iter_rollouts(cols, Window(s, s)):
             for row in table.slice(0, SAMPLES_PER_END - len([o for o in out if o.step == s])).to_pylist():
-                out.append(SampleRollout(step=row["step"], prompt=row.get("prompt") or "",
-                                         completion=row.get("completion") or "", reward=row.get("reward"),
+                out.append(SampleRollout(step=row["step"], prompt=_capped(row.get("prompt") or ""),
+                                         completion=_capped(row.get("completion") or ""), reward=row.get("reward"),
                                          advantage=row.get("advantage")))
             if len([o for o in out if o.step == s]) >= SAMPLES_PER_END:
                 break

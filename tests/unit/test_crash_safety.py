@@ -235,3 +235,93 @@ def test_internal_error_exits_3_in_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "internal error" in err[0] and "ZeroDivisionError" in err[0]
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- wrong answers and leaks
+def test_identical_completions_get_a_report_that_prices_nothing(tmp_path):
+    rec = tiny_record(tmp_path / "same", {s: ["same text"] * 6 for s in range(4)}, kl_to_previous={s: 1.0 for s in
+                                                                                                    range(4)})
+    out = tmp_path / "o"
+    assert cli.main(["report", str(rec), "--out", str(out), "--quiet"]) == cli.EXIT_REFUSED
+    data = json.loads((out / "report.json").read_text())
+    book = data["books"][0]
+    assert book["status"] == "unresolved" and book["cost"]["summary"]["rows_nothing_priced"] == 3
+    assert all(r["efficiency"] is None and r["status"] == "nothing_priced" for r in book["cost"]["efficiency"])
+    assert (out / "report.html").stat().st_size > 0
+
+
+def test_a_step_with_one_rollout_refuses_only_the_pairs_that_touch_it(tmp_path):
+    from tests.conftest import varied_completions
+
+    steps = {s: varied_completions(s, n=12) for s in range(6)}
+    steps[3] = steps[3][:1]
+    rec = tiny_record(tmp_path / "one", steps, kl_to_previous={s: 50.0 for s in range(6)})
+    out = tmp_path / "o"
+    assert cli.main(["report", str(rec), "--out", str(out), "--quiet", "--fail-on", "never"]) == 0
+    book = json.loads((out / "report.json").read_text())["books"][0]
+    priced = {tuple(r["step_pair"]) for r in book["cost"]["efficiency"]}
+    assert priced == {(0, 1), (1, 2), (4, 5)}
+    (ref,) = [r for r in book["refusals"] if r["context"].get("requirement") == "ledger"]
+    assert sorted(map(tuple, ref["step_pairs"])) == [(2, 3), (3, 4)] and "step 3 has 1 rollout" in ref["detail"]
+
+
+def test_a_same_size_edit_of_a_data_file_is_refused_naming_it(tmp_path, capsys):
+    rec = _record(tmp_path)
+    name = next(n for n in json.loads((rec / "manifest.json").read_text())["files"] if n.startswith("rollouts"))
+    data = bytearray((rec / name).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    (rec / name).write_bytes(bytes(data))
+    assert cli.main(["report", str(rec), "--out", str(tmp_path / "o"), "--quiet"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert name in err and "sha256" in err and not (tmp_path / "o").exists()
+
+
+def test_manifest_names_rows_segments_and_paths_are_checked(tmp_path):
+    from reward_lens.record.errors import RecordError
+
+    rec = _record(tmp_path)
+    m = json.loads((rec / "manifest.json").read_text())
+    tel = next(n for n in m["files"] if n.startswith("telemetry"))
+
+    def edited(change):
+        from reward_lens.record.schema import RunManifest, content_run_id
+
+        d = json.loads(json.dumps(m))
+        change(d)
+
+        d["run_id"] = content_run_id(RunManifest.model_validate(d))
+        (rec / "manifest.json").write_text(json.dumps(d))
+
+    edited(lambda d: d["files"][tel].update(rows=99))
+    with pytest.raises(RecordError, match="rows but manifest.json records 99"):
+        open_run(rec)
+    edited(lambda d: d["files"].update({"/etc/passwd": d["files"][tel]}))
+    with pytest.raises(RecordError, match="plain names inside its own directory"):
+        open_run(rec)
+
+
+def test_window_mean_telemetry_gives_no_per_step_d_t(tmp_path):
+    from reward_lens.measure.efficiency import cost_series, metric_g
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import ledger_series, steps_from_run
+    from reward_lens.record import OptimizerTelemetry, Rollout, write_run
+    from tests.conftest import varied_completions
+
+    rol = [Rollout(step=s, group_id=f"{s}:0", prompt="p", completion=c) for s in range(3)
+           for c in varied_completions(s, n=10)]
+    write_run(tmp_path / "w", framework={"name": "t", "version": "0"}, model={"description": "x"},
+              telemetry=[OptimizerTelemetry(step=s, kl_to_previous=1.0) for s in range(3)], rollouts=rol,
+              telemetry_per_step=False, logging_steps=10)
+    run = open_run(tmp_path / "w")
+    samples = steps_from_run(run, SurfaceFeatures())
+    book = cost_series(ledger_series(samples), metric_g(samples), run_=run)
+    assert book.rows == () and [r.code for r in book.refusals] == ["RECORD_INCOMPLETE"]
+
+
+def test_sample_text_is_capped_with_a_visible_mark(tmp_path):
+    rec = tiny_record(tmp_path / "big", {0: ["x" * 50_000, "ab"], 1: ["cd", "ef"]})
+    from reward_lens.report import build_report
+
+    report = build_report(open_run(rec))
+    big = next(s for s in report.samples if s.completion.startswith("xxx"))
+    assert len(big.completion) < 2100 and "[truncated: 48000 more characters]" in big.completion

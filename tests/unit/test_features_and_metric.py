@@ -108,6 +108,12 @@ def test_per_step_scope_prices_each_step_with_its_own_covariance():
         c = np.cov(samples[lg.step_pair[0]].z, rowvar=False)
         assert row.kl_min == pytest.approx(0.5 * lg.delta_z @ np.linalg.solve(c, lg.delta_z), rel=1e-10)
     assert metric_g(samples, scope="auto").scope == "per_step"  # 400 >= 10 per feature x 2
-    assert metric_g([StepSample(t, names, s.z[:8]) for t, s in enumerate(samples)], scope="auto").scope == "pooled"
+    few = [StepSample(t, names, s.z[:8]) for t, s in enumerate(samples)]
+    g = metric_g(few, scope="auto")  # 8 rollouts a step: pooled over +-10 steps, not the whole run
+    assert g.scope == "per_step" and "local" in g.reading
+    for t in (0, len(few) // 2):
+        near = [x for x in few if abs(x.step - t) <= 10]
+        scatter = sum((x.z - x.z.mean(0)).T @ (x.z - x.z.mean(0)) for x in near)
+        np.testing.assert_allclose(g.for_step(t).matrix, scatter / sum(x.n - 1 for x in near), rtol=1e-12)
     with pytest.raises(ValueError, match="scope must be"):
         metric_g(samples, scope="window")

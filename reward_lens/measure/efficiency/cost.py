@@ -327,7 +327,9 @@ def _denominators(ledgers: Sequence[Ledger], run: Run | None, kl_spent: Mapping[
                   kl_spent_unit: str) -> tuple[dict[int, tuple[float, str]], Refusal | None]:
     """D_t per step from the caller or the record, in nats per sequence."""
     out: dict[int, tuple[float, str]] = {}
-    if run is not None:
+    # Window-mean telemetry (telemetry_per_step: false) carries no per-step D_t: a mean over a
+    # logging window is not the divergence of the step it is filed under.
+    if run is not None and run.manifest.telemetry_per_step:
         est = run.telemetry_column("kl_to_previous_estimator")
         for s, v in run.telemetry_column("kl_to_previous").items():
             out[s] = (float(v), f"record kl_to_previous ({est.get(s, 'estimator not recorded')})")
@@ -470,7 +472,7 @@ def _d_t_checks(lg: Ledger, est: _eta.EtaEstimate, run: Run | None, pair: tuple[
     out = {"same_sample": (est.d_t, float(math.sqrt(est.cov[1, 1])))}
     if lg.d_rb is not None:
         out["token_kl"] = (lg.d_rb, lg.d_rb_se)
-    if run is not None:
+    if run is not None and run.manifest.telemetry_per_step:
         rec = run.telemetry_column("kl_to_previous").get(pair[0])
         if rec is not None:
             out["record"] = (float(rec), run.telemetry_column("kl_to_previous_se").get(pair[0]))
