@@ -67,6 +67,7 @@ class Rollout(BaseModel):
     logp_pre: float | None = None
     logp_post: float | None = None  # in-sample: never used for r-based estimates
     logp_prev: float | None = None
+    logp_prev_step: int | None = Field(None, ge=0)
     kl_prev: float | None = Field(None, ge=0)
 
 

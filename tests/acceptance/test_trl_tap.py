@@ -27,7 +27,7 @@ sys.path.pop(0)
 
 
 def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimator="rollout", n_exact=16,
-           flush_every=2, seed=3):
+           flush_every=2, seed=3, batch=8):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -37,7 +37,7 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
     model = gen.build_model(len(tok), seed, tok)
     model.save_pretrained(tmp / "init")
     tok.save_pretrained(tmp / "init")
-    args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=steps, per_device_train_batch_size=8,
+    args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=steps, per_device_train_batch_size=batch,
                       num_generations=8, max_completion_length=16, learning_rate=lr, beta=beta, logging_steps=1,
                       bf16=False, report_to="none", use_cpu=True, seed=seed, save_strategy="no", disable_tqdm=True,
                       gradient_accumulation_steps=ga, num_iterations=iterations)
@@ -124,6 +124,26 @@ def test_reuse_across_iterations(tmp_path):
     assert np.unique(run.rollout_steps).tolist() == [0, 2]  # sampled by pi_0 and pi_2 only
     est = run.telemetry_column("kl_to_previous_estimator")
     assert est == {0: "rollout", 1: "rollout_stale", 2: "rollout", 3: "rollout_stale"}
+
+
+def test_paired_scoring_with_reused_rollouts_prices_the_window_between_generations(tmp_path):
+    """num_iterations = 2: generations at steps 0, 2, 4; each is scored under the policy of the
+    previous generation step, and the paired ledger prices the two-step windows."""
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+
+    run, _, _ = _train(tmp_path, steps=6, iterations=2, batch=16)
+    t = run.read_rollouts(["logp_prev", "logp_prev_step", "kl_prev"]).to_pydict()
+    by_step = {}
+    for s, p, ps in zip(t["step"], t["logp_prev"], t["logp_prev_step"]):
+        by_step.setdefault(s, set()).add(ps if p is not None else None)
+    assert by_step == {0: {None}, 2: {0}, 4: {2}}
+    priced = price_run(run, steps_from_run(run, SurfaceFeatures()), ledger="paired")
+    assert [r.step_pair for r in priced.book.kl_min.rows] == [(0, 2), (2, 4)]
+    rows = priced.book.rows
+    assert all(r.steps == 2 and "between generations" in r.kl_spent_source for r in rows)
+    assert all("record" not in r.d_t_checks for r in rows)  # a one-step D_t is not the window's
 
 
 def test_estimators_agree_for_small_steps(tmp_path):

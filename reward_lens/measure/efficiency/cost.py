@@ -411,7 +411,11 @@ def cost_series(
     for row in series.rows:
         pair, lg = row.step_pair, lg_by_pair[row.step_pair]
         if kind == "paired":
-            source = f"paired: KL(pi_{{t+1}} || pi_t) on step {pair[1]}'s rollouts, the same sample as KL_min"
+            span = pair[1] - pair[0]
+            source = (f"paired: KL(pi_{{t+1}} || pi_t) on step {pair[1]}'s rollouts, the same sample as KL_min"
+                      if span == 1 else
+                      f"paired over the {span} steps between generations (rollouts reused across steps): "
+                      f"KL(pi_{pair[1]} || pi_{pair[0]}) on step {pair[1]}'s rollouts, the same sample as KL_min")
             d_t = lg.d_hat
         elif pair[0] in denoms:
             d_t, source = denoms[pair[0]]
@@ -448,7 +452,7 @@ def cost_series(
         for m in members:
             for f, v in m[0].shares.items():
                 shares[f] = shares.get(f, 0.0) + v
-        checks = members[0][2] if est.steps == 1 else {}
+        checks = members[0][2] if len(members) == 1 else {}
         rows.append(CostRow(
             step_pair=est.step_pair, kl_min=est.kl_min, kl_spent=est.d_t, efficiency=est.eta,
             kl_spent_source=members[0][1], resolved=bool(rej), shares=shares,
@@ -472,7 +476,7 @@ def _d_t_checks(lg: Ledger, est: _eta.EtaEstimate, run: Run | None, pair: tuple[
     out = {"same_sample": (est.d_t, float(math.sqrt(est.cov[1, 1])))}
     if lg.d_rb is not None:
         out["token_kl"] = (lg.d_rb, lg.d_rb_se)
-    if run is not None and run.manifest.telemetry_per_step:
+    if run is not None and run.manifest.telemetry_per_step and pair[1] - pair[0] == 1:
         rec = run.telemetry_column("kl_to_previous").get(pair[0])
         if rec is not None:
             out["record"] = (float(rec), run.telemetry_column("kl_to_previous_se").get(pair[0]))

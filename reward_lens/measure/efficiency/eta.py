@@ -146,7 +146,7 @@ def paired_estimate(lg: PairedLedger, active_idx: np.ndarray) -> EtaEstimate:
     cov = (g - 1) / g * (jk - jk.mean(axis=0)).T @ (jk - jk.mean(axis=0))
     return EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=float(theta[0, 0]), d_t=float(theta[0, 1]),
                        null_kl=float(theta[0, 2]), p_value=p, cov=cov, dof=g - 1,
-                       converged=bool(proj.converged.all()))
+                       converged=bool(proj.converged.all()), steps=lg.step_pair[1] - lg.step_pair[0])
 
 
 def hotelling_p(dz: np.ndarray, sigma: np.ndarray, units: int) -> float:

@@ -106,10 +106,25 @@ def has_paired_sample(s: StepSample) -> bool:
             and bool(np.isfinite(s.logp).all()) and bool(np.isfinite(s.logp_prev).all()))
 
 
+def previous_step(sample: StepSample) -> int | str:
+    """The step whose policy the sample is scored under: ``logp_prev_step`` where recorded (a
+    generation window when rollouts are reused across steps), else step - 1."""
+    if sample.logp_prev_step is None:
+        return sample.step - 1
+    prev = np.unique(sample.logp_prev_step[np.isfinite(sample.logp_prev_step)])
+    if len(prev) != 1 or not 0 <= prev[0] < sample.step:
+        return f"`logp_prev_step` is not one earlier step on every rollout ({prev.tolist()[:4]})"
+    return int(prev[0])
+
+
 def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> PairedLedger | str:
-    """The paired ledger of step pair (sample.step - 1, sample.step), or why it cannot be formed."""
+    """The paired ledger of the step pair (previous step, sample.step) -- (t-1, t), or a
+    generation window (t-R, t) -- or why it cannot be formed."""
     if not has_paired_sample(sample):
         return "no log-probability under the previous policy (`logp_prev`) on every rollout"
+    prev = previous_step(sample)
+    if isinstance(prev, str):
+        return prev
     codes, n_groups = group_codes(sample.groups)
     sizes = np.bincount(codes, minlength=n_groups)
     keep = sizes[codes] >= 2
@@ -133,7 +148,7 @@ def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> Pai
         d_rb_se = float(per_group.std(ddof=1) / math.sqrt(n_groups))
     n = int(len(r))
     return PairedLedger(
-        step_pair=(sample.step - 1, sample.step), names=sample.names, delta_z=dz,
+        step_pair=(prev, sample.step), names=sample.names, delta_z=dz,
         se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov, n_pre=n, n_post=n,
         learning_rate=learning_rate, kind="paired", z=z, codes=codes, n_groups=n_groups, log_ratio=r,
         d_hat=float(d_g.mean()), d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=pareto_khat(-r), pareto_k_max=pareto_threshold(n),
@@ -154,7 +169,8 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
             continue
         lg = paired_ledger(s, None if eta_by_step is None else eta_by_step.get(s.step - 1))
         if isinstance(lg, str):
-            why[(s.step - 1, s.step)] = lg
+            prev = previous_step(s)
+            why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = lg
         else:
             ledgers.append(lg)
     return ledgers, why

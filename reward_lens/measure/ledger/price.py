@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.record.reader import Run, Window
@@ -28,6 +29,7 @@ class StepSample:
     logp: np.ndarray | None = None  # (n,) log pi_t(y): the sampling policy (record `logp_pre`)
     logp_prev: np.ndarray | None = None  # (n,) log pi_{t-1}(y): the policy before the last step
     kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
+    logp_prev_step: np.ndarray | None = None  # (n,) the step whose policy logp_prev is under (t-1 by default)
 
     @property
     def n(self) -> int:
@@ -95,7 +97,7 @@ def whole_run(run: Run) -> Window:
 
 # Columns read when present: the paired ledger needs the groups and both log-probabilities.
 OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": "groups", "logp_pre": "logp",
-                    "logp_prev": "logp_prev", "kl_prev": "kl_prev"}
+                    "logp_prev": "logp_prev", "kl_prev": "kl_prev", "logp_prev_step": "logp_prev_step"}
 
 
 def steps_from_run(run: Run, features: SurfaceFeatures, window: Window | None = None) -> list[StepSample]:
@@ -118,7 +120,7 @@ def steps_from_run(run: Run, features: SurfaceFeatures, window: Window | None = 
             elif col.null_count == 0:
                 cols[c] = col.to_numpy(zero_copy_only=False).astype(float)
             else:  # partly null (e.g. logp_prev of the first step): NaN marks the gaps
-                cols[c] = col.fill_null(np.nan).to_numpy(zero_copy_only=False).astype(float)
+                cols[c] = col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
         uniq, starts = np.unique(steps, return_index=True)
         bounds = [*starts[1:], len(steps)]
         for s, a, b in zip(uniq, starts, bounds):

@@ -39,7 +39,8 @@ rollout estimator's forward passes) for the rollouts the step used. ``logp_post`
 
 The paired ledger's input: pi_t's parameters are kept one step longer, and step t+1's
 rollouts (sampled from pi_{t+1} before any gradient touched them) are also scored under
-pi_t: ``logp_prev`` = log pi_t(y) and ``kl_prev`` = the full-vocabulary token KL(pi_{t+1} ||
+pi_t (with one generation batch feeding R steps, the next generation's rollouts under the
+policy of the previous generation step, and ``logp_prev_step`` says which): ``logp_prev`` = log pi_t(y) and ``kl_prev`` = the full-vocabulary token KL(pi_{t+1} ||
 pi_t) summed along y's prefixes, whose mean over the step's rollouts is D_t without the
 noise of the sequence log-ratio (chain rule). Cost: one more forward pass over each step's
 rollouts, and a second parameter snapshot in memory (``paired=False`` turns it off).
@@ -104,6 +105,7 @@ class _Pending:
     logp_pre: float | None = None
     logp_post: float | None = None
     logp_prev: float | None = None
+    logp_prev_step: int | None = None
     kl_prev: float | None = None
 
 
@@ -130,7 +132,7 @@ class RewardLensTap(TrainerCallback):
         self._next_index = 0
         self._used: list[int] = []
         self._snapshot: dict[str, torch.Tensor] | None = None
-        self._prev: tuple[int, dict[str, torch.Tensor]] | None = None  # (t, pi_t) kept for step t+1
+        self._prev: tuple[int, dict[str, torch.Tensor]] | None = None  # (t, pi_t) kept for the next generation
         self.temperature = float(getattr(trainer, "temperature", None) or getattr(trainer.args, "temperature", 1.0)
                                  or 1.0)
         self._row: dict[str, Any] = {}
@@ -254,8 +256,10 @@ class RewardLensTap(TrainerCallback):
             primary = est.get("exact") or est.get("rollout") or est.get("rollout_stale")
             self._row.update(kl_to_previous=primary.mean, kl_to_previous_se=primary.se,
                              kl_to_previous_estimator=primary.estimator)
-        # pi_t is kept until step t+1's rollouts have been scored under it (the paired ledger).
-        self._prev = (t, snap) if self.estimator is not None and self.paired else None
+        # pi_t is kept until the next generation's rollouts have been scored under it (the
+        # paired ledger): the next step's, or with reused rollouts the next generation step's.
+        if self.estimator is not None and self.paired and t % self._reuse(args) == 0:
+            self._prev = (t, snap)
         self._snapshot = None
 
     def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -291,10 +295,11 @@ class RewardLensTap(TrainerCallback):
         out: dict[str, KlEstimate] = {}
         stale = any(self._pending[i].step != t for i in used)
         # pi_{t-1}, kept from the previous step: scores step t's rollouts for the paired ledger.
-        # With rollouts reused across steps (num_iterations > 1) the independent sample is the
-        # next *generation*; that unit is not recorded yet, so no logp_prev is written then.
-        prev = self._prev[1] if (self._prev is not None and self._prev[0] == t - 1
-                                 and self._reuse(self.trainer.args) == 1) else None
+        # With one generation batch feeding R optimizer steps (num_iterations > 1), the
+        # independent sample of the window t-R .. t is the generation at step t, scored under
+        # the policy of the previous generation step, t - R.
+        reuse = self._reuse(self.trainer.args)
+        prev = self._prev[1] if self._prev is not None and self._prev[0] == t - reuse else None
         if self.estimator in ("rollout", "both"):
             per: list[float] = []
             for a in range(0, len(used), self.chunk):
@@ -311,6 +316,7 @@ class RewardLensTap(TrainerCallback):
                     kl_prev, lp_prev, _ = summed_kl_and_logps(old[fresh], older, ids[fresh][:, pw:], comp[fresh])
                     for q, j in enumerate(fresh):
                         self._pending[chunk[j]].logp_prev = float(lp_prev[q])
+                        self._pending[chunk[j]].logp_prev_step = t - reuse
                         self._pending[chunk[j]].kl_prev = float(kl_prev[q])
                 for j in fresh:
                     i = chunk[j]
@@ -350,7 +356,7 @@ class RewardLensTap(TrainerCallback):
             rows.append(Rollout(step=p.step, group_id=f"{p.step}:{p.group}", prompt=p.prompt, completion=p.completion,
                                 completion_ids=p.completion_ids.tolist(), num_tokens=int(len(p.completion_ids)),
                                 reward=p.reward, rewards=p.rewards, advantage=p.advantage, logp_pre=p.logp_pre,
-                                logp_post=p.logp_post, logp_prev=p.logp_prev,
+                                logp_post=p.logp_post, logp_prev=p.logp_prev, logp_prev_step=p.logp_prev_step,
                                 # a sum of KLs is >= 0; max() only removes float64 rounding below 0
                                 kl_prev=None if p.kl_prev is None else max(p.kl_prev, 0.0)))
         return rows
