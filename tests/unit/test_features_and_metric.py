@@ -117,3 +117,27 @@ def test_per_step_scope_prices_each_step_with_its_own_covariance():
         np.testing.assert_allclose(g.for_step(t).matrix, scatter / sum(x.n - 1 for x in near), rtol=1e-12)
     with pytest.raises(ValueError, match="scope must be"):
         metric_g(samples, scope="window")
+
+
+def test_unpaired_steps_that_share_prompts_are_matched_by_prompt():
+    """dz is the mean over shared prompts of the per-prompt differences (a prompt effect that
+    is the same at t and t+1 cancels), Sigma the covariance of those differences over P."""
+    from reward_lens.measure.ledger.price import ledger_series
+
+    rng = np.random.default_rng(1)
+    effect = {"a": 0.0, "b": 10.0, "c": -5.0, "d": 3.0}  # large between-prompt differences
+    def step(t, shift):
+        prompts = np.repeat(list(effect), 4)
+        z = np.array([[effect[p] + shift + 0.1 * rng.normal()] for p in prompts])
+        return StepSample(t, ("x",), z, prompts=prompts.astype(object))
+    pre, post = step(0, 0.0), step(1, 0.5)
+    (lg,) = ledger_series([pre, post])
+    diffs = [post.z[post.prompts == p].mean() - pre.z[pre.prompts == p].mean() for p in effect]
+    assert lg.matched and lg.units == 4
+    assert lg.delta_z[0] == pytest.approx(np.mean(diffs), rel=1e-12)
+    assert lg.cov_delta[0, 0] == pytest.approx(np.var(diffs, ddof=1) / 4, rel=1e-12)
+    assert lg.se[0] < 0.2  # the prompt effects (sd ~6) are not in the noise of dz
+    # without shared prompts, the two samples are compared whole
+    other = StepSample(1, ("x",), post.z, prompts=np.array([p + "!" for p in post.prompts], dtype=object))
+    (lg2,) = ledger_series([pre, other])
+    assert not lg2.matched

@@ -228,7 +228,8 @@ def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
             if isinstance(lg, PairedLedger):
                 _, pval, _ = _eta.within_group_r2_test(lg.z[:, idx], lg.log_ratio, lg.codes, lg.n_groups)
             else:
-                pval = _eta.hotelling_p(lg.delta_z[idx], lg.cov_delta[np.ix_(idx, idx)], lg.units or lg.n_pre + lg.n_post)
+                pval = _eta.hotelling_p(lg.delta_z[idx], lg.cov_delta[np.ix_(idx, idx)], lg.units or lg.n_pre + lg.n_post,
+                                        one_sample=lg.matched)
             rows[p] = KlMinRow(
                 step_pair=lg.step_pair, kl_min=float(kl[q]),
                 shares={a: float(v) for a, v in zip(active, shares[q])},

@@ -149,15 +149,17 @@ def paired_estimate(lg: PairedLedger, active_idx: np.ndarray) -> EtaEstimate:
                        converged=bool(proj.converged.all()), steps=lg.step_pair[1] - lg.step_pair[0])
 
 
-def hotelling_p(dz: np.ndarray, sigma: np.ndarray, units: int) -> float:
+def hotelling_p(dz: np.ndarray, sigma: np.ndarray, units: int, one_sample: bool = False) -> float:
     """p-value of dz = 0 on a two-sample ledger: Hotelling's T^2 = dz^T Sigma^-1 dz with
     F = T^2 (N - k - 1) / (k (N - 2)) ~ F(k, N - k - 1), N the independent units of both steps
     (prompt groups, or rollouts where a step has one prompt); exact for Gaussian features with
     a common covariance and equal sizes. Sigma estimated from few units makes a chi^2 reading
-    of T^2 far too optimistic. 1 where it cannot be tested."""
+    of T^2 far too optimistic. ``one_sample``: dz is a mean of P matched differences, and
+    F = T^2 (P - k) / (k (P - 1)) ~ F(k, P - k). 1 where it cannot be tested."""
     k = len(dz)
     n = units
-    if n - k - 1 < 1:
+    dof = n - k if one_sample else n - k - 1
+    if dof < 1:
         return 1.0
     try:
         t2 = float(dz @ np.linalg.solve(sigma, dz))
@@ -165,7 +167,8 @@ def hotelling_p(dz: np.ndarray, sigma: np.ndarray, units: int) -> float:
         return 1.0
     if not np.isfinite(t2) or t2 < 0:
         return 1.0
-    return float(stats.f.sf(t2 * (n - k - 1) / (k * (n - 2)), k, n - k - 1))
+    scale = (n - k) / (k * (n - 1)) if one_sample else (n - k - 1) / (k * (n - 2))
+    return float(stats.f.sf(t2 * scale, k, dof))
 
 
 def unpaired_estimate(lg: Ledger, g_active: np.ndarray, active_idx: np.ndarray, kl_min: float, noise_floor: float,

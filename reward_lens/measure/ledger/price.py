@@ -30,6 +30,7 @@ class StepSample:
     logp_prev: np.ndarray | None = None  # (n,) log pi_{t-1}(y): the policy before the last step
     kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
     logp_prev_step: np.ndarray | None = None  # (n,) the step whose policy logp_prev is under (t-1 by default)
+    prompts: np.ndarray | None = None  # (n,) prompt text of each rollout (object array)
 
     @property
     def n(self) -> int:
@@ -50,6 +51,7 @@ class Ledger:
     learning_rate: float | None = None
     kind: str = "unpaired"  # which ledger made it: "unpaired" (two samples) or "paired"
     units: int = 0  # independent units behind cov_delta (prompt groups, or rollouts); 0: n_pre + n_post
+    matched: bool = False  # dz is a mean of per-prompt differences over prompts both steps share
 
     @property
     def t(self) -> np.ndarray:
@@ -87,6 +89,26 @@ def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
     return mean, np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1)) / s.n, s.n
 
 
+# Consecutive steps are matched by prompt when they share at least this many prompts: the
+# per-prompt differences then need a covariance across prompts.
+MATCH_MIN_PROMPTS = 2
+
+
+def matched_by_prompt(pre: StepSample, post: StepSample) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """dz as the mean over the prompts both steps saw of (mean z at t+1 - mean z at t), its
+    sampling covariance Cov_p(differences) / P, and P -- or None when fewer than
+    ``MATCH_MIN_PROMPTS`` prompts are shared. Matching removes the between-prompt variance
+    from dz instead of adding it to Sigma."""
+    if pre.prompts is None or post.prompts is None:
+        return None
+    shared = sorted(set(pre.prompts.tolist()) & set(post.prompts.tolist()))
+    if len(shared) < MATCH_MIN_PROMPTS:
+        return None
+    diffs = np.stack([post.z[post.prompts == p].mean(axis=0) - pre.z[pre.prompts == p].mean(axis=0)
+                      for p in shared])
+    return diffs.mean(axis=0), np.atleast_2d(np.cov(diffs, rowvar=False, ddof=1)) / len(shared), len(shared)
+
+
 def whole_run(run: Run) -> Window:
     """The window of every step the record has rollouts for."""
     steps = run.rollout_steps
@@ -96,7 +118,8 @@ def whole_run(run: Run) -> Window:
 
 
 # Columns read when present: the paired ledger needs the groups and both log-probabilities.
-OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": "groups", "logp_pre": "logp",
+OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": "groups", "prompt": "prompts",
+                    "logp_pre": "logp",
                     "logp_prev": "logp_prev", "kl_prev": "kl_prev", "logp_prev_step": "logp_prev_step"}
 
 
@@ -115,7 +138,7 @@ def steps_from_run(run: Run, features: SurfaceFeatures, window: Window | None = 
         cols = {}
         for c in extra:
             col = table.column(c)
-            if c == "group_id":
+            if c in ("group_id", "prompt"):
                 cols[c] = np.asarray(col.to_pylist(), dtype=object)
             elif col.null_count == 0:
                 cols[c] = col.to_numpy(zero_copy_only=False).astype(float)
@@ -169,15 +192,18 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
             if side.n < 2:
                 raise ValueError(f"step {side.step} has {side.n} rollout(s); a ledger needs at least 2 per step "
                                  "to estimate the standard error of dz")
-        m_pre, v_pre, u_pre = step_moments(pre)
-        m_post, v_post, u_post = step_moments(post)
-        cov = v_pre + v_post
+        matched = matched_by_prompt(pre, post)
+        if matched is not None:
+            dz, cov, units = matched
+        else:
+            m_pre, v_pre, u_pre = step_moments(pre)
+            m_post, v_post, u_post = step_moments(post)
+            dz, cov, units = m_post - m_pre, v_pre + v_post, u_pre + u_post
         ledgers.append(Ledger(
-            step_pair=(t, t + 1), names=names,
-            delta_z=m_post - m_pre,
+            step_pair=(t, t + 1), names=names, delta_z=dz,
             se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov,
             n_pre=pre.n, n_post=post.n,
             learning_rate=None if eta_by_step is None else eta_by_step.get(t),
-            units=u_pre + u_post,
+            units=units, matched=matched is not None,
         ))
     return ledgers
