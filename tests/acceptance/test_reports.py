@@ -224,3 +224,16 @@ def test_progress_shows_on_a_terminal_and_not_under_quiet(monkeypatch, tmp_path)
         assert ("reading rollouts and computing features" in text) is expect
         if expect:
             assert text.endswith("\r\033[K")  # the line is cleared when done
+
+
+def test_efficiency_plot_marks_unresolved_rows_and_never_joins_across_a_refused_pair():
+    from reward_lens.report.plots import _segments
+
+    # (3, 4) refused: the line stops at 3 and starts again at 4.
+    pairs = [(0, 1), (1, 2), (2, 3), (4, 5), (5, 6)]
+    assert [s.tolist() for s in _segments(pairs)] == [[0, 1, 2], [3, 4]]
+    report = build_report(open_run(PAIRED))
+    html = to_html(report)
+    fig = html[html.index('id="cost-plot-efficiency"'):]
+    fig = fig[:fig.index("</figure>")]
+    assert "resolved" in fig and "unresolved" in fig  # both kinds are drawn, and told apart
