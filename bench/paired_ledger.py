@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
+sys.path.insert(0, str(REPO / "bench"))
 sys.path.insert(0, str(REPO))
 
-STEPS, WARMUP = 16, 4
+STEPS = 16
 
 
 def pricing(repeats: int = 5) -> dict[str, float]:
@@ -45,40 +45,10 @@ def pricing(repeats: int = 5) -> dict[str, float]:
 
 
 def training(paired: bool) -> float:
-    import make_reference_records as gen
-    from datasets import Dataset
-    from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from tap_overhead import timed_training
 
-    from reward_lens.record.taps.trl import RewardLensTap
-
-    class Timer(TrainerCallback):
-        def __init__(self):
-            self.times, self.t0 = [], None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.perf_counter() - self.t0)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        tok = gen.build_tokenizer()
-        model = gen.build_model(len(tok), 1, tok)
-        model.save_pretrained(tmp / "init")
-        tok.save_pretrained(tmp / "init")
-        args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=STEPS, per_device_train_batch_size=64,
-                          num_generations=8, max_completion_length=32, learning_rate=1e-2, logging_steps=1,
-                          bf16=False, report_to="none", use_cpu=True, seed=1, save_strategy="no", disable_tqdm=True)
-        prompts = [f"p{i}" for i in range(64)]
-        trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args,
-                              train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tok)
-        RewardLensTap.attach(trainer, tmp / "rec", flush_every=8, paired=paired)
-        timer = Timer()
-        trainer.add_callback(timer)  # after the tap: the tap's work is inside the timing
-        trainer.train()
-        return statistics.median(timer.times[WARMUP:])
+    return timed_training(batch=64, prompts=[f"p{i}" for i in range(64)], lr=1e-2, steps=STEPS,
+                          tap={"flush_every": 8, "paired": paired})
 
 
 def main() -> None:

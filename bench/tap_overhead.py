@@ -36,7 +36,10 @@ class Timer(TrainerCallback):
         self.times.append(time.perf_counter() - self.t0)
 
 
-def run(estimator: str | None, tap: bool) -> float:
+def timed_training(*, batch: int = 8, prompts=("ab", "cd"), lr: float = 1e-3, steps: int = STEPS,
+                   tap: dict | None = None) -> float:
+    """Median seconds per step (after WARMUP) of a tiny GRPO training, with the tap attached
+    with ``tap`` as its keyword arguments, or without the tap when ``tap`` is None."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -48,17 +51,21 @@ def run(estimator: str | None, tap: bool) -> float:
         model = gen.build_model(len(tok), 1, tok)
         model.save_pretrained(tmp / "init")
         tok.save_pretrained(tmp / "init")
-        args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=STEPS, per_device_train_batch_size=8,
-                          num_generations=8, max_completion_length=32, learning_rate=1e-3, logging_steps=1,
+        args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=steps, per_device_train_batch_size=batch,
+                          num_generations=8, max_completion_length=32, learning_rate=lr, logging_steps=1,
                           bf16=False, report_to="none", use_cpu=True, seed=1, save_strategy="no", disable_tqdm=True)
         trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args,
-                              train_dataset=Dataset.from_dict({"prompt": ["ab", "cd"]}), processing_class=tok)
+                              train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=tok)
         timer = Timer()
-        if tap:
-            RewardLensTap.attach(trainer, tmp / "rec", estimator=estimator, n_exact=8, flush_every=8)
+        if tap is not None:
+            RewardLensTap.attach(trainer, tmp / "rec", **tap)
         trainer.add_callback(timer)  # after the tap: its on_step_end (flushes) runs inside the timing
         trainer.train()
         return statistics.median(timer.times[WARMUP:])
+
+
+def run(estimator: str | None, tap: bool) -> float:
+    return timed_training(tap={"estimator": estimator, "n_exact": 8, "flush_every": 8} if tap else None)
 
 
 def main() -> None:
