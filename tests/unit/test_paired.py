@@ -253,3 +253,19 @@ def test_pareto_khat_recovers_the_shape_of_a_generalised_pareto_tail():
         assert np.median(est) == pytest.approx(xi, abs=0.12)
     # light-tailed weights (log-normal with small spread) read well below the 0.7 threshold
     assert pareto_khat(rng.normal(scale=0.1, size=4000)) < 0.3
+
+
+def test_adaptive_windows_merge_until_the_combined_p_value_resolves():
+    from reward_lens.measure.efficiency.eta import FDR_Q, fisher_combined
+
+    rng = np.random.default_rng(12)
+    ledgers = [paired_ledger(_sample(s, rng, r_scale=0.02, m=16)) for s in range(1, 9)]
+    book = cost_series(ledgers, within_group_metric(ledgers))
+    est = [book._estimates[r.step_pair] for r in book.rows]
+    wins = windows(est, "adaptive")
+    assert [w.step_pair[0] for w in wins][0] == 0 and wins[-1].step_pair[1] == 8  # the run, covered once
+    assert sum(w.steps for w in wins) == 8
+    for w in wins[:-1]:  # every closed window is the first prefix whose combined p is below q
+        members = [e for e in est if w.step_pair[0] <= e.step_pair[0] and e.step_pair[1] <= w.step_pair[1]]
+        assert fisher_combined([e.p_value for e in members]) <= FDR_Q
+        assert all(fisher_combined([e.p_value for e in members[:i]]) > FDR_Q for i in range(1, len(members)))
