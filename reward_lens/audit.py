@@ -18,6 +18,8 @@ import yaml
 
 from reward_lens.measure.efficiency.cost import denominator_context, rollouts_context
 from reward_lens.record.errors import RecordError
+from reward_lens.record.importers import whole_number
+from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
 from reward_lens_spec import Presence, Refusal, Subject, load_books, load_frameworks, make_refusal, resolve
 from reward_lens_spec.models import Condition, FrameworkSpec
 
@@ -84,13 +86,25 @@ def _keys(cfg: dict[str, Any], prefix: str = "") -> set[str]:
     return out
 
 
-def project(spec: FrameworkSpec, cfg: dict[str, Any]) -> tuple[dict[str, Presence], list[str], int]:
-    """Record fields this config will supply, with presence over a nominal run."""
+def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "config"
+            ) -> tuple[dict[str, Presence], list[str], int]:
+    """Record fields this config will supply, with presence over a nominal run. ``where``
+    names the file in errors about a value of the wrong type."""
     d = spec.defaults
-    steps = int(_get(cfg, "max_steps", d) or 0) if _get(cfg, "max_steps", d) not in (None, -1) else 0
+    raw_steps = _get(cfg, "max_steps", d)
+    steps = 0 if raw_steps in (None, -1) else whole_number(raw_steps, where, "max_steps")
     steps = steps if steps > 0 else NOMINAL_STEPS
-    window = int(_get(cfg, spec.window_key, d) or 1) if spec.window_key else 1
     notes = []
+    raw_window = _get(cfg, spec.window_key, d) if spec.window_key else None
+    if raw_window is None:
+        window = 1
+    elif isinstance(raw_window, float) and 0 < raw_window < 1:
+        # transformers reads a logging_steps below 1 as a ratio of the total training steps
+        window = max(1, math.ceil(raw_window * steps))
+        notes.append(f"`{spec.window_key}` = {raw_window:g} is a ratio of the run's steps: every {window} steps "
+                     f"of {steps}")
+    else:
+        window = whole_number(raw_window, where, spec.window_key, minimum=1)
     if window > 1:
         notes.append(f"`{spec.window_key}` = {window}: telemetry will be means over {window}-step windows, "
                      "not per-step values")
@@ -109,11 +123,18 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any]) -> tuple[dict[str, Presenc
 def load_config(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if path.suffix == ".json" else safe_load_bounded(text)
     except FileNotFoundError:
         raise RecordError(path, "no such file") from None
+    except IsADirectoryError:
+        raise RecordError(path, "is a directory: audit a record through its manifest.json") from None
     except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({exc})") from None
+        msg = " ".join(str(exc).split())[:200]
+        raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg})") from None
+    except YamlTooLarge as exc:
+        raise RecordError(path, str(exc)) from None
+    except RecursionError:
+        raise RecordError(path, "nested too deeply to be a configuration") from None
     if not isinstance(data, dict):
         raise RecordError(path, "a configuration must be a mapping")
     return data
@@ -136,7 +157,7 @@ def audit(path: str | Path, framework: str | None = None) -> AuditResult:
     if framework not in frameworks:
         raise RecordError(path, f"unknown framework {framework!r}; known: {', '.join(sorted(frameworks))}")
     spec = frameworks[framework]
-    supplied, notes, window = project(spec, cfg)
+    supplied, notes, window = project(spec, cfg, path)
     optimizer = _get(cfg, "optim", spec.defaults)
     beta = _get(cfg, "beta", spec.defaults)
     result = AuditResult(str(path), kind, framework, notes, supplied)
@@ -157,11 +178,20 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
         res.books = _verdicts(supplied, optimizer=run.manifest.optimizer, betas=betas,
                               framework=run.manifest.framework.name, window=run.manifest.logging_steps)
         return res
-    fw = (cfg.get("framework") or {}).get("name")
+    from pydantic import ValidationError
+
+    from reward_lens.record.schema import RunManifest
+
+    try:
+        RunManifest.model_validate(cfg)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise RecordError(path, err["msg"], field=".".join(str(p) for p in err["loc"])) from None
+    fw = cfg["framework"]["name"]
     if fw not in frameworks:
         raise RecordError(path, f"a manifest without its data files can only be audited through its trainer "
                           f"config, and framework {fw!r} has no spec in specs/frameworks/")
-    supplied, notes, window = project(frameworks[fw], cfg.get("trainer_config") or {})
+    supplied, notes, window = project(frameworks[fw], cfg.get("trainer_config") or {}, path)
     res = AuditResult(str(path), "manifest", fw, notes, supplied)
     beta = (cfg.get("trainer_config") or {}).get("beta")
     res.books = _verdicts(supplied, optimizer=cfg.get("optimizer"), betas=[float(beta)] if beta is not None else [],

@@ -42,6 +42,12 @@ class Progress:
             sys.stderr.flush()
 
 
+def _visible(text: str) -> str:
+    """Text from a record or config, safe to print to a terminal: control characters (escape
+    sequences included) shown as \\xNN."""
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(text))
+
+
 def _exit_for(report, fail_on: str) -> int:
     """0 only when every book computed a resolved number; an unresolved book (numbers, none
     resolved from noise) counts with the refusals."""
@@ -119,9 +125,9 @@ def cmd_audit(args) -> int:
     if args.format == "json":
         print(json.dumps(result.to_json(), indent=2))
     else:
-        print(f"audit of {result.source} ({result.framework} {result.kind})")
+        print(f"audit of {_visible(result.source)} ({_visible(result.framework)} {result.kind})")
         for note in result.notes:
-            print(f"  note: {note}")
+            print(f"  note: {_visible(note)}")
         print()
         print(f"{'book':<14}{'verdict':<15}still computable")
         for b in result.books:
@@ -172,7 +178,7 @@ def cmd_import(args) -> int:
     if not args.quiet:
         print(f"wrote record {args.record_dir} ({m.run_id})")
         for note in m.notes:
-            print(f"  note: {note}")
+            print(f"  note: {_visible(note)}")
     return EXIT_OK
 
 

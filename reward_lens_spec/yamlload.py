@@ -18,16 +18,70 @@ from reward_lens_spec.errors import SpecError
 Loc = tuple[Any, ...]
 
 
+# A YAML document expands aliases: a few hundred bytes of nested aliases ("billion laughs")
+# expand to billions of nodes, and an alias inside its own anchor to an infinite structure.
+# Documents are checked on the composed node graph before anything walks the data: no
+# cycles, and at most this many nodes once aliases are expanded (a trainer config or spec
+# has hundreds).
+MAX_EXPANDED_NODES = 100_000
+
+
+class YamlTooLarge(ValueError):
+    """A document whose aliases recurse or expand beyond MAX_EXPANDED_NODES."""
+
+
+def check_expansion(node: yaml.Node | None) -> None:
+    """Raise YamlTooLarge (with the line) for a recursive alias or an expansion beyond the
+    limit; counts with memoisation, so the check itself is linear in the document."""
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def size(n: yaml.Node) -> int:
+        key = id(n)
+        if key in sizes:
+            return sizes[key]
+        if key in on_path:
+            raise YamlTooLarge(f"line {n.start_mark.line + 1}: an alias refers to the node that contains it "
+                               "(a recursive structure)")
+        on_path.add(key)
+        total = 1
+        if isinstance(n, yaml.MappingNode):
+            for k, v in n.value:
+                total += size(k) + size(v)
+        elif isinstance(n, yaml.SequenceNode):
+            for v in n.value:
+                total += size(v)
+        on_path.discard(key)
+        if total > MAX_EXPANDED_NODES:
+            raise YamlTooLarge(f"line {n.start_mark.line + 1}: aliases expand this document beyond "
+                               f"{MAX_EXPANDED_NODES:,} nodes")
+        sizes[key] = total
+        return total
+
+    if node is not None:
+        size(node)
+
+
+def safe_load_bounded(text: str) -> Any:
+    """``yaml.safe_load`` after ``check_expansion``; raises yaml.YAMLError or YamlTooLarge."""
+    node = yaml.compose(text, Loader=yaml.SafeLoader)
+    check_expansion(node)
+    return yaml.safe_load(text)
+
+
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[Loc, int]]:
     text = path.read_text(encoding="utf-8")
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+        check_expansion(node)
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else 1
         problem = getattr(exc, "problem", None) or str(exc)
         raise SpecError(f"{path}:{line}: invalid YAML: {problem}") from None
+    except (YamlTooLarge, RecursionError) as exc:
+        raise SpecError(f"{path}: {exc if isinstance(exc, YamlTooLarge) else 'nested too deeply'}") from None
     lines: dict[Loc, int] = {}
     if node is not None:
         _walk(node, (), lines)

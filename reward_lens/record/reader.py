@@ -75,6 +75,16 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
     return run
 
 
+# Schema metadata key under which ``iter_rollouts`` names the file a table was read from.
+SOURCE_KEY = b"reward_lens_source"
+
+
+def table_source(table: pa.Table, default: str | Path) -> str:
+    """The file ``iter_rollouts`` read ``table`` from, or ``default``."""
+    meta = table.schema.metadata or {}
+    return meta[SOURCE_KEY].decode() if SOURCE_KEY in meta else str(default)
+
+
 _SEGMENT = re.compile(r"^rollouts-(\d{5})\.parquet$")
 
 
@@ -108,6 +118,8 @@ def _read_manifest(root: Path) -> RunManifest:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RecordError(path, f"not valid JSON ({exc})") from None
+    except RecursionError:
+        raise RecordError(path, "JSON nested too deeply to be a manifest") from None
     if isinstance(data, dict) and data.get("format_version") not in (None, FORMAT_VERSION):
         raise RecordError(path, f"format_version {data.get('format_version')!r} is not supported "
                           f"(this reward-lens reads {FORMAT_VERSION})", field="format_version")
@@ -280,7 +292,9 @@ class Run:
                     spec = self._fields_spec.fields.get(f"rollout.{c}")
                     if spec is not None:
                         _check_values(table.column(c), spec, step_np, path)
-                yield table
+                # The file it came from travels with the table, so that a later error (a feature
+                # that cannot be computed) names this segment, not the first one.
+                yield table.replace_schema_metadata({SOURCE_KEY: str(path).encode()})
 
     # ------------------------------------------------------------------ presence
     def fields(self) -> dict[str, Presence]:

@@ -112,7 +112,8 @@ def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto",
              for n in g.names]
     kl_rows = [KlMinOut(step_pair=r.step_pair, kl_min=r.kl_min, noise_floor=r.noise_floor,
                         clears_noise_floor=r.clears_noise_floor, p_value=r.p_value, resolved=r.resolved,
-                        leading_feature=r.leading_feature, shares=r.shares)
+                        leading_feature=r.leading_feature, shares=r.shares, shares_inexact=r.shares_inexact,
+                        condition=r.condition)
                for r in formed]
     eff = [EfficiencyOut(step_pair=r.step_pair, steps=r.steps, status=r.status, kl_min=r.kl_min, kl_spent=r.kl_spent,
                          efficiency=r.efficiency, efficiency_null=r.efficiency_null,

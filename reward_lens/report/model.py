@@ -79,6 +79,9 @@ class KlMinOut(_M):
     resolved: bool = Field(description="rejected by Benjamini-Hochberg at q = 0.05 across the book's rows")
     leading_feature: str | None
     shares: dict[str, float] = Field(description="nats per sequence, by feature; sums to kl_min")
+    shares_inexact: bool = Field(False, description="the share sum misses kl_min by more than 1e-6 relative "
+                                                    "(G ill-conditioned: see condition)")
+    condition: float = Field(1.0, description="condition number of the active correlation matrix of G")
 
 
 class EfficiencyOut(_M):

@@ -130,9 +130,10 @@ WRITER = textwrap.dedent("""
     from reward_lens.report.output import replace_dir_atomically
     out = Path(sys.argv[1])
     big = "x" * 400_000
+    kind = sys.argv[4] if len(sys.argv) > 4 else "report"
     for i in itertools.count():
         tag = f"{sys.argv[3]}{i}"
-        replace_dir_atomically(out, {f"report.{e}": tag + big for e in ("md", "html", "json")})
+        replace_dir_atomically(out, {f"report.{e}": tag + big for e in ("md", "html", "json")}, kind=kind)
         print(tag, flush=True)
 """)
 
@@ -144,19 +145,20 @@ def _consistent(out: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_report_folder_survives_sigkill_at_random_points(tmp_path):
+@pytest.mark.parametrize("kind", ["report", "site"])  # report --out and publish --site share the writer
+def test_output_folder_survives_sigkill_at_random_points(tmp_path, kind):
     rng = random.Random(0)
     out = tmp_path / "out"
-    replace_dir_atomically(out, {f"report.{e}": "seed" for e in ("md", "html", "json")})
+    replace_dir_atomically(out, {f"report.{e}": "seed" for e in ("md", "html", "json")}, kind=kind)
     for k in range(24):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(REPO), f"k{k}-"],
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(REPO), f"k{k}-", kind],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(0.6 + rng.random() * 0.6)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         _consistent(out)
     # The next writer removes what killed writers left beside the folder.
-    replace_dir_atomically(out, {f"report.{e}": "last" for e in ("md", "html", "json")})
+    replace_dir_atomically(out, {f"report.{e}": "last" for e in ("md", "html", "json")}, kind=kind)
     assert _consistent(out) == {"last"}
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
 

@@ -36,6 +36,11 @@ from reward_lens_spec import Presence, Refusal, Subject, load_book, make_refusal
 BOOK_ID = "cost"
 # A row clears the noise floor when KL_min exceeds floor + NOISE_Z * sd(null): ~95 % one-sided.
 NOISE_Z = 2.0
+# The Shapley shares sum to KL_min exactly in exact arithmetic; in float64 the sum drifts with
+# the conditioning of G (about 1e-12 relative for a well-conditioned G, 1e-4 at condition
+# 1e10). A row whose share sum misses KL_min by more than this relative error says so
+# (``shares_inexact``) rather than presenting shares that do not add up.
+SHARE_SUM_RTOL = 1e-6
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class KlMinRow:
     n_post: int
     unpriced_movement: dict[str, float] = field(default_factory=dict)  # excluded feature -> dz
     p_value: float = 1.0  # of "dz = 0" (unpaired: Hotelling T^2; paired: F-test of r on z within groups)
+    shares_inexact: bool = False  # the share sum misses kl_min by more than SHARE_SUM_RTOL (ill-conditioned G)
+    condition: float = 1.0  # condition number of the active correlation matrix of G
     resolved: bool = False  # rejected by Benjamini-Hochberg at FDR_Q across the series' rows
     kind: str = "unpaired"  # the ledger that made the row
 
@@ -214,6 +221,8 @@ def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
             kl = np.atleast_1d(quad_kl_min(dz, gaa))
             shares = np.atleast_2d(shapley_shares(dz, gaa))
             ginv = np.linalg.inv(gaa)
+            sd = np.sqrt(np.einsum("pii->pi", gaa))
+            conds = np.linalg.cond(gaa / (sd[:, :, None] * sd[:, None, :]))
         for q, (p, lg, sub) in enumerate(items):
             excluded_idx = [g.names.index(n) for n in sub.excluded]
             unpriced = {g.names[j]: float(lg.delta_z[j]) for j in excluded_idx if lg.delta_z[j] != 0}
@@ -238,6 +247,8 @@ def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
                 leading_delta=float(lg.delta_z[idx[lead]]) if lead is not None else None,
                 leading_se=float(lg.se[idx[lead]]) if lead is not None else None,
                 n_pre=lg.n_pre, n_post=lg.n_post, unpriced_movement=unpriced, p_value=pval, kind=lg.kind,
+                shares_inexact=bool(abs(shares[q].sum() - kl[q]) > SHARE_SUM_RTOL * max(kl[q], 1e-300)),
+                condition=float(conds[q]),
             )
     out = [r for r in rows if r is not None]
     priced = [i for i, r in enumerate(out) if not r.nothing_priced]

@@ -43,7 +43,9 @@ from reward_lens.measure.ledger.price import StepSample
 CONSTANT_TOL = 1e-12
 # A feature whose residual variance fraction, given the features before it, is below this
 # is collinear. 1e-10 keeps the condition number of the active correlation matrix under
-# about 1e10, where a float64 Cholesky still has ~6 correct digits.
+# about 1e10. At that conditioning the exact Shapley sweep keeps only about 4 correct digits
+# (measured: relative error of the share sum 6.6e-5 at condition 1e9-1e12), so every row
+# checks its share sum against KL_min (cost.SHARE_SUM_RTOL) and says when it misses.
 COLLINEAR_TOL = 1e-10
 
 METHODS = ("covariance_bound", "fisher_kernel")

@@ -106,6 +106,11 @@ class SurfaceFeatures:
                 steps = table.column("step").filter(pc.is_null(col)).to_numpy() if "step" in table.column_names else None
                 raise RecordError(source, f"feature `{name}` needs a value on every rollout; some are null",
                                   field=feat.column, steps=np.unique(steps) if steps is not None else None)
-            values = feat.compute(col)
+            try:
+                values = feat.compute(col)
+            except pa.ArrowInvalid as exc:  # e.g. invalid UTF-8 that a writer let through
+                steps = np.unique(table.column("step").to_numpy()) if "step" in table.column_names else None
+                raise RecordError(source, f"feature `{name}` cannot be computed from this column "
+                                  f"({' '.join(str(exc).split())[:120]})", field=feat.column, steps=steps) from None
             out[:, j] = pa.chunked_array([values]).to_numpy() if isinstance(values, pa.Array) else values.to_numpy()
         return out

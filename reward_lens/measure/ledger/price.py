@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from reward_lens.measure.ledger.features import SurfaceFeatures
-from reward_lens.record.reader import Run, Window
+from reward_lens.record.reader import Run, Window, table_source
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,7 +133,7 @@ def steps_from_run(run: Run, features: SurfaceFeatures, window: Window | None = 
     for table in run.iter_rollouts([*features.columns, *extra], window):
         if not table.num_rows:
             continue
-        z = features.compute(table, source=str(run.path / "rollouts.parquet"))
+        z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"))
         steps = table.column("step").to_numpy()
         cols = {}
         for c in extra:

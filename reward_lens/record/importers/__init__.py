@@ -18,3 +18,20 @@ def finite_number(value: Any, where: str | Path, key: str, step: int) -> float:
     if not math.isfinite(v):
         raise RecordError(where, f"`{key}` is {v}", field=key, steps=[step])
     return v
+
+
+# Steps and counts are stored as int64.
+INT64_MAX = 2 ** 63 - 1
+
+
+def whole_number(value: Any, where: str | Path, key: str, *, minimum: int = 0) -> int:
+    """A config or log value that must be a whole number (a step, a count), or a RecordError
+    naming where and which key: not a bool, not a list, not 1e400, not beyond int64."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RecordError(where, f"`{key}` is {value!r}, not a whole number", field=key)
+    if isinstance(value, float) and (not math.isfinite(value) or value != int(value)):
+        raise RecordError(where, f"`{key}` is {value!r}, not a whole number", field=key)
+    v = int(value)
+    if not minimum <= v <= INT64_MAX:
+        raise RecordError(where, f"`{key}` is {v}, outside [{minimum}, 2^63 - 1]", field=key)
+    return v

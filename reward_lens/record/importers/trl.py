@@ -72,6 +72,10 @@ def _log_history(output_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
         state = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise RecordError(path, f"not valid JSON, truncated or corrupt ({exc})") from None
+    except RecursionError:
+        raise RecordError(path, "JSON nested too deeply to be a trainer state") from None
+    if not isinstance(state, dict):
+        raise RecordError(path, f"is a JSON {type(state).__name__}, not the object `trainer.save_state()` writes")
     history = state.get("log_history")
     if not isinstance(history, list):
         raise RecordError(path, "has no `log_history` list", field="log_history")

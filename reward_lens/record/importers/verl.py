@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from reward_lens.record.errors import RecordError
-from reward_lens.record.importers import finite_number
+from reward_lens.record.importers import finite_number, whole_number
 from reward_lens.record.schema import OptimizerTelemetry, RunManifest
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields
@@ -41,10 +41,16 @@ def _parse_line(line: str, path: Path, lineno: int) -> tuple[int, dict[str, Any]
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
             raise RecordError(f"{path}:{lineno}", f"not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise RecordError(f"{path}:{lineno}", "JSON nested too deeply to be a metrics line") from None
+        if not isinstance(obj, dict):
+            raise RecordError(f"{path}:{lineno}", f"a metrics line is a JSON object, not {type(obj).__name__}")
         if "step" not in obj:
             raise RecordError(f"{path}:{lineno}", "a metrics line needs a `step`", field="step")
         data = obj.get("data", {k: v for k, v in obj.items() if k != "step"})
-        return int(obj["step"]), data, False
+        if not isinstance(data, dict):
+            raise RecordError(f"{path}:{lineno}", "`data` is not an object of metrics", field="data")
+        return whole_number(obj["step"], f"{path}:{lineno}", "step"), data, False
     m = _CONSOLE.match(line)
     if not m:
         return None  # other console output interleaved with the metrics
