@@ -372,7 +372,29 @@ def _type_ok(actual: pa.DataType, expected: pa.DataType) -> bool:
     return False
 
 
+def _check_utf8(column: pa.ChunkedArray, spec: FieldSpec, steps: np.ndarray, path: Path) -> None:
+    """Parquet strings are UTF-8; a writer that stored other bytes made a corrupt record."""
+    offset = 0
+    for chunk in column.chunks:
+        try:
+            chunk.validate(full=True)
+        except pa.ArrowInvalid:
+            bad = []
+            for i, v in enumerate(chunk.cast(pa.binary()).to_pylist()):  # the error path only
+                if v is not None:
+                    try:
+                        v.decode("utf-8")
+                    except UnicodeDecodeError:
+                        bad.append(offset + i)
+            raise RecordError(path, "invalid UTF-8 in the text (Parquet strings are UTF-8)", field=spec.column,
+                              steps=np.unique(steps[bad]) if bad else None) from None
+        offset += len(chunk)
+
+
 def _check_values(column: pa.ChunkedArray, spec: FieldSpec, steps: np.ndarray, path: Path) -> None:
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        _check_utf8(column, spec, steps, path)
+        return
     if not (pa.types.is_floating(column.type) or pa.types.is_integer(column.type)):
         return
     values = column.to_numpy(zero_copy_only=False).astype(float)  # nulls become NaN here

@@ -158,3 +158,27 @@ def test_rows_state_the_conditioning_of_g_and_flag_share_sums_that_miss():
         assert row.shares_inexact == (miss > 1e-6)
         rows.append(row)
     assert rows[-1].condition > 1e9 > rows[0].condition
+
+
+def test_invalid_utf8_in_a_completion_names_the_file_field_and_step(tmp_path, capsys):
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tests.conftest import refresh_manifest
+
+    rec = tmp_path / "short"
+    shutil.copytree(SHORT, rec)
+    t = pq.read_table(rec / "rollouts.parquet")
+    raw = [c.encode() for c in t.column("completion").to_pylist()]
+    raw[20] = b"\xff\xfe not text"
+    bad = pa.array(raw, pa.binary()).view(pa.string())  # bytes stored as a string, unvalidated
+    t = t.set_column(t.schema.get_field_index("completion"), "completion", bad)
+    pq.write_table(t, rec / "rollouts.parquet")
+    refresh_manifest(rec)
+    step = t.column("step")[20].as_py()
+    assert cli.main(["report", str(rec), "--out", str(tmp_path / "o"), "--quiet"]) == cli.EXIT_BAD_INPUT
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "rollouts.parquet" in err and "`completion`" in err and "UTF-8" in err
+    assert f"step {step}" in err
