@@ -186,7 +186,8 @@ def test_heavy_tailed_weights_refuse_the_step_pair_with_the_numbers():
     assert [r.step_pair for r in book.rows] == [(0, 1)]
     (ref,) = book.refusals
     assert ref.code == "ENVELOPE_VIOLATED" and ref.context["premise"] == "heavy_tails"
-    assert "too heavy-tailed" in ref.detail and f"{ledgers[1].pareto_k:.3g}"[:3] in ref.detail
+    assert [tuple(p) for p in ref.subject.step_pairs] == [(1, 2)]
+    assert "too heavy-tailed" in ref.detail and "1->2 k-hat" in ref.detail and f"{ledgers[1].pareto_k:.3g}"[:3] in ref.detail
 
 
 def test_windows_are_ratios_of_sums_and_gaps_start_a_new_window():

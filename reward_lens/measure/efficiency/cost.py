@@ -418,6 +418,7 @@ def cost_series(
         refusals.append(make_refusal("RECORD_INCOMPLETE", book, _subject(run_id, missing),
                                      _incomplete_context(run_, missing, len(ledgers), resolution, bool(kl_spent))))
     estimates: list[_eta.EtaEstimate] = []
+    heavy: list[dict[str, Any]] = []  # paired step pairs whose weights are too heavy-tailed: one refusal
     meta: dict[tuple[int, int], tuple[KlMinRow, str, dict]] = {}
     nothing: list[CostRow] = []
     for row in series.rows:
@@ -439,9 +440,8 @@ def cost_series(
         idx = g.for_step(pair[0]).active_index
         if kind == "paired":
             if lg.pareto_k > lg.pareto_k_max:
-                refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pair]), {
-                    **_envelope_base(row, lg, d_t), "premise": "heavy_tails", "ratio": None, "run": _short(run_id),
-                    "source": source, "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max}))
+                heavy.append({"step_pair": list(pair), "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max,
+                              "n": lg.n_post})
                 continue
             est = _eta.paired_estimate(lg, idx)
             violation = _envelope(row, lg, est.d_t, kl_min=est.kl_min)
@@ -455,6 +455,10 @@ def cost_series(
             continue
         estimates.append(est)
         meta[pair] = (row, source, _d_t_checks(lg, est, run_, pair))
+    if heavy:
+        refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [tuple(h["step_pair"]) for h in heavy]),
+                                     {"premise": "heavy_tails", "pairs": heavy, "run": _short(run_id),
+                                      "step_pair": heavy[0]["step_pair"]}))
     priced = _eta.windows(estimates, window)
     decided = _eta.benjamini_hochberg([e.p_value for e in priced])
     rows: list[CostRow] = list(nothing)
