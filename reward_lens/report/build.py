@@ -105,7 +105,6 @@ def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto",
         return extra or [rollouts_refusal(run, samples)], None
     book: CostBook = priced.book
     g = priced.metric
-    series = book.kl_min
     docs = features.docs()
     excluded = {n: why for sub in [g, *g.by_step.values()] for n, why in sub.excluded.items()}
     feats = [FeatureOut(name=n, doc=docs[n], status="priced" if n in g.active else excluded.get(n, "excluded"))

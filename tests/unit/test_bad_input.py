@@ -5,7 +5,6 @@ traceback, never exit 3 (which is for reward-lens's own bugs)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings

@@ -190,7 +190,6 @@ def test_damping_at_the_edge_of_its_range_refuses_rung_2():
     damping, the optimum runs to RHO_MAX, and the cost book refuses rather than report an
     eta set by the search range."""
     from reward_lens.measure.efficiency import kl_min_series
-    from reward_lens.measure.efficiency.metric import RHO_MAX
     from reward_lens.measure.ledger.price import Ledger
 
     rng = np.random.default_rng(4)
