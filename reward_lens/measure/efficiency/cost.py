@@ -443,7 +443,7 @@ def cost_series(
                 heavy.append({"step_pair": list(pair), "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max,
                               "n": lg.n_post})
                 continue
-            est = _eta.paired_estimate(lg, idx)
+            est = _eta.paired_estimate(lg, idx, row.p_value)
             violation = _envelope(row, lg, est.d_t, kl_min=est.kl_min)
         else:
             violation = _envelope(row, lg, d_t)
@@ -462,8 +462,13 @@ def cost_series(
     priced = _eta.windows(estimates, window)
     decided = _eta.benjamini_hochberg([e.p_value for e in priced])
     rows: list[CostRow] = list(nothing)
+    ordered = list(meta.values())  # in the order of ``estimates``, which ``windows`` keeps
+    i = 0
     for est, rej in zip(priced, decided):
-        members = [m for p_, m in meta.items() if est.step_pair[0] <= p_[0] and p_[1] <= est.step_pair[1]]
+        members = []  # the step pairs this window covers: the next ones, in order (linear, not a scan)
+        while i < len(ordered) and ordered[i][0].step_pair[1] <= est.step_pair[1]:
+            members.append(ordered[i])
+            i += 1
         shares: dict[str, float] = {}
         for m in members:
             for f, v in m[0].shares.items():
@@ -512,19 +517,14 @@ def _disagree(checks: dict[str, tuple[float, float | None]]) -> bool:
     return abs(v1 - v0) > D_T_DISAGREE_Z * math.sqrt(s0 ** 2 + s1 ** 2)
 
 
-def _envelope_base(row: KlMinRow, lg: Ledger, d_t: float) -> dict[str, Any]:
-    return {"step_pair": list(row.step_pair), "kl_min": row.kl_min, "d_t": d_t, "noise_floor": row.noise_floor,
-            "clears_noise_floor": row.clears_noise_floor, "leading_feature": row.leading_feature,
-            "leading_delta": row.leading_delta, "leading_se": row.leading_se,
-            "leading_t": row.leading_t, "n_pre": lg.n_pre, "n_post": lg.n_post,
-            "max_abs_t": float(np.max(np.abs(lg.t))) if len(lg.t) else 0.0}
-
-
 def _envelope(row: KlMinRow, lg: Ledger, d_t: float, kl_min: float | None = None) -> dict[str, Any] | None:
-    """None when eta = KL_min / D_t is inside [0, 1]; else the failed premise, with numbers."""
-    base = _envelope_base(row, lg, d_t)
-    if kl_min is not None:
-        base["kl_min"] = kl_min
+    """None when eta = KL_min / D_t is inside [0, 1]; else the failed premise, with numbers.
+    ``kl_min`` replaces the row's quadratic form (the paired ledger's exact value)."""
+    base = {"step_pair": list(row.step_pair), "kl_min": row.kl_min if kl_min is None else kl_min, "d_t": d_t,
+            "noise_floor": row.noise_floor, "clears_noise_floor": row.clears_noise_floor,
+            "leading_feature": row.leading_feature, "leading_delta": row.leading_delta,
+            "leading_se": row.leading_se, "leading_t": row.leading_t, "n_pre": lg.n_pre, "n_post": lg.n_post,
+            "max_abs_t": float(np.max(np.abs(lg.t))) if len(lg.t) else 0.0}
     if not math.isfinite(d_t):
         return {**base, "premise": "nonfinite_denominator", "ratio": None}
     if d_t <= 0:

@@ -129,15 +129,17 @@ def within_group_r2_test(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_grou
     return r2, float(stats.f.sf(f, k, d - k)), d
 
 
-def paired_estimate(lg: PairedLedger, active_idx: np.ndarray) -> EtaEstimate:
+def paired_estimate(lg: PairedLedger, active_idx: np.ndarray, p_value: float | None = None) -> EtaEstimate:
     """eta on the paired sample; its covariance by the delete-one-group jackknife (groups are
-    the independent units; each replicate's null uses its own degrees of freedom)."""
+    the independent units; each replicate's null uses its own degrees of freedom).
+    ``p_value``: the row's F-test, where the caller has it already (else computed here)."""
     z = lg.z[:, active_idx]
     k = len(active_idx)
     g = lg.n_groups
     weights = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])
     proj = i_projection(z, lg.log_ratio, lg.codes, g, weights)
-    _, p, d = within_group_r2_test(z, lg.log_ratio, lg.codes, g)
+    d = len(lg.log_ratio) - g
+    p = p_value if p_value is not None else within_group_r2_test(z, lg.log_ratio, lg.codes, g)[1]
     sizes = np.bincount(lg.codes, minlength=g)
     dofs = np.concatenate([[d], d - (sizes - 1)])  # deleting group j removes m_j rollouts and 1 group mean
     nu = np.where(dofs > 0, k / np.maximum(dofs, 1), 1.0)
