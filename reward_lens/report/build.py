@@ -157,15 +157,19 @@ def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto",
 
 def _not_formed_refusals(run: Run, priced) -> list[Refusal]:
     """RECORD_INCOMPLETE for the step pairs no ledger could be formed for, one per reason."""
-    by_why: dict[str, list[tuple[int, int]]] = {}
+    by_reason: dict[str, list[tuple[tuple[int, int], object]]] = {}
     for pair, why in sorted(priced.not_formed.items()):
-        by_why.setdefault(why, []).append(pair)
+        by_reason.setdefault(why.reason, []).append((pair, why))
     out = []
-    for why, pairs in by_why.items():
+    for reason, items in by_reason.items():
+        pairs = [p for p, _ in items]
         shown = ", ".join(f"{a}->{b}" for a, b in pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
+        steps = [{"step": w.step, "count": w.count} for _, w in items]
+        steps = [dict(t) for t in {tuple(d.items()) for d in steps}]  # a step can touch two pairs
         out.append(make_refusal("RECORD_INCOMPLETE", load_book("cost"), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
                                 {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
-                                 "n_pairs": len(pairs), "pairs_shown": shown, "why": why,
+                                 "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
+                                 "steps": sorted(steps, key=lambda d: d["step"]),
                                  "framework": run.manifest.framework.name}))
     return out
 

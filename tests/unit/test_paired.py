@@ -211,7 +211,8 @@ def test_a_group_of_one_is_dropped_and_too_few_groups_is_named():
     lg = paired_ledger(StepSample(1, s.names, s.z, groups=groups, logp=s.logp, logp_prev=s.logp_prev))
     assert lg.dropped_rollouts == 1
     one = StepSample(1, s.names, s.z[:4], groups=s.groups[:4], logp=s.logp[:4], logp_prev=s.logp_prev[:4])
-    assert "at least 2 prompt groups" in paired_ledger(one)
+    why = paired_ledger(one)
+    assert (why.reason, why.step, why.count) == ("few_groups", 1, 1)
 
 
 def test_in_sample_rollouts_overstate_what_the_step_spent():

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from reward_lens.measure.efficiency.cost import CostBook, cost_series
 from reward_lens.measure.efficiency.metric import MetricG, metric_g, within_group_metric
-from reward_lens.measure.ledger.paired import has_paired_sample, paired_ledger_series
+from reward_lens.measure.ledger.paired import NotFormed, has_paired_sample, paired_ledger_series
 from reward_lens.measure.ledger.price import StepSample, ledger_series, learning_rates
 from reward_lens.record.reader import Run
 
@@ -23,7 +23,7 @@ class PricedRun:
     book: CostBook | None
     metric: MetricG | None
     ledger: str
-    not_formed: dict[tuple[int, int], str]  # step pairs no ledger could be formed for, and why
+    not_formed: dict[tuple[int, int], NotFormed]  # step pairs no ledger could be formed for, and why
 
 
 def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", window: int | str = 1) -> PricedRun:
@@ -46,7 +46,7 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
     return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why)
 
 
-def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[int, int], str]]:
+def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[int, int], NotFormed]]:
     """Two-sample ledgers for the step pairs whose steps both have >= 2 rollouts; the others
     are named, not fatal (a step with one rollout refuses only the pairs that touch it)."""
     steps = {s.step: s for s in samples}
@@ -55,7 +55,7 @@ def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[i
         if s.n < 2:
             for pair in ((t - 1, t), (t, t + 1)):
                 if pair[0] in steps and pair[1] in steps:
-                    why[pair] = f"step {t} has {s.n} rollout: a two-sample ledger needs at least 2 per step"
+                    why[pair] = NotFormed("one_rollout", t, s.n)
     ok = [s for s in samples if s.n >= 2]
     ledgers = [lg for lg in ledger_series(ok, eta_by_step=lrs) if lg.step_pair not in why]
     return ledgers, why

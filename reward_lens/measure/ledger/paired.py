@@ -106,30 +106,40 @@ def has_paired_sample(s: StepSample) -> bool:
             and bool(np.isfinite(s.logp).all()) and bool(np.isfinite(s.logp_prev).all()))
 
 
-def previous_step(sample: StepSample) -> int | str:
+@dataclass(frozen=True)
+class NotFormed:
+    """Why no ledger could be formed for a step pair: a reason code and the step it concerns
+    (its words are in templates/refusals/RECORD_INCOMPLETE/cost.detail.j2)."""
+
+    reason: str  # "no_logp_prev" | "prev_step" | "few_groups" | "one_rollout"
+    step: int
+    count: int | None = None  # few_groups: usable groups; one_rollout: rollouts
+
+
+def previous_step(sample: StepSample) -> int | NotFormed:
     """The step whose policy the sample is scored under: ``logp_prev_step`` where recorded (a
     generation window when rollouts are reused across steps), else step - 1."""
     if sample.logp_prev_step is None:
         return sample.step - 1
     prev = np.unique(sample.logp_prev_step[np.isfinite(sample.logp_prev_step)])
     if len(prev) != 1 or not 0 <= prev[0] < sample.step:
-        return f"`logp_prev_step` is not one earlier step on every rollout ({prev.tolist()[:4]})"
+        return NotFormed("prev_step", sample.step)
     return int(prev[0])
 
 
-def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> PairedLedger | str:
+def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> PairedLedger | NotFormed:
     """The paired ledger of the step pair (previous step, sample.step) -- (t-1, t), or a
     generation window (t-R, t) -- or why it cannot be formed."""
     if not has_paired_sample(sample):
-        return "no log-probability under the previous policy (`logp_prev`) on every rollout"
+        return NotFormed("no_logp_prev", sample.step)
     prev = previous_step(sample)
-    if isinstance(prev, str):
+    if isinstance(prev, NotFormed):
         return prev
     codes, n_groups = group_codes(sample.groups)
     sizes = np.bincount(codes, minlength=n_groups)
     keep = sizes[codes] >= 2
     if int(np.unique(codes[keep]).size) < 2:
-        return f"needs at least 2 prompt groups of at least 2 rollouts; step {sample.step} has {int((sizes >= 2).sum())}"
+        return NotFormed("few_groups", sample.step, int((sizes >= 2).sum()))
     z = sample.z[keep]
     r = (sample.logp - sample.logp_prev)[keep]
     codes, n_groups = group_codes(codes[keep])
@@ -157,7 +167,7 @@ def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> Pai
 
 
 def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float] | None = None
-                         ) -> tuple[list[PairedLedger], dict[tuple[int, int], str]]:
+                         ) -> tuple[list[PairedLedger], dict[tuple[int, int], NotFormed]]:
     """Paired ledgers for every step whose rollouts are scored under the previous policy,
     and, for the step pairs that could not be formed, why."""
     ledgers, why = [], {}
@@ -168,7 +178,7 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
         if s.step == 0:
             continue
         lg = paired_ledger(s, None if eta_by_step is None else eta_by_step.get(s.step - 1))
-        if isinstance(lg, str):
+        if isinstance(lg, NotFormed):
             prev = previous_step(s)
             why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = lg
         else:
