@@ -12,11 +12,11 @@ import pytest
 import scipy.optimize as so
 
 from reward_lens.measure.efficiency import cost_series
-from reward_lens.measure.efficiency.eta import benjamini_hochberg, within_group_r2_test, windows
+from reward_lens.measure.efficiency.eta import benjamini_hochberg, windows
 from reward_lens.measure.efficiency.iproj import i_projection
 from reward_lens.measure.efficiency.metric import within_group_metric
 from reward_lens.measure.efficiency.shapley import shapley_shares
-from reward_lens.measure.ledger.paired import group_codes, paired_ledger
+from reward_lens.measure.ledger.paired import paired_ledger
 from reward_lens.measure.ledger.price import StepSample
 from tests.conftest import PAIRED
 
