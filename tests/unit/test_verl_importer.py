@@ -55,3 +55,59 @@ def test_bad_lines_are_named(tmp_path):
     with pytest.raises(RecordError, match="no veRL metric lines found"):
         import_verl(bad, tmp_path / "rec")
     assert not (tmp_path / "rec").exists()
+
+
+def _dump_lines(step: int) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (FIX / "rollouts" / f"{step}.jsonl").read_text().splitlines()]
+
+
+def test_rollout_dumps_become_rollouts_grouped_by_prompt(tmp_path):
+    """veRL's `{step}.jsonl` dumps (`_dump_generations`: input, output, gts, score, step and the
+    reward function's per-sample extras), shuffled as `_balance_batch` leaves them."""
+    m = import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=FIX / "rollouts")
+    run = open_run(tmp_path / "rec")
+    assert run.n_rollouts == 24 and sorted(set(run.rollout_steps.tolist())) == [0, 1, 2]
+    rows = run.read_rollouts(["step", "group_id", "prompt", "completion", "reward", "rewards"]).to_pylist()
+    for t in (0, 1, 2):
+        lines = _dump_lines(t + 1)
+        mine = [r for r in rows if r["step"] == t]
+        # same rollouts in the same order, reward = score, extras = per-function rewards
+        assert [r["completion"] for r in mine] == [x["output"] for x in lines]
+        assert [r["reward"] for r in mine] == [x["score"] for x in lines]
+        assert [dict(r["rewards"]) for r in mine] == [{"acc": float(x["acc"]), "format": x["format"]} for x in lines]
+        # a group is every rollout of one prompt in that step, wherever the shuffle put it
+        by_group: dict[str, set[str]] = {}
+        for r in mine:
+            by_group.setdefault(r["group_id"], set()).add(r["prompt"])
+        assert all(len(p) == 1 for p in by_group.values()) and len(by_group) == len({x["input"] for x in lines})
+    assert any("no advantages and no per-rollout log-probabilities" in n for n in m.notes)
+    assert any("['pred']" in n for n in m.notes)
+    # the feature movement is computable on it: KL_min is there, efficiency refused for lack of D_t
+    report = build_report(run)
+    (book,) = report.books
+    assert [r.context["requirement"] for r in book.refusals] == ["denominator"]
+
+
+def test_bad_rollout_dumps_are_named(tmp_path):
+    import json
+
+    d = tmp_path / "dumps"
+    d.mkdir()
+    (d / "2.jsonl").write_text(json.dumps({"input": "q", "output": "a", "score": 1.0, "step": 3}) + "\n")
+    with pytest.raises(RecordError, match=r"2\.jsonl:1: field `step`: `step` is 3 in the dump of step 2"):
+        import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=d)
+    (d / "2.jsonl").write_text(json.dumps({"input": "q", "score": 1.0, "step": 2}) + "\n")
+    with pytest.raises(RecordError, match=r"2\.jsonl:1: field `output`: .*missing \['output'\]"):
+        import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=d)
+    (d / "2.jsonl").write_text(json.dumps({"input": "q", "output": "a", "score": None, "step": 2}) + "\n")
+    with pytest.raises(RecordError, match=r"`score` is None, not a number"):
+        import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=d)
+    (d / "2.jsonl").unlink()
+    (d / "9.jsonl").write_text(json.dumps({"input": "q", "output": "a", "score": 1.0, "step": 9}) + "\n")
+    with pytest.raises(RecordError, match="a rollout dump for a step the metrics log does not have"):
+        import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=d)
+    with pytest.raises(RecordError, match="no such rollout dump directory"):
+        import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=tmp_path / "nope")
+    assert not (tmp_path / "rec").exists()

@@ -12,8 +12,15 @@ estimate of KL(pi_old || pi_theta) taken before each mini-batch update, recorded
 ``ppo_kl`` and never as ``kl_to_previous``; ``actor/kl_loss`` (KL to the reference) is
 ``kl_to_ref``; ``actor/grad_norm`` is the pre-clip norm; ``actor/lr`` the learning rate.
 veRL's ``global_steps`` starts at 1 and tags the update it just made, so the record's
-t = step - 1. veRL logs no per-rollout data in its metrics, so the record has no rollouts
-(dump them with ``trainer.rollout_data_dir``; importing those dumps is not implemented).
+t = step - 1. veRL logs no per-rollout data in its metrics.
+
+Rollouts come from ``trainer.rollout_data_dir`` (``rollouts=``, ``--rollouts DIR``): veRL's
+``_dump_generations`` writes ``{global_steps}.jsonl`` after each step's update, one JSON
+object per rollout with ``input`` (the decoded prompt), ``output`` (the decoded completion),
+``score`` (the reward), ``step``, optionally ``gts``, and every per-sample entry of the reward
+function's ``reward_extra_info`` (numeric ones become per-function rewards). veRL reorders a
+batch to balance sequence lengths, so prompt groups are formed by identical ``input`` within
+a step. The dumps hold no advantages and no per-rollout log-probabilities: the record says so.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from reward_lens.record.errors import RecordError
 from reward_lens.record.importers import finite_number, whole_number
-from reward_lens.record.schema import OptimizerTelemetry, RunManifest
+from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields
 
@@ -62,8 +71,98 @@ def _parse_line(line: str, path: Path, lineno: int) -> tuple[int, dict[str, Any]
     return int(m.group(1)), data, True
 
 
+_DUMP_KEYS = ("input", "output", "score", "step")
+
+
+def _read_dump(path: Path, t: int) -> tuple[dict[str, list[Any]], set[str]]:
+    """One ``{step}.jsonl`` dump: columns for the record, and the extra keys left out."""
+    cols: dict[str, list[Any]] = {"prompt": [], "completion": [], "reward": [], "extra": []}
+    skipped: set[str] = set()
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise RecordError(where, f"not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise RecordError(where, "JSON nested too deeply to be a rollout") from None
+            if not isinstance(obj, dict):
+                raise RecordError(where, f"a rollout line is a JSON object, not {type(obj).__name__}")
+            missing = [k for k in _DUMP_KEYS if k not in obj]
+            if missing:
+                raise RecordError(where, f"a veRL rollout dump line needs {list(_DUMP_KEYS)}; missing {missing}",
+                                  field=missing[0])
+            if whole_number(obj["step"], where, "step") != t + 1:
+                raise RecordError(where, f"`step` is {obj['step']} in the dump of step {t + 1}", field="step")
+            for k in ("input", "output"):
+                if not isinstance(obj[k], str):
+                    raise RecordError(where, f"`{k}` is not text (multi-turn dumps are not supported yet)", field=k)
+            cols["prompt"].append(obj["input"])
+            cols["completion"].append(obj["output"])
+            cols["reward"].append(finite_number(obj["score"], where, "score", t))
+            extra = {}
+            for k, v in obj.items():
+                if k in _DUMP_KEYS or k == "gts":
+                    continue
+                if isinstance(v, (int, float)):  # bool included (an `acc` flag)
+                    extra[k] = finite_number(float(v), where, k, t)
+                else:
+                    skipped.add(k)
+            cols["extra"].append(extra)
+    if not cols["prompt"]:
+        raise RecordError(path, "an empty rollout dump", steps=[t])
+    return cols, skipped
+
+
+def read_rollout_dumps(dump_dir: str | Path, steps: set[int]) -> tuple[pa.Table, list[str]]:
+    """veRL's ``trainer.rollout_data_dir`` as a rollouts table (record steps t = step - 1)."""
+    root = Path(dump_dir)
+    if not root.is_dir():
+        raise RecordError(root, "no such rollout dump directory (veRL's `trainer.rollout_data_dir`)")
+    files = {}
+    for f in root.glob("*.jsonl"):
+        if f.stem.isdigit():
+            files[int(f.stem) - 1] = f
+    if not files:
+        raise RecordError(root, "no `{step}.jsonl` rollout dumps (veRL writes them when "
+                          "`trainer.rollout_data_dir` is set)")
+    unknown = sorted(t for t in files if t not in steps)
+    if unknown:
+        raise RecordError(files[unknown[0]], "a rollout dump for a step the metrics log does not have",
+                          steps=unknown[:5])
+    out: dict[str, list[Any]] = {k: [] for k in ("step", "group_id", "prompt", "completion", "reward", "rewards")}
+    skipped: set[str] = set()
+    names: set[str] = set()
+    for t in sorted(files):
+        cols, sk = _read_dump(files[t], t)
+        skipped |= sk
+        first: dict[str, int] = {}
+        for p in cols["prompt"]:
+            first.setdefault(p, len(first))
+        n = len(cols["prompt"])
+        out["step"] += [t] * n
+        out["group_id"] += [f"{t}:{first[p]}" for p in cols["prompt"]]
+        out["prompt"] += cols["prompt"]
+        out["completion"] += cols["completion"]
+        out["reward"] += cols["reward"]
+        out["rewards"] += [sorted(e.items()) for e in cols["extra"]]
+        names |= {k for e in cols["extra"] for k in e}
+    schema = arrow_schema("rollouts")
+    table = pa.table({k: pa.array(v, type=schema.field(k).type) for k, v in out.items()})
+    notes = [f"rollouts from veRL's generation dumps on {len(files)} steps; prompt groups formed by identical "
+             "`input` within a step; the dumps hold no advantages and no per-rollout log-probabilities"]
+    if names:
+        notes.append(f"per-function rewards from the dumps' numeric `reward_extra_info` keys: {sorted(names)}")
+    if skipped:
+        notes.append(f"non-numeric dump keys not imported: {sorted(skipped)}")
+    return table, notes
+
+
 def import_verl(metrics: str | Path, record_dir: str | Path, *, framework_version: str | None = None,
-                overwrite: bool = False) -> RunManifest:
+                overwrite: bool = False, rollouts: str | Path | None = None) -> RunManifest:
     path = Path(metrics)
     if not path.is_file():
         raise RecordError(path, "no such metrics file")
@@ -93,11 +192,16 @@ def import_verl(metrics: str | Path, record_dir: str | Path, *, framework_versio
             rows[t] = row
     if not rows:
         raise RecordError(path, "no veRL metric lines found (JSON lines with `step`, or `step:N - key:value` lines)")
-    notes = ["veRL metrics carry no per-rollout data: this record has no rollouts",
-             f"{len(unmapped)} veRL metric keys have no record field and were not imported"]
+    table: pa.Table | list = []
+    if rollouts is not None:
+        table, notes = read_rollout_dumps(rollouts, set(rows))
+    else:
+        notes = ["veRL metrics carry no per-rollout data, and no rollout dumps were given (`--rollouts`, veRL's "
+                 "`trainer.rollout_data_dir`): this record has no rollouts"]
+    notes.append(f"{len(unmapped)} veRL metric keys have no record field and were not imported")
     if console:
         notes.append("read from veRL's console logger, which rounds every value to three decimals")
     return write_run(record_dir, framework={"name": "verl", "version": framework_version},
                      model={"description": "unknown policy (veRL metrics do not name it)"},
-                     telemetry=[OptimizerTelemetry(**rows[t]) for t in sorted(rows)], rollouts=[],
+                     telemetry=[OptimizerTelemetry(**rows[t]) for t in sorted(rows)], rollouts=table,
                      notes=notes, overwrite=overwrite)
