@@ -1,80 +1,139 @@
 """``reward-lens audit``: before training, which books will a logging setup support?
 
-A configuration (TRL GRPOConfig arguments, a veRL Hydra config, or a reward-lens manifest)
-is projected onto record fields through ``specs/frameworks/<framework>.yaml``; the
-projection goes to the same resolver and the same refusal templates that
-``reward-lens report`` uses on a finished record. No second list of rules lives here.
+A configuration (TRL GRPOConfig arguments as JSON or YAML, a veRL Hydra config, a record's
+manifest, or a record directory) is projected onto record fields through
+``specs/frameworks/<framework>.yaml`` -- and, with ``--with-tap`` or a ``reward_lens:``
+section, through ``specs/taps/<framework>.yaml`` for what ``RewardLensTap`` adds. The
+projection goes to the same resolver and refusal templates ``reward-lens report`` uses on a
+finished record. No second list of rules lives here.
+
+Every statement is derived from the config: a value the config sets, a framework default
+(said so), or the fact that the config does not say. Each refusal names its cause: the key,
+its value, and what that value means for the record.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field
 
 from reward_lens.measure.efficiency.cost import denominator_context, rollouts_context
 from reward_lens.record.errors import RecordError
 from reward_lens.record.importers import whole_number
+from reward_lens_spec import (Presence, Refusal, Subject, load_books, load_frameworks, load_taps, make_refusal,
+                              resolve)
+from reward_lens_spec.models import BookSpec, Condition, FrameworkSpec
+from reward_lens_spec.render import first_sentence
 from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
-from reward_lens_spec import Presence, Refusal, Subject, load_books, load_frameworks, make_refusal, resolve
-from reward_lens_spec.models import Condition, FrameworkSpec
 
-# Steps assumed for a projection when the config does not say (only ratios matter).
-NOMINAL_STEPS = 1000
+SCHEMA_VERSION = "1.0"
+Origin = Literal["config", "default", "unset", "tap default", "record"]
 
 
-@dataclass
-class BookVerdict:
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Cause(_Out):
+    """Why a requirement is not met: the key (None when no setting of the framework helps),
+    its value and where the value came from, and what it means for the record."""
+
+    key: str | None
+    value: Any = None
+    origin: Origin
+    says: str
+
+
+class Statement(_Out):
+    key: str | None
+    value: Any = None
+    origin: Origin
+    says: str
+
+
+class FieldCoverage(_Out):
+    cadence: str = Field(description="on which steps the field will be present, in words")
+    steps_present: int | None = Field(description="null when the config does not set the run's length")
+    steps_total: int | None
+
+
+class RefusalOut(_Out):
+    code: str
+    requirement: str
+    cause: Cause
+    detail: str
+    remedy: str
+    remedy_first: str = Field(description="the remedy's first sentence (the text view's default)")
+
+
+class BookOut(_Out):
     book: str
     function: str
-    verdict: str  # "will compute" | "will refuse"
-    partial: list[str]
-    refusals: list[Refusal]
+    verdict: Literal["will compute", "will refuse", "will not run"]
+    ledger: str | None = Field(description="how the feature movement will be estimated (paired/unpaired)")
+    ledger_cause: Cause | None = None
+    still_computable: list[str]
+    refusals: list[RefusalOut]
+    cause: Cause | None = Field(default=None, description="set when the trainer will not start at all")
 
 
-@dataclass
-class AuditResult:
+class AuditOut(_Out):
+    schema_version: Literal["1.0"] = SCHEMA_VERSION
     source: str
-    kind: str
+    kind: Literal["config", "manifest", "record"]
     framework: str
-    notes: list[str] = field(default_factory=list)
-    supplied: dict[str, Presence] = field(default_factory=dict)
-    books: list[BookVerdict] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "source": self.source, "kind": self.kind, "framework": self.framework, "notes": self.notes,
-            "fields": {k: {"steps_present": v.count, "steps_total": v.of} for k, v in sorted(self.supplied.items())},
-            "books": [{"book": b.book, "function": b.function, "verdict": b.verdict, "still_computable": b.partial,
-                       "refusals": [json.loads(r.model_dump_json()) for r in b.refusals]} for b in self.books],
-        }
+    with_tap: bool
+    subject: str = Field(description="what the verdicts are about, in words")
+    statements: list[Statement]
+    fields: dict[str, FieldCoverage]
+    books: list[BookOut]
 
 
-def _get(cfg: dict[str, Any], dotted: str, defaults: dict[str, Any]) -> Any:
+def json_schema() -> dict[str, Any]:
+    """The JSON Schema of ``audit --format json`` (specs/schemas/audit.schema.json)."""
+    return AuditOut.model_json_schema()
+
+
+# ---------------------------------------------------------------- reading a config
+
+def _get(cfg: dict[str, Any], dotted: str, defaults: dict[str, Any]) -> tuple[Any, str]:
     node: Any = cfg
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return defaults.get(dotted)
+            return (defaults[dotted], "default") if dotted in defaults else (None, "unset")
         node = node[part]
-    return node
+    return node, "config"
 
 
-def _holds(cond: Condition, cfg: dict[str, Any], defaults: dict[str, Any]) -> bool:
-    v = _get(cfg, cond.key, defaults)
+def _holds(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dict[str, Any]) -> bool:
+    if isinstance(cond, list):
+        return all(_holds(c, cfg, defaults) for c in cond)
+    v, _ = _get(cfg, cond.key, defaults)
     if cond.op == "set":
         return v not in (None, "", False)
+    if cond.op == "unset":
+        return v in (None, "")
     if cond.op == "eq":
         return v == cond.value
     if cond.op == "ne":
         return v != cond.value
     try:
-        return v is not None and float(v) > float(cond.value)
+        x = float(v)
     except (TypeError, ValueError):
         return False
+    return x > float(cond.value) if cond.op == "gt" else x < float(cond.value)
+
+
+def _first_failing(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dict[str, Any]) -> Condition:
+    for c in cond if isinstance(cond, list) else [cond]:
+        if not _holds(c, cfg, defaults):
+            return c
+    raise AssertionError("the condition holds")
 
 
 def _keys(cfg: dict[str, Any], prefix: str = "") -> set[str]:
@@ -86,39 +145,131 @@ def _keys(cfg: dict[str, Any], prefix: str = "") -> set[str]:
     return out
 
 
-def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "config"
-            ) -> tuple[dict[str, Presence], list[str], int]:
-    """Record fields this config will supply, with presence over a nominal run. ``where``
-    names the file in errors about a value of the wrong type."""
-    d = spec.defaults
-    raw_steps = _get(cfg, "max_steps", d)
-    steps = 0 if raw_steps in (None, -1) else whole_number(raw_steps, where, "max_steps")
-    steps = steps if steps > 0 else NOMINAL_STEPS
-    notes = []
-    raw_window = _get(cfg, spec.window_key, d) if spec.window_key else None
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    return str(value)
+
+
+def _origin_words(origin: str, spec: FrameworkSpec) -> str:
+    if origin == "default":
+        return f" ({spec.name} default)"
+    if origin == "tap default":
+        return " (tap default)"
+    return ""
+
+
+# ---------------------------------------------------------------- the projection
+
+class Projection:
+    """Record fields a config will supply (with presence), what it says, and why each field
+    it will not supply is missing."""
+
+    def __init__(self) -> None:
+        self.supplied: dict[str, Presence] = {}
+        self.cadence: dict[str, str] = {}
+        self.statements: list[Statement] = []
+        self.why_missing: dict[str, Cause] = {}
+        self.steps: int | None = None
+        self.window = 1
+        self.rejected: Cause | None = None
+
+
+def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "config",
+            tap: FrameworkSpec | None = None) -> Projection:
+    """What a run logged with ``cfg`` (and, with ``tap``, recorded by it) will hold."""
+    d = dict(spec.defaults)
+    if tap is not None:
+        d.update(tap.defaults)
+    pr = Projection()
+    if spec.steps_key:
+        raw, _ = _get(cfg, spec.steps_key, d)
+        steps = None if raw is None else whole_number(raw, where, spec.steps_key, minimum=-1)
+        pr.steps = steps if steps is not None and steps > 0 else None
+    raw_window, w_origin = _get(cfg, spec.window_key, d) if spec.window_key else (None, "unset")
     if raw_window is None:
         window = 1
     elif isinstance(raw_window, float) and 0 < raw_window < 1:
         # transformers reads a logging_steps below 1 as a ratio of the total training steps
-        window = max(1, math.ceil(raw_window * steps))
-        notes.append(f"`{spec.window_key}` = {raw_window:g} is a ratio of the run's steps: every {window} steps "
-                     f"of {steps}")
+        if pr.steps is None:
+            raise RecordError(where, f"`{spec.window_key}` = {raw_window:g} is a ratio of the run's steps, and "
+                              f"`{spec.steps_key}` is not set, so the logging interval is not known",
+                              field=spec.window_key)
+        window = max(1, math.ceil(raw_window * pr.steps))
+        pr.statements.append(Statement(key=spec.window_key, value=raw_window, origin=w_origin, says=(
+            f"`{spec.window_key}` = {raw_window:g} is a ratio of the run's steps: a logging step every {window} "
+            f"steps of {pr.steps}")))
     else:
         window = whole_number(raw_window, where, spec.window_key, minimum=1)
-    if window > 1:
-        notes.append(f"`{spec.window_key}` = {window}: telemetry will be means over {window}-step windows, "
-                     "not per-step values")
-    logged = math.ceil(steps / window)
-    supplied: dict[str, Presence] = {}
-    for sup in spec.supplies:
-        if sup.when is not None and not _holds(sup.when, cfg, d):
-            continue
-        for f in sup.fields:
-            supplied[f] = Presence(steps, steps) if sup.per_window == "config" else Presence(logged, steps)
-    for f, why in sorted(spec.never.items()):
-        notes.append(f"`{f}` will be absent: {why}")
-    return supplied, notes, window
+    pr.window = window
+    for rej in spec.rejects:
+        if _holds(rej.when, cfg, d):
+            v, o = _get(cfg, rej.when.key, d)
+            pr.rejected = Cause(key=rej.when.key, value=v, origin=o, says=rej.why)
+    pr.window = window
+    logged = None if pr.steps is None else math.ceil(pr.steps / window)
 
+    def presence(kind: str) -> tuple[Presence, str]:
+        if kind in ("config", "every_step") or window == 1:
+            words = "every step" if kind != "config" else "every step (a configuration value)"
+            return (Presence(pr.steps, pr.steps) if pr.steps else Presence(1, 1)), words
+        words = f"one step in {window}" + (f" ({logged} of {pr.steps})" if logged else "")
+        return (Presence(logged, pr.steps) if pr.steps else Presence(1, window)), words
+
+    layers = [(spec, cfg)] + ([(tap, cfg)] if tap is not None else [])
+    for layer, _ in layers:
+        for sup in layer.supplies:
+            if sup.when is not None and not _holds(sup.when, cfg, d):
+                c = _first_failing(sup.when, cfg, d)
+                v, o = _get(cfg, c.key, d)
+                o = "tap default" if layer is tap and o == "default" else o
+                for f in sup.fields:
+                    pr.why_missing.setdefault(f, Cause(key=c.key, value=v, origin=o, says=(
+                        f"`{c.key}` = {_show(v)}{_origin_words(o, layer)}, and {sup.why}")))
+                continue
+            kind = sup.per_window if layer is spec else "every_step"
+            for f in sup.fields:
+                p, words = presence(kind)
+                old = pr.supplied.get(f)
+                if old is None or (p.count / p.of) > (old.count / old.of):
+                    pr.supplied[f] = p
+                    pr.cadence[f] = words
+                if kind == "last_step" and window > 1 and p.count < p.of:
+                    v, o = _get(cfg, spec.window_key, d)
+                    pr.why_missing.setdefault(f, Cause(key=spec.window_key, value=window, origin=o, says=(
+                        f"`{spec.window_key}` = {window}{_origin_words(o, spec)}, and {sup.why}")))
+    for st in spec.settings + (tap.settings if tap is not None else []):
+        if st.when is None or _holds(st.when, cfg, d):
+            v, o = _get(cfg, st.key, d)
+            owner = tap if tap is not None and st in tap.settings else spec
+            o = "tap default" if owner is tap and o == "default" else o
+            says = st.says.format(value=_show(v), origin=_origin_words(o, owner))
+            if tap is not None and st.about and all(pr.cadence.get(f) == "every step" for f in st.about):
+                says += f"; the tap records {', '.join(f'`{f}`' for f in st.about)} on every step all the same"
+            pr.statements.append(Statement(key=st.key, value=v, origin=o, says=says))
+    if window > 1:
+        pr.statements.append(Statement(key=spec.window_key, value=window, origin=w_origin, says=(
+            f"`{spec.window_key}` = {window}{_origin_words(w_origin, spec)}: the trainer's own telemetry will be "
+            f"means over {window}-step windows, not per-step values"
+            + ("; the tap records its telemetry on every step" if tap is not None else ""))))
+    for f, why in sorted(spec.never.items()):
+        if f in pr.supplied:
+            continue
+        if tap is None and spec.framework in load_taps():
+            section = load_taps()[spec.framework].section
+            pr.why_missing.setdefault(f, Cause(key=section, value=None, origin="unset", says=(
+                f"{why}; the reward-lens tap records it, and this audit assumes no tap (`--with-tap`, or a "
+                f"`{section}:` section in the config, audits a run recorded with it)")))
+        else:
+            pr.why_missing.setdefault(f, Cause(key=None, value=None, origin="unset", says=f"{why}, whatever the "
+                                               "configuration says"))
+        pr.statements.append(Statement(key=None, value=None, origin="unset", says=f"`{f}` will be absent: {why}"))
+    return pr
+
+
+# ---------------------------------------------------------------- loading
 
 def load_config(path: Path) -> dict[str, Any]:
     try:
@@ -127,7 +278,7 @@ def load_config(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise RecordError(path, "no such file") from None
     except IsADirectoryError:
-        raise RecordError(path, "is a directory: audit a record through its manifest.json") from None
+        raise RecordError(path, "is a directory without a manifest.json: not a reward-lens record") from None
     except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
         msg = " ".join(str(exc).split())[:200]
         raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg})") from None
@@ -140,11 +291,12 @@ def load_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def audit(path: str | Path, framework: str | None = None) -> AuditResult:
+def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = False) -> AuditOut:
     path = Path(path)
+    if path.is_dir() and (path / "manifest.json").is_file():
+        path = path / "manifest.json"  # a record directory is audited as a record
     cfg = load_config(path)
     frameworks = load_frameworks()
-    kind = "config"
     if "run_id" in cfg and "format_version" in cfg:
         return _audit_manifest(path, cfg, frameworks)
     if framework is None:
@@ -157,27 +309,60 @@ def audit(path: str | Path, framework: str | None = None) -> AuditResult:
     if framework not in frameworks:
         raise RecordError(path, f"unknown framework {framework!r}; known: {', '.join(sorted(frameworks))}")
     spec = frameworks[framework]
-    supplied, notes, window = project(spec, cfg, path)
-    optimizer = _get(cfg, "optim", spec.defaults)
-    beta = _get(cfg, "beta", spec.defaults)
-    result = AuditResult(str(path), kind, framework, notes, supplied)
-    result.books = _verdicts(supplied, optimizer=str(optimizer) if optimizer else None,
-                             betas=[float(beta)] if isinstance(beta, (int, float)) else [],
-                             framework=framework, window=window)
-    return result
+    taps = load_taps()
+    tap = None
+    if with_tap or any(t.section in cfg for t in taps.values()):
+        if framework not in taps:
+            raise RecordError(path, f"reward-lens has no tap for {framework}; audit without --with-tap")
+        tap = taps[framework]
+        section = cfg.get(tap.section, {})
+        if section is not None and not isinstance(section, dict):
+            raise RecordError(path, f"`{tap.section}:` must be a mapping of the tap's arguments", field=tap.section)
+        unknown = sorted(set(section or {}) - {k.split(".", 1)[1] for k in tap.defaults})
+        if unknown:
+            raise RecordError(path, f"`{tap.section}` has unknown tap argument(s) {unknown}; the tap takes "
+                              f"{sorted(k.split('.', 1)[1] for k in tap.defaults)}", field=tap.section)
+    pr = project(spec, cfg, path, tap)
+    optimizer, _ = _get(cfg, "optim", spec.defaults)
+    beta, _ = _get(cfg, "beta", spec.defaults)
+    subject = ("a run logged with this configuration" if tap is None
+               else "a run recorded by the reward-lens tap with this configuration")
+    books = _verdicts(pr, subject=subject, audit_words=True, optimizer=str(optimizer) if optimizer else None,
+                      betas=[float(beta)] if isinstance(beta, (int, float)) else [], framework=framework)
+    return AuditOut(source=str(path), kind="config", framework=framework, with_tap=tap is not None,
+                    subject=subject, statements=pr.statements, fields=_coverage(pr), books=books)
 
 
-def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, FrameworkSpec]) -> AuditResult:
+def _coverage(pr: Projection) -> dict[str, FieldCoverage]:
+    out = {}
+    for f, p in sorted(pr.supplied.items()):
+        known = pr.steps is not None
+        out[f] = FieldCoverage(cadence=pr.cadence.get(f, ""), steps_present=p.count if known else None,
+                               steps_total=p.of if known else None)
+    return out
+
+
+def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, FrameworkSpec]) -> AuditOut:
     from reward_lens.record.reader import open_run
 
-    if (path.parent / "telemetry.parquet").is_file():
+    if any(path.parent.glob("telemetry*.parquet")):
         run = open_run(path.parent)
-        supplied = run.fields()
+        pr = Projection()
+        pr.supplied = run.fields()
+        pr.steps = next(iter(pr.supplied.values())).of if pr.supplied else 0
+        pr.cadence = {f: f"{p.count} of {p.of} steps" for f, p in pr.supplied.items()}
+        pr.window = run.manifest.logging_steps
+        pr.statements = [Statement(key=None, value=None, origin="record", says=n) for n in run.manifest.notes]
+        for f in load_fields_all():
+            if f not in pr.supplied:
+                pr.why_missing[f] = Cause(key=f, value=None, origin="record", says=f"this record has no `{f}`")
         betas = sorted(set(run.telemetry_column("beta").values()))
-        res = AuditResult(str(path), "record", run.manifest.framework.name, list(run.manifest.notes), supplied)
-        res.books = _verdicts(supplied, optimizer=run.manifest.optimizer, betas=betas,
-                              framework=run.manifest.framework.name, window=run.manifest.logging_steps)
-        return res
+        books = _verdicts(pr, subject=run.run_id[:12], audit_words=False,
+                          optimizer=run.manifest.optimizer, betas=betas, framework=run.manifest.framework.name)
+        return AuditOut(source=str(path.parent), kind="record", framework=run.manifest.framework.name,
+                        with_tap=any(n.startswith("recorded by the reward-lens") for n in run.manifest.notes),
+                        subject=f"this record ({run.run_id[:12]})",
+                        statements=pr.statements, fields=_coverage(pr), books=books)
     from pydantic import ValidationError
 
     from reward_lens.record.schema import RunManifest
@@ -191,34 +376,91 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
     if fw not in frameworks:
         raise RecordError(path, f"a manifest without its data files can only be audited through its trainer "
                           f"config, and framework {fw!r} has no spec in specs/frameworks/")
-    supplied, notes, window = project(frameworks[fw], cfg.get("trainer_config") or {}, path)
-    res = AuditResult(str(path), "manifest", fw, notes, supplied)
-    beta = (cfg.get("trainer_config") or {}).get("beta")
-    res.books = _verdicts(supplied, optimizer=cfg.get("optimizer"), betas=[float(beta)] if beta is not None else [],
-                          framework=fw, window=window)
-    return res
+    tc = cfg.get("trainer_config") or {}
+    pr = project(frameworks[fw], tc, path)
+    subject = "a run logged with the trainer configuration this manifest keeps"
+    books = _verdicts(pr, subject=subject, audit_words=True, optimizer=cfg.get("optimizer"),
+                      betas=[float(tc["beta"])] if isinstance(tc.get("beta"), (int, float)) else [], framework=fw)
+    return AuditOut(source=str(path), kind="manifest", framework=fw, with_tap=False, subject=subject,
+                    statements=pr.statements, fields=_coverage(pr), books=books)
 
 
-def _verdicts(supplied: dict[str, Presence], *, optimizer: str | None, betas: list[float], framework: str,
-              window: int) -> list[BookVerdict]:
+def load_fields_all() -> list[str]:
+    from reward_lens_spec import load_fields
+
+    return list(load_fields().fields)
+
+
+# ---------------------------------------------------------------- verdicts
+
+def _cause_for(resolution, rid: str, pr: Projection) -> Cause:
+    status = resolution.status(rid)
+    for alt in status.alternatives:
+        for f in list(alt.missing) + list(alt.partial):
+            if f in pr.why_missing:
+                return pr.why_missing[f]
+    missing = sorted({f for a in status.alternatives for f in a.missing + a.partial})
+    return Cause(key=None, value=None, origin="unset", says=f"nothing supplies {', '.join(missing)}")
+
+
+def _ledger(book: BookSpec, pr: Projection) -> tuple[str | None, Cause | None]:
+    if not book.ledgers:
+        return None, None
+    chosen, cause = None, None
+    for led in book.ledgers:
+        lacking = [f for f in led.fields if not (f in pr.supplied and pr.supplied[f].any)]
+        if not lacking:
+            chosen = led.id
+            break
+        if cause is None:
+            cause = pr.why_missing.get(lacking[0]) or Cause(key=None, value=None, origin="unset",
+                                                             says=f"no `{lacking[0]}` on every step")
+    if chosen is not None and chosen == book.ledgers[0].id:
+        cause = None
+    return chosen, cause
+
+
+def _verdicts(pr: Projection, *, subject: str, audit_words: bool, optimizer: str | None, betas: list[float],
+              framework: str) -> list[BookOut]:
     out = []
     for book in load_books().values():
-        resolution = resolve(book, supplied, optimizer=optimizer)
+        if pr.rejected is not None:
+            out.append(BookOut(book=book.id, function=book.function, verdict="will not run", ledger=None,
+                               still_computable=[], refusals=[], cause=pr.rejected))
+            continue
+        resolution = resolve(book, pr.supplied, optimizer=optimizer)
         refusals = []
         for st in resolution.requirements:
             if st.satisfied_by is not None:
                 continue
-            if st.requirement.id == "rollouts":
-                ctx = rollouts_context(run_label="(planned run)", steps_with_rollouts=None, steps=None,
-                                       logging_steps=window, framework=framework, audit=True)
+            rid = st.requirement.id
+            cause = _cause_for(resolution, rid, pr)
+            ctx_common = {"subject_words": subject, "cause": cause.model_dump()}
+            if rid == "rollouts":
+                p = pr.supplied.get("rollout.completion")
+                ctx = rollouts_context(run_label=subject, steps_with_rollouts=p.count if p else 0,
+                                       steps=pr.steps, logging_steps=pr.window, framework=framework,
+                                       audit=audit_words)
             else:
-                ctx = denominator_context(resolution, run_label="(planned run)", n_missing=None, n_total=None,
-                                          optimizer=optimizer, betas=betas, framework=framework, audit=True)
-            refusals.append(make_refusal("RECORD_INCOMPLETE", book, Subject(run_id=None), ctx))
-        # What stays computable: outputs that do not need a failed requirement.
+                p = pr.supplied.get("kl_to_previous")
+                pairs = max((pr.steps or 0) - 1, 0)  # on a record: step pairs; a config says nothing of counts
+                ctx = denominator_context(resolution, run_label=subject, n_missing=max(pairs - (p.count if p else 0), 0),
+                                          n_total=pairs, optimizer=optimizer, betas=betas, framework=framework,
+                                          audit=audit_words)
+                for m in ctx["near_misses"]:
+                    m["cadence"] = pr.cadence.get(m["field"], "")
+            ref = make_refusal("RECORD_INCOMPLETE", book, Subject(run_id=None), {**ctx, **ctx_common})
+            refusals.append(_refusal_out(ref, rid, cause))
         failed = {st.requirement.id for st in resolution.requirements if st.satisfied_by is None}
         needs = {r.id: set(r.needed_by or book.outputs) for r in book.requires}
         blocked = set().union(*[needs[f] for f in failed]) if failed else set()
-        partial = [o for o in book.outputs if o not in blocked] if refusals else []
-        out.append(BookVerdict(book.id, book.function, "will refuse" if refusals else "will compute", partial, refusals))
+        partial = [o for o in book.outputs if o not in blocked] if refusals else list(book.outputs)
+        ledger, ledger_cause = _ledger(book, pr) if "rollouts" not in failed else (None, None)
+        out.append(BookOut(book=book.id, function=book.function, verdict="will refuse" if refusals else "will compute",
+                           ledger=ledger, ledger_cause=ledger_cause, still_computable=partial, refusals=refusals))
     return out
+
+
+def _refusal_out(ref: Refusal, rid: str, cause: Cause) -> RefusalOut:
+    return RefusalOut(code=ref.code, requirement=rid, cause=cause, detail=ref.detail, remedy=ref.remedy,
+                      remedy_first=first_sentence(ref.remedy))

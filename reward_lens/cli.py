@@ -15,7 +15,6 @@ Exit codes (all subcommands):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -118,31 +117,72 @@ def cmd_report(args) -> int:
     return _exit_for(report, args.fail_on)
 
 
+def audit_text(result, verbose: bool = False) -> str:
+    """The text view of an audit: what the config says, one verdict line per book, and each
+    distinct refusal once (naming every book it applies to), its remedy's first sentence
+    unless ``verbose``."""
+    lines = [f"audit of {_visible(result.source)}: {_visible(result.subject)} ({_visible(result.framework)} "
+             f"{result.kind})"]
+    lines += [f"  - {_visible(st.says)}" for st in result.statements]
+    lines += ["", f"{'book':<14}{'verdict':<15}{'ledger':<10}still computable"]
+    for b in result.books:
+        still = ", ".join(b.still_computable) if b.refusals else ("everything" if b.verdict == "will compute" else "-")
+        lines.append(f"{b.function:<14}{b.verdict:<15}{b.ledger or '-':<10}{still or '-'}")
+    for b in result.books:
+        if b.cause is not None:
+            lines += ["", f"{b.function}: the trainer will not start: {_visible(b.cause.says)} "
+                          f"(`{b.cause.key}` = {b.cause.value})"]
+        if b.ledger_cause is not None:
+            lines += ["", f"{b.function}: {b.ledger} ledger only: {_visible(b.ledger_cause.says)}"]
+    seen: dict[tuple[str, str, str], list[str]] = {}
+    first: dict[tuple[str, str, str], object] = {}
+    for b in result.books:
+        for r in b.refusals:
+            k = (r.code, r.requirement, r.remedy)
+            seen.setdefault(k, []).append(b.function)
+            first.setdefault(k, r)
+    from reward_lens_spec.render import first_sentence, text_view
+
+    for k, functions in seen.items():
+        r = first[k]
+        lines += ["", f"{', '.join(functions)}  {r.code}  ({r.requirement})",
+                  text_view(_visible(r.detail if verbose else first_sentence(r.detail))),
+                  text_view(_visible(r.remedy if verbose else r.remedy_first), lead="Remedy: ")]
+    if seen and not verbose:
+        lines += ["", "(--verbose prints each refusal's whole detail and remedy)"]
+    return "\n".join(lines)
+
+
 def cmd_audit(args) -> int:
     from reward_lens.audit import audit
+    from reward_lens_spec import load_books
 
-    result = audit(args.config, framework=args.framework)
-    if args.format == "json":
-        print(json.dumps(result.to_json(), indent=2))
-    else:
-        print(f"audit of {_visible(result.source)} ({_visible(result.framework)} {result.kind})")
-        for note in result.notes:
-            print(f"  note: {_visible(note)}")
-        print()
-        print(f"{'book':<14}{'verdict':<15}still computable")
-        for b in result.books:
-            print(f"{b.function:<14}{b.verdict:<15}{', '.join(b.partial) or ('everything' if not b.refusals else '-')}")
-        for b in result.books:
-            for r in b.refusals:
-                print()
-                print(r.text())
-    required = set(args.require or [])
-    known = {b.book for b in result.books} | {b.function for b in result.books}
-    unknown = required - known
-    if unknown:
+    books = load_books()
+    known = {b.id for b in books.values()} | {b.function for b in books.values()}
+    unknown = set(args.require or []) - known
+    if unknown:  # before any work
         raise ValueError(f"--require names unknown book(s) {sorted(unknown)}; books: {sorted(known)}")
-    refused = [b for b in result.books if b.refusals and (b.book in required or b.function in required)]
+    result = audit(args.config, framework=args.framework, with_tap=args.with_tap)
+    if args.format == "json":
+        _emit(result.model_dump_json())
+    else:
+        _emit(audit_text(result, verbose=args.verbose))
+    required = set(args.require or [])
+    refused = [b for b in result.books if b.verdict != "will compute" and (b.book in required or b.function in required)]
     return EXIT_REFUSED if refused else EXIT_OK
+
+
+def _emit(text: str) -> None:
+    """Print to stdout; a reader that closed the pipe early (``| head``) ends the output
+    quietly, and the exit code stays that of the command."""
+    try:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        import os
+
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
 
 
 def cmd_publish(args) -> int:
@@ -165,11 +205,14 @@ def cmd_publish(args) -> int:
 
 
 def cmd_import(args) -> int:
+    if args.rollouts and args.framework != "verl":
+        raise ValueError("--rollouts reads veRL's generation dumps; a TRL output directory holds its own "
+                         "completions_<step>.parquet")
     if args.framework == "verl":
         from reward_lens.record.importers.verl import import_verl
 
         m = import_verl(args.source, args.record_dir, framework_version=args.framework_version,
-                        overwrite=args.overwrite)
+                        overwrite=args.overwrite, rollouts=args.rollouts)
     else:
         from reward_lens.record.importers.trl import import_trl
 
@@ -205,10 +248,14 @@ def parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="before training: which books will this logging config support?",
                        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    a.add_argument("config", help="TRL GRPOConfig arguments (YAML/JSON), a veRL config, or a record manifest.json")
+    a.add_argument("config", help="TRL GRPOConfig arguments (YAML/JSON, e.g. the TRL CLI's --config file), a veRL "
+                   "Hydra config, a record directory, or a record's manifest.json")
     a.add_argument("--framework", help="trl or verl, when it cannot be told from the keys")
     a.add_argument("--format", choices=("table", "json"), default="table")
     a.add_argument("--require", action="append", metavar="BOOK", help="exit 1 if this book would refuse")
+    a.add_argument("--with-tap", action="store_true", help="audit the run as recorded with RewardLensTap "
+                   "(also implied by a `reward_lens:` section in the config)")
+    a.add_argument("--verbose", action="store_true", help="print each refusal's whole detail and remedy")
     a.set_defaults(func=cmd_audit)
 
     s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")
@@ -223,6 +270,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("record_dir", help="where to write the record")
     i.add_argument("--config", help="the trainer arguments as JSON/YAML (TRL saves them only as a pickle)")
     i.add_argument("--checkpoint", help="the directory of the policy the run started from")
+    i.add_argument("--rollouts", metavar="DUMP_DIR", help="veRL: the `trainer.rollout_data_dir` of the run "
+                   "({step}.jsonl generation dumps)")
     i.add_argument("--framework-version", help="the framework version the run used")
     i.add_argument("--overwrite", action="store_true")
     i.add_argument("--quiet", action="store_true")

@@ -94,8 +94,8 @@ def load_books(root: Path | None = None) -> dict[str, BookSpec]:
 
 
 @lru_cache(maxsize=None)
-def _framework_cached(root: str, name: str) -> FrameworkSpec:
-    path = Path(root) / "frameworks" / f"{name}.yaml"
+def _framework_cached(root: str, name: str, folder: str = "frameworks") -> FrameworkSpec:
+    path = Path(root) / folder / f"{name}.yaml"
     spec = load_model(path, FrameworkSpec)
     fields = load_fields(Path(root))
     for sup in spec.supplies:
@@ -108,3 +108,10 @@ def _framework_cached(root: str, name: str) -> FrameworkSpec:
 def load_frameworks(root: Path | None = None) -> dict[str, FrameworkSpec]:
     base = root or specs_dir()
     return {p.stem: _framework_cached(str(base), p.stem) for p in sorted((base / "frameworks").glob("*.yaml"))}
+
+
+def load_taps(root: Path | None = None) -> dict[str, FrameworkSpec]:
+    """What a reward-lens tap records, keyed by the framework it taps (specs/taps/)."""
+    base = root or specs_dir()
+    specs = [_framework_cached(str(base), p.stem, "taps") for p in sorted((base / "taps").glob("*.yaml"))]
+    return {s.taps or s.framework: s for s in specs}

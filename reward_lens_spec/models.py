@@ -101,6 +101,15 @@ class Basis(_Strict):
     on_mismatch: str
 
 
+class LedgerSpec(_Strict):
+    """A way to estimate a book's feature movement, and the record fields it needs (in order
+    of preference: the first whose fields a record supplies on every step is used)."""
+
+    id: str
+    fields: list[str]
+    why: str
+
+
 class BookSpec(_Strict):
     id: str
     function: str
@@ -112,6 +121,7 @@ class BookSpec(_Strict):
     basis: Basis | None = None
     envelope: dict[str, EnvelopeBound] = Field(default_factory=dict)
     requires: list[Requirement]
+    ledgers: list[LedgerSpec] = Field(default_factory=list)
     refusals: dict[str, str]
 
     def requirement(self, rid: str) -> Requirement:
@@ -133,17 +143,35 @@ class RefusalCatalog(_Strict):
 
 class Condition(_Strict):
     key: str
-    op: Literal["eq", "ne", "gt", "set"]
+    op: Literal["eq", "ne", "gt", "lt", "set", "unset"]
     value: Any = None
 
 
 class Supply(_Strict):
     fields: list[str]
-    when: Condition | None = None
+    when: Condition | list[Condition] | None = None  # a list: all must hold
     # "all": logged at each logging step; "last_step": only the window's last step's data;
     # "config": a configuration value, in force on every step whatever the window.
-    per_window: Literal["all", "last_step", "config"] = "all"
+    # "every_step": written on every optimizer step whatever the window (the tap).
+    per_window: Literal["all", "last_step", "config", "every_step"] = "all"
     why: str
+
+
+class Reject(_Strict):
+    """A configuration the framework itself refuses to start with."""
+
+    when: Condition
+    why: str
+
+
+class Setting(_Strict):
+    """A configuration key whose value the audit states, with what it means for a record."""
+
+    key: str
+    says: str  # a template: {value} is the key's value, {origin} says where it came from
+    when: Condition | None = None
+    # Record fields the statement is about: when a tap supplies them all, the statement says so.
+    about: list[str] = Field(default_factory=list)
 
 
 class FrameworkSpec(_Strict):
@@ -151,9 +179,17 @@ class FrameworkSpec(_Strict):
 
     framework: str
     title: str
+    name: str  # how prose names it ("TRL", "veRL", "tap")
     detect: list[str]
     defaults: dict[str, Any] = Field(default_factory=dict)
     window_key: str | None = None
+    steps_key: str | None = None  # the key that sets the run's number of optimizer steps
     record_config: list[str] = Field(default_factory=list)
     supplies: list[Supply]
     never: dict[str, str] = Field(default_factory=dict)
+    rejects: list[Reject] = Field(default_factory=list)
+    # Keys whose value the audit states when the config sets them (or the default applies).
+    settings: list[Setting] = Field(default_factory=list)
+    # For a tap: the config section that holds its arguments, and the framework it taps.
+    section: str | None = None
+    taps: str | None = None

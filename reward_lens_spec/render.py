@@ -34,6 +34,7 @@ def _env(root: str) -> jinja2.Environment:
     env.filters["nats"] = format_nats
     env.filters["plural"] = lambda n, one="", many="s": one if n == 1 else many
     env.filters["abs"] = abs
+    env.filters["capitalize_first"] = lambda s: s[:1].upper() + s[1:]
     env.filters["join_code"] = lambda xs: ", ".join(f"`{x}`" for x in xs)
     return env
 
@@ -95,3 +96,21 @@ def html_view(text: str) -> str:
 def markdown_view(text: str) -> str:
     # Backticks already mean code in Markdown; '<' would open raw HTML in most renderers.
     return "\n\n".join(p.replace("<", "&lt;") for p in paragraphs(text))
+
+
+_ABBREV = ("e.g.", "i.e.", "etc.", "vs.", "cf.")
+
+
+def first_sentence(text: str) -> str:
+    """The first sentence of rendered prose: up to the first '.', '!' or '?' outside a
+    backtick code span that ends a word and is followed by a space (abbreviations kept)."""
+    para = paragraphs(text)[0] if text else ""
+    in_code = False
+    for i, ch in enumerate(para):
+        if ch == "`":
+            in_code = not in_code
+        elif ch in ".!?" and not in_code and (i + 1 == len(para) or para[i + 1] == " "):
+            if any(para[: i + 1].endswith(a) for a in _ABBREV):
+                continue
+            return para[: i + 1]
+    return para

@@ -1,90 +1,225 @@
-"""`reward-lens audit`: the same resolver and templates as `report`, on a config."""
+"""`reward-lens audit`: known verdicts per book, the key named as the cause, and no number
+in its text that the config does not give or imply."""
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
 
-from reward_lens.audit import audit
+import pytest
+
+from reward_lens.audit import AuditOut, audit, json_schema
+from reward_lens.cli import audit_text
 from tests.conftest import LONG
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
+FIX = REPO / "tests" / "fixtures"
+PAIRED = FIX / "grpo_run" / "paired"
 CLI = [str(Path(sys.executable).with_name("reward-lens"))]
 
+TRL_DEFAULTS = {"output_dir": "out", "learning_rate": 1e-6}
+PER_STEP = {"num_generations": 8, "logging_steps": 1, "log_completions": True, "max_steps": 437}
+VERL = {"algorithm": {"adv_estimator": "grpo"}, "actor_rollout_ref": {"rollout": {"n": 5}},
+        "trainer": {"total_training_steps": 213}}
+VERL_DUMPS = {**VERL, "trainer": {**VERL["trainer"], "rollout_data_dir": "/data/rollouts"}}
 
-def _cost(result):
+# (name, config, options, verdict, ledger, {requirement: key named as the cause}, ledger cause key)
+ROWS = [
+    ("trl defaults", TRL_DEFAULTS, {"framework": "trl"}, "will refuse", None,
+     {"rollouts": "log_completions", "denominator": "reward_lens"}, None),
+    ("beta > 0", {**PER_STEP, "beta": 0.04}, {}, "will refuse", "unpaired", {"denominator": "reward_lens"},
+     "reward_lens"),
+    ("logging_steps > 1", {**PER_STEP, "logging_steps": 7}, {}, "will refuse", None,
+     {"rollouts": "logging_steps", "denominator": "reward_lens"}, None),
+    ("log_completions false", {**PER_STEP, "log_completions": False}, {}, "will refuse", None,
+     {"rollouts": "log_completions", "denominator": "reward_lens"}, None),
+    ("num_generations 1", {**PER_STEP, "num_generations": 1}, {}, "will not run", None, {}, None),
+    ("trl defaults with the tap", TRL_DEFAULTS, {"framework": "trl", "with_tap": True}, "will compute", "paired",
+     {}, None),
+    ("tap from a config section", {**TRL_DEFAULTS, "num_generations": 4, "reward_lens": {"flush_every": 25}},
+     {"framework": "trl"}, "will compute", "paired", {}, None),
+    ("tap without an estimator", {**PER_STEP, "reward_lens": {"estimator": None}}, {}, "will refuse", "unpaired",
+     {"denominator": "reward_lens.estimator"}, "reward_lens.estimator"),
+    ("tap unpaired", {**PER_STEP, "reward_lens": {"paired": False}}, {}, "will compute", "unpaired", {},
+     "reward_lens.paired"),
+    ("veRL without dumps", VERL, {}, "will refuse", None,
+     {"rollouts": "trainer.rollout_data_dir", "denominator": None}, None),
+    ("veRL with dumps", VERL_DUMPS, {}, "will refuse", "unpaired", {"denominator": None}, None),
+]
+
+
+def _write(tmp_path: Path, cfg: dict, suffix: str = ".json") -> Path:
+    p = tmp_path / f"config{suffix}"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+def _cost(result: AuditOut):
     (b,) = [b for b in result.books if b.book == "cost"]
     return b
 
 
-def test_trl_defaults_will_refuse_twice_with_remedies():
-    res = audit(CONFIGS / "trl_grpo_defaults.yaml")
-    assert res.framework == "trl"
-    assert any("`logging_steps` = 10: telemetry will be means over 10-step windows" in n for n in res.notes)
+@pytest.mark.parametrize("name,cfg,opts,verdict,ledger,causes,ledger_cause", ROWS, ids=[r[0] for r in ROWS])
+def test_verdict_and_cause_table(tmp_path, name, cfg, opts, verdict, ledger, causes, ledger_cause):
+    res = audit(_write(tmp_path, cfg), **opts)
+    b = _cost(res)
+    assert b.verdict == verdict
+    assert b.ledger == ledger
+    assert {r.requirement: r.cause.key for r in b.refusals} == causes
+    assert (b.ledger_cause.key if b.ledger_cause else None) == ledger_cause
+    if verdict == "will not run":
+        assert b.cause.key == "num_generations" and b.cause.value == 1
+    # Every refusal's cause names a value the config gives, a default it says is a default,
+    # or the fact that the key is unset.
+    for r in b.refusals:
+        assert r.cause.origin in ("config", "default", "unset", "tap default")
+        assert r.cause.says in r.detail  # the detail states the cause in words
+
+
+def test_record_directory_is_audited_as_a_record():
+    res = audit(PAIRED)
+    assert res.kind == "record" and res.with_tap
+    b = _cost(res)
+    assert b.verdict == "will compute" and b.ledger == "paired"
+    res = audit(LONG)  # no D_t in this record: the cause is the record's missing field
     b = _cost(res)
     assert b.verdict == "will refuse"
-    by_req = {r.context["requirement"]: r for r in b.refusals}
-    assert set(by_req) == {"rollouts", "denominator"}
-    assert "(`logging_steps` = 10)" in by_req["rollouts"].detail
-    assert "`log_completions=True` and `logging_steps=1`" in by_req["rollouts"].remedy
-    assert "`beta` is 0.0 on every step of this configuration" in by_req["denominator"].remedy
-    assert res.supplied["rollout.completion"].count == 50 and res.supplied["rollout.completion"].of == 500
+    (r,) = b.refusals
+    assert r.requirement == "denominator" and r.cause.key == "kl_to_previous" and r.cause.origin == "record"
+    assert "this record" in res.subject and "configuration" not in r.detail
+    assert audit(LONG / "manifest.json").model_dump() == res.model_dump() | {"source": str(LONG)}
 
 
-def test_per_step_logging_leaves_only_the_denominator_missing():
-    res = audit(CONFIGS / "trl_grpo_per_step.yaml")
-    b = _cost(res)
-    assert [r.context["requirement"] for r in b.refusals] == ["denominator"]
-    assert set(b.partial) == {"kl_min", "shares", "noise_floor"}
-    near = {m["field"]: m for m in b.refusals[0].context["near_misses"]}
-    assert near["kl_to_ref"]["present"]  # beta > 0: TRL logs KL to the reference...
-    assert "such a run will have `kl_to_ref` (on 1000 of 1000 steps)" in b.refusals[0].remedy  # ...not D_t
-    assert "`kl_to_ref`: KL to the reference model, not to the previous policy" in b.refusals[0].remedy
-    assert "the configured optimizer is `adamw_torch_fused`" in b.refusals[0].remedy
+def test_words_say_whether_it_is_a_configuration_or_a_record(tmp_path):
+    cfg = audit(_write(tmp_path, PER_STEP))
+    assert all("record" not in r.detail.split(":")[0] for r in _cost(cfg).refusals)
+    assert "a run logged with this configuration" in _cost(cfg).refusals[0].detail
+    tap = audit(_write(tmp_path, {**PER_STEP, "reward_lens": {"estimator": None}}))
+    assert "a run recorded by the reward-lens tap with this configuration" in _cost(tap).refusals[0].detail
 
 
-def test_no_completions_means_no_ledger(tmp_path):
-    cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps({"num_generations": 8, "logging_steps": 1, "log_completions": False}))
-    b = _cost(audit(cfg))
-    assert {r.context["requirement"] for r in b.refusals} == {"rollouts", "denominator"}
-    assert b.partial == []
+def test_max_steps_unset_invents_no_count(tmp_path):
+    res = audit(_write(tmp_path, {**PER_STEP, "max_steps": -1, "logging_steps": 10}))
+    text = audit_text(res, verbose=True)
+    assert "`max_steps` is not set" in text
+    assert "1000" not in text and " of 1000" not in text
+    assert res.fields["rollout.completion"].steps_total is None
+    assert res.fields["rollout.completion"].cadence == "one step in 10"
+    res = audit(_write(tmp_path, {**PER_STEP, "logging_steps": 10}))
+    assert res.fields["rollout.completion"].cadence == "one step in 10 (44 of 437)"
 
 
-def test_verl_config():
-    res = audit(CONFIGS / "verl_grpo.yaml")
-    assert res.framework == "verl"
-    assert "ppo_kl" in res.supplied and "kl_to_ref" in res.supplied
-    b = _cost(res)
-    assert [r.context["requirement"] for r in b.refusals] == ["denominator"]
-    assert any("`kl_to_previous` will be absent" in n and "ppo_kl" in n for n in res.notes)
+def test_log_completions_false_is_named_not_logging_steps(tmp_path):
+    res = audit(_write(tmp_path, {**PER_STEP, "log_completions": False, "logging_steps": 10}))
+    (r,) = [r for r in _cost(res).refusals if r.requirement == "rollouts"]
+    assert r.cause.key == "log_completions" and "logging_steps" not in r.detail
+    assert any("no rollouts at all" in s.says for s in res.statements)
 
 
-def test_record_manifest_uses_the_record_itself():
-    res = audit(LONG / "manifest.json")
-    assert res.kind == "record"
-    b = _cost(res)
-    assert [r.context["requirement"] for r in b.refusals] == ["denominator"]
+def _numbers(text: str) -> set[float]:
+    text = re.sub(r"`[^`]*`", " ", text)  # identifiers and formulas in code spans are not quantities
+    return {float(m) for m in re.findall(r"(?<![\w.{}+\-/])\d+(?:\.\d+)?(?:e-?\d+)?(?![\w{}])", text)}
 
 
-def test_cli_table_json_and_require(tmp_path):
-    r = subprocess.run(CLI + ["audit", str(CONFIGS / "trl_grpo_defaults.yaml")], capture_output=True, text=True)
+def _config_numbers(obj) -> set[float]:
+    out: set[float] = set()
+    if isinstance(obj, dict):
+        for v in obj.values():
+            out |= _config_numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            out |= _config_numbers(v)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        out.add(float(obj))
+    return out
+
+
+@pytest.mark.parametrize("name,cfg,opts", [(r[0], r[1], r[2]) for r in ROWS], ids=[r[0] for r in ROWS])
+def test_no_number_that_the_config_does_not_give(tmp_path, name, cfg, opts):
+    from reward_lens_spec import load_frameworks, load_taps
+
+    res = audit(_write(tmp_path, cfg), **opts)
+    allowed = _config_numbers(cfg)
+    # defaults the text names as defaults, and what follows from the config: the logging window
+    # and the number of logging steps in the run
+    for spec in list(load_frameworks().values()) + list(load_taps().values()):
+        allowed |= _config_numbers(spec.defaults)
+    steps = cfg.get("max_steps")
+    window = cfg.get("logging_steps", 10)
+    if steps and steps > 0:
+        allowed.add(float(math.ceil(steps / window)))
+    for verbose in (False, True):
+        text = audit_text(res, verbose=verbose)
+        assert _numbers(text) <= allowed, (verbose, sorted(_numbers(text) - allowed), text)
+
+
+def test_json_schema_is_committed_and_output_validates(tmp_path):
+    path = REPO / "specs" / "schemas" / "audit.schema.json"
+    assert json.loads(path.read_text()) == json_schema(), "regenerate with tools/write_schemas.py"
+    r = subprocess.run(CLI + ["audit", str(CONFIGS / "verl_grpo.yaml"), "--format", "json"], capture_output=True,
+                       text=True)
     assert r.returncode == 0
-    assert "cost_series   will refuse" in r.stdout and "cost_series  RECORD_INCOMPLETE" in r.stdout
-    assert "Remedy: Log the completions of every optimizer step" in r.stdout
-    r = subprocess.run(CLI + ["audit", str(CONFIGS / "trl_grpo_defaults.yaml"), "--format", "json",
-                              "--require", "cost"], capture_output=True, text=True)
-    assert r.returncode == 1
     data = json.loads(r.stdout)
-    assert data["books"][0]["verdict"] == "will refuse" and data["books"][0]["refusals"][0]["code"] == "RECORD_INCOMPLETE"
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("num_generations: [unclosed\n")
-    r = subprocess.run(CLI + ["audit", str(bad)], capture_output=True, text=True)
-    assert r.returncode == 2 and "bad.yaml" in r.stderr and "not valid YAML" in r.stderr
-    unknown = tmp_path / "u.yaml"
-    unknown.write_text("foo: 1\n")
-    r = subprocess.run(CLI + ["audit", str(unknown)], capture_output=True, text=True)
-    assert r.returncode == 2 and "cannot tell which framework" in r.stderr
+    AuditOut.model_validate(data)  # extra keys forbidden: the schema is the whole contract
+    assert data["schema_version"] == "1.0"
+    assert set(data) == set(json_schema()["properties"])
+
+
+def test_cli_arguments_first_collapsed_remedies_and_broken_pipe(tmp_path):
+    cfg = CONFIGS / "trl_grpo_defaults.yaml"
+    r = subprocess.run(CLI + ["audit", str(cfg), "--require", "bogus"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "" and "--require names unknown book(s) ['bogus']" in r.stderr
+    r = subprocess.run(CLI + ["audit", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 0
+    assert "Remedy: Log the completions of every optimizer step.\n" in r.stdout
+    assert "In TRL set" not in r.stdout  # the rest is behind --verbose
+    v = subprocess.run(CLI + ["audit", str(cfg), "--verbose"], capture_output=True, text=True)
+    assert "In TRL set `log_completions=True`" in v.stdout and len(v.stdout) > len(r.stdout)
+    r = subprocess.run(CLI + ["audit", str(cfg), "--require", "cost"], capture_output=True, text=True)
+    assert r.returncode == 1
+    # a reader that closes the pipe early: no error, the exit code kept
+    r = subprocess.run(f"{CLI[0]} audit {cfg} --format json --require cost | head -c 10; exit ${{PIPESTATUS[0]}}",
+                       shell=True, executable="/bin/bash", capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr == "" and r.stdout == '{"schema_v'
+    d = tmp_path / "not-a-record"
+    d.mkdir()
+    r = subprocess.run(CLI + ["audit", str(d)], capture_output=True, text=True)
+    assert r.returncode == 2 and "without a manifest.json" in r.stderr and "Errno" not in r.stderr
+
+
+def test_each_refusal_is_printed_once_per_distinct_remedy(tmp_path):
+    text = audit_text(audit(_write(tmp_path, TRL_DEFAULTS), framework="trl"))
+    assert text.count("RECORD_INCOMPLETE  (rollouts)") == 1
+    assert text.count("RECORD_INCOMPLETE  (denominator)") == 1
+
+
+def test_trl_cli_config_file_as_yaml(tmp_path):
+    # The TRL CLI's --config file: script arguments and GRPOConfig arguments in one YAML.
+    p = tmp_path / "grpo.yaml"
+    p.write_text("model_name_or_path: some/model\ndataset_name: some/data\nnum_generations: 8\n"
+                 "logging_steps: 1\nlog_completions: true\nbeta: 0.0\nmax_steps: 300\n")
+    res = audit(p)
+    assert res.framework == "trl"
+    assert {r.requirement: r.cause.key for r in _cost(res).refusals} == {"denominator": "reward_lens"}
+
+
+def test_unknown_tap_argument_is_bad_input(tmp_path):
+    p = _write(tmp_path, {**PER_STEP, "reward_lens": {"estimater": "rollout"}})
+    r = subprocess.run(CLI + ["audit", str(p)], capture_output=True, text=True)
+    assert r.returncode == 2 and "estimater" in r.stderr and "config.json" in r.stderr
+
+
+def test_tap_spec_defaults_match_the_tap():
+    import inspect
+
+    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens_spec import load_taps
+
+    sig = inspect.signature(RewardLensTap.__init__).parameters
+    for key, value in load_taps()["trl"].defaults.items():
+        assert sig[key.split(".", 1)[1]].default == value, key
