@@ -82,6 +82,16 @@ class BookOut(_Out):
     cause: Cause | None = Field(default=None, description="set when the trainer will not start at all")
 
 
+class FeatureVerdict(_Out):
+    name: str
+    kind: str
+    unit: str
+    verdict: Literal["supported", "not supported", "depends"]
+    needs: list[list[str]] = Field(description="record fields, as alternatives (any one list will do)")
+    cause: Cause | None = None
+    says: str
+
+
 class AuditOut(_Out):
     schema_version: Literal["1.0"] = SCHEMA_VERSION
     source: str
@@ -92,6 +102,8 @@ class AuditOut(_Out):
     statements: list[Statement]
     fields: dict[str, FieldCoverage]
     books: list[BookOut]
+    basis: str | None = Field(default=None, description="the feature basis id audited (--features)")
+    features: list[FeatureVerdict] = Field(default_factory=list)
 
 
 def json_schema() -> dict[str, Any]:
@@ -291,8 +303,19 @@ def load_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = False) -> AuditOut:
-    path = Path(path)
+def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = False, features=None) -> AuditOut:
+    """Audit a configuration, record directory or manifest; with ``features`` (a FeatureBasis),
+    also say which of its features the logging setup supports."""
+    result, pr, record = _audit(Path(path), framework, with_tap)
+    if features is not None:
+        result.basis = features.basis_id
+        result.features = _feature_verdicts(features, result, pr, record)
+    return result
+
+
+def _audit(path: Path, framework: str | None, with_tap: bool) -> tuple[AuditOut, Projection, dict[str, Any] | None]:
+    """The audit, the projection it was derived from, and (for a record) what the record's
+    rollouts and model say that a projection cannot: reward function names, the EOS id."""
     if path.is_dir() and (path / "manifest.json").is_file():
         path = path / "manifest.json"  # a record directory is audited as a record
     cfg = load_config(path)
@@ -329,8 +352,9 @@ def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = Fa
                else "a run recorded by the reward-lens tap with this configuration")
     books = _verdicts(pr, subject=subject, audit_words=True, optimizer=str(optimizer) if optimizer else None,
                       betas=[float(beta)] if isinstance(beta, (int, float)) else [], framework=framework)
-    return AuditOut(source=str(path), kind="config", framework=framework, with_tap=tap is not None,
-                    subject=subject, statements=pr.statements, fields=_coverage(pr), books=books)
+    out = AuditOut(source=str(path), kind="config", framework=framework, with_tap=tap is not None,
+                   subject=subject, statements=pr.statements, fields=_coverage(pr), books=books)
+    return out, pr, None
 
 
 def _coverage(pr: Projection) -> dict[str, FieldCoverage]:
@@ -359,10 +383,11 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
         betas = sorted(set(run.telemetry_column("beta").values()))
         books = _verdicts(pr, subject=run.run_id[:12], audit_words=False,
                           optimizer=run.manifest.optimizer, betas=betas, framework=run.manifest.framework.name)
-        return AuditOut(source=str(path.parent), kind="record", framework=run.manifest.framework.name,
-                        with_tap=any(n.startswith("recorded by the reward-lens") for n in run.manifest.notes),
-                        subject=f"this record ({run.run_id[:12]})",
-                        statements=pr.statements, fields=_coverage(pr), books=books)
+        out = AuditOut(source=str(path.parent), kind="record", framework=run.manifest.framework.name,
+                       with_tap=any(n.startswith("recorded by the reward-lens") for n in run.manifest.notes),
+                       subject=f"this record ({run.run_id[:12]})",
+                       statements=pr.statements, fields=_coverage(pr), books=books)
+        return out, pr, {"rewards": _reward_names(run), "eos_token_id": run.manifest.model.eos_token_id}
     from pydantic import ValidationError
 
     from reward_lens.record.schema import RunManifest
@@ -381,8 +406,9 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
     subject = "a run logged with the trainer configuration this manifest keeps"
     books = _verdicts(pr, subject=subject, audit_words=True, optimizer=cfg.get("optimizer"),
                       betas=[float(tc["beta"])] if isinstance(tc.get("beta"), (int, float)) else [], framework=fw)
-    return AuditOut(source=str(path), kind="manifest", framework=fw, with_tap=False, subject=subject,
-                    statements=pr.statements, fields=_coverage(pr), books=books)
+    out = AuditOut(source=str(path), kind="manifest", framework=fw, with_tap=False, subject=subject,
+                   statements=pr.statements, fields=_coverage(pr), books=books)
+    return out, pr, None
 
 
 def load_fields_all() -> list[str]:
@@ -464,3 +490,62 @@ def _verdicts(pr: Projection, *, subject: str, audit_words: bool, optimizer: str
 def _refusal_out(ref: Refusal, rid: str, cause: Cause) -> RefusalOut:
     return RefusalOut(code=ref.code, requirement=rid, cause=cause, detail=ref.detail, remedy=ref.remedy,
                       remedy_first=first_sentence(ref.remedy))
+
+
+# ---------------------------------------------------------------- the feature basis
+
+def _reward_names(run) -> set[str] | None:
+    if "rewards" not in run.rollout_columns():
+        return None
+    names: set[str] = set()
+    for table in run.iter_rollouts(["rewards"]):
+        col = table.column("rewards").combine_chunks()
+        names |= set(col.keys.unique().to_pylist())
+    return names
+
+
+def _feature_verdicts(basis, result: AuditOut, pr: Projection, record: dict[str, Any] | None) -> list[FeatureVerdict]:
+    rewards = record["rewards"] if record else None
+    units = basis.units()
+    out = []
+    for d in basis.defs:
+        needs = basis.needs()[d.name]
+        ok = [alt for alt in needs if all(f in pr.supplied and pr.supplied[f].any for f in alt)]
+        common = {"name": d.name, "kind": d.kind, "unit": units[d.name], "needs": needs}
+        if not ok:
+            missing = [f for f in needs[0] if not (f in pr.supplied and pr.supplied[f].any)]
+            cause = pr.why_missing.get(missing[0]) or Cause(
+                key=None, value=None, origin="unset",
+                says=f"nothing in {result.subject} supplies `{missing[0]}`")
+            alts = " or ".join("+".join(f"`{f}`" for f in alt) for alt in needs)
+            out.append(FeatureVerdict(**common, verdict="not supported", cause=cause,
+                                      says=f"needs {alts}: {cause.says}"))
+            continue
+        if d.kind == "reward":
+            if rewards is not None:
+                if d.reward in rewards:
+                    out.append(FeatureVerdict(**common, verdict="supported", says=f"reward function `{d.reward}` "
+                                              "is in the record"))
+                else:
+                    cause = Cause(key="rewards", value=sorted(rewards), origin="record",
+                                  says=f"the record's reward functions are {sorted(rewards)}, not `{d.reward}`")
+                    out.append(FeatureVerdict(**common, verdict="not supported", cause=cause, says=cause.says))
+                continue
+            out.append(FeatureVerdict(**common, verdict="depends", says=(
+                f"needs a reward function named `{d.reward}`: per-function rewards will be recorded, and their "
+                "names come from the reward functions the script passes, which a configuration does not name")))
+            continue
+        if d.kind in ("ends_with_eos", "truncated") and getattr(d, "eos_token_id", None) is None:
+            if record is not None and record["eos_token_id"] is None:
+                cause = Cause(key="eos_token_id", value=None, origin="record", says=(
+                    "the record does not name its model's end-of-sequence token: set `eos_token_id` on the feature"))
+                out.append(FeatureVerdict(**common, verdict="not supported", cause=cause, says=cause.says))
+                continue
+            if record is None and not result.with_tap:
+                out.append(FeatureVerdict(**common, verdict="depends", says=(
+                    "needs the end-of-sequence token id: the tap records the model's, an imported record does "
+                    "not; set `eos_token_id` on the feature")))
+                continue
+        out.append(FeatureVerdict(**common, verdict="supported", says="computable from " + ", ".join(
+            f"`{f}`" for f in ok[0])))
+    return out

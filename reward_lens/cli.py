@@ -98,12 +98,15 @@ def cmd_report(args) -> int:
     if args.ledger not in LEDGERS:
         raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {args.ledger!r}")
     check_owned(out, "report")  # before any work
+    from reward_lens.measure.ledger.features import features_from
+
+    features = features_from(args.features)  # a bad basis file is named before any record is read
     progress = Progress(args.quiet)
     run = open_run(_record_path(args))
     progress("verifying checksums")
     run.verify()  # a same-size edit of a data file is refused, naming the file
     progress("building the report")
-    report = build_report(run, progress, ledger=args.ledger, window=window)
+    report = build_report(run, progress, ledger=args.ledger, window=window, features=features)
     progress("rendering")
     render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html), "json": ("report.json", to_json)}
     files = {render[f][0]: render[f][1](report) for f in formats}
@@ -148,6 +151,10 @@ def audit_text(result, verbose: bool = False) -> str:
         lines += ["", f"{', '.join(functions)}  {r.code}  ({r.requirement})",
                   text_view(_visible(r.detail if verbose else first_sentence(r.detail))),
                   text_view(_visible(r.remedy if verbose else r.remedy_first), lead="Remedy: ")]
+    if result.features:
+        lines += ["", f"feature basis {result.basis}", f"{'feature':<18}{'kind':<15}{'verdict':<15}why"]
+        for f in result.features:
+            lines.append(f"{f.name:<18}{f.kind:<15}{f.verdict:<15}{_visible(f.says)}")
     if seen and not verbose:
         lines += ["", "(--verbose prints each refusal's whole detail and remedy)"]
     return "\n".join(lines)
@@ -162,7 +169,10 @@ def cmd_audit(args) -> int:
     unknown = set(args.require or []) - known
     if unknown:  # before any work
         raise ValueError(f"--require names unknown book(s) {sorted(unknown)}; books: {sorted(known)}")
-    result = audit(args.config, framework=args.framework, with_tap=args.with_tap)
+    from reward_lens.measure.ledger.features import features_from
+
+    basis = features_from(args.features) if args.features else None
+    result = audit(args.config, framework=args.framework, with_tap=args.with_tap, features=basis)
     if args.format == "json":
         _emit(result.model_dump_json())
     else:
@@ -243,6 +253,8 @@ def parser() -> argparse.ArgumentParser:
                    "previous policy, else unpaired), paired, or unpaired")
     r.add_argument("--window", default="1", help="price W consecutive step pairs together (ratio of sums), or "
                    "'adaptive': merge until resolved (default 1)")
+    r.add_argument("--features", metavar="FILE", help="a feature basis (YAML; see specs/features/surface.yaml, "
+                   "the default)")
     r.add_argument("--quiet", action="store_true", help="no progress, no summary")
     r.set_defaults(func=cmd_report)
 
@@ -256,6 +268,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--with-tap", action="store_true", help="audit the run as recorded with RewardLensTap "
                    "(also implied by a `reward_lens:` section in the config)")
     a.add_argument("--verbose", action="store_true", help="print each refusal's whole detail and remedy")
+    a.add_argument("--features", metavar="FILE", help="a feature basis (YAML): say which of its features the "
+                   "logging setup supports")
     a.set_defaults(func=cmd_audit)
 
     s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")

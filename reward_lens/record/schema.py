@@ -93,6 +93,7 @@ class ModelInfo(BaseModel):
     architecture: str | None = None
     n_parameters: int | None = None
     vocab_size: int | None = None
+    eos_token_id: int | None = None
 
 
 class CheckpointEntry(BaseModel):
@@ -130,9 +131,16 @@ def content_run_id(manifest: RunManifest) -> str:
     id is the same for every re-write of the same content.
     """
     payload = manifest.model_dump(mode="json", exclude={"run_id", "created_by"})
+    # Optional fields added after records were first written hash only when set, so the id of
+    # every earlier record is unchanged.
+    for section, key in _LATER_OPTIONAL:
+        if payload.get(section, {}).get(key, 0) is None:
+            del payload[section][key]
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return f"run:{digest}"
 
+
+_LATER_OPTIONAL = (("model", "eos_token_id"),)
 
 _ARROW_TYPES = {
     "int64": pa.int64(),

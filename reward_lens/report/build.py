@@ -13,10 +13,13 @@ import numpy as np
 from reward_lens import __version__
 from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
 from reward_lens.measure.efficiency.of_run import price_run
+from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.measure.ledger.price import steps_from_run, whole_run
 from reward_lens.record.reader import Run, Window
 from reward_lens.report.model import (
+    BasisFeature,
+    BasisOut,
     BookOut,
     CostSection,
     EfficiencyOut,
@@ -89,9 +92,8 @@ def _samples(run: Run) -> list[SampleRollout]:
     return out
 
 
-def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto",
-                  window: int | str = 1) -> tuple[list[Refusal], CostSection | None]:
-    features = SurfaceFeatures()
+def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto", window: int | str = 1,
+                  features: FeatureBasis) -> tuple[list[Refusal], CostSection | None]:
     if not run.n_rollouts:
         return [rollouts_refusal(run, [])], None
     window_ = whole_run(run)
@@ -105,9 +107,9 @@ def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto",
         return extra or [rollouts_refusal(run, samples)], None
     book: CostBook = priced.book
     g = priced.metric
-    docs = features.docs()
+    docs, units = features.docs(), features.units()
     excluded = {n: why for sub in [g, *g.by_step.values()] for n, why in sub.excluded.items()}
-    feats = [FeatureOut(name=n, doc=docs[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
+    feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
              for n in g.names]
     kl_rows = [KlMinOut(step_pair=r.step_pair, kl_min=r.kl_min, noise_floor=r.noise_floor,
                         clears_noise_floor=r.clears_noise_floor, p_value=r.p_value, resolved=r.resolved,
@@ -178,14 +180,17 @@ BOOK_SECTIONS = {"cost": _cost_section}
 
 
 def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "auto",
-                 window: int | str = 1) -> Report:
+                 window: int | str = 1, features: FeatureBasis | None = None) -> Report:
+    """Every book of ``run``, computed in the feature basis ``features`` (default: the surface
+    basis of specs/features/surface.yaml)."""
     progress = progress or (lambda _msg: None)
+    features = features if features is not None else SurfaceFeatures()
     books = []
     for book_id, spec in load_books().items():
         builder = BOOK_SECTIONS.get(book_id)
         if builder is None:
             raise RuntimeError(f"specs/books/{book_id}.yaml has no section builder in reward_lens.report.build")
-        refusals, section = builder(run, progress, ledger=ledger, window=window)
+        refusals, section = builder(run, progress, ledger=ledger, window=window, features=features)
         has_numbers = section is not None and bool(section.kl_min or section.efficiency)
         resolved = section is not None and bool(section.summary.get("rows_resolved"))
         if not has_numbers:
@@ -200,4 +205,7 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,
                              function=spec.function, status=status, headline=headline,
                              refusals=[refusal_out(r) for r in refusals], cost=section))
-    return Report(generator=f"reward-lens {__version__}", run=_summary(run), books=books, samples=_samples(run))
+    basis = BasisOut(id=features.basis_id, name=features.label, source=features.source,
+                     features=[BasisFeature(**d) for d in features.describe()])
+    return Report(generator=f"reward-lens {__version__}", run=_summary(run), basis=basis, books=books,
+                  samples=_samples(run))

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "2.0"
+SCHEMA_VERSION = "2.1"
 
 
 class _M(BaseModel):
@@ -58,6 +58,7 @@ class RefusalOut(_M):
 class FeatureOut(_M):
     name: str
     doc: str
+    unit: str = Field(description="the feature's unit (shares and KL_min are in nats whatever it is)")
     status: str = Field(description="'priced', or why the feature is excluded from KL_min")
 
 
@@ -145,10 +146,28 @@ class BookOut(_M):
     cost: CostSection | None = None
 
 
+class BasisFeature(_M):
+    name: str
+    kind: str
+    unit: str
+    meaning: str
+
+
+class BasisOut(_M):
+    """The feature basis every book of the report was computed in: its id is the join key
+    (results in different bases are never compared or combined)."""
+
+    id: str = Field(description="'basis:' + 12 hex digits of the canonical definitions")
+    name: str | None
+    source: str
+    features: list[BasisFeature]
+
+
 class Report(_M):
     schema_version: str = SCHEMA_VERSION
     generator: str
     run: RunSummary
+    basis: BasisOut
     books: list[BookOut]
     samples: list[SampleRollout]
 

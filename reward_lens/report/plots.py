@@ -112,6 +112,7 @@ def efficiency_plot(section: CostSection) -> str | None:
 
 def feature_means_plot(section: CostSection) -> str:
     names = [f.name for f in section.features]
+    units = [f.unit for f in section.features]
     k = len(names)
     cols = 3
     rows = (k + cols - 1) // cols
@@ -124,7 +125,7 @@ def feature_means_plot(section: CostSection) -> str:
             ax = fig.add_subplot(rows, cols, j + 1)
             ax.fill_between(steps, mean[:, j] - se[:, j], mean[:, j] + se[:, j], color="#9bbce0", lw=0)
             ax.plot(steps, mean[:, j], lw=0.8, color="#1f5fa8")
-            ax.set_title(name, fontsize=8)
+            ax.set_title(f"{name} ({units[j]})", fontsize=8)
             ax.tick_params(labelsize=7)
         fig.supxlabel("step (mean ± one standard error)", fontsize=8)
         fig.tight_layout()

@@ -223,3 +223,29 @@ def test_tap_spec_defaults_match_the_tap():
     sig = inspect.signature(RewardLensTap.__init__).parameters
     for key, value in load_taps()["trl"].defaults.items():
         assert sig[key.split(".", 1)[1]].default == value, key
+
+
+def test_audit_knows_the_feature_basis(tmp_path):
+    from reward_lens.measure.ledger.basis import load_basis
+
+    spec = tmp_path / "task.yaml"
+    spec.write_text("features:\n  - name: correct\n    kind: reward\n    reward: correctness\n"
+                    "  - name: length_tokens\n    kind: length\n    of: tokens\n"
+                    "  - name: ends_eos\n    kind: ends_with_eos\n"
+                    "  - name: fmt\n    kind: regex\n    pattern: \"^<answer>[0-9]+</answer>$\"\n")
+    basis = load_basis(spec)
+    cfg = _write(tmp_path, PER_STEP)
+    plain = {f.name: f for f in audit(cfg, features=basis).features}
+    assert plain["fmt"].verdict == "supported"
+    assert plain["length_tokens"].verdict == "not supported" and plain["length_tokens"].cause.key == "reward_lens"
+    assert plain["ends_eos"].verdict == "not supported"
+    assert plain["correct"].verdict == "depends"  # a config does not name the reward functions
+    tapped = {f.name: f.verdict for f in audit(cfg, features=basis, with_tap=True).features}
+    assert tapped == {"correct": "depends", "length_tokens": "supported", "ends_eos": "supported", "fmt": "supported"}
+    rec = {f.name: f for f in audit(PAIRED, features=basis).features}
+    assert rec["correct"].verdict == "not supported" and "['lowercase']" in rec["correct"].says
+    assert rec["ends_eos"].cause.key == "eos_token_id"  # this record predates recording it
+    r = subprocess.run(CLI + ["audit", str(cfg), "--features", str(spec), "--format", "json"], capture_output=True,
+                       text=True)
+    data = json.loads(r.stdout)
+    assert data["basis"] == basis.basis_id and [f["name"] for f in data["features"]] == list(basis.names)

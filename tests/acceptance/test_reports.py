@@ -70,7 +70,7 @@ def test_golden_markdown_of_the_long_record():
 def test_report_json_round_trips_and_the_schema_file_is_current():
     path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
     report = Report.model_validate_json(path.read_text())
-    assert report.schema_version == "2.0" and report.books[0].status == "partial"
+    assert report.schema_version == "2.1" and report.books[0].status == "partial"
     assert len(report.books[0].cost.kl_min) == 199 and report.books[0].cost.efficiency == []
     schema = json.loads((REPO / "reports" / "report.schema.json").read_text())
     assert schema == json.loads(json.dumps(Report.model_json_schema()))

@@ -7,7 +7,8 @@ import pyarrow as pa
 import pytest
 
 from reward_lens.measure.efficiency import kl_min_series, metric_g
-from reward_lens.measure.ledger.features import FEATURES, SurfaceFeatures
+from reward_lens.measure.ledger.basis import surface_definitions
+from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.measure.ledger.price import StepSample, ledger_series
 from reward_lens.record import RecordError
 
@@ -35,9 +36,9 @@ def test_feature_selection_and_bad_names():
         SurfaceFeatures(["nope"])
     with pytest.raises(ValueError, match="twice"):
         SurfaceFeatures(["len_chars", "len_chars"])
-    with pytest.raises(RecordError, match="field `num_tokens`: feature `len_tokens` needs this column"):
+    with pytest.raises(RecordError, match=r"field `num_tokens`: feature `len_tokens` \(length\) needs this column"):
         SurfaceFeatures(["len_tokens"]).compute(pa.table({"completion": ["a"]}))
-    assert set(SurfaceFeatures().names) <= set(FEATURES)
+    assert set(SurfaceFeatures().names) <= set(surface_definitions()[0])
 
 
 def test_ledger_by_hand():

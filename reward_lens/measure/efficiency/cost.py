@@ -201,6 +201,7 @@ def _basis_refusal(ledgers: Sequence[Ledger], g: MetricG, run_id: str | None) ->
     return make_refusal("UNIT_MISMATCH", load_book(BOOK_ID), _subject(run_id, [lg.step_pair for lg in bad]), {
         "kind": "basis", "n_pairs": len(bad), "run": _short(run_id),
         "ledger_names": list(a), "metric_names": list(b), "position": pos,
+        "ledger_basis": getattr(a, "basis_id", None), "metric_basis": getattr(b, "basis_id", None),
         "same_set": sorted(a) == sorted(b),
     })
 

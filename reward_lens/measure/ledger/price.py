@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from reward_lens.measure.ledger.features import SurfaceFeatures
+from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.record.reader import Run, Window, table_source
 
 
@@ -123,17 +123,21 @@ OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": 
                     "logp_prev": "logp_prev", "kl_prev": "kl_prev", "logp_prev_step": "logp_prev_step"}
 
 
-def steps_from_run(run: Run, features: SurfaceFeatures, window: Window | None = None) -> list[StepSample]:
+def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = None) -> list[StepSample]:
     """One StepSample per step in ``window``, reading only the columns the features need
     (plus rewards, advantages, groups and log-probabilities where the record has them)."""
     window = window or whole_run(run)
     available = set(run.rollout_columns())
     extra = [c for c in OPTIONAL_COLUMNS if c in available]
+    context = feature_context(run)
+    wanted = [c for c in features.columns if c in available or c not in ("completion_ids", "num_tokens")]
+    if {"completion_ids", "num_tokens"} & set(features.columns) and not {"completion_ids", "num_tokens"} & set(wanted):
+        wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
     parts: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}
-    for table in run.iter_rollouts([*features.columns, *extra], window):
+    for table in run.iter_rollouts([*dict.fromkeys([*wanted, *extra])], window):
         if not table.num_rows:
             continue
-        z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"))
+        z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
         steps = table.column("step").to_numpy()
         cols = {}
         for c in extra:
@@ -161,6 +165,13 @@ def steps_from_run(run: Run, features: SurfaceFeatures, window: Window | None = 
                 kw[attr] = v
         out.append(StepSample(s, features.names, z, **kw))
     return out
+
+
+def feature_context(run: Run) -> dict[str, object]:
+    """What a declared feature may need from the record beyond its rollouts: the model's
+    end-of-sequence token and the trainer's completion length cap."""
+    cfg = run.manifest.trainer_config or {}
+    return {"eos_token_id": run.manifest.model.eos_token_id, "max_completion_length": cfg.get("max_completion_length")}
 
 
 def learning_rates(run: Run, window: Window | None = None) -> dict[int, float]:

@@ -109,6 +109,16 @@ class _Pending:
     kl_prev: float | None = None
 
 
+def _eos_id(trainer) -> int | None:
+    """The token that ends a completion (features such as ``ends_with_eos`` need it)."""
+    eos = getattr(trainer.processing_class, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(getattr(trainer.model, "generation_config", None), "eos_token_id", None)
+    if isinstance(eos, (list, tuple)):
+        eos = eos[0] if len(eos) == 1 else None
+    return int(eos) if isinstance(eos, int) else None
+
+
 class RewardLensTap(TrainerCallback):
     def __init__(self, trainer, record_dir: str | Path, *, estimator: str | None = "rollout", n_exact: int = 16,
                  flush_every: int = 10, chunk: int = 16, save_initial_checkpoint: bool = False,
@@ -156,7 +166,8 @@ class RewardLensTap(TrainerCallback):
                                    model={"description": model_description or str(
                                        getattr(model.config, "_name_or_path", "") or type(model).__name__),
                                           "architecture": type(model).__name__, "n_parameters": n_params,
-                                          "vocab_size": getattr(model.config, "vocab_size", None)},
+                                          "vocab_size": getattr(model.config, "vocab_size", None),
+                                          "eos_token_id": _eos_id(trainer)},
                                    optimizer=str(getattr(args.optim, "value", args.optim)), trainer_config=cfg,
                                    notes=notes, overwrite=overwrite)
 

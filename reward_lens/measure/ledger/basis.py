@@ -1,0 +1,455 @@
+r"""A declared feature basis: the behaviours a book prices, stated in YAML.
+
+A basis file lists features, each with a name, a kind, a unit and a one-line meaning::
+
+    features:
+      - name: says_alpha          # regex: 1 if the completion matches, else 0
+        kind: regex
+        pattern: "\\balpha\\b"
+      - name: exclaims            # regex count per 100 characters
+        kind: regex
+        pattern: "!"
+        count: true
+      - name: length_tokens
+        kind: length
+        of: tokens
+      - name: reward_fmt          # the record's per-rollout score of reward function `fmt`
+        kind: reward
+        reward: fmt
+
+Kinds (every built-in kind is one vectorised ``pyarrow.compute`` pass over a column, except
+``json``, which calls Python's JSON parser once per completion):
+
+- ``regex``: ``pattern`` (RE2 syntax); 1/0 whether it matches, or with ``count: true`` matches
+  per 100 characters, with ``count: raw`` the number of matches (plus ``offset``);
+- ``length``: ``of: characters | tokens | words`` (tokens from ``completion_ids``, else
+  ``num_tokens``; words are runs of characters other than space, \t, \n, \f, \r: RE2's ``\S+``);
+- ``char_class``: ``class`` (an RE2 character class); the fraction of characters in it;
+- ``ends_with_eos``: 1 if the last completion token is ``eos_token_id`` (from the feature or
+  the record's model); ``truncated``: 1 if the completion reached ``cap`` tokens (default: the
+  record's ``max_completion_length``) without ending in EOS;
+- ``reward``: the record's per-rollout score of reward function ``reward`` (``rewards.NAME``);
+- ``json``: 1 if the completion (surrounding whitespace stripped) parses as JSON;
+- ``callable``: ``function: "module:function"``, called with a ``pyarrow`` array of completions
+  and returning one finite value per completion.
+
+The basis id (``basis:`` + 12 hex digits) is a hash of the canonical definitions (names,
+kinds, parameters, units; not the prose meanings): results computed in different bases are
+never combined, and a book refuses UNIT_MISMATCH naming both ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from reward_lens.record.errors import RecordError
+from reward_lens_spec.errors import SpecError
+from reward_lens_spec.paths import specs_dir
+from reward_lens_spec.yamlload import line_for, load_yaml_with_lines
+
+NAME = r"^[A-Za-z_][A-Za-z0-9_.]*$"
+
+
+class _Def(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME)
+    unit: str | None = None
+    meaning: str | None = None
+
+
+class RegexDef(_Def):
+    kind: Literal["regex"]
+    pattern: str = Field(min_length=1)
+    count: bool | Literal["raw"] = False
+    offset: float = 0.0
+
+
+class LengthDef(_Def):
+    kind: Literal["length"]
+    of: Literal["characters", "tokens", "words"]
+
+
+class CharClassDef(_Def):
+    kind: Literal["char_class"]
+    class_: str = Field(alias="class", min_length=3)
+
+
+class EosDef(_Def):
+    kind: Literal["ends_with_eos"]
+    eos_token_id: int | None = None
+
+
+class TruncatedDef(_Def):
+    kind: Literal["truncated"]
+    cap: int | None = Field(None, ge=1)
+    eos_token_id: int | None = None
+
+
+class RewardDef(_Def):
+    kind: Literal["reward"]
+    reward: str = Field(min_length=1)
+
+
+class JsonDef(_Def):
+    kind: Literal["json"]
+
+
+class CallableDef(_Def):
+    kind: Literal["callable"]
+    function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+KINDS = ("regex", "length", "char_class", "ends_with_eos", "truncated", "reward", "json", "callable")
+FeatureDef = Annotated[RegexDef | LengthDef | CharClassDef | EosDef | TruncatedDef | RewardDef | JsonDef | CallableDef,
+                       Field(discriminator="kind")]
+
+
+class BasisFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str | None = None
+    default: list[str] | None = None  # the features used when none are picked by name
+    features: list[FeatureDef] = Field(min_length=1)
+
+
+_UNITS = {"length": {"characters": "characters", "tokens": "tokens", "words": "words"}}
+# Columns each kind reads (``length: tokens`` reads completion_ids or num_tokens).
+_COLUMNS = {"regex": ["completion"], "char_class": ["completion"], "json": ["completion"],
+            "callable": ["completion"], "reward": ["rewards"], "ends_with_eos": ["completion_ids"],
+            "truncated": ["completion_ids"]}
+
+
+def _unit(d: Any) -> str:
+    if d.unit:
+        return d.unit
+    if d.kind == "regex":
+        return {False: "indicator (0/1)", True: "matches per 100 characters", "raw": "matches"}[d.count]
+    if d.kind == "length":
+        return _UNITS["length"][d.of]
+    if d.kind == "char_class":
+        return "fraction of characters"
+    if d.kind == "reward":
+        return "reward units"
+    if d.kind in ("ends_with_eos", "truncated", "json"):
+        return "indicator (0/1)"
+    return "as returned"
+
+
+def _meaning(d: Any) -> str:
+    if d.meaning:
+        return d.meaning
+    if d.kind == "regex":
+        what = {False: "1 if the completion matches", True: "matches per 100 characters of",
+                "raw": "number of matches of"}[d.count]
+        return f"{what} /{d.pattern}/" if d.count else f"{what} /{d.pattern}/, else 0"
+    if d.kind == "length" and d.of == "words":
+        return "number of words: runs of characters other than space, \\t, \\n, \\f, \\r"
+    if d.kind == "length":
+        return f"length of the completion in {d.of}"
+    if d.kind == "char_class":
+        return f"fraction of characters in {d.class_}"
+    if d.kind == "reward":
+        return f"the record's per-rollout score of reward function `{d.reward}`"
+    if d.kind == "ends_with_eos":
+        return "1 if the completion ends with the end-of-sequence token"
+    if d.kind == "truncated":
+        return "1 if the completion reached the length cap without an end-of-sequence token"
+    if d.kind == "json":
+        return "1 if the completion parses as JSON"
+    return f"value of {d.function}"
+
+
+def _check_regex(pattern: str) -> str | None:
+    try:
+        pc.count_substring_regex(pa.array([""]), pattern=pattern)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        return " ".join(str(exc).split())[:160]
+    return None
+
+
+def _import(spec: str):
+    module, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot import {spec} ({type(exc).__name__}: {exc})") from None
+    if not callable(fn):
+        raise ValueError(f"{spec} is not callable")
+    return fn
+
+
+class FeatureBasis:
+    """An ordered, declared feature basis: ``names`` is the join key of G, dz and the shares."""
+
+    def __init__(self, defs: Sequence[Any], *, source: str = "<basis>", name: str | None = None):
+        self.defs = tuple(defs)
+        self.source = source
+        self.label = name
+        seen: set[str] = set()
+        for d in self.defs:
+            if d.name in seen:
+                raise SpecError(f"{source}: feature `{d.name}` is declared twice")
+            seen.add(d.name)
+        payload = [d.model_dump(by_alias=True, exclude={"meaning"}) | {"unit": _unit(d)} for d in self.defs]
+        digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        self.basis_id = f"basis:{digest[:12]}"
+        self.names = BasisNames([d.name for d in self.defs], self.basis_id)
+        self._fns = {d.name: _import(d.function) for d in self.defs if d.kind == "callable"}
+
+    def __repr__(self) -> str:
+        return f"FeatureBasis({list(self.names)}, id={self.basis_id})"
+
+    def docs(self) -> dict[str, str]:
+        return {d.name: _meaning(d) for d in self.defs}
+
+    def units(self) -> dict[str, str]:
+        return {d.name: _unit(d) for d in self.defs}
+
+    def describe(self) -> list[dict[str, str]]:
+        return [{"name": d.name, "kind": d.kind, "unit": _unit(d), "meaning": _meaning(d)} for d in self.defs]
+
+    @property
+    def columns(self) -> list[str]:
+        """Record columns to read; ``length: tokens`` asks for both and uses what exists."""
+        cols = set()
+        for d in self.defs:
+            if d.kind == "length":
+                cols |= {"completion"} if d.of != "tokens" else {"completion_ids", "num_tokens"}
+            else:
+                cols |= set(_COLUMNS[d.kind])
+        return sorted(cols)
+
+    def needs(self) -> dict[str, list[list[str]]]:
+        """Per feature, the record fields it needs, as alternatives (any one list will do)."""
+        out: dict[str, list[list[str]]] = {}
+        for d in self.defs:
+            if d.kind == "length" and d.of == "tokens":
+                out[d.name] = [["rollout.completion_ids"], ["rollout.num_tokens"]]
+            elif d.kind == "length":
+                out[d.name] = [["rollout.completion"]]
+            else:
+                out[d.name] = [[f"rollout.{c}" for c in _COLUMNS[d.kind]]]
+        return out
+
+    def compute(self, table: pa.Table, source: str = "rollouts", context: dict[str, Any] | None = None) -> np.ndarray:
+        """The n x k feature matrix (float64) of the rows of ``table``. ``context`` carries the
+        record's ``eos_token_id`` and ``max_completion_length`` where a feature needs them."""
+        ctx = context or {}
+        out = np.empty((table.num_rows, len(self.defs)), dtype=np.float64)
+        for j, d in enumerate(self.defs):
+            try:
+                values = self._one(d, table, source, ctx)
+            except pa.ArrowInvalid as exc:  # e.g. invalid UTF-8 that a writer let through
+                steps = np.unique(table.column("step").to_numpy()) if "step" in table.column_names else None
+                raise RecordError(source, f"feature `{d.name}` cannot be computed from this column "
+                                  f"({' '.join(str(exc).split())[:120]})", field=_COLUMNS.get(d.kind, ["completion"])[0],
+                                  steps=steps) from None
+            out[:, j] = values
+        return out
+
+    # ------------------------------------------------------------ one feature
+    def _col(self, d: Any, table: pa.Table, column: str, source: str) -> pa.Array:
+        if column not in table.column_names:
+            raise RecordError(source, f"feature `{d.name}` ({d.kind}) needs this column", field=column)
+        col = table.column(column)
+        col = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+        if col.null_count:
+            steps = table.column("step").filter(pc.is_null(col)).to_numpy() if "step" in table.column_names else None
+            raise RecordError(source, f"feature `{d.name}` needs a value on every rollout; some are null",
+                              field=column, steps=np.unique(steps) if steps is not None else None)
+        return col
+
+    def _one(self, d: Any, table: pa.Table, source: str, ctx: dict[str, Any]) -> np.ndarray:
+        if d.kind == "regex":
+            col = self._col(d, table, "completion", source)
+            if not d.count:
+                return _f(pc.match_substring_regex(col, pattern=d.pattern))
+            n = _f(pc.count_substring_regex(col, pattern=d.pattern))
+            if d.count == "raw":
+                return n + d.offset
+            return n * 100.0 / np.maximum(_f(pc.utf8_length(col)), 1.0) + d.offset
+        if d.kind == "char_class":
+            col = self._col(d, table, "completion", source)
+            return _f(pc.count_substring_regex(col, pattern=d.class_)) / np.maximum(_f(pc.utf8_length(col)), 1.0)
+        if d.kind == "length":
+            if d.of == "characters":
+                return _f(pc.utf8_length(self._col(d, table, "completion", source)))
+            if d.of == "words":
+                return _f(pc.count_substring_regex(self._col(d, table, "completion", source), pattern=r"\S+"))
+            if "completion_ids" in table.column_names:
+                return _f(pc.list_value_length(self._col(d, table, "completion_ids", source)))
+            return _f(self._col(d, table, "num_tokens", source))
+        if d.kind in ("ends_with_eos", "truncated"):
+            ids = self._col(d, table, "completion_ids", source)
+            eos = d.eos_token_id if d.eos_token_id is not None else ctx.get("eos_token_id")
+            if eos is None:
+                raise RecordError(source, f"feature `{d.name}` needs the end-of-sequence token id: set "
+                                  "`eos_token_id` on the feature (the record's model does not name it)",
+                                  field="completion_ids")
+            lengths = pc.list_value_length(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+            flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+            ends = np.asarray(ids.offsets)[1:] - 1 - np.asarray(ids.offsets)[0]
+            last = np.where(lengths > 0, flat[np.clip(ends, 0, max(len(flat) - 1, 0))] if len(flat) else -1, -1)
+            is_eos = (lengths > 0) & (last == eos)
+            if d.kind == "ends_with_eos":
+                return is_eos.astype(np.float64)
+            cap = d.cap if d.cap is not None else ctx.get("max_completion_length")
+            if cap is None:
+                raise RecordError(source, f"feature `{d.name}` needs the length cap: set `cap` on the feature "
+                                  "(the record's trainer config has no `max_completion_length`)",
+                                  field="completion_ids")
+            return ((lengths >= int(cap)) & ~is_eos).astype(np.float64)
+        if d.kind == "reward":
+            col = self._col(d, table, "rewards", source)
+            v = pc.map_lookup(col, query_key=d.reward, occurrence="first")
+            if v.null_count:
+                missing = pc.is_null(v)
+                steps = table.column("step").filter(missing).to_numpy() if "step" in table.column_names else None
+                keys = sorted(set(col.keys.unique().to_pylist()))
+                raise RecordError(source, f"feature `{d.name}` reads reward function `{d.reward}`, which "
+                                  f"{'no' if v.null_count == len(v) else 'not every'} rollout has "
+                                  f"(the record's reward functions: {keys})", field="rewards",
+                                  steps=np.unique(steps) if steps is not None else None)
+            return _f(v)
+        if d.kind == "json":
+            col = self._col(d, table, "completion", source)
+            return np.fromiter((_parses(s) for s in col.to_pylist()), dtype=np.float64, count=len(col))
+        fn = self._fns[d.name]
+        col = self._col(d, table, "completion", source)
+        try:
+            res = np.asarray(fn(col), dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError) as exc:
+            raise RecordError(source, f"feature `{d.name}`: {d.function} did not return numbers ({exc})") from None
+        if res.shape[0] != len(col):
+            raise RecordError(source, f"feature `{d.name}`: {d.function} returned {res.shape[0]} values for "
+                              f"{len(col)} completions (it must return one per completion)")
+        if not np.isfinite(res).all():
+            raise RecordError(source, f"feature `{d.name}`: {d.function} returned a non-finite value")
+        return res
+
+
+class BasisNames(tuple):
+    """Feature names that remember their basis: two bases with the same names but different
+    definitions compare unequal, so every ``names`` check doubles as a basis check."""
+
+    basis_id: str | None
+
+    def __new__(cls, names: Sequence[str], basis_id: str | None):
+        obj = super().__new__(cls, names)
+        obj.basis_id = basis_id
+        return obj
+
+    def __eq__(self, other: object) -> bool:
+        if not tuple.__eq__(self, other):
+            return False
+        other_id = getattr(other, "basis_id", None)
+        return self.basis_id is None or other_id is None or self.basis_id == other_id
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = tuple.__hash__
+
+    def __getnewargs__(self):
+        return (tuple(self), self.basis_id)
+
+
+def basis_id_of(names: Sequence[str]) -> str | None:
+    return getattr(names, "basis_id", None)
+
+
+def _f(a) -> np.ndarray:
+    arr = a.to_numpy(zero_copy_only=False) if hasattr(a, "to_numpy") else np.asarray(a)
+    return arr.astype(np.float64)
+
+
+def _parses(s: str) -> float:
+    try:
+        json.loads(s)
+    except (ValueError, RecursionError):
+        return 0.0
+    return 1.0
+
+
+def load_basis(path: str | Path) -> FeatureBasis:
+    """A basis from a YAML file; any problem is a SpecError naming file:line (or the feature)."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}:1: feature basis file not found")
+    data, lines = load_yaml_with_lines(path)
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}:1: a feature basis is a mapping with a `features:` list")
+    try:
+        parsed = BasisFile.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        if len(loc) >= 3 and loc[0] == "features" and loc[2] in KINDS:
+            loc = loc[:2] + loc[3:]  # the discriminator's tag, not a key of the file
+        where = ".".join(str(p) for p in loc) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "union_tag_invalid":
+            tag = err["ctx"].get("tag") if err.get("ctx") else None
+            msg = f"unknown kind {tag!r}; kinds: {', '.join(KINDS)}"
+        name = _feature_name(data, loc)
+        raise SpecError(f"{path}:{line_for(loc, lines)}: {where}{name}: {msg}") from None
+    for i, d in enumerate(parsed.features):
+        pattern = d.pattern if d.kind == "regex" else d.class_ if d.kind == "char_class" else None
+        if pattern is not None:
+            bad = _check_regex(pattern)
+            if bad:
+                key = "pattern" if d.kind == "regex" else "class"
+                raise SpecError(f"{path}:{line_for(('features', i, key), lines)}: feature `{d.name}`: bad regex "
+                                f"{pattern!r} ({bad})")
+        if d.kind == "callable":
+            try:
+                _import(d.function)
+            except ValueError as exc:
+                raise SpecError(f"{path}:{line_for(('features', i, 'function'), lines)}: feature `{d.name}`: "
+                                f"{exc}") from None
+    defs = list(parsed.features)
+    seen: set[str] = set()
+    for i, d in enumerate(defs):
+        if d.name in seen:
+            raise SpecError(f"{path}:{line_for(('features', i, 'name'), lines)}: feature `{d.name}` is declared twice")
+        seen.add(d.name)
+    if parsed.default is not None:
+        known = {d.name for d in defs}
+        unknown = [n for n in parsed.default if n not in known]
+        if unknown:
+            raise SpecError(f"{path}:{line_for(('default',), lines)}: `default` names unknown feature(s) {unknown}")
+    return FeatureBasis(defs, source=str(path), name=parsed.name or path.stem)
+
+
+def _feature_name(data: dict, loc: tuple) -> str:
+    if len(loc) >= 2 and loc[0] == "features" and isinstance(loc[1], int):
+        feats = data.get("features") or []
+        if loc[1] < len(feats) and isinstance(feats[loc[1]], dict) and "name" in feats[loc[1]]:
+            return f" (feature `{feats[loc[1]]['name']}`)"
+    return ""
+
+
+@lru_cache(maxsize=None)
+def _surface_file() -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    path = specs_dir() / "features" / "surface.yaml"
+    basis = load_basis(path)
+    data, _ = load_yaml_with_lines(path)
+    return basis.defs, tuple(data.get("default") or basis.names)
+
+
+def surface_definitions() -> tuple[dict[str, Any], tuple[str, ...]]:
+    """specs/features/surface.yaml: every surface feature by name, and the default basis."""
+    defs, default = _surface_file()
+    return {d.name: d for d in defs}, default

@@ -1,0 +1,16 @@
+"""Callables a test basis names as `module:function` (vectorised over a pyarrow array)."""
+
+import numpy as np
+import pyarrow.compute as pc
+
+
+def vowels(completions):
+    return pc.count_substring_regex(completions, pattern="[aeiou]").to_numpy(zero_copy_only=False)
+
+
+def too_short(completions):
+    return np.zeros(len(completions) - 1)
+
+
+def not_finite(completions):
+    return np.full(len(completions), np.nan)
