@@ -100,7 +100,10 @@ def cmd_report(args) -> int:
     check_owned(out, "report")  # before any work
     from reward_lens.measure.ledger.features import features_from
 
-    features = features_from(args.features)  # a bad basis file is named before any record is read
+    from reward_lens.examples import example_features
+
+    spec = args.features or (example_features(args.example) if args.example else None)
+    features = features_from(spec)  # a bad basis file is named before any record is read
     progress = Progress(args.quiet)
     run = open_run(_record_path(args))
     progress("verifying checksums")
@@ -244,7 +247,8 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write the books of a record as Markdown, HTML and JSON",
                        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("run_dir", nargs="?", help="a record directory")
-    r.add_argument("--example", metavar="NAME", help="use a bundled reference record (long, short)")
+    r.add_argument("--example", metavar="NAME", help="use a bundled reference record (task, long, short, tapped, "
+                   "paired); `task` is read in its own basis, examples/features/task.yaml")
     r.add_argument("--out", default="reward-lens-report", help="output directory (default: ./reward-lens-report)")
     r.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
     r.add_argument("--fail-on", choices=("refused", "violated", "never"), default="refused",
@@ -253,8 +257,8 @@ def parser() -> argparse.ArgumentParser:
                    "previous policy, else unpaired), paired, or unpaired")
     r.add_argument("--window", default="1", help="price W consecutive step pairs together (ratio of sums), or "
                    "'adaptive': merge until resolved (default 1)")
-    r.add_argument("--features", metavar="FILE", help="a feature basis (YAML; see specs/features/surface.yaml, "
-                   "the default)")
+    r.add_argument("--features", metavar="FILE", help="a feature basis (YAML, e.g. examples/features/task.yaml; "
+                   "default: specs/features/surface.yaml)")
     r.add_argument("--quiet", action="store_true", help="no progress, no summary")
     r.set_defaults(func=cmd_report)
 

@@ -31,6 +31,10 @@ def test_wheel_contains_specs_templates_and_examples(wheel):
                      "reward_lens_spec/_data/templates/report/report.html.j2",
                      "reward_lens/_examples/grpo_run/long/manifest.json",
                      "reward_lens/_examples/grpo_run/long/rollouts.parquet",
+                     "reward_lens/_examples/grpo_run/task/manifest.json",
+                     "reward_lens/_examples/features/task.yaml",
+                     "reward_lens_spec/_data/specs/features/surface.yaml",
+                     "reward_lens_spec/_data/specs/taps/trl.yaml",
                      "reward_lens/cli.py"):
         assert required in names, required
     assert not any(n.startswith("tests/") for n in names)
@@ -54,3 +58,11 @@ def test_installed_copy_loads_its_specs_outside_the_repo(wheel, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert "RECORD_INCOMPLETE" in (tmp_path / "out" / "report.md").read_text()
+    # the task example is read in its own basis, shipped beside it
+    code = ("import sys; from reward_lens.cli import main;"
+            "sys.exit(main(['report', '--example', 'task', '--out', 'task', '--quiet', '--format', 'json']))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stderr
+    import json
+
+    assert json.loads((tmp_path / "task" / "report.json").read_text())["basis"]["name"] == "task"

@@ -89,9 +89,12 @@ def pareto_khat(log_w: np.ndarray) -> float:
     if x[-1] <= 0:
         return float("-inf")
     grid = 80 + int(math.sqrt(m))
-    b = 1.0 / x[-1] + (1.0 - np.sqrt(grid / (np.arange(1, grid + 1) - 0.5))) / 3.0 / x[int(m / 4 + 0.5) - 1]
-    k = np.log1p(-b[:, None] * x[None, :]).mean(axis=1)  # profile estimate of the shape at each b
+    quartile = x[int(m / 4 + 0.5) - 1]
+    if quartile <= 0:  # ties at the bottom of the tail (identical completions): the smallest positive gap
+        quartile = x[x > 0].min()
+    b = 1.0 / x[-1] + (1.0 - np.sqrt(grid / (np.arange(1, grid + 1) - 0.5))) / 3.0 / quartile
     with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.log1p(-b[:, None] * x[None, :]).mean(axis=1)  # profile estimate of the shape at each b
         log_lik = m * (np.log(-b / k) - k - 1.0)
     log_lik = np.where(np.isfinite(log_lik), log_lik, -np.inf)
     weights = np.exp(log_lik - log_lik.max())
