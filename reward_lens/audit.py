@@ -467,6 +467,10 @@ def _verdicts(pr: Projection, *, subject: str, audit_words: bool, optimizer: str
                 ctx = rollouts_context(run_label=subject, steps_with_rollouts=p.count if p else 0,
                                        steps=pr.steps, logging_steps=pr.window, framework=framework,
                                        audit=audit_words)
+            elif rid != "denominator":
+                alt = resolution.status(rid).alternatives[0]
+                ctx = {"requirement": rid, "audit": audit_words, "run": subject, "framework": framework,
+                       "missing": [f.removeprefix("rollout.") for f in (*alt.missing, *alt.partial)]}
             else:
                 p = pr.supplied.get("kl_to_previous")
                 pairs = max((pr.steps or 0) - 1, 0)  # on a record: step pairs; a config says nothing of counts

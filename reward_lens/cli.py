@@ -144,7 +144,7 @@ def audit_text(result, verbose: bool = False) -> str:
     first: dict[tuple[str, str, str], object] = {}
     for b in result.books:
         for r in b.refusals:
-            k = (r.code, r.requirement, r.remedy)
+            k = (r.code, r.requirement, r.remedy_first)
             seen.setdefault(k, []).append(b.function)
             first.setdefault(k, r)
     from reward_lens_spec.render import first_sentence, text_view

@@ -110,6 +110,18 @@ class LedgerSpec(_Strict):
     why: str
 
 
+class BookReport(_Strict):
+    """How a book appears in a report: the function that builds its section from a run
+    context, the pydantic model of its data, its templates, and its place on the page."""
+
+    builder: str = Field(pattern=r"^[\w.]+:\w+$")
+    model: str = Field(pattern=r"^[\w.]+:\w+$")
+    md: str
+    html: str
+    order: int = 0  # place of the section on the page
+    card_order: int = 100  # place of the book's sentence on the summary card
+
+
 class BookSpec(_Strict):
     id: str
     function: str
@@ -123,6 +135,7 @@ class BookSpec(_Strict):
     requires: list[Requirement]
     ledgers: list[LedgerSpec] = Field(default_factory=list)
     refusals: dict[str, str]
+    report: BookReport | None = None
 
     def requirement(self, rid: str) -> Requirement:
         for req in self.requires:

@@ -43,8 +43,9 @@ def refresh_manifest(record: Path) -> None:
 
 
 def tiny_record(path: Path, completions_by_step: dict[int, list[str]], *, kl_to_previous: dict[int, float] | None = None,
-                optimizer: str = "adamw_torch_fused") -> Path:
-    """A small hand-made record (for escaping, exit-code and browser tests)."""
+                optimizer: str = "adamw_torch_fused", reward_slope: float = 0.0) -> Path:
+    """A small hand-made record (for escaping, exit-code and browser tests); the mean reward
+    rises by ``reward_slope`` a step."""
     from reward_lens.record import OptimizerTelemetry, Rollout, write_run
 
     steps = sorted(completions_by_step)
@@ -52,7 +53,7 @@ def tiny_record(path: Path, completions_by_step: dict[int, list[str]], *, kl_to_
                               kl_to_previous=(kl_to_previous or {}).get(s),
                               kl_to_previous_estimator="test" if kl_to_previous and s in kl_to_previous else None)
            for s in steps]
-    rol = [Rollout(step=s, group_id=f"{s}:0", prompt=f"prompt <{s}> | x", completion=c, reward=float(i % 3),
+    rol = [Rollout(step=s, group_id=f"{s}:0", prompt=f"prompt <{s}> | x", completion=c, reward=float(i % 3) + reward_slope * s,
                    advantage=float(i % 3) - 1.0)
            for s in steps for i, c in enumerate(completions_by_step[s])]
     write_run(path, framework={"name": "test", "version": "0"}, model={"description": "hand-made"},

@@ -237,7 +237,7 @@ def cost_table(path: Path = DEST) -> str:
 
     report = build_report(open_run(path), features=load_basis(BASIS))
     (book,) = [b for b in report.books if b.id == "cost"]
-    c = book.cost
+    c = book.typed()
     resolved = [r for r in c.kl_min if r.resolved]
     total = sum(r.kl_min for r in resolved)
     units = {f.name: f.unit for f in c.features}

@@ -11,30 +11,25 @@ from collections.abc import Callable
 import numpy as np
 
 from reward_lens import __version__
-from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
-from reward_lens.measure.efficiency.of_run import price_run
+from reward_lens.measure.books import RunContext
 from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.measure.ledger.features import SurfaceFeatures
-from reward_lens.measure.ledger.price import steps_from_run, whole_run
 from reward_lens.record.reader import Run, Window
+from reward_lens.report.curves import training_curves
+from reward_lens.record.errors import RecordError
 from reward_lens.report.model import (
     BasisFeature,
+    BrowserRow,
     BasisOut,
     BookOut,
-    CostSection,
-    EfficiencyOut,
-    FeatureMeans,
-    FeatureOut,
     FieldPresence,
-    KlMinOut,
-    MetricOut,
     RefusalOut,
     Report,
     RunSummary,
     SampleRollout,
 )
-from reward_lens_spec import Refusal, Subject, load_book, load_books, load_fields, load_refusal_codes, make_refusal
-from reward_lens_spec.render import render_template
+from reward_lens_spec import Refusal, load_books, load_fields, load_refusal_codes
+from reward_lens_spec.render import first_sentence
 
 Progress = Callable[[str], None]
 SAMPLES_PER_END = 6
@@ -69,10 +64,10 @@ def refusal_out(r: Refusal) -> RefusalOut:
 SAMPLE_TEXT_MAX = 2000
 
 
-def _capped(text: str) -> str:
-    if len(text) <= SAMPLE_TEXT_MAX:
+def _capped(text: str, limit: int = SAMPLE_TEXT_MAX) -> str:
+    if len(text) <= limit:
         return text
-    return text[:SAMPLE_TEXT_MAX] + f" … [truncated: {len(text) - SAMPLE_TEXT_MAX} more characters]"
+    return text[:limit] + f" … [truncated: {len(text) - limit} more characters]"
 
 
 def _samples(run: Run) -> list[SampleRollout]:
@@ -92,120 +87,86 @@ def _samples(run: Run) -> list[SampleRollout]:
     return out
 
 
-def _cost_section(run: Run, progress: Progress, *, ledger: str = "auto", window: int | str = 1,
-                  features: FeatureBasis) -> tuple[list[Refusal], CostSection | None]:
+BROWSER_STEPS = 120
+BROWSER_PER_STEP = 4
+BROWSER_TEXT_MAX = 600
+
+
+def _browser(run: Run, features: FeatureBasis, context: dict) -> list[BrowserRow]:
+    """A spread of rollouts for the HTML browser: up to BROWSER_PER_STEP rollouts of up to
+    BROWSER_STEPS steps spread over the run, with their features in the report's basis."""
     if not run.n_rollouts:
-        return [rollouts_refusal(run, [])], None
-    window_ = whole_run(run)
-    progress("reading rollouts and computing features")
-    samples = steps_from_run(run, features, window=window_)
-    progress(f"pricing steps ({ledger} ledger)")
-    priced = price_run(run, samples, ledger=ledger, window=window)
-    formed = [] if priced.book is None else priced.book.kl_min.rows
-    extra = _not_formed_refusals(run, priced)
-    if priced.book is None:
-        return extra or [rollouts_refusal(run, samples)], None
-    book: CostBook = priced.book
-    g = priced.metric
-    docs, units = features.docs(), features.units()
-    excluded = {n: why for sub in [g, *g.by_step.values()] for n, why in sub.excluded.items()}
-    feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
-             for n in g.names]
-    kl_rows = [KlMinOut(step_pair=r.step_pair, kl_min=r.kl_min, noise_floor=r.noise_floor,
-                        clears_noise_floor=r.clears_noise_floor, p_value=r.p_value, resolved=r.resolved,
-                        leading_feature=r.leading_feature, shares=r.shares, shares_inexact=r.shares_inexact,
-                        condition=r.condition)
-               for r in formed]
-    eff = [EfficiencyOut(step_pair=r.step_pair, steps=r.steps, status=r.status, kl_min=r.kl_min, kl_spent=r.kl_spent,
-                         efficiency=r.efficiency, efficiency_null=r.efficiency_null,
-                         efficiency_debiased=r.efficiency_debiased, interval=r.interval, p_value=r.p_value,
-                         source=r.kl_spent_source, resolved=r.resolved, d_t_checks=r.d_t_checks,
-                         d_t_disagrees=r.d_t_disagrees)
-           for r in book.rows]
-    means = [FeatureMeans(step=s.step, n=s.n, mean=s.z.mean(axis=0).tolist(),
-                          se=(s.z.std(axis=0, ddof=1) / np.sqrt(s.n)).tolist() if s.n > 1 else [0.0] * len(g.names))
-             for s in samples]
-    totals = {a: sum(r.shares.get(a, 0.0) for r in formed) for a in g.names}
-    counts = book.counts()
-    counts["refused"] += sum(len(r.subject.step_pairs) for r in extra)
-    eta_median, eta_interval = book.headline()
-    summary = {
-        "ledger": book.ledger, "window": str(book.window),
-        "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
-        "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
-        "rows_nothing_priced": counts["nothing_priced"],
-        "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
-        "false_discoveries_expected": book.false_discoveries_expected,
-        "step_pairs": len(formed),
-        "kl_min_rows": len(kl_rows),
-        "kl_min_resolved": sum(r.resolved for r in kl_rows),
-        "median_kl_min": float(np.median([r.kl_min for r in kl_rows])) if kl_rows else None,
-        "median_noise_floor": float(np.median([r.noise_floor for r in kl_rows])) if kl_rows else None,
-    }
-    top = max(totals, key=totals.get) if totals and max(totals.values()) > 0 else None
-    still = None
-    if book.refusals and kl_rows:
-        still = render_template("report/cost_still_works.j2", {
-            "n": len(kl_rows), "resolved": summary["kl_min_resolved"], "top": top,
-            "top_share": (totals[top] / sum(totals.values())) if top else None})
-    section = CostSection(
-        features=feats,
-        metric=MetricOut(method=g.method, scope=g.scope, n=g.n, damping=g.damping, damping_stable=g.damping_stable,
-                         reading=g.reading),
-        kl_min=kl_rows, efficiency=eff, feature_means=means, summary=summary, still_works=still,
-    )
-    return [*extra, *book.refusals], section
-
-
-def _not_formed_refusals(run: Run, priced) -> list[Refusal]:
-    """RECORD_INCOMPLETE for the step pairs no ledger could be formed for, one per reason."""
-    by_reason: dict[str, list[tuple[tuple[int, int], object]]] = {}
-    for pair, why in sorted(priced.not_formed.items()):
-        by_reason.setdefault(why.reason, []).append((pair, why))
+        return []
+    steps = np.unique(run.rollout_steps)
+    chosen = set(steps[np.unique(np.linspace(0, len(steps) - 1, min(BROWSER_STEPS, len(steps))).astype(int))].tolist())
+    available = set(run.rollout_columns())
+    cols = [c for c in ("prompt", "completion", "reward", "advantage") if c in available]
+    cols += [c for c in features.columns if c in available and c not in cols]
+    taken: dict[int, int] = {}
     out = []
-    for reason, items in by_reason.items():
-        pairs = [p for p, _ in items]
-        shown = ", ".join(f"{a}->{b}" for a, b in pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
-        steps = [{"step": w.step, "count": w.count} for _, w in items]
-        steps = [dict(t) for t in {tuple(d.items()) for d in steps}]  # a step can touch two pairs
-        out.append(make_refusal("RECORD_INCOMPLETE", load_book("cost"), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
-                                {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
-                                 "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
-                                 "steps": sorted(steps, key=lambda d: d["step"]),
-                                 "framework": run.manifest.framework.name}))
+    for table in run.iter_rollouts(cols):
+        st = table.column("step").to_numpy()
+        keep = []
+        for i, s in enumerate(st.tolist()):
+            if s in chosen and taken.get(s, 0) < BROWSER_PER_STEP:
+                taken[s] = taken.get(s, 0) + 1
+                keep.append(i)
+        if not keep:
+            continue
+        sub = table.take(keep)
+        try:
+            z = features.compute(sub, context=context)
+        except RecordError:
+            z = np.full((sub.num_rows, len(features.names)), np.nan)
+        rows = sub.to_pylist()
+        for row, zi in zip(rows, z):
+            out.append(BrowserRow(step=row["step"], prompt=_capped(row.get("prompt") or "", BROWSER_TEXT_MAX),
+                                  completion=_capped(row.get("completion") or "", BROWSER_TEXT_MAX),
+                                  reward=row.get("reward"), advantage=row.get("advantage"),
+                                  features={n: float(v) for n, v in zip(features.names, zi) if np.isfinite(v)}))
     return out
-
-
-BOOK_SECTIONS = {"cost": _cost_section}
 
 
 def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "auto",
                  window: int | str = 1, features: FeatureBasis | None = None) -> Report:
-    """Every book of ``run``, computed in the feature basis ``features`` (default: the surface
-    basis of specs/features/surface.yaml)."""
-    progress = progress or (lambda _msg: None)
+    """Every book of ``run`` (one per spec in specs/books/, in their ``report.order``),
+    computed in the feature basis ``features`` (default: specs/features/surface.yaml)."""
     features = features if features is not None else SurfaceFeatures()
-    books = []
-    for book_id, spec in load_books().items():
-        builder = BOOK_SECTIONS.get(book_id)
-        if builder is None:
-            raise RuntimeError(f"specs/books/{book_id}.yaml has no section builder in reward_lens.report.build")
-        refusals, section = builder(run, progress, ledger=ledger, window=window, features=features)
-        has_numbers = section is not None and bool(section.kl_min or section.efficiency)
-        resolved = section is not None and bool(section.summary.get("rows_resolved"))
-        if not has_numbers:
-            status = "refused"
-        elif refusals:
-            status = "partial"
-        else:
-            status = "computed" if resolved else "unresolved"
-        headline = render_template("report/cost_headline.j2", {
-            "status": status, "s": section.summary if section else {},
-            "codes": sorted({r.code for r in refusals})}).strip() if book_id == "cost" else None
+    ctx = RunContext(run, features, ledger=ledger, window=window, progress=progress)
+    ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
+    books, card_order = [], {}
+    for spec in sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id)):
+        card_order[spec.id] = spec.report.card_order
+        res = ctx.result(spec.id)
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,
-                             function=spec.function, status=status, headline=headline,
-                             refusals=[refusal_out(r) for r in refusals], cost=section))
+                             function=spec.function, status=res.status, headline=res.headline,
+                             refusals=[refusal_out(r) for r in res.refusals], card=res.card,
+                             data=res.data.model_dump(mode="json") if res.data is not None else None,
+                             figures=res.figures))
     basis = BasisOut(id=features.basis_id, name=features.label, source=features.source,
                      features=[BasisFeature(**d) for d in features.describe()])
+    from reward_lens.measure.ledger.price import feature_context
+
     return Report(generator=f"reward-lens {__version__}", run=_summary(run), basis=basis, books=books,
-                  samples=_samples(run))
+                  samples=_samples(run), curves=training_curves(run),
+                  browser=_browser(run, features, feature_context(run)),
+                  card=summary_card(sorted(books, key=lambda b: card_order[b.id])))
+
+
+def summary_card(books: list[BookOut]) -> list[str]:
+    """Three to five sentences a person can act on: each book's own sentence (in page order),
+    then what could not be computed and the one change that would compute most of it."""
+    lines = [b.card for b in books if b.card][:4]
+    missing = [b for b in books if b.status in ("refused", "partial")]
+    if missing:
+        remedies: dict[str, list[str]] = {}
+        for b in missing:
+            for r in b.refusals:
+                remedies.setdefault(first_sentence(r.remedy), []).append(b.id)
+        names = ", ".join(f"the {b.id} book{' (in part)' if b.status == 'partial' else ''}" for b in missing)
+        line = f"Not computed: {names}."
+        if remedies:
+            best = max(remedies, key=lambda k: len(set(remedies[k])))
+            line += f" To get {'it' if len(set(remedies[best])) == 1 else 'most of it'}: {best}"
+        lines.append(line)
+    return lines[:5]

@@ -7,11 +7,13 @@ Bump ``SCHEMA_VERSION`` on any change a consumer could notice.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-SCHEMA_VERSION = "2.1"
+from reward_lens.measure.figures import FigureOut
+
+SCHEMA_VERSION = "3.0"
 
 
 class _M(BaseModel):
@@ -55,62 +57,6 @@ class RefusalOut(_M):
     context: dict
 
 
-class FeatureOut(_M):
-    name: str
-    doc: str
-    unit: str = Field(description="the feature's unit (shares and KL_min are in nats whatever it is)")
-    status: str = Field(description="'priced', or why the feature is excluded from KL_min")
-
-
-class MetricOut(_M):
-    method: str
-    scope: str = Field(description="'pooled' over the window, or 'per_step' (each step its own estimate)")
-    n: int = Field(description="rollouts the estimate uses, over all steps")
-    damping: float
-    damping_stable: bool
-    reading: str
-
-
-class KlMinOut(_M):
-    step_pair: tuple[int, int]
-    kl_min: float = Field(description="nats per sequence: 1/2 dz^T G^-1 dz")
-    noise_floor: float = Field(description="nats per sequence: 1/2 tr(G^-1 Sigma_dz)")
-    clears_noise_floor: bool = Field(description="KL_min > floor + 2 null SD (a per-row test, no multiplicity control)")
-    p_value: float = Field(description="of dz = 0 (unpaired: Hotelling T^2; paired: F-test of r on z within groups)")
-    resolved: bool = Field(description="rejected by Benjamini-Hochberg at q = 0.05 across the book's rows")
-    leading_feature: str | None
-    shares: dict[str, float] = Field(description="nats per sequence, by feature; sums to kl_min")
-    shares_inexact: bool = Field(False, description="the share sum misses kl_min by more than 1e-6 relative "
-                                                    "(G ill-conditioned: see condition)")
-    condition: float = Field(1.0, description="condition number of the active correlation matrix of G")
-
-
-class EfficiencyOut(_M):
-    step_pair: tuple[int, int] = Field(description="first and last step of the row (a window when steps > 1)")
-    steps: int = Field(description="step pairs the row prices (its window)")
-    status: Literal["resolved", "unresolved", "nothing_priced"]
-    kl_min: float = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
-    kl_spent: float = Field(description="D_t, nats per sequence: the denominator of this eta")
-    efficiency: float | None = Field(ge=0.0, le=1.0, description="KL_min / D_t, dimensionless; null when nothing "
-                                                                 "was priced")
-    efficiency_null: float | None = Field(description="what noise alone gives eta in expectation")
-    efficiency_debiased: float | None = Field(description="(eta - null) / (1 - null); may be below 0")
-    interval: tuple[float, float] | None = Field(description="95 % interval of efficiency_debiased")
-    p_value: float | None
-    source: str
-    resolved: bool
-    d_t_checks: dict[str, tuple[float, float | None]] = Field(
-        default_factory=dict, description="D_t by source (nats per sequence, SE): same_sample, token_kl, record")
-    d_t_disagrees: bool = Field(False, description="token_kl and record differ by more than 3 combined SEs")
-
-
-class FeatureMeans(_M):
-    step: int
-    n: int
-    mean: list[float]
-    se: list[float]
-
-
 class SampleRollout(_M):
     step: int
     prompt: str
@@ -119,17 +65,13 @@ class SampleRollout(_M):
     advantage: float | None
 
 
-class CostSection(_M):
-    features: list[FeatureOut]
-    metric: MetricOut
-    kl_min: list[KlMinOut]
-    efficiency: list[EfficiencyOut]
-    feature_means: list[FeatureMeans]
-    summary: dict[str, float | int | str | list[float] | None] = Field(description=(
-        "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
-        "rows_nothing_priced, eta_median (debiased, resolved rows only; null when none), eta_interval ([lo, hi] or "
-        "null), false_discoveries_expected, and the KL_min half's counts"))
-    still_works: str | None = Field(description="what part of the book is readable despite its refusals")
+class BrowserRow(_M):
+    step: int
+    prompt: str
+    completion: str
+    reward: float | None
+    advantage: float | None
+    features: dict[str, float]
 
 
 class BookOut(_M):
@@ -143,7 +85,20 @@ class BookOut(_M):
         "from noise; partial: numbers and refusals; refused: no numbers"))
     headline: str | None = Field(None, description="one line: what the book says, or why it says nothing")
     refusals: list[RefusalOut]
-    cost: CostSection | None = None
+    card: str | None = Field(None, description="what this book adds to the report's summary card")
+    data: dict[str, Any] | None = Field(None, description=(
+        "the book's own section, in the model its spec names under report.model (its schema: "
+        "specs/schemas/books/<book>.schema.json)"))
+    figures: list[FigureOut] = Field(default_factory=list, exclude=True)
+
+    def typed(self) -> BaseModel | None:
+        """``data`` as the typed model the book's spec names (``report.model``)."""
+        if self.data is None:
+            return None
+        from reward_lens.measure.books import import_object
+        from reward_lens_spec import load_book
+
+        return import_object(load_book(self.id).report.model).model_validate(self.data)
 
 
 class BasisFeature(_M):
@@ -168,6 +123,12 @@ class Report(_M):
     generator: str
     run: RunSummary
     basis: BasisOut
+    card: list[str] = Field(default_factory=list, description=(
+        "the summary card: what the run bought, what it spent on collateral, what could not be computed and "
+        "the one change that would compute it"))
+    curves: list[FigureOut] = Field(default_factory=list, exclude=True)
+    browser: list[BrowserRow] = Field(default_factory=list, exclude=True, description=(
+        "a spread of rollouts for the HTML rollout browser (at most BROWSER_STEPS steps x BROWSER_PER_STEP)"))
     books: list[BookOut]
     samples: list[SampleRollout]
 

@@ -1,9 +1,15 @@
 """Inline SVG plots for the HTML report (matplotlib's SVG backend, no pyplot state).
 
+Books describe their figures as data (``reward_lens.measure.figures``); this module draws
+any of them. matplotlib is imported only here, and only when HTML is rendered.
+
 Determinism: the SVG ``hashsalt`` is fixed and the ``Date`` metadata dropped, so the same
 data gives byte-identical SVG; element ids are prefixed per figure so several figures can
-live in one HTML page without colliding. Text is kept as text (``svg.fonttype = none``),
-so the page's own font renders it and no glyph paths bloat the file.
+live in one HTML page without colliding. Text is kept as text (``svg.fonttype = none``).
+
+Size: a line of more than ``MAX_POINTS`` points is reduced to the minimum and maximum of each
+of ``MAX_POINTS / 2`` bins (in x order), so every spike stays visible and a plot costs
+O(width), not O(steps). A log-scaled panel draws only positive values (no spikes at zero).
 """
 
 from __future__ import annotations
@@ -11,122 +17,118 @@ from __future__ import annotations
 import io
 import re
 
-import matplotlib
 import numpy as np
-from matplotlib.figure import Figure
 
-from reward_lens.report.model import CostSection
+from reward_lens.measure.figures import FigureOut, Panel, Series
 
+MAX_POINTS = 2000
 _RC = {"svg.hashsalt": "reward-lens", "svg.fonttype": "none", "font.size": 9, "axes.spines.top": False,
        "axes.spines.right": False, "font.family": "sans-serif"}
 _ID = re.compile(r'(id="|url\(#|href="#)([^")]+)')
+_COLORS = ["#1f5fa8", "#c0392b", "#1f7a4d", "#8e44ad", "#d35400", "#2c3e50", "#16a085", "#7f8c8d", "#b7950b"]
 
 
-def _svg(fig: Figure, prefix: str) -> str:
-    buf = io.StringIO()
-    fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
+def reduce_minmax(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
+    """At most ``max_points`` points: the min and the max of y in each of max_points/2 bins of
+    consecutive points, in x order within each bin (NaNs, which break lines, kept as breaks)."""
+    n = len(x)
+    if n <= max_points:
+        return x, y
+    bins = max_points // 2
+    edges = np.linspace(0, n, bins + 1).astype(int)
+    xs, ys = [], []
+    for a, b in zip(edges[:-1], edges[1:]):
+        seg = y[a:b]
+        if not np.isfinite(seg).any():
+            xs.append(x[a])
+            ys.append(np.nan)
+            continue
+        i, j = a + int(np.nanargmin(seg)), a + int(np.nanargmax(seg))
+        for k in sorted({i, j}):
+            xs.append(x[k])
+            ys.append(y[k])
+    return np.asarray(xs), np.asarray(ys)
+
+
+def _broken(s: Series) -> tuple[np.ndarray, np.ndarray]:
+    """x, y with a NaN after every x in ``gaps``: a line is never drawn across a gap."""
+    x = np.asarray(s.x, dtype=float)
+    y = np.asarray(s.y, dtype=float)
+    if s.gaps:
+        cut = np.searchsorted(x, np.asarray(s.gaps, dtype=float), side="right")
+        x = np.insert(x, cut, np.nan)
+        y = np.insert(y, cut, np.nan)
+    return x, y
+
+
+def _draw(ax, panel: Panel, legend: bool) -> None:
+    stacks = [s for s in panel.series if s.style == "stack"]
+    colors = iter(_COLORS)
+    if stacks:
+        ax.stackplot(np.asarray(stacks[0].x, float), np.array([s.y for s in stacks], float),
+                     labels=[s.label for s in stacks], linewidth=0)
+    for s in panel.series:
+        if s.style == "stack":
+            continue
+        color = s.color or next(colors)
+        x, y = _broken(s)
+        if panel.log_y:
+            y = np.where(y > 0, y, np.nan)
+        if s.style in ("line", "dashed"):
+            xr, yr = reduce_minmax(x, y)
+            ax.plot(xr, yr, lw=0.9, ls="--" if s.style == "dashed" else "-", color=color, label=s.label)
+        elif s.style == "band":
+            lo, hi = np.asarray(s.lo, float), np.asarray(s.hi, float)
+            xs = np.asarray(s.x, float)
+            if len(xs) > MAX_POINTS:  # the envelope of each bin
+                _, lo = reduce_minmax(xs, lo)
+                xr, hi = reduce_minmax(xs, hi)
+                m = min(len(lo), len(hi))
+                xs, lo, hi = xr[:m], lo[:m], hi[:m]
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.25, lw=0, label=s.label)
+        elif s.style == "interval":
+            ax.vlines(np.asarray(s.x, float), np.asarray(s.lo, float), np.asarray(s.hi, float), lw=0.6, color=color,
+                      label=s.label)
+        elif s.style == "points":
+            ax.scatter(s.x, s.y, s=9, color=color, zorder=3, label=s.label)
+        elif s.style == "hollow":
+            ax.scatter(s.x, s.y, s=9, facecolors="none", edgecolors=color, zorder=3, label=s.label)
+    for xv, label in panel.v_lines:
+        ax.axvline(xv, lw=0.7, ls=":", color="#555555")
+        ax.annotate(label, (xv, 1), xycoords=("data", "axes fraction"), fontsize=7, rotation=90, va="top", ha="right")
+    if panel.zero_line:
+        ax.axhline(0, lw=0.5, color="#555555")
+    if panel.log_y:
+        ys = np.concatenate([np.asarray(s.y, float) for s in panel.series if s.style != "band"] or [np.array([])])
+        if (ys > 0).any():
+            ax.set_yscale("log")
+            ax.set_ylim(bottom=ys[ys > 0].min() / 2)
+    if panel.title:
+        ax.set_title(panel.title, fontsize=8)
+    ax.set_ylabel(panel.y_label, fontsize=8)
+    ax.tick_params(labelsize=7)
+    if legend and any(s.label for s in panel.series):
+        ax.legend(frameon=False, fontsize=7, ncol=3 if len(panel.series) > 4 else 1)
+
+
+def render_figure(fig_spec: FigureOut) -> str:
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    cols = max(1, fig_spec.columns)
+    rows = (len(fig_spec.panels) + cols - 1) // cols
+    with matplotlib.rc_context(_RC):
+        fig = Figure(figsize=(7.5, (2.5 if cols == 1 else 1.8) * rows))
+        for j, panel in enumerate(fig_spec.panels):
+            ax = fig.add_subplot(rows, cols, j + 1)
+            _draw(ax, panel, legend=cols == 1)
+            if cols == 1:
+                ax.set_xlabel(fig_spec.x_label, fontsize=8)
+        if cols > 1:
+            fig.supxlabel(fig_spec.x_label, fontsize=8)
+        fig.tight_layout()
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
     text = buf.getvalue()
     text = text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG needs neither
-    return _ID.sub(lambda m: f"{m.group(1)}{prefix}-{m.group(2)}", text)
-
-
-def _x(pairs) -> np.ndarray:
-    return np.array([p[0] for p in pairs], dtype=float)
-
-
-def _segments(pairs) -> list[np.ndarray]:
-    """Indices of runs of consecutive step pairs: a line is never drawn across a gap (a refused
-    or missing step pair)."""
-    if not pairs:
-        return []
-    starts = [0] + [i for i in range(1, len(pairs)) if pairs[i][0] != pairs[i - 1][1]]
-    return [np.arange(a, b) for a, b in zip(starts, starts[1:] + [len(pairs)])]
-
-
-def kl_min_plot(section: CostSection) -> str:
-    rows = section.kl_min
-    with matplotlib.rc_context(_RC):
-        fig = Figure(figsize=(7.5, 2.6))
-        ax = fig.add_subplot()
-        x = _x([r.step_pair for r in rows])
-        kl = np.array([r.kl_min for r in rows])
-        floor = np.array([r.noise_floor for r in rows])
-        for n, seg in enumerate(_segments([r.step_pair for r in rows])):
-            ax.plot(x[seg], kl[seg], lw=1, color="#1f5fa8", label="KL_min" if n == 0 else None)
-            ax.plot(x[seg], floor[seg], lw=1, ls="--", color="#c0392b",
-                    label="noise floor ½ tr(G⁻¹Σ_Δz)" if n == 0 else None)
-        res = np.array([r.resolved for r in rows], dtype=bool)
-        if res.any():
-            ax.scatter(x[res], kl[res], s=8, color="#1f5fa8", zorder=3, label="resolved (BH, q = 0.05)")
-        positive = np.concatenate([kl[kl > 0], floor[floor > 0]])
-        if len(positive):  # log scale only over positive values: zeros are not drawn as spikes
-            ax.set_yscale("log")
-            ax.set_ylim(bottom=positive.min() / 2)
-        ax.set_xlabel("step t (pair t → t+1)")
-        ax.set_ylabel("nats per sequence")
-        ax.legend(frameon=False, fontsize=8)
-        return _svg(fig, "klmin")
-
-
-def shares_plot(section: CostSection) -> str | None:
-    names = [f.name for f in section.features if f.status == "priced"]
-    rows = section.kl_min
-    ys = np.array([[r.shares.get(n, 0.0) for r in rows] for n in names])
-    if not names or not ys.size or not np.any(ys > 0):
-        return None  # nothing priced: no shares to stack
-    with matplotlib.rc_context(_RC):
-        fig = Figure(figsize=(7.5, 2.8))
-        ax = fig.add_subplot()
-        x = _x([r.step_pair for r in rows])
-        ax.stackplot(x, ys, labels=names, linewidth=0)
-        ax.set_xlabel("step t (pair t → t+1)")
-        ax.set_ylabel("share of KL_min (nats per sequence)")
-        ax.legend(frameon=False, fontsize=7, ncol=3, loc="upper right")
-        return _svg(fig, "shares")
-
-
-def efficiency_plot(section: CostSection) -> str | None:
-    rows = [r for r in section.efficiency if r.efficiency_debiased is not None]
-    if not rows:
-        return None
-    with matplotlib.rc_context(_RC):
-        fig = Figure(figsize=(7.5, 2.4))
-        ax = fig.add_subplot()
-        x = _x([r.step_pair for r in rows])
-        y = np.array([r.efficiency_debiased for r in rows])
-        lo = np.array([r.interval[0] if r.interval else v for r, v in zip(rows, y)])
-        hi = np.array([r.interval[1] if r.interval else v for r, v in zip(rows, y)])
-        res = np.array([r.status == "resolved" for r in rows])
-        for seg in _segments([r.step_pair for r in rows]):
-            ax.plot(x[seg], y[seg], lw=0.6, color="#9aa5a0")
-        ax.vlines(x, lo, hi, lw=0.6, color="#9aa5a0")
-        ax.scatter(x[res], y[res], s=10, color="#1f7a4d", zorder=3, label="resolved")
-        ax.scatter(x[~res], y[~res], s=10, facecolors="none", edgecolors="#8a8a8a", zorder=3, label="unresolved")
-        ax.axhline(0, lw=0.5, color="#555555")
-        ax.set_ylim(min(-0.1, float(np.nanmin(lo))), max(1.0, float(np.nanmax(hi))))
-        ax.set_xlabel("step t (pair t → t+1)")
-        ax.set_ylabel("η debiased (dimensionless)")
-        ax.legend(frameon=False, fontsize=8)
-        return _svg(fig, "eta")
-
-
-def feature_means_plot(section: CostSection) -> str:
-    names = [f.name for f in section.features]
-    units = [f.unit for f in section.features]
-    k = len(names)
-    cols = 3
-    rows = (k + cols - 1) // cols
-    steps = np.array([m.step for m in section.feature_means], dtype=float)
-    mean = np.array([m.mean for m in section.feature_means])
-    se = np.array([m.se for m in section.feature_means])
-    with matplotlib.rc_context(_RC):
-        fig = Figure(figsize=(7.5, 1.7 * rows))
-        for j, name in enumerate(names):
-            ax = fig.add_subplot(rows, cols, j + 1)
-            ax.fill_between(steps, mean[:, j] - se[:, j], mean[:, j] + se[:, j], color="#9bbce0", lw=0)
-            ax.plot(steps, mean[:, j], lw=0.8, color="#1f5fa8")
-            ax.set_title(f"{name} ({units[j]})", fontsize=8)
-            ax.tick_params(labelsize=7)
-        fig.supxlabel("step (mean ± one standard error)", fontsize=8)
-        fig.tight_layout()
-        return _svg(fig, "means")
+    return _ID.sub(lambda m: f"{m.group(1)}{fig_spec.id}-{m.group(2)}", text)

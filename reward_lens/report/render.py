@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import html
 import json
+import math
 import re
 from functools import lru_cache
+from pathlib import Path
 
 import jinja2
 from markupsafe import Markup
 
-from reward_lens.report import plots
 from reward_lens.report.model import Report
 from reward_lens_spec.paths import templates_dir
-from reward_lens_spec.render import html_view, markdown_view
+from reward_lens_spec.render import first_sentence, html_view, markdown_view
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
@@ -53,7 +56,8 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters.update(md_cell=md_cell, fmt=fmt, prose_md=markdown_view, visible=visible,
-                       prose_html=lambda t: Markup(html_view(t)))
+                       prose_html=lambda t: Markup(html_view(t)), first_sentence=first_sentence,
+                       rest_after_first=lambda t: t[len(first_sentence(t)):].strip())
     return env
 
 
@@ -65,23 +69,38 @@ def to_json(report: Report) -> str:
     return json.dumps(report.model_dump(mode="json"), indent=2, sort_keys=False, ensure_ascii=False) + "\n"
 
 
-def figures(report: Report) -> dict[str, dict[str, Markup | None]]:
-    out: dict[str, dict[str, Markup | None]] = {}
-    for book in report.books:
-        c = book.cost
-        if c is None:
-            continue
-        figs: dict[str, str | None] = dict.fromkeys(("kl_min", "shares", "efficiency", "means"))
-        if c.kl_min:
-            figs["kl_min"] = plots.kl_min_plot(c)
-            figs["shares"] = plots.shares_plot(c)
-        if c.efficiency:
-            figs["efficiency"] = plots.efficiency_plot(c)
-        if c.feature_means:
-            figs["means"] = plots.feature_means_plot(c)
-        out[book.id] = {k: Markup(v) if v else None for k, v in figs.items()}
-    return out
+def figures(report: Report) -> tuple[dict[str, list[dict]], list[dict]]:
+    """Every book's figures and the training curves, drawn as inline SVG."""
+    from reward_lens.report import plots
+
+    def draw(fig, prefix: str) -> dict:
+        return {"id": fig.id, "caption": fig.caption, "svg": Markup(plots.render_figure(
+            fig.model_copy(update={"id": f"{prefix}-{fig.id}"})))}
+
+    books = {b.id: [draw(f, b.id) for f in b.figures] for b in report.books}
+    return books, [draw(f, "run") for f in report.curves]
+
+
+BROWSER_SCRIPT = (Path(__file__).parent / "browser.js").read_text(encoding="utf-8")
+
+
+def browser_data(report: Report) -> Markup:
+    """The browser's rows as JSON inside <script type="application/json">: every <, > and &
+    escaped as \\u00XX, so no text from a record can end the element or open a tag."""
+    def num(x):
+        return x if x is not None and math.isfinite(x) else None
+
+    rows = [{"step": b.step, "prompt": visible(b.prompt), "completion": visible(b.completion), "reward": num(b.reward),
+             "advantage": num(b.advantage), "features": b.features} for b in report.browser]
+    text = json.dumps({"features": list(report.basis.model_dump()["features"]), "rows": rows}, ensure_ascii=False,
+                      allow_nan=False, default=str)
+    text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    return Markup(text)
 
 
 def to_html(report: Report) -> str:
-    return environment(str(templates_dir()), True).get_template("report/report.html.j2").render(r=report, figs=figures(report))
+    figs, curves = figures(report)
+    script_hash = base64.b64encode(hashlib.sha256(BROWSER_SCRIPT.encode()).digest()).decode()
+    return environment(str(templates_dir()), True).get_template("report/report.html.j2").render(
+        r=report, figs=figs, curves=curves, browser_json=browser_data(report), browser_script=Markup(BROWSER_SCRIPT),
+        script_hash=script_hash)

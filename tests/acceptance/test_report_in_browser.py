@@ -62,12 +62,18 @@ def test_report_renders_offline_with_plots_and_remedy(browser, tmp_path):
     page, errors, requests = _open(browser, out, "report-long.png")
     assert errors == []
     assert requests == [out.as_uri()]  # no fonts, scripts, styles or images fetched
-    assert page.locator("figure svg").count() == 3  # KL_min, shares, feature means (no eta: refused)
+    for fig in ("cost-plot-kl-min", "cost-plot-shares", "cost-plot-means", "effect-plot-effect-t", "run-curves"):
+        assert page.locator(f"#{fig} svg").count() == 1, fig
+    assert page.locator("#cost-plot-efficiency").count() == 0  # no eta: refused
     box = page.locator("#cost-plot-kl-min svg").bounding_box()
     assert box and box["width"] > 300 and box["height"] > 80
     body = page.inner_text("body")
-    assert "RECORD_INCOMPLETE" in body and "Remedy." in body and "Log the per-step KL" in body
-    assert page.locator("#refusal-cost-record_incomplete").count() == 1
+    assert "RECORD_INCOMPLETE" in body and "Remedy." in body and "Record the run with the reward-lens tap" in body
+    # a remedy shows its first sentence; the rest is one click away
+    ref = page.locator("#refusal-cost-record_incomplete")
+    assert ref.count() == 1 and "Log the per-step KL" not in ref.inner_text()
+    ref.locator("details.remedy-rest summary").first.click()
+    assert "Log the per-step KL" in ref.inner_text()
     page.close()
 
 
@@ -76,8 +82,10 @@ def test_injected_script_does_not_run(browser, tmp_path):
     out.write_text(to_html(build_report(open_run(_hostile_record(tmp_path)))), encoding="utf-8")
     page, errors, requests = _open(browser, out, "report-hostile.png")
     assert page.evaluate("window.__pwned") is None
-    assert page.locator("script").count() == 0 and page.locator("img").count() == 0
+    # only the report's own two scripts: the browser's JSON data and its hashed code
+    assert page.locator("script").count() == 2 and page.locator("img").count() == 0
     assert "<script>window.__pwned = 1</script>" in page.inner_text("#samples")
+    assert "<script>window.__pwned = 1</script>" in page.inner_text("#browser-rows")
     assert errors == [] and requests == [out.as_uri()]
     page.close()
 
@@ -91,5 +99,52 @@ def test_site_index_links_to_reports(browser, tmp_path):
     assert links.count() == 6
     page.locator("#runs a").first.click()
     page.wait_for_load_state("load")
-    assert page.url.endswith("/report.html") and "cost book" in page.inner_text("h2")
+    assert page.url.endswith("/report.html") and "The cost book" in page.inner_text("body")
+    page.close()
+
+
+RECORDS = ["long", "short", "tapped", "paired", "task"]
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("name", RECORDS)
+def test_summary_card_first_and_the_rollout_browser_filters(browser, tmp_path, name, scheme):
+    from reward_lens.examples import example_features, example_record
+    from reward_lens.measure.ledger.features import features_from
+
+    run = open_run(example_record(name))
+    spec = example_features(name)
+    out = tmp_path / f"{name}.html"
+    out.write_text(to_html(build_report(run, features=features_from(str(spec) if spec else None))), encoding="utf-8")
+    page = browser.new_page(viewport={"width": 1280, "height": 800}, color_scheme=scheme)
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(out.as_uri())
+    page.wait_for_load_state("load")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"first-screen-{name}-{scheme}.png"))
+    assert errors == []
+    card = page.locator("#summary-card").bounding_box()
+    assert card is not None and card["y"] >= 0 and card["y"] + card["height"] <= 800, card  # no scrolling
+    assert page.locator("#summary-card p").count() >= 2
+    dark = page.evaluate("matchMedia('(prefers-color-scheme: dark)').matches")
+    assert dark == (scheme == "dark")
+    bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    assert (bg == "rgb(18, 21, 27)") == (scheme == "dark")
+    # the browser: every row at first, then only the steps asked for, then sorted by a feature
+    rows = page.locator("#browser-rows tr")
+    total = rows.count()
+    assert total > 0 and f"{total} of {total} rollouts" in page.inner_text("#browser-count")
+    steps = [int(t) for t in page.locator("#browser-rows tr td:first-child").all_inner_texts()]
+    cut = sorted(set(steps))[len(set(steps)) // 2]
+    page.fill("#browser-step-min", str(cut))
+    kept = [int(t) for t in page.locator("#browser-rows tr td:first-child").all_inner_texts()]
+    assert kept and all(s >= cut for s in kept) and len(kept) < total
+    page.fill("#browser-step-min", "")
+    first_feature = page.locator("#browser-sort option").nth(1).get_attribute("value")
+    page.select_option("#browser-sort", first_feature)
+    page.select_option("#browser-order", "asc")
+    vals = [float(t) for t in page.locator("#browser-rows tr td:last-child").all_inner_texts() if t not in ("", "—")]
+    assert vals == sorted(vals) and len(vals) > 1
     page.close()

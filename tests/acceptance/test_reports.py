@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from reward_lens.record import open_run
@@ -70,8 +71,9 @@ def test_golden_markdown_of_the_long_record():
 def test_report_json_round_trips_and_the_schema_file_is_current():
     path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
     report = Report.model_validate_json(path.read_text())
-    assert report.schema_version == "2.1" and report.books[0].status == "partial"
-    assert len(report.books[0].cost.kl_min) == 199 and report.books[0].cost.efficiency == []
+    (cost,) = [b for b in report.books if b.id == "cost"]
+    assert report.schema_version == "3.0" and cost.status == "partial"
+    assert len(cost.typed().kl_min) == 199 and cost.typed().efficiency == []
     schema = json.loads((REPO / "reports" / "report.schema.json").read_text())
     assert schema == json.loads(json.dumps(Report.model_json_schema()))
 
@@ -94,7 +96,10 @@ def _hostile_record(tmp_path) -> Path:
 def test_record_text_is_escaped(tmp_path):
     report = build_report(open_run(_hostile_record(tmp_path)))
     html = to_html(report)
-    assert "<script>" not in html and "&lt;script&gt;window.__pwned = 1&lt;/script&gt;" in html
+    # the page's only scripts are its own two (the browser's JSON and its hashed code)
+    assert html.count("<script") == 2 and "<script>window.__pwned" not in html
+    assert "&lt;script&gt;window.__pwned = 1&lt;/script&gt;" in html
+    assert "\\u003cscript\\u003ewindow.__pwned = 1\\u003c/script\\u003e" in html  # in the browser's JSON
     assert "<img src=x" not in html and "\x00" not in html and "\\x00" in html
     md = to_markdown(report)
     sample_rows = [l for l in md.split("## Sample rollouts")[1].splitlines() if l.startswith("| 0 |")]
@@ -153,12 +158,12 @@ def test_exit_codes(tmp_path):
     # 0: a record whose every step pair has a D_t large enough and a movement well resolved
     # (completions lengthen by 12 characters a step against a spread of ~4).
     steps = {s: [w + "x" * (12 * s) for w in varied_completions(s, n=40)] for s in range(6)}
-    rec = tiny_record(tmp_path / "full", steps, kl_to_previous={s: 1e4 for s in range(6)})
+    rec = tiny_record(tmp_path / "full", steps, kl_to_previous={s: 1e4 for s in range(6)}, reward_slope=1.0)
     r = _cli("report", str(rec), "--out", str(tmp_path / "d"))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cost_series: computed" in r.stdout
     data = json.loads((tmp_path / "d" / "report.json").read_text())
-    assert len(data["books"][0]["cost"]["efficiency"]) == 5
+    assert len(next(b for b in data["books"] if b["id"] == "cost")["data"]["efficiency"]) == 5
     # 1 under --fail-on violated: a D_t far too small for the movement.
     rec2 = tiny_record(tmp_path / "small", steps, kl_to_previous={s: 1e-9 for s in range(6)})
     r = _cli("report", str(rec2), "--out", str(tmp_path / "e"), "--quiet", "--fail-on", "violated")
@@ -227,11 +232,15 @@ def test_progress_shows_on_a_terminal_and_not_under_quiet(monkeypatch, tmp_path)
 
 
 def test_efficiency_plot_marks_unresolved_rows_and_never_joins_across_a_refused_pair():
-    from reward_lens.report.plots import _segments
+    from reward_lens.measure.efficiency.section import _gaps
+    from reward_lens.measure.figures import Series
+    from reward_lens.report.plots import _broken
 
-    # (3, 4) refused: the line stops at 3 and starts again at 4.
+    # (3, 4) refused: the line stops at 2 (pair 2->3) and starts again at 4.
     pairs = [(0, 1), (1, 2), (2, 3), (4, 5), (5, 6)]
-    assert [s.tolist() for s in _segments(pairs)] == [[0, 1, 2], [3, 4]]
+    assert _gaps(pairs) == [2.0]
+    x, y = _broken(Series(x=[0, 1, 2, 4, 5], y=[1, 2, 3, 4, 5], gaps=_gaps(pairs)))
+    assert np.isnan(y[3]) and y[:3].tolist() == [1, 2, 3] and y[4:].tolist() == [4, 5]
     report = build_report(open_run(PAIRED))
     html = to_html(report)
     fig = html[html.index('id="cost-plot-efficiency"'):]

@@ -61,6 +61,6 @@ def test_report_example_task_reads_it_in_its_own_basis(tmp_path):
     assert r.returncode in (0, 1), r.stderr
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["basis"]["name"] == "task" and data["basis"]["id"] == load_basis(BASIS).basis_id
-    cost = data["books"][0]["cost"]
+    cost = next(b for b in data["books"] if b["id"] == "cost")["data"]
     assert [f["name"] for f in cost["features"]] == list(load_basis(BASIS).names)
     assert cost["summary"]["ledger"] == "paired" and cost["summary"]["kl_min_resolved"] > 0

@@ -232,7 +232,7 @@ def test_report_json_carries_the_basis_with_units(tmp_path):
     assert r.returncode in (0, 1), r.stderr
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["basis"]["id"] == load_basis(spec).basis_id
-    units = {f["name"]: f["unit"] for f in data["books"][0]["cost"]["features"]}
+    units = {f["name"]: f["unit"] for f in next(b for b in data["books"] if b["id"] == "cost")["data"]["features"]}
     assert units == {"length_chars": "characters", "exclaims": "matches per 100 characters"}
     md = (tmp_path / "out" / "report.md").read_text()
     assert load_basis(spec).basis_id in md and "| matches per 100 characters |" in md

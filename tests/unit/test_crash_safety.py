@@ -246,9 +246,9 @@ def test_identical_completions_get_a_report_that_prices_nothing(tmp_path):
     out = tmp_path / "o"
     assert cli.main(["report", str(rec), "--out", str(out), "--quiet"]) == cli.EXIT_REFUSED
     data = json.loads((out / "report.json").read_text())
-    book = data["books"][0]
-    assert book["status"] == "unresolved" and book["cost"]["summary"]["rows_nothing_priced"] == 3
-    assert all(r["efficiency"] is None and r["status"] == "nothing_priced" for r in book["cost"]["efficiency"])
+    book = next(b for b in data["books"] if b["id"] == "cost")
+    assert book["status"] == "unresolved" and book["data"]["summary"]["rows_nothing_priced"] == 3
+    assert all(r["efficiency"] is None and r["status"] == "nothing_priced" for r in book["data"]["efficiency"])
     assert (out / "report.html").stat().st_size > 0
 
 
@@ -260,8 +260,8 @@ def test_a_step_with_one_rollout_refuses_only_the_pairs_that_touch_it(tmp_path):
     rec = tiny_record(tmp_path / "one", steps, kl_to_previous={s: 50.0 for s in range(6)})
     out = tmp_path / "o"
     assert cli.main(["report", str(rec), "--out", str(out), "--quiet", "--fail-on", "never"]) == 0
-    book = json.loads((out / "report.json").read_text())["books"][0]
-    priced = {tuple(r["step_pair"]) for r in book["cost"]["efficiency"]}
+    book = next(b for b in json.loads((out / "report.json").read_text())["books"] if b["id"] == "cost")
+    priced = {tuple(r["step_pair"]) for r in book["data"]["efficiency"]}
     assert priced == {(0, 1), (1, 2), (4, 5)}
     (ref,) = [r for r in book["refusals"] if r["context"].get("requirement") == "ledger"]
     assert sorted(map(tuple, ref["step_pairs"])) == [(2, 3), (3, 4)] and "step 3 has 1 rollout" in ref["detail"]

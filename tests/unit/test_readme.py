@@ -27,8 +27,8 @@ def test_two_commands_exist_and_pin_torch_where_torch_is_installed():
 def test_measured_table_matches_the_published_reports():
     for name in ("long", "short", "tapped", "paired"):
         (path,) = (REPO / "reports" / "runs").glob(f"{name}-*/report.json")
-        book = json.loads(path.read_text())["books"][0]
-        s = book["cost"]["summary"]
+        book = next(b for b in json.loads(path.read_text())["books"] if b["id"] == "cost")
+        s = book["data"]["summary"]
         row = next(l for l in README.splitlines() if l.startswith(f"| {name} ("))
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert cells[2].split(",")[0] == s["ledger"]

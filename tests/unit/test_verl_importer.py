@@ -35,9 +35,10 @@ def test_console_lines_with_their_precision_said(tmp_path):
 def test_the_report_refuses_for_lack_of_rollouts_and_names_ppo_kl(tmp_path):
     import_verl(FIX / "metrics.jsonl", tmp_path / "rec")
     report = build_report(open_run(tmp_path / "rec"))
-    (book,) = report.books
-    assert book.status == "refused"
-    assert [r.context["requirement"] for r in book.refusals] == ["rollouts"]
+    books = {b.id: b for b in report.books}
+    assert books["cost"].status == "refused"
+    assert [r.context["requirement"] for r in books["cost"].refusals] == ["rollouts"]
+    assert all(b.status == "refused" for b in books.values())  # nothing moved, nothing was asked for
 
 
 def test_bad_lines_are_named(tmp_path):
@@ -86,8 +87,12 @@ def test_rollout_dumps_become_rollouts_grouped_by_prompt(tmp_path):
     assert any("['pred']" in n for n in m.notes)
     # the feature movement is computable on it: KL_min is there, efficiency refused for lack of D_t
     report = build_report(run)
-    (book,) = report.books
-    assert [r.context["requirement"] for r in book.refusals] == ["denominator"]
+    books = {b.id: b for b in report.books}
+    assert [r.context["requirement"] for r in books["cost"].refusals] == ["denominator"]
+    assert books["effect"].status != "refused"  # what moved needs rollouts only
+    # veRL dumps carry no advantages: the cause book says so, and what veRL still lacks
+    (ref,) = books["cause"].refusals
+    assert ref.context["requirement"] == "advantages" and "veRL's generation dumps" in ref.remedy
 
 
 def test_bad_rollout_dumps_are_named(tmp_path):

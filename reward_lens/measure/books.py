@@ -1,0 +1,103 @@
+"""What every book hands the report, and the run context books share.
+
+A book is one YAML in ``specs/books/`` (its inputs, refusals, and under ``report:`` the
+function that builds its section, the model of its data and its templates), one module under
+``reward_lens/measure/`` and its templates. The report iterates over the specs and calls each
+``report.builder`` with a ``RunContext``; nothing in ``reward_lens/report/`` knows a book.
+
+``RunContext`` computes what several books read once, on first use: the step samples in the
+report's feature basis, the priced run (ledgers, the metric G, the cost book) and the record's
+D_t. A book that needs another's result asks the context for it (``ctx.result("cost")``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from reward_lens.measure.figures import FigureOut
+from reward_lens_spec import Refusal
+from reward_lens_spec.models import BookSpec
+
+STATUSES = ("computed", "unresolved", "partial", "refused")
+
+
+@dataclass
+class BookResult:
+    """status: computed (numbers, no refusal, something resolved from noise) | unresolved
+    (numbers, none resolved) | partial (numbers and refusals) | refused (no numbers)."""
+
+    status: str
+    headline: str | None
+    refusals: list[Refusal]
+    data: BaseModel | None = None
+    figures: list[FigureOut] = field(default_factory=list)
+    card: str | None = None  # one or two sentences for the report's summary card
+
+
+def status_of(has_numbers: bool, refusals: list[Refusal], resolved: bool) -> str:
+    if not has_numbers:
+        return "refused"
+    if refusals:
+        return "partial"
+    return "computed" if resolved else "unresolved"
+
+
+def import_object(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class RunContext:
+    """One record, read once, for every book of a report."""
+
+    def __init__(self, run, features, *, ledger: str = "auto", window: int | str = 1,
+                 progress: Callable[[str], None] | None = None):
+        self.run = run
+        self.features = features
+        self.ledger = ledger
+        self.window = window
+        self.progress = progress or (lambda _msg: None)
+        self._cache: dict[str, Any] = {}
+        self._results: dict[str, BookResult] = {}
+        self.specs: dict[str, BookSpec] = {}
+
+    def cached(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    @property
+    def samples(self):
+        from reward_lens.measure.ledger.price import steps_from_run, whole_run
+
+        def make():
+            if not self.run.n_rollouts:
+                return []
+            self.progress("reading rollouts and computing features")
+            return steps_from_run(self.run, self.features, window=whole_run(self.run))
+        return self.cached("samples", make)
+
+    @property
+    def priced(self):
+        from reward_lens.measure.efficiency.of_run import price_run
+
+        def make():
+            if not self.samples:
+                return None
+            self.progress(f"pricing steps ({self.ledger} ledger)")
+            return price_run(self.run, self.samples, ledger=self.ledger, window=self.window)
+        return self.cached("priced", make)
+
+    def result(self, book_id: str) -> BookResult:
+        """Another book's result (computed now if it has not been)."""
+        if book_id not in self._results:
+            spec = self.specs[book_id]
+            if spec.report is None:
+                raise RuntimeError(f"specs/books/{book_id}.yaml names no report builder")
+            self._results[book_id] = import_object(spec.report.builder)(self)
+        return self._results[book_id]

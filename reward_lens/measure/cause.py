@@ -1,0 +1,190 @@
+"""The cause book: what the reward asked for, and how much of the movement it explains.
+
+The selection differential of step t is ``s_t = Cov_t(z, A)`` within prompt groups: the
+covariance of each feature with the advantage the trainer used, over the rollouts of step t,
+centred in each prompt group (Price's selection differential; to first order a policy-gradient
+step moves the feature means along it). Its standard error counts prompt groups as the
+independent units (ratio-estimator variance over groups).
+
+Against the observed movement ``dz_t`` of the same step (the cost book's ledger) and its metric
+G_t (the cost book's, on its active features), the book reports the G^-1 cosine
+
+    cos_t = dz^T G^-1 s / sqrt(dz^T G^-1 dz * s^T G^-1 s)
+
+and splits ``KL_quad = 1/2 dz^T G^-1 dz`` into the part along s,
+``(dz^T G^-1 s)^2 / (2 s^T G^-1 s)``, and the collateral rest (both >= 0 by Cauchy-Schwarz;
+they sum to KL_quad exactly). A feature is *selected* over the run when BH at q = 0.05 over the
+features rejects sum_t s_t = 0 (SE: the steps' SEs in quadrature).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from scipy import stats
+
+from reward_lens.measure.books import BookResult, RunContext, status_of
+from reward_lens.measure.efficiency.cost import rollouts_refusal
+from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
+from reward_lens.measure.efficiency.metric import MetricG
+from reward_lens.measure.figures import FigureOut, Panel, Series
+from reward_lens.measure.ledger.price import Ledger, StepSample
+from reward_lens_spec import Subject, load_book, make_refusal
+from reward_lens_spec.render import render_template
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CauseRow(_M):
+    step_pair: tuple[int, int]
+    selection: dict[str, float] = Field(description="s_t = Cov_t(z, A) within groups, feature units x advantage")
+    se: dict[str, float]
+    cosine: float | None = Field(description="G^-1 cosine of dz_t and s_t; null when either is zero")
+    kl_quad: float = Field(description="1/2 dz^T G^-1 dz on the active features (nats per sequence)")
+    kl_along: float = Field(description="the part of kl_quad along s (nats per sequence)")
+    kl_collateral: float = Field(description="kl_quad - kl_along (nats per sequence)")
+    resolved: bool = Field(description="the cost book resolved this step pair's KL_min from noise")
+
+
+class SelectedOut(_M):
+    feature: str
+    total: float = Field(description="sum over steps of s_t")
+    se: float
+    t: float
+    p: float
+    selected: bool
+
+
+class CauseSection(_M):
+    rows: list[CauseRow]
+    selected: list[SelectedOut]
+    summary: dict[str, float | int | str | None]
+
+
+def selection_differential(sample: StepSample) -> tuple[np.ndarray, np.ndarray]:
+    """s = Cov(z, A) within prompt groups over one step's rollouts, and its SE (groups as units)."""
+    z, a = sample.z, np.asarray(sample.advantages, dtype=float)
+    _, codes = np.unique(sample.groups.astype(str), return_inverse=True)
+    g = int(codes.max()) + 1
+    size = np.bincount(codes, minlength=g).astype(float)
+    zc = z - (np.stack([np.bincount(codes, weights=z[:, j], minlength=g) for j in range(z.shape[1])], 1)
+              / size[:, None])[codes]
+    ac = a - (np.bincount(codes, weights=a, minlength=g) / size)[codes]
+    prod = zc * ac[:, None]
+    u = np.stack([np.bincount(codes, weights=prod[:, j], minlength=g) for j in range(z.shape[1])], 1)  # (g, k)
+    n = size.sum()
+    s = u.sum(axis=0) / n
+    if g < 2:  # one prompt group: its rollouts are the units (their products' spread)
+        if n < 3:
+            return s, np.full(z.shape[1], np.nan)
+        return s, prod.std(axis=0, ddof=1) / np.sqrt(n)
+    resid = u - size[:, None] * s
+    var = g / (g - 1) * (resid ** 2).sum(axis=0) / n ** 2
+    return s, np.sqrt(var)
+
+
+def _split(dz: np.ndarray, s: np.ndarray, g: np.ndarray) -> tuple[float | None, float, float]:
+    ginv_dz = np.linalg.solve(g, dz)
+    ginv_s = np.linalg.solve(g, s)
+    q_dz = float(dz @ ginv_dz)
+    q_s = float(s @ ginv_s)
+    cross = float(dz @ ginv_s)
+    kl = 0.5 * q_dz
+    if q_dz <= 0 or q_s <= 0:
+        return None, kl, 0.0
+    along = min(kl, 0.5 * cross ** 2 / q_s)
+    return cross / np.sqrt(q_dz * q_s), kl, along
+
+
+def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metric: MetricG,
+                 resolved_pairs: set[tuple[int, int]] | None = None) -> CauseSection:
+    """``resolved_pairs``: the step pairs whose movement is resolved from noise (the cost book's
+    KL_min rows); the cosine and the split are summarised over those only (all when None)."""
+    by_step = {s.step: s for s in samples if s.advantages is not None and s.groups is not None}
+    names = list(metric.names)
+    rows, per_step_s, per_step_se = [], [], []
+    for lg in ledgers:
+        t = lg.step_pair[0]
+        if t not in by_step:
+            continue
+        s, se = selection_differential(by_step[t])
+        try:
+            sub = metric.for_step(t)
+        except KeyError:
+            continue
+        idx = sub.active_index
+        if not len(idx):
+            cos, kl, along = None, 0.0, 0.0
+        else:
+            g = np.asarray(sub.matrix)[np.ix_(idx, idx)]
+            cos, kl, along = _split(np.asarray(lg.delta_z)[idx], s[idx], g)
+        rows.append(CauseRow(step_pair=tuple(lg.step_pair), selection=dict(zip(names, s.tolist())),
+                             se=dict(zip(names, se.tolist())), cosine=cos, kl_quad=kl, kl_along=along,
+                             kl_collateral=kl - along,
+                             resolved=resolved_pairs is None or tuple(lg.step_pair) in resolved_pairs))
+        per_step_s.append(s)
+        per_step_se.append(se)
+    selected = []
+    if rows:
+        tot = np.sum(per_step_s, axis=0)
+        se = np.sqrt(np.nansum(np.square(per_step_se), axis=0))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tt = np.where(se > 0, tot / se, 0.0)
+        p = np.where(se > 0, 2 * stats.norm.sf(np.abs(tt)), 1.0)
+        rej = benjamini_hochberg(p, FDR_Q)
+        selected = [SelectedOut(feature=n, total=float(tot[j]), se=float(se[j]), t=float(tt[j]), p=float(p[j]),
+                                selected=bool(rej[j])) for j, n in enumerate(names)]
+    res = [r for r in rows if r.resolved]
+    kq = sum(r.kl_quad for r in res)
+    cosines = [r.cosine for r in res if r.cosine is not None]
+    summary = {"rows": len(rows), "rows_resolved": len(res), "features_selected": sum(x.selected for x in selected),
+               "median_cosine": float(np.median(cosines)) if cosines else None,
+               "fraction_along": (sum(r.kl_along for r in res) / kq) if kq > 0 else None}
+    return CauseSection(rows=rows, selected=selected, summary=summary)
+
+
+def cause_figures(c: CauseSection) -> list[FigureOut]:
+    if not c.rows:
+        return []
+    x = [float(r.step_pair[0]) for r in c.rows]
+    return [FigureOut(id="cause-split", x_label="step t (pair t → t+1)", caption=(
+        "KL_quad = ½ Δzᵀ G⁻¹ Δz split into the part along the reward's selection differential s and the "
+        "collateral rest (nats per sequence, stacked)."), panels=[Panel(
+            y_label="nats per sequence", series=[
+                Series(label="along s (asked for)", x=x, y=[r.kl_along for r in c.rows], style="stack"),
+                Series(label="collateral", x=x, y=[r.kl_collateral for r in c.rows], style="stack")])])]
+
+
+def advantages_refusal(ctx: RunContext, book_id: str = "cause"):
+    run = ctx.run
+    cols = set(run.rollout_columns())
+    missing = [c for c in ("advantage", "group_id") if c not in cols]
+    return make_refusal("RECORD_INCOMPLETE", load_book(book_id), Subject(run_id=run.run_id), {
+        "requirement": "advantages", "run": run.short_id, "missing": missing,
+        "framework": run.manifest.framework.name})
+
+
+def cause_section(ctx: RunContext) -> BookResult:
+    run = ctx.run
+    if not run.n_rollouts:
+        return BookResult("refused", "No rollouts: nothing to ask for.", [rollouts_refusal(run, [])])
+    samples = ctx.samples
+    if not any(s.advantages is not None and s.groups is not None for s in samples):
+        return BookResult("refused", "The record has no advantages (or no prompt groups): what the reward asked "
+                          "for cannot be read.", [advantages_refusal(ctx)])
+    priced = ctx.priced
+    if priced is None or priced.metric is None or not priced.ledgers:
+        return BookResult("refused", "No step pair has a feature movement to compare with.",
+                          [rollouts_refusal(run, samples)])
+    resolved = ({tuple(r.step_pair) for r in priced.book.kl_min.rows if r.resolved}
+                if priced.book is not None else set())
+    sec = cause_series(list(priced.ledgers), samples, priced.metric, resolved)
+    status = status_of(bool(sec.rows), [], sec.summary["features_selected"] > 0)
+    ctxt = {"s": sec.summary, "c": sec, "sel": [x for x in sec.selected if x.selected]}
+    headline = render_template("report/books/cause.headline.j2", ctxt).strip()
+    card = render_template("report/books/cause.card.j2", ctxt).strip() or None
+    return BookResult(status, headline, [], sec, cause_figures(sec), card)

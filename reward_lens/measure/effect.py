@@ -1,0 +1,171 @@
+"""The effect book: which behaviours moved, per step pair and over the run.
+
+Per step pair, ``dz_j`` with its standard error and ``t = dz/SE`` from the same ledger the
+cost book priced on (the paired ledger where the record supports it: step t's movement read on
+step t+1's independent rollouts, prompt groups as units, t with G-1 degrees of freedom;
+otherwise two samples of consecutive steps, read as normal). A feature *moved* at a step pair
+when Benjamini-Hochberg at q = 0.05 over every feature x row rejects dz_j = 0.
+
+Over the run, the drift of each feature is its mean over the last tenth of the steps minus its
+mean over the first tenth (at least one step each), with a standard error that counts prompt
+groups as the independent units where the record has groups (rollouts otherwise), and a
+two-sided normal p-value; *moved over the run* is BH at q = 0.05 over the features. The drift
+is what the agreement book reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from scipy import stats
+
+from reward_lens.measure.books import BookResult, RunContext, status_of
+from reward_lens.measure.efficiency.cost import rollouts_refusal
+from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
+from reward_lens.measure.figures import FigureOut, Panel, Series
+from reward_lens.measure.ledger.price import Ledger, StepSample
+from reward_lens_spec.render import render_template
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EffectRow(_M):
+    step_pair: tuple[int, int]
+    delta_z: dict[str, float] = Field(description="feature units")
+    se: dict[str, float]
+    t: dict[str, float]
+    p: dict[str, float]
+    moved: list[str] = Field(description="features BH rejects dz = 0 for at this step pair (q over features x rows)")
+
+
+class DriftOut(_M):
+    feature: str
+    unit: str
+    first: float = Field(description="mean over the first steps (first_steps)")
+    last: float = Field(description="mean over the last steps (last_steps)")
+    drift: float
+    se: float
+    t: float
+    p: float
+    moved: bool = Field(description="BH at q = 0.05 over the features rejects drift = 0")
+    rows_moved: int = Field(description="step pairs at which the feature moved")
+
+
+class EffectSection(_M):
+    ledger: str
+    first_steps: list[int]
+    last_steps: list[int]
+    rows: list[EffectRow]
+    drift: list[DriftOut]
+    summary: dict[str, float | int | str | None]
+
+
+def _unit_means(samples: Sequence[StepSample]) -> np.ndarray:
+    """The independent units of a set of steps: prompt-group means where groups exist (each
+    step's groups are its own), rollouts otherwise."""
+    units = []
+    for s in samples:
+        if s.groups is not None:
+            _, codes = np.unique(s.groups.astype(str), return_inverse=True)
+            g = codes.max() + 1
+            size = np.bincount(codes, minlength=g).astype(float)
+            sums = np.stack([np.bincount(codes, weights=s.z[:, j], minlength=g) for j in range(s.z.shape[1])], 1)
+            units.append(sums / size[:, None])
+        else:
+            units.append(s.z)
+    return np.vstack(units)
+
+
+def drift(samples: Sequence[StepSample], names: Sequence[str], units: dict[str, str]) -> tuple[list[DriftOut], list[int], list[int]]:
+    ordered = sorted(samples, key=lambda s: s.step)
+    w = max(1, round(0.1 * len(ordered)))
+    first, last = ordered[:w], ordered[-w:]
+    uf, ul = _unit_means(first), _unit_means(last)
+    mf = np.vstack([s.z for s in first]).mean(axis=0)
+    ml = np.vstack([s.z for s in last]).mean(axis=0)
+    se = np.sqrt(uf.var(axis=0, ddof=1) / len(uf) + ul.var(axis=0, ddof=1) / len(ul)) if min(len(uf), len(ul)) > 1 \
+        else np.full(len(names), np.nan)
+    d = ml - mf
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(se > 0, d / se, np.where(d == 0, 0.0, np.inf))
+    p = 2 * stats.norm.sf(np.abs(t))
+    p = np.where(np.isfinite(p), p, 1.0)
+    moved = benjamini_hochberg(p, FDR_Q) if len(ordered) > 1 else np.zeros(len(names), bool)
+    out = [DriftOut(feature=n, unit=units.get(n, ""), first=float(mf[j]), last=float(ml[j]), drift=float(d[j]),
+                    se=float(se[j]), t=float(t[j]) if np.isfinite(t[j]) else float(np.sign(d[j]) * 1e300),
+                    p=float(p[j]), moved=bool(moved[j]), rows_moved=0)
+           for j, n in enumerate(names)]
+    return out, [s.step for s in first], [s.step for s in last]
+
+
+def effect_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], units: dict[str, str] | None = None,
+                  ledger: str = "unpaired") -> EffectSection:
+    """What moved: per step pair from ``ledgers``, over the run from ``samples``."""
+    units = units or {}
+    names = list(ledgers[0].names if ledgers else samples[0].names)
+    rows_p, rows = [], []
+    for lg in ledgers:
+        se = np.sqrt(np.clip(np.diag(lg.cov_delta), 0, None))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(se > 0, lg.delta_z / se, 0.0)
+        groups = getattr(lg, "n_groups", 0)
+        p = 2 * (stats.t.sf(np.abs(t), groups - 1) if groups > 1 else stats.norm.sf(np.abs(t)))
+        p = np.where(se > 0, p, 1.0)  # a feature constant in both samples moved nowhere
+        rows_p.append(p)
+        rows.append((lg, se, t, p))
+    flat = np.concatenate(rows_p) if rows_p else np.zeros(0)
+    rejected = benjamini_hochberg(flat, FDR_Q).reshape(len(rows), len(names)) if len(flat) else np.zeros((0, 0), bool)
+    out_rows = []
+    for i, (lg, se, t, p) in enumerate(rows):
+        out_rows.append(EffectRow(step_pair=tuple(lg.step_pair), delta_z=dict(zip(names, lg.delta_z.tolist())),
+                                  se=dict(zip(names, se.tolist())), t=dict(zip(names, t.tolist())),
+                                  p=dict(zip(names, p.tolist())),
+                                  moved=[n for j, n in enumerate(names) if rejected[i, j]]))
+    dr, first, last = drift(samples, names, units)
+    counts = {n: sum(n in r.moved for r in out_rows) for n in names}
+    dr = [d.model_copy(update={"rows_moved": counts[d.feature]}) for d in dr]
+    summary = {"rows": len(out_rows), "rows_with_movement": sum(bool(r.moved) for r in out_rows),
+               "features_moved": sum(d.moved for d in dr), "features": len(dr),
+               "false_discoveries_expected": FDR_Q * int(rejected.sum()) if len(flat) else 0.0}
+    return EffectSection(ledger=ledger, first_steps=first, last_steps=last, rows=out_rows, drift=dr, summary=summary)
+
+
+def effect_figures(e: EffectSection) -> list[FigureOut]:
+    if not e.rows:
+        return []
+    x = [float(r.step_pair[0]) for r in e.rows]
+    panels = []
+    for d in e.drift:
+        n = d.feature
+        t = [r.t[n] for r in e.rows]
+        mv = [r for r in e.rows if n in r.moved]
+        panels.append(Panel(title=f"{n} ({d.unit})", y_label="t = Δz / SE", zero_line=True, series=[
+            Series(x=x, y=t, color="#9aa5a0"),
+            Series(x=[float(r.step_pair[0]) for r in mv], y=[r.t[n] for r in mv], style="points", color="#c0392b")]))
+    return [FigureOut(id="effect-t", x_label="step t (pair t → t+1)", columns=3, panels=panels, caption=(
+        "Each feature's movement per step pair in standard errors (t = Δz/SE); red points moved "
+        "(Benjamini–Hochberg at q = 0.05 over features × step pairs)."))]
+
+
+def effect_section(ctx: RunContext) -> BookResult:
+    from reward_lens.measure.efficiency.section import not_formed_refusals
+
+    run = ctx.run
+    if not run.n_rollouts:
+        return BookResult("refused", "No rollouts: nothing can be said to have moved.", [rollouts_refusal(run, [])])
+    priced = ctx.priced
+    ledgers = list(priced.ledgers) if priced is not None else []
+    refusals = not_formed_refusals(run, priced) if priced is not None else []
+    if not ledgers:
+        refusals = refusals or [rollouts_refusal(run, ctx.samples)]
+        return BookResult("refused", "No step pair has a feature movement.", refusals)
+    sec = effect_series(ledgers, ctx.samples, ctx.features.units(), ledger=priced.ledger)
+    status = status_of(True, refusals, sec.summary["rows_with_movement"] > 0 or sec.summary["features_moved"] > 0)
+    moved = sorted((d for d in sec.drift if d.moved), key=lambda d: -abs(d.t))
+    headline = render_template("report/books/effect.headline.j2", {"s": sec.summary, "moved": moved, "e": sec})
+    card = render_template("report/books/effect.card.j2", {"s": sec.summary, "moved": moved, "e": sec}) or None
+    return BookResult(status, headline.strip(), refusals, sec, effect_figures(sec), card.strip() if card else None)

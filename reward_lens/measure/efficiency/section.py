@@ -1,0 +1,253 @@
+"""The cost book's section of a report: its data model, figures and builder.
+
+Moved here from ``reward_lens/report/`` so that the report knows no book: ``specs/books/cost.yaml``
+names ``cost_section`` (builder) and ``CostSection`` (model) under ``report:``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from reward_lens.measure.books import BookResult, RunContext, status_of
+from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
+from reward_lens.measure.figures import FigureOut, Panel, Series
+from reward_lens_spec import Refusal, Subject, load_book, make_refusal
+from reward_lens_spec.render import render_template
+
+
+class _M(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class FeatureOut(_M):
+    name: str
+    doc: str
+    unit: str = Field(description="the feature's unit (shares and KL_min are in nats whatever it is)")
+    status: str = Field(description="'priced', or why the feature is excluded from KL_min")
+
+
+class MetricOut(_M):
+    method: str
+    scope: str = Field(description="'pooled' over the window, or 'per_step' (each step its own estimate)")
+    n: int = Field(description="rollouts the estimate uses, over all steps")
+    damping: float
+    damping_stable: bool
+    reading: str
+
+
+class KlMinOut(_M):
+    step_pair: tuple[int, int]
+    kl_min: float = Field(description="nats per sequence: 1/2 dz^T G^-1 dz")
+    noise_floor: float = Field(description="nats per sequence: 1/2 tr(G^-1 Sigma_dz)")
+    clears_noise_floor: bool = Field(description="KL_min > floor + 2 null SD (a per-row test, no multiplicity control)")
+    p_value: float = Field(description="of dz = 0 (unpaired: Hotelling T^2; paired: F-test of r on z within groups)")
+    resolved: bool = Field(description="rejected by Benjamini-Hochberg at q = 0.05 across the book's rows")
+    leading_feature: str | None
+    shares: dict[str, float] = Field(description="nats per sequence, by feature; sums to kl_min")
+    shares_inexact: bool = Field(False, description="the share sum misses kl_min by more than 1e-6 relative "
+                                                    "(G ill-conditioned: see condition)")
+    condition: float = Field(1.0, description="condition number of the active correlation matrix of G")
+
+
+class EfficiencyOut(_M):
+    step_pair: tuple[int, int] = Field(description="first and last step of the row (a window when steps > 1)")
+    steps: int = Field(description="step pairs the row prices (its window)")
+    status: Literal["resolved", "unresolved", "nothing_priced"]
+    kl_min: float = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
+    kl_spent: float = Field(description="D_t, nats per sequence: the denominator of this eta")
+    efficiency: float | None = Field(ge=0.0, le=1.0, description="KL_min / D_t, dimensionless; null when nothing "
+                                                                 "was priced")
+    efficiency_null: float | None = Field(description="what noise alone gives eta in expectation")
+    efficiency_debiased: float | None = Field(description="(eta - null) / (1 - null); may be below 0")
+    interval: tuple[float, float] | None = Field(description="95 % interval of efficiency_debiased")
+    p_value: float | None
+    source: str
+    resolved: bool
+    d_t_checks: dict[str, tuple[float, float | None]] = Field(
+        default_factory=dict, description="D_t by source (nats per sequence, SE): same_sample, token_kl, record")
+    d_t_disagrees: bool = Field(False, description="token_kl and record differ by more than 3 combined SEs")
+
+
+class FeatureMeans(_M):
+    step: int
+    n: int
+    mean: list[float]
+    se: list[float]
+
+
+class CostSection(_M):
+    features: list[FeatureOut]
+    metric: MetricOut
+    kl_min: list[KlMinOut]
+    efficiency: list[EfficiencyOut]
+    feature_means: list[FeatureMeans]
+    summary: dict[str, float | int | str | list[float] | None] = Field(description=(
+        "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
+        "rows_nothing_priced, eta_median (debiased, resolved rows only; null when none), eta_interval ([lo, hi] or "
+        "null), false_discoveries_expected, and the KL_min half's counts"))
+    still_works: str | None = Field(description="what part of the book is readable despite its refusals")
+
+
+def _gaps(pairs: list[tuple[int, int]]) -> list[float]:
+    """x values after which a line breaks: where step pair i does not start where i-1 ended."""
+    return [float(pairs[i - 1][0]) for i in range(1, len(pairs)) if pairs[i][0] != pairs[i - 1][1]]
+
+
+def cost_figures(c: CostSection) -> list[FigureOut]:
+    figs = []
+    x_label = "step t (pair t → t+1)"
+    if c.kl_min:
+        pairs = [tuple(r.step_pair) for r in c.kl_min]
+        x = [float(p[0]) for p in pairs]
+        res = [r for r in c.kl_min if r.resolved]
+        figs.append(FigureOut(id="kl-min", x_label=x_label, caption=(
+            "KL_min per step pair, with its noise floor (nats per sequence, log scale)."), panels=[Panel(
+                y_label="nats per sequence", log_y=True, series=[
+                    Series(label="KL_min", x=x, y=[r.kl_min for r in c.kl_min], gaps=_gaps(pairs), color="#1f5fa8"),
+                    Series(label="noise floor ½ tr(G⁻¹Σ_Δz)", x=x, y=[r.noise_floor for r in c.kl_min],
+                           style="dashed", gaps=_gaps(pairs), color="#c0392b"),
+                    Series(label="resolved (BH, q = 0.05)", x=[float(r.step_pair[0]) for r in res],
+                           y=[r.kl_min for r in res], style="points", color="#1f5fa8")])]))
+        names = [f.name for f in c.features if f.status == "priced"]
+        if names and any(r.shares.get(n, 0.0) > 0 for r in c.kl_min for n in names):
+            figs.append(FigureOut(id="shares", x_label=x_label, caption=(
+                "Exact Shapley shares of KL_min by feature, stacked (nats per sequence)."), panels=[Panel(
+                    y_label="share of KL_min (nats per sequence)",
+                    series=[Series(label=n, x=x, y=[r.shares.get(n, 0.0) for r in c.kl_min], style="stack")
+                            for n in names])]))
+    rows = [r for r in c.efficiency if r.efficiency_debiased is not None]
+    if rows:
+        pairs = [tuple(r.step_pair) for r in rows]
+        x = [float(p[0]) for p in pairs]
+        y = [r.efficiency_debiased for r in rows]
+        lo = [r.interval[0] if r.interval else v for r, v in zip(rows, y)]
+        hi = [r.interval[1] if r.interval else v for r, v in zip(rows, y)]
+        res = [r.status == "resolved" for r in rows]
+        figs.append(FigureOut(id="efficiency", x_label=x_label, caption=(
+            "Debiased efficiency per row with its 95 % interval: filled points are resolved, hollow points "
+            "unresolved; lines are not drawn across refused rows."), panels=[Panel(
+                y_label="η debiased (dimensionless)", zero_line=True, series=[
+                    Series(x=x, y=y, gaps=_gaps(pairs), color="#9aa5a0"),
+                    Series(x=x, y=y, lo=lo, hi=hi, style="interval", color="#9aa5a0"),
+                    Series(label="resolved", x=[a for a, k in zip(x, res) if k], y=[b for b, k in zip(y, res) if k],
+                           style="points", color="#1f7a4d"),
+                    Series(label="unresolved", x=[a for a, k in zip(x, res) if not k],
+                           y=[b for b, k in zip(y, res) if not k], style="hollow", color="#8a8a8a")])]))
+    if c.feature_means:
+        steps = [float(m.step) for m in c.feature_means]
+        mean = np.array([m.mean for m in c.feature_means])
+        se = np.array([m.se for m in c.feature_means])
+        panels = [Panel(title=f"{f.name} ({f.unit})", y_label=f.unit, series=[
+            Series(x=steps, y=(mean[:, j] - se[:, j]).tolist(), lo=(mean[:, j] - se[:, j]).tolist(),
+                   hi=(mean[:, j] + se[:, j]).tolist(), style="band", color="#9bbce0"),
+            Series(x=steps, y=mean[:, j].tolist(), color="#1f5fa8")]) for j, f in enumerate(c.features)]
+        figs.append(FigureOut(id="means", x_label="step (mean ± one standard error)", columns=3, panels=panels,
+                              caption="Feature means per step, ± one standard error, in each feature's unit."))
+    return figs
+
+
+def cost_section(ctx: RunContext) -> BookResult:
+    """The cost book of the run in ``ctx``, as the report shows it."""
+    run, features = ctx.run, ctx.features
+    spec = ctx.specs["cost"]
+    if not run.n_rollouts:
+        return _result([rollouts_refusal(run, [])], None, spec)
+    samples = ctx.samples
+    priced = ctx.priced
+    formed = [] if priced.book is None else priced.book.kl_min.rows
+    extra = not_formed_refusals(run, priced)
+    if priced.book is None:
+        return _result(extra or [rollouts_refusal(run, samples)], None, spec)
+    book: CostBook = priced.book
+    g = priced.metric
+    docs, units = features.docs(), features.units()
+    excluded = {n: why for sub in [g, *g.by_step.values()] for n, why in sub.excluded.items()}
+    feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
+             for n in g.names]
+    kl_rows = [KlMinOut(step_pair=r.step_pair, kl_min=r.kl_min, noise_floor=r.noise_floor,
+                        clears_noise_floor=r.clears_noise_floor, p_value=r.p_value, resolved=r.resolved,
+                        leading_feature=r.leading_feature, shares=r.shares, shares_inexact=r.shares_inexact,
+                        condition=r.condition)
+               for r in formed]
+    eff = [EfficiencyOut(step_pair=r.step_pair, steps=r.steps, status=r.status, kl_min=r.kl_min, kl_spent=r.kl_spent,
+                         efficiency=r.efficiency, efficiency_null=r.efficiency_null,
+                         efficiency_debiased=r.efficiency_debiased, interval=r.interval, p_value=r.p_value,
+                         source=r.kl_spent_source, resolved=r.resolved, d_t_checks=r.d_t_checks,
+                         d_t_disagrees=r.d_t_disagrees)
+           for r in book.rows]
+    means = [FeatureMeans(step=s.step, n=s.n, mean=s.z.mean(axis=0).tolist(),
+                          se=(s.z.std(axis=0, ddof=1) / np.sqrt(s.n)).tolist() if s.n > 1 else [0.0] * len(g.names))
+             for s in samples]
+    totals = {a: sum(r.shares.get(a, 0.0) for r in formed) for a in g.names}
+    counts = book.counts()
+    counts["refused"] += sum(len(r.subject.step_pairs) for r in extra)
+    eta_median, eta_interval = book.headline()
+    summary = {
+        "ledger": book.ledger, "window": str(book.window),
+        "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
+        "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
+        "rows_nothing_priced": counts["nothing_priced"],
+        "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
+        "false_discoveries_expected": book.false_discoveries_expected,
+        "step_pairs": len(formed),
+        "kl_min_rows": len(kl_rows),
+        "kl_min_resolved": sum(r.resolved for r in kl_rows),
+        "median_kl_min": float(np.median([r.kl_min for r in kl_rows])) if kl_rows else None,
+        "median_noise_floor": float(np.median([r.noise_floor for r in kl_rows])) if kl_rows else None,
+    }
+    top = max(totals, key=totals.get) if totals and max(totals.values()) > 0 else None
+    still = None
+    if book.refusals and kl_rows:
+        still = render_template("report/cost_still_works.j2", {
+            "n": len(kl_rows), "resolved": summary["kl_min_resolved"], "top": top,
+            "top_share": (totals[top] / sum(totals.values())) if top else None})
+    section = CostSection(
+        features=feats,
+        metric=MetricOut(method=g.method, scope=g.scope, n=g.n, damping=g.damping, damping_stable=g.damping_stable,
+                         reading=g.reading),
+        kl_min=kl_rows, efficiency=eff, feature_means=means, summary=summary, still_works=still,
+    )
+    return _result([*extra, *book.refusals], section, spec)
+
+
+def not_formed_refusals(run, priced) -> list[Refusal]:
+    """RECORD_INCOMPLETE for the step pairs no ledger could be formed for, one per reason."""
+    by_reason: dict[str, list[tuple[tuple[int, int], object]]] = {}
+    for pair, why in sorted(priced.not_formed.items()):
+        by_reason.setdefault(why.reason, []).append((pair, why))
+    out = []
+    for reason, items in by_reason.items():
+        pairs = [p for p, _ in items]
+        shown = ", ".join(f"{a}->{b}" for a, b in pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
+        steps = [{"step": w.step, "count": w.count} for _, w in items]
+        steps = [dict(t) for t in {tuple(d.items()) for d in steps}]  # a step can touch two pairs
+        out.append(make_refusal("RECORD_INCOMPLETE", load_book("cost"), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
+                                {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
+                                 "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
+                                 "steps": sorted(steps, key=lambda d: d["step"]),
+                                 "framework": run.manifest.framework.name}))
+    return out
+
+
+
+
+def _result(refusals: list[Refusal], section: CostSection | None, spec) -> BookResult:
+    has_numbers = section is not None and bool(section.kl_min or section.efficiency)
+    resolved = section is not None and bool(section.summary.get("rows_resolved"))
+    status = status_of(has_numbers, refusals, resolved)
+    s = section.summary if section else {}
+    headline = render_template("report/cost_headline.j2", {
+        "status": status, "s": s, "codes": sorted({r.code for r in refusals})}).strip()
+    card = None
+    if section is not None:
+        priced = [f.name for f in section.features if f.status == "priced"]
+        res = [r for r in section.kl_min if r.resolved]
+        totals = {n: sum(r.shares.get(n, 0.0) for r in res) for n in priced}
+        total = sum(totals.values())
+        lead = sorted(((v / total, n) for n, v in totals.items() if v > 0), reverse=True)[:2] if total > 0 else []
+        card = render_template("report/books/cost.card.j2", {"s": s, "lead": lead, "status": status}).strip() or None
+    return BookResult(status=status, headline=headline, refusals=refusals, data=section,
+                      figures=cost_figures(section) if section is not None else [], card=card)

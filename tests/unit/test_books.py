@@ -1,0 +1,139 @@
+"""The effect, cause, price and agreement books on hand-made samples with known answers
+(never against the implementation's own output)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from reward_lens.measure.agreement import AGREE, COLLATERAL, NEITHER, NOT_BOUGHT, OTHER_WAY, agreement_table, verdict
+from reward_lens.measure.cause import cause_series, selection_differential
+from reward_lens.measure.effect import effect_series
+from reward_lens.measure.efficiency import metric_g
+from reward_lens.measure.ledger.price import StepSample, ledger_series
+from reward_lens.measure.price import best_of_n_kl, fit_frontier, price_series
+
+NAMES = ("collateral", "not_bought", "bought", "neither")
+
+
+def _world(steps: int = 12, groups: int = 16, per: int = 8, seed: int = 0) -> list[StepSample]:
+    """Four features with known roles. `collateral` drifts up 0.3 a step and the advantage does
+    not depend on it; `not_bought` drives the advantage but its mean never moves; `bought` drives
+    the advantage and drifts up 0.3 a step; `neither` is noise."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(steps):
+        n = groups * per
+        z = rng.normal(size=(n, 4))
+        z[:, 0] += 0.3 * t
+        z[:, 2] += 0.3 * t
+        codes = np.repeat(np.arange(groups), per)
+        a = z[:, 1] + z[:, 2]
+        a = a - (np.bincount(codes, weights=a) / per)[codes]  # GRPO: centred within each prompt group
+        out.append(StepSample(t, NAMES, z, advantages=a, groups=np.array([f"{t}:{g}" for g in codes], dtype=object),
+                              rewards=a.copy()))
+    return out
+
+
+def test_effect_moves_what_drifts_and_not_what_does_not():
+    samples = _world()
+    sec = effect_series(ledger_series(samples), samples, {n: "u" for n in NAMES})
+    drift = {d.feature: d for d in sec.drift}
+    assert drift["collateral"].moved and drift["bought"].moved
+    assert not drift["not_bought"].moved and not drift["neither"].moved
+    # 0.3 a step over 12 steps: first step 0 vs last step 11 (a tenth of 12 steps, rounded, is one)
+    assert drift["bought"].drift == pytest.approx(3.3, abs=4 * drift["bought"].se)
+    assert sec.first_steps == [0] and sec.last_steps == [11]
+    # per step pair the t of a 0.3 drift with 128 rollouts a step (SE ~ 0.125) is about 2.4
+    t = np.array([r.t["collateral"] for r in sec.rows])
+    assert 1.2 < t.mean() < 3.6
+    assert all(abs(r.t["neither"]) < 6 for r in sec.rows)
+
+
+def test_selection_differential_by_hand():
+    z = np.array([[1.0], [3.0], [0.0], [4.0]])
+    a = np.array([-1.0, 1.0, -2.0, 2.0])
+    s = StepSample(0, ("f",), z, advantages=a, groups=np.array(["g1", "g1", "g2", "g2"], dtype=object))
+    sel, se = selection_differential(s)
+    # within g1: (1-2)(-1) + (3-2)(1) = 2; within g2: (0-2)(-2) + (4-2)(2) = 8; over 4 rollouts: 10/4
+    assert sel[0] == pytest.approx(2.5)
+    # groups as units: u = (2, 8), n_g = 2 each; residuals u - n_g s = (-3, 3); var = 2/1 * 18 / 16
+    assert se[0] == pytest.approx(math.sqrt(2 * 18 / 16))
+
+
+def test_cause_selects_what_the_advantage_depends_on():
+    samples = _world()
+    sec = cause_series(ledger_series(samples), samples, metric_g(samples, method="covariance_bound"))
+    sel = {x.feature: x for x in sec.selected}
+    assert sel["not_bought"].selected and sel["bought"].selected
+    assert not sel["collateral"].selected and not sel["neither"].selected
+    # Cov(z_j, A) within groups: Var(z_j) (per-1)/per for the two that enter A, 0 otherwise
+    expected = 7 / 8
+    for row in sec.rows:
+        assert row.selection["bought"] == pytest.approx(expected, abs=0.35)
+        assert row.kl_along + row.kl_collateral == pytest.approx(row.kl_quad)
+        assert 0 <= row.kl_along <= row.kl_quad + 1e-12
+
+
+def test_cosine_is_one_for_an_exact_tilt():
+    """Reweighting a sample by exp(lambda A) moves the feature means along Cov(z, A): Delta z =
+    lambda s to first order, so the G^-1 cosine is 1 and nothing is collateral."""
+    rng = np.random.default_rng(3)
+    n, per = 40000, 8
+    z = rng.normal(size=(n, 3)) @ np.array([[1.0, 0.3, 0.0], [0.0, 1.0, 0.5], [0.0, 0.0, 1.0]])
+    codes = np.repeat(np.arange(n // per), per)
+    a = z @ np.array([0.5, -0.2, 0.1])
+    a = a - (np.bincount(codes, weights=a) / per)[codes]
+    names = ("x", "y", "w")
+    groups = codes.astype(str).astype(object)
+    pre = StepSample(0, names, z, advantages=a, groups=groups)
+    lam = 0.05
+    w = np.exp(lam * a)
+    idx = rng.choice(n, size=n, p=w / w.sum())  # a sample of the tilted policy
+    post = StepSample(1, names, z[idx], advantages=a[idx], groups=groups)
+    sec = cause_series(ledger_series([pre, post]), [pre, post], metric_g([pre, post], method="covariance_bound"))
+    (row,) = sec.rows
+    assert row.cosine > 0.97
+    assert row.kl_collateral < 0.06 * row.kl_quad
+
+
+def test_price_by_hand_and_the_frontier_form():
+    names = ("f",)
+    groups = np.array([f"g{i // 4}" for i in range(16)], dtype=object)
+    samples = [StepSample(t, names, np.zeros((16, 1)), rewards=np.full(16, 0.1 * t) + np.tile([-0.05, 0.05], 8),
+                          groups=groups) for t in range(5)]
+    sec = price_series(samples, {t: 0.5 for t in range(4)}, n_generations=8)
+    assert [r.reward_change for r in sec.rows] == pytest.approx([0.1] * 4)
+    assert sec.summary["reward_per_nat"] == pytest.approx(0.4 / 2.0)
+    assert sec.frontier.d == pytest.approx([0, math.sqrt(0.5), 2 * math.sqrt(0.5), 3 * math.sqrt(0.5),
+                                            4 * math.sqrt(0.5)])
+    assert sec.frontier.best_of_n_kl == pytest.approx(math.log(8) - 7 / 8)
+    assert best_of_n_kl(2) == pytest.approx(math.log(2) - 0.5)
+    d = np.linspace(0.1, 3, 30)
+    alpha, beta, r2 = fit_frontier(d, d * (1.2 - 0.4 * np.log(d)))
+    assert (alpha, beta, r2) == pytest.approx((1.2, 0.4, 1.0))
+
+
+def test_agreement_verdicts_on_the_known_world():
+    samples = _world()
+    effect = effect_series(ledger_series(samples), samples)
+    cause = cause_series(ledger_series(samples), samples, metric_g(samples, method="covariance_bound"))
+    sec = agreement_table(NAMES, {}, None, {d.feature: (d.moved, d.drift) for d in effect.drift},
+                          {x.feature: (x.selected, x.total) for x in cause.selected})
+    got = {f.feature: f.verdict for f in sec.features}
+    assert got == {"collateral": COLLATERAL, "not_bought": NOT_BOUGHT, "bought": AGREE, "neither": NEITHER}
+    assert sec.summary["disagreements"] == 2
+
+
+def test_moved_against_what_was_asked_is_a_disagreement():
+    assert verdict(True, -1.0, True, +2.0) == OTHER_WAY
+    assert verdict(True, +1.0, True, +2.0) == AGREE
+    assert verdict(True, -1.0, True, -2.0) == AGREE
+
+
+def test_a_refused_cause_book_leaves_selected_unknown():
+    sec = agreement_table(("a",), {}, None, {"a": (True, 1.0)}, None)
+    (f,) = sec.features
+    assert f.selected is None and f.verdict is None and f.moved
