@@ -198,6 +198,31 @@ def _emit(text: str) -> None:
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
 
 
+def cmd_diff(args) -> int:
+    from reward_lens.measure.ledger.features import features_from
+    from reward_lens.report.diff import diff_html, diff_json, diff_markdown, diff_reports, load_side
+    from reward_lens.report.output import check_owned, replace_dir_atomically
+
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
+    out = Path(args.out)
+    check_owned(out, "report")  # before any work
+    features = features_from(args.features)
+    (a, la), (b, lb) = load_side(Path(args.run_a), features), load_side(Path(args.run_b), features)
+    if la == lb:
+        la, lb = f"A ({la})", f"B ({lb})"
+    d = diff_reports(a, b, (la, lb))
+    render = {"md": ("diff.md", diff_markdown), "html": ("diff.html", diff_html), "json": ("diff.json", diff_json)}
+    written = replace_dir_atomically(out, {render[f][0]: render[f][1](d) for f in formats}, kind="report")
+    if not args.quiet:
+        print(d.refusal if d.refusal else f"compared {len(d.books)} books of {la} and {lb}")
+        for p in written:
+            print(f"wrote {p}")
+    return EXIT_REFUSED if d.status == "refused" else EXIT_OK
+
+
 def cmd_publish(args) -> int:
     from reward_lens.record.reader import open_run
     from reward_lens.report.site import publish
@@ -275,6 +300,16 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--features", metavar="FILE", help="a feature basis (YAML): say which of its features the "
                    "logging setup supports")
     a.set_defaults(func=cmd_audit)
+
+    dfp = sub.add_parser("diff", help="the books of two runs side by side (same feature basis required)")
+    dfp.add_argument("run_a", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("run_b", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("--features", metavar="FILE", help="the feature basis both records are read in (default: "
+                     "specs/features/surface.yaml)")
+    dfp.add_argument("--out", default="reward-lens-diff", help="output directory (default: ./reward-lens-diff)")
+    dfp.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
+    dfp.add_argument("--quiet", action="store_true")
+    dfp.set_defaults(func=cmd_diff)
 
     s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")
     s.add_argument("run_dirs", nargs="+", help="record directories")

@@ -10,14 +10,29 @@ import json
 from pathlib import Path
 
 from reward_lens.audit import json_schema as audit_schema
+from reward_lens.measure.books import import_object
+from reward_lens.report.diff import Diff
+from reward_lens_spec import load_books
 
 ROOT = Path(__file__).resolve().parents[1] / "specs" / "schemas"
 
 
 def main() -> None:
     ROOT.mkdir(parents=True, exist_ok=True)
-    (ROOT / "audit.schema.json").write_text(json.dumps(audit_schema(), indent=2, sort_keys=True) + "\n")
-    print(f"wrote {ROOT / 'audit.schema.json'}")
+    for name, schema in schemas().items():
+        path = ROOT / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {path}")
+
+
+def schemas() -> dict[str, dict]:
+    """Every machine-readable output's schema, by file name under specs/schemas/."""
+    out = {"audit.schema.json": audit_schema(), "diff.schema.json": Diff.model_json_schema()}
+    for book in load_books().values():
+        if book.report is not None:  # a report's books[].data, per book
+            out[f"books/{book.id}.schema.json"] = import_object(book.report.model).model_json_schema()
+    return out
 
 
 if __name__ == "__main__":

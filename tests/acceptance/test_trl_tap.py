@@ -46,7 +46,23 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
     tap = RewardLensTap.attach(trainer, tmp / "rec", estimator=estimator, n_exact=n_exact, flush_every=flush_every,
                                save_initial_checkpoint=True)
     trainer.train()
+    tap.log_history = trainer.state.log_history
     return open_run(tmp / "rec"), tap, tok
+
+
+def test_the_tap_reports_into_the_trainers_own_logs(plain):
+    """reward_lens/* metrics go through Trainer.log, so W&B / TensorBoard / report_to see them."""
+    run, tap, _ = plain
+    logged = [h for h in tap.log_history if "reward_lens/kl_to_previous" in h]
+    assert len(logged) == len(run.steps)  # logging_steps=1: one per step
+    d_t = run.telemetry_column("kl_to_previous")
+    upd = run.telemetry_column("update_norm")
+    clipped = run.telemetry_column("grad_norm")
+    for h in logged:
+        t = h["step"] - 1  # transformers logs the 1-based global step after the update
+        assert h["reward_lens/kl_to_previous"] == pytest.approx(d_t[t])
+        assert h["reward_lens/update_norm"] == pytest.approx(upd[t])
+        assert h["reward_lens/grad_norm_clipped"] == pytest.approx(clipped[t])
 
 
 @pytest.fixture(scope="module")

@@ -87,6 +87,11 @@ from reward_lens.record.stream import RecordStream
 
 INDEX_KEY = "_reward_lens_index"
 ESTIMATORS = ("rollout", "exact", "both", None)
+# What the tap adds to the trainer's own logs (W&B, TensorBoard, whatever `report_to` names):
+# means over the optimizer steps since the previous log. eta is not among them: it needs the
+# next step's rollouts and a book-wide noise decision, so it is a report's number, not a log's.
+LOGGED = {"kl_to_previous": "reward_lens/kl_to_previous", "update_norm": "reward_lens/update_norm",
+          "grad_norm": "reward_lens/grad_norm_clipped", "grad_norm_unclipped": "reward_lens/grad_norm_unclipped"}
 
 
 @dataclass
@@ -146,6 +151,7 @@ class RewardLensTap(TrainerCallback):
         self.temperature = float(getattr(trainer, "temperature", None) or getattr(trainer.args, "temperature", 1.0)
                                  or 1.0)
         self._row: dict[str, Any] = {}
+        self._log_acc: dict[str, list[float]] = {}
         self._unclipped: float | None = None
         args = trainer.args
         cfg = record_config(args.to_dict())
@@ -196,9 +202,15 @@ class RewardLensTap(TrainerCallback):
             tap._unclipped = float(value.item() if hasattr(value, "item") else value)
             return value
 
+        orig_log = trainer.log
+
+        def log(logs, *a, **kw):  # the tap's numbers go through the trainer's own logging (report_to)
+            return orig_log({**logs, **tap._drain_log()} if "loss" in logs or "reward" in logs else logs, *a, **kw)
+
         trainer._generate_and_score_completions = generate_and_score
         trainer.compute_loss = compute_loss
         trainer._get_grad_norm = get_grad_norm
+        trainer.log = log
         trainer.add_callback(tap)
         return tap
 
@@ -377,6 +389,9 @@ class RewardLensTap(TrainerCallback):
         if self._row:
             row = {k: v for k, v in self._row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
             self.stream.set_telemetry(OptimizerTelemetry(**row))
+            for key, name in LOGGED.items():
+                if key in row:
+                    self._log_acc.setdefault(name, []).append(float(row[key]))
             self._row = {}
         # A generation batch is written once the last step that uses it has ended.
         reuse = self._reuse(args)
@@ -385,6 +400,11 @@ class RewardLensTap(TrainerCallback):
             self.stream.add_rollouts(self._rows(ready))
         if (t + 1) % self.flush_every == 0:
             self.stream.flush()
+
+    def _drain_log(self) -> dict[str, float]:
+        out = {name: sum(v) / len(v) for name, v in self._log_acc.items() if v}
+        self._log_acc = {}
+        return out
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and args.logging_steps == 1 and "kl" in logs and logs["kl"] is not None:

@@ -1,0 +1,99 @@
+"""``reward-lens diff RUN_A RUN_B``: the books of two runs side by side.
+
+Each side is a record directory (its report is computed in the basis given) or a report
+directory written by ``reward-lens report`` (its ``report.json`` is read as it is). Results in
+different feature bases are never compared: the diff refuses UNIT_MISMATCH naming both basis
+ids. Per book: the status and the headline of each run, and, where a book has a diff template
+(``templates/report/books/<book>.diff.{md,html}.j2``), its own side-by-side table.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from reward_lens.report.model import Report
+from reward_lens_spec.paths import templates_dir
+
+DIFF_SCHEMA_VERSION = "1.0"
+
+
+class BookPair(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    title: str
+    status: tuple[str | None, str | None]
+    headline: tuple[str | None, str | None]
+    data: tuple[dict | None, dict | None] = Field(exclude=True)
+
+
+class Diff(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    schema_version: str = DIFF_SCHEMA_VERSION
+    status: str = Field(description="'compared', or 'refused' (UNIT_MISMATCH: different feature bases)")
+    runs: tuple[str, str]
+    labels: tuple[str, str]
+    basis: tuple[str, str]
+    refusal: str | None = None
+    books: list[BookPair] = Field(default_factory=list)
+
+
+def load_side(path: Path, features) -> tuple[Report, str]:
+    """A report for one side: read from a report directory, or built from a record."""
+    from reward_lens.record.reader import open_run
+    from reward_lens.report.build import build_report
+
+    if (path / "report.json").is_file() and not (path / "manifest.json").is_file():
+        try:
+            return Report.model_validate_json((path / "report.json").read_text(encoding="utf-8")), path.name
+        except ValueError as exc:
+            msg = " ".join(str(exc).split())[:200]
+            raise ValueError(f"{path / 'report.json'}: not a reward-lens report of this version ({msg})") from None
+    run = open_run(path)
+    run.verify()
+    return build_report(run, features=features), path.name
+
+
+def diff_reports(a: Report, b: Report, labels: tuple[str, str]) -> Diff:
+    runs = (a.run.run_id, b.run.run_id)
+    basis = (a.basis.id, b.basis.id)
+    if a.basis.id != b.basis.id:
+        return Diff(status="refused", runs=runs, labels=labels, basis=basis, refusal=(
+            f"UNIT_MISMATCH: {labels[0]} is in feature basis {a.basis.id} ({a.basis.name}) and {labels[1]} in "
+            f"{b.basis.id} ({b.basis.name}); books in different bases are not compared. Compute both in one "
+            "basis: give the record directories and the same --features FILE."))
+    ids = list(dict.fromkeys([x.id for x in a.books] + [x.id for x in b.books]))
+    ba, bb = {x.id: x for x in a.books}, {x.id: x for x in b.books}
+    books = []
+    for i in ids:
+        x, y = ba.get(i), bb.get(i)
+        books.append(BookPair(id=i, title=(x or y).title, status=(x.status if x else None, y.status if y else None),
+                              headline=(x.headline if x else None, y.headline if y else None),
+                              data=(x.data if x else None, y.data if y else None)))
+    return Diff(status="compared", runs=runs, labels=labels, basis=basis, books=books)
+
+
+def _has(name: str) -> bool:
+    return (templates_dir() / name).is_file()
+
+
+def diff_markdown(d: Diff) -> str:
+    from reward_lens.report.render import environment
+
+    env = environment(str(templates_dir()), False)
+    return env.get_template("report/diff.md.j2").render(d=d, has=_has)
+
+
+def diff_html(d: Diff) -> str:
+    from reward_lens.report.render import environment
+
+    env = environment(str(templates_dir()), True)
+    return env.get_template("report/diff.html.j2").render(d=d, has=_has)
+
+
+def diff_json(d: Diff) -> str:
+    return json.dumps(d.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":")) + "\n"
