@@ -128,7 +128,7 @@ def render_figure(fig_spec: FigureOut) -> str:
             fig.supxlabel(fig_spec.x_label, fontsize=8)
         fig.tight_layout()
         buf = io.StringIO()
-        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None}, bbox_inches="tight")
+        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})  # tight_layout already fits it
     text = buf.getvalue()
     text = text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG needs neither
     return _ID.sub(lambda m: f"{m.group(1)}{fig_spec.id}-{m.group(2)}", text)
