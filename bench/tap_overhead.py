@@ -43,7 +43,7 @@ def timed_training(*, batch: int = 8, prompts=("ab", "cd"), lr: float = 1e-3, st
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens.taps.trl import RewardLensTap
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

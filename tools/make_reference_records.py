@@ -151,7 +151,7 @@ def train(workdir: Path, *, seed: int, steps: int, reward: str, prompts: list[st
     trainer = GRPOTrainer(model=str(initial), reward_funcs=[REWARDS[reward]], args=args,
                           train_dataset=dataset, processing_class=tokenizer)
     if tap:
-        from reward_lens.record.taps.trl import RewardLensTap
+        from reward_lens.taps.trl import RewardLensTap
 
         RewardLensTap.attach(trainer, record, estimator="rollout", flush_every=10, save_initial_checkpoint=True,
                              overwrite=True, model_description=f"tiny Qwen3 (hidden 8, 2 layers, 260-token byte "

@@ -156,7 +156,7 @@ def grpo(workdir: Path, record: Path, steps: int) -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from make_reference_records import build_tokenizer
-    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens.taps.trl import RewardLensTap
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)

@@ -76,7 +76,7 @@ def run(seed: int = 31, steps: int = STEPS, checked=CHECKED, n_oracle: int = N_O
     from reward_lens.measure.whitebox.kl import summed_kl_and_logps
     from reward_lens.measure.whitebox.policy import sample
     from reward_lens.record.reader import open_run
-    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens.taps.trl import RewardLensTap
 
     torch.manual_seed(seed)
     feats = SurfaceFeatures()

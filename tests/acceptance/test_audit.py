@@ -223,7 +223,7 @@ def test_unknown_tap_argument_is_bad_input(tmp_path):
 def test_tap_spec_defaults_match_the_tap():
     import inspect
 
-    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens.taps.trl import RewardLensTap
     from reward_lens_spec import load_taps
 
     sig = inspect.signature(RewardLensTap.__init__).parameters

@@ -31,7 +31,7 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens.taps.trl import RewardLensTap
 
     tok = gen.build_tokenizer()
     model = gen.build_model(len(tok), seed, tok)
@@ -204,7 +204,7 @@ def test_killed_run_leaves_a_readable_record(tmp_path):
 
 
 def test_attach_refuses_unknown_estimators(tmp_path):
-    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens.taps.trl import RewardLensTap
 
     with pytest.raises(ValueError, match="estimator must be one of"):
         RewardLensTap(object(), tmp_path / "r", estimator="cheap")

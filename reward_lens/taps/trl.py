@@ -2,7 +2,7 @@
 
 One line in a GRPO script::
 
-    from reward_lens.record.taps.trl import RewardLensTap
+    from reward_lens.taps.trl import RewardLensTap
 
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...)
     RewardLensTap.attach(trainer, "runs/my-run")  # <- the tap
