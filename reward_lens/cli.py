@@ -111,7 +111,8 @@ def cmd_report(args) -> int:
     progress("building the report")
     report = build_report(run, progress, ledger=args.ledger, window=window, features=features)
     progress("rendering")
-    render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html), "json": ("report.json", to_json)}
+    render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html),
+              "json": ("report.json", lambda r: to_json(r, pretty=args.pretty))}
     files = {render[f][0]: render[f][1](report) for f in formats}
     written = replace_dir_atomically(out, files, kind="report")
     progress.done()
@@ -284,6 +285,7 @@ def parser() -> argparse.ArgumentParser:
                    "'adaptive': merge until resolved (default 1)")
     r.add_argument("--features", metavar="FILE", help="a feature basis (YAML, e.g. examples/features/task.yaml; "
                    "default: specs/features/surface.yaml)")
+    r.add_argument("--pretty", action="store_true", help="indent report.json (compact by default)")
     r.add_argument("--quiet", action="store_true", help="no progress, no summary")
     r.set_defaults(func=cmd_report)
 

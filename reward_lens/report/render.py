@@ -65,8 +65,13 @@ def to_markdown(report: Report) -> str:
     return environment(str(templates_dir()), False).get_template("report/report.md.j2").render(r=report)
 
 
-def to_json(report: Report) -> str:
-    return json.dumps(report.model_dump(mode="json"), indent=2, sort_keys=False, ensure_ascii=False) + "\n"
+def to_json(report: Report, pretty: bool = False) -> str:
+    """Compact by default (the C encoder; ``indent`` falls back to the pure-Python one);
+    ``pretty`` indents for reading."""
+    data = report.model_dump(mode="json")
+    if pretty:
+        return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n"
 
 
 def figures(report: Report) -> tuple[dict[str, list[dict]], list[dict]]:

@@ -246,3 +246,14 @@ def test_efficiency_plot_marks_unresolved_rows_and_never_joins_across_a_refused_
     fig = html[html.index('id="cost-plot-efficiency"'):]
     fig = fig[:fig.index("</figure>")]
     assert "resolved" in fig and "unresolved" in fig  # both kinds are drawn, and told apart
+
+
+def test_markdown_and_json_reports_never_import_matplotlib(tmp_path):
+    code = ("import sys; from reward_lens.cli import main; "
+            f"rc = main(['report', {str(PAIRED)!r}, '--out', {str(tmp_path / 'o')!r}, '--format', 'md,json', "
+            "'--quiet', '--fail-on', 'never']); "
+            "assert rc == 0, rc; assert 'matplotlib' not in sys.modules, 'matplotlib imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = (tmp_path / "o" / "report.json").read_text()
+    assert "\n" not in text.rstrip("\n") and json.loads(text)["schema_version"] == "3.0"  # compact

@@ -43,6 +43,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -246,7 +247,7 @@ class FeatureBasis:
     def compute(self, table: pa.Table, source: str = "rollouts", context: dict[str, Any] | None = None) -> np.ndarray:
         """The n x k feature matrix (float64) of the rows of ``table``. ``context`` carries the
         record's ``eos_token_id`` and ``max_completion_length`` where a feature needs them."""
-        ctx = context or {}
+        ctx = dict(context or {})  # a per-call scratch space too (the byte view of the completions)
         out = np.empty((table.num_rows, len(self.defs)), dtype=np.float64)
         for j, d in enumerate(self.defs):
             try:
@@ -282,6 +283,13 @@ class FeatureBasis:
             return n * 100.0 / np.maximum(_f(pc.utf8_length(col)), 1.0) + d.offset
         if d.kind == "char_class":
             col = self._col(d, table, "completion", source)
+            lut = byte_table(d.class_)
+            if lut is not None:  # the UTF-8 bytes, viewed once for every class; identical counts
+                if "_bytes" not in ctx:
+                    ctx["_bytes"] = _byte_view(col)
+                rows, data, chars = ctx["_bytes"]
+                hits = np.bincount(rows[lut[data]], minlength=len(col)).astype(np.float64)
+                return hits / np.maximum(chars, 1.0)
             return _f(pc.count_substring_regex(col, pattern=d.class_)) / np.maximum(_f(pc.utf8_length(col)), 1.0)
         if d.kind == "length":
             if d.of == "characters":
@@ -338,6 +346,49 @@ class FeatureBasis:
         if not np.isfinite(res).all():
             raise RecordError(source, f"feature `{d.name}`: {d.function} returned a non-finite value")
         return res
+
+
+_BRACKET = re.compile(r"^\[(?:[^\]\\]|\\.)+\]$")
+_NON_ASCII_PROBES = ["é", "ß", "\u00a0", "\u2028", "\ufffd", "中", "😀"]
+
+
+@lru_cache(maxsize=None)
+def byte_table(char_class: str) -> np.ndarray | None:
+    """A 256-entry table: does a UTF-8 byte start a character of ``char_class``? Built by
+    asking RE2 itself (pyarrow's regex engine) about every ASCII character and about a probe
+    set of non-ASCII ones, so the counts are those of ``count_substring_regex``. None when the
+    class is not one bracket expression, or treats non-ASCII characters unevenly (then the
+    regex is used)."""
+    if not _BRACKET.match(char_class):
+        return None
+    ascii_hits = pc.count_substring_regex(pa.array([chr(b) for b in range(128)]), pattern=char_class).to_numpy()
+    probes = pc.count_substring_regex(pa.array(_NON_ASCII_PROBES), pattern=char_class).to_numpy()
+    if ascii_hits.max(initial=0) > 1 or len(set(probes.tolist())) != 1 or probes[0] > 1:
+        return None
+    lut = np.zeros(256, dtype=bool)
+    lut[:128] = ascii_hits == 1
+    lut[0xC0:] = bool(probes[0])  # a lead byte: one non-ASCII character; continuation bytes never count
+    return lut
+
+
+def _byte_view(col: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A string column's UTF-8 bytes, the row of each byte, and each row's character count
+    (its lead bytes), without copying the strings."""
+    n = len(col)
+    col = col.cast(pa.large_string()) if col.type == pa.string() else col
+    _, off_buf, data_buf = col.buffers()
+    offsets = np.frombuffer(off_buf, dtype=np.int64)[col.offset: col.offset + n + 1]
+    data = (np.frombuffer(data_buf, dtype=np.uint8)[offsets[0]: offsets[-1]] if data_buf is not None and n
+            else np.zeros(0, np.uint8))
+    rows = np.repeat(np.arange(n), np.diff(offsets)) if n else np.zeros(0, np.int64)
+    chars = np.bincount(rows[(data & 0xC0) != 0x80], minlength=n).astype(np.float64)
+    return rows, data, chars
+
+
+def _byte_counts(col: pa.Array, lut: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per string: characters whose first byte is in ``lut``, and characters."""
+    rows, data, chars = _byte_view(col)
+    return np.bincount(rows[lut[data]], minlength=len(col)).astype(np.float64), chars
 
 
 class BasisNames(tuple):
