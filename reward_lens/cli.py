@@ -131,16 +131,19 @@ def audit_text(result, verbose: bool = False) -> str:
     lines = [f"audit of {_visible(result.source)}: {_visible(result.subject)} ({_visible(result.framework)} "
              f"{result.kind})"]
     lines += [f"  - {_visible(st.says)}" for st in result.statements]
-    lines += ["", f"{'book':<14}{'verdict':<15}{'ledger':<10}still computable"]
+    lines += ["", f"{'book':<17}{'verdict':<15}{'ledger':<10}still computable"]
     for b in result.books:
         still = ", ".join(b.still_computable) if b.refusals else ("everything" if b.verdict == "will compute" else "-")
-        lines.append(f"{b.function:<14}{b.verdict:<15}{b.ledger or '-':<10}{still or '-'}")
+        lines.append(f"{b.function:<17}{b.verdict:<15}{b.ledger or '-':<10}{still or '-'}")
+    said: dict[str, list[str]] = {}
     for b in result.books:
         if b.cause is not None:
-            lines += ["", f"{b.function}: the trainer will not start: {_visible(b.cause.says)} "
-                          f"(`{b.cause.key}` = {b.cause.value})"]
+            said.setdefault(f"the trainer will not start: {_visible(b.cause.says)} (`{b.cause.key}` = "
+                            f"{b.cause.value})", []).append(b.function)
         if b.ledger_cause is not None:
-            lines += ["", f"{b.function}: {b.ledger} ledger only: {_visible(b.ledger_cause.says)}"]
+            said.setdefault(f"{b.ledger} ledger only: {_visible(b.ledger_cause.says)}", []).append(b.function)
+    for text, functions in said.items():
+        lines += ["", f"{', '.join(functions)}: {text}"]
     seen: dict[tuple[str, str, str], list[str]] = {}
     first: dict[tuple[str, str, str], object] = {}
     for b in result.books:

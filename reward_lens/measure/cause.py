@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from scipy import stats
+from scipy import special
 
 from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import rollouts_refusal
@@ -134,7 +134,7 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
         se = np.sqrt(np.nansum(np.square(per_step_se), axis=0))
         with np.errstate(divide="ignore", invalid="ignore"):
             tt = np.where(se > 0, tot / se, 0.0)
-        p = np.where(se > 0, 2 * stats.norm.sf(np.abs(tt)), 1.0)
+        p = np.where(se > 0, 2 * special.ndtr(-np.abs(tt)), 1.0)
         rej = benjamini_hochberg(p, FDR_Q)
         selected = [SelectedOut(feature=n, total=float(tot[j]), se=float(se[j]), t=float(tt[j]), p=float(p[j]),
                                 selected=bool(rej[j])) for j, n in enumerate(names)]

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from scipy import stats
+from scipy import special
 
 from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
@@ -103,7 +103,7 @@ def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n
         (a, sa), (b, sb) = means[t], means[u]
         se = math.sqrt(sa ** 2 + sb ** 2)
         dr = b - a
-        pv = float(2 * stats.norm.sf(abs(dr) / se)) if se > 0 else (0.0 if dr else 1.0)
+        pv = float(2 * special.ndtr(-abs(dr) / se)) if se > 0 else (0.0 if dr else 1.0)
         p.append(pv)
         rows.append((t, u, dr, se, float(kl_spent[t]), pv))
     rej = benjamini_hochberg(p, FDR_Q)
@@ -122,7 +122,7 @@ def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n
             ends_var += means[r.step_pair[1]][1] ** 2
     per_nat = total_r / total_d if total_d > 0 else None
     per_nat_se = math.sqrt(ends_var) / total_d if total_d > 0 else None
-    per_nat_p = float(2 * stats.norm.sf(abs(total_r) / math.sqrt(ends_var))) if ends_var > 0 else None
+    per_nat_p = float(2 * special.ndtr(-abs(total_r) / math.sqrt(ends_var))) if ends_var > 0 else None
     # frontier along the first contiguous stretch from the first step with rewards
     d_cum, r_cum = [0.0], [0.0]
     if out:

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import math
 
 import numpy as np
-from scipy import optimize
 
 from reward_lens.measure.ledger.price import StepSample
 
@@ -193,10 +192,13 @@ LOCAL_HALF_WIDTH = 10
 
 def _local(samples: Sequence[StepSample]) -> MetricG:
     names = samples[0].names
-    steps = np.array([s.step for s in samples])
+    ordered = sorted(samples, key=lambda x: x.step)
+    steps = np.array([s.step for s in ordered])
+    lo = np.searchsorted(steps, steps - LOCAL_HALF_WIDTH, side="left")
+    hi = np.searchsorted(steps, steps + LOCAL_HALF_WIDTH, side="right")
     by_step = {}
-    for s in samples:
-        near = [x for x, st in zip(samples, steps) if abs(st - s.step) <= LOCAL_HALF_WIDTH]
+    for s, a, b in zip(ordered, lo, hi):  # the steps within the half-width, by bisection (was a scan per step)
+        near = ordered[a:b]
         c, mean, n, _ = pooled_covariance(near)
         active, excluded = _active_set(c, mean, names)
         by_step[s.step] = MetricG(matrix=c, names=names, method="covariance_bound", n=n, damping=0.0,
@@ -353,6 +355,8 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
     if rho is None:
         sd_active = np.sqrt(np.clip(np.diag(c)[idx], 1e-300, None)) if idx else np.ones(0)
         lo_, hi_ = math.log(RHO_MIN), math.log(RHO_MAX)
+        from scipy import optimize  # only rung 2 needs it
+
         res = optimize.minimize_scalar(loo, bounds=(lo_, hi_), method="bounded", options={"xatol": 1e-4})
         rho = float(math.exp(res.x))
         # At an edge, or not better than the upper edge by more than the LOO error's own noise:
