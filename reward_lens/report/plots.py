@@ -29,25 +29,22 @@ _COLORS = ["#1f5fa8", "#c0392b", "#1f7a4d", "#8e44ad", "#d35400", "#2c3e50", "#1
 
 
 def reduce_minmax(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
-    """At most ``max_points`` points: the min and the max of y in each of max_points/2 bins of
-    consecutive points, in x order within each bin (NaNs, which break lines, kept as breaks)."""
+    """At most about ``max_points`` points: the min and the max of y in each of max_points/2
+    bins of consecutive points, in their x order; NaNs (line breaks) are kept where they are."""
     n = len(x)
     if n <= max_points:
         return x, y
     bins = max_points // 2
-    edges = np.linspace(0, n, bins + 1).astype(int)
-    xs, ys = [], []
-    for a, b in zip(edges[:-1], edges[1:]):
-        seg = y[a:b]
-        if not np.isfinite(seg).any():
-            xs.append(x[a])
-            ys.append(np.nan)
-            continue
-        i, j = a + int(np.nanargmin(seg)), a + int(np.nanargmax(seg))
-        for k in sorted({i, j}):
-            xs.append(x[k])
-            ys.append(y[k])
-    return np.asarray(xs), np.asarray(ys)
+    b = (np.arange(n) * bins) // n  # bin of each point
+    finite = np.isfinite(y)
+    idx = np.nonzero(finite)[0]
+    order = idx[np.lexsort((y[idx], b[idx]))]  # by bin, then by y
+    sb = b[order]
+    first = np.r_[True, sb[1:] != sb[:-1]]
+    last = np.r_[sb[1:] != sb[:-1], True]
+    keep = np.union1d(order[first], order[last])  # each bin's min and max
+    keep = np.union1d(keep, np.nonzero(~finite)[0])  # and every break
+    return x[keep], y[keep]
 
 
 def _broken(s: Series) -> tuple[np.ndarray, np.ndarray]:

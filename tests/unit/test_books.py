@@ -137,3 +137,25 @@ def test_a_refused_cause_book_leaves_selected_unknown():
     sec = agreement_table(("a",), {}, None, {"a": (True, 1.0)}, None)
     (f,) = sec.features
     assert f.selected is None and f.verdict is None and f.moved
+
+
+def test_long_lines_are_reduced_to_each_bins_min_and_max():
+    from reward_lens.report.plots import MAX_POINTS, reduce_minmax
+
+    rng = np.random.default_rng(1)
+    x = np.arange(50_000, dtype=float)
+    y = rng.normal(size=x.size)
+    y[123] = 40.0  # a spike survives
+    y[7_000] = np.nan  # a break survives
+    xr, yr = reduce_minmax(x, y)
+    assert len(xr) <= MAX_POINTS + 1 and np.all(np.diff(xr) > 0)
+    assert 40.0 in yr and np.isnan(yr).sum() == 1 and np.nanmin(yr) == np.nanmin(y)
+    # every bin of consecutive points keeps its own extremes
+    bins = MAX_POINTS // 2
+    b = (np.arange(x.size) * bins) // x.size
+    for j in (0, 17, bins - 1):
+        sel = (b == j) & np.isfinite(y)
+        kept = yr[(b[xr.astype(int)] == j) & np.isfinite(yr)]
+        assert kept.max() == y[sel].max() and kept.min() == y[sel].min()
+    short = np.arange(10.0)
+    assert reduce_minmax(short, short)[0] is short

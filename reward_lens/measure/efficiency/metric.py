@@ -196,10 +196,24 @@ def _local(samples: Sequence[StepSample]) -> MetricG:
     steps = np.array([s.step for s in ordered])
     lo = np.searchsorted(steps, steps - LOCAL_HALF_WIDTH, side="left")
     hi = np.searchsorted(steps, steps + LOCAL_HALF_WIDTH, side="right")
+    # each step's scatter, sum and counts once; a window adds its steps' (was: recomputed per window)
+    k = len(names)
+    scat = np.zeros((len(ordered), k, k))
+    sums = np.zeros((len(ordered), k))
+    ns = np.array([x.n for x in ordered])
+    dofs = np.where(ns >= 2, ns - 1, 0)
+    for i, x in enumerate(ordered):
+        if x.n >= 2:
+            zc = x.z - x.z.mean(axis=0)
+            scat[i] = zc.T @ zc
+        sums[i] = x.z.sum(axis=0)
     by_step = {}
     for s, a, b in zip(ordered, lo, hi):  # the steps within the half-width, by bisection (was a scan per step)
-        near = ordered[a:b]
-        c, mean, n, _ = pooled_covariance(near)
+        dof = int(dofs[a:b].sum())
+        if dof < 1:
+            raise ValueError("metric_g needs at least one step with two or more rollouts")
+        n = int(ns[a:b].sum())
+        c, mean = scat[a:b].sum(axis=0) / dof, sums[a:b].sum(axis=0) / max(n, 1)
         active, excluded = _active_set(c, mean, names)
         by_step[s.step] = MetricG(matrix=c, names=names, method="covariance_bound", n=n, damping=0.0,
                                   damping_stable=True, h2={a: 1.0 for a in active}, active=active,
