@@ -13,11 +13,11 @@ All 2^k subsets are enumerated by doubling over the features in basis order: pro
 feature b splits every subset T of {0..b-1} into T and T + b, and T + b's conditional
 residuals and covariance (of the features not yet processed) come from T's by one rank-one
 Schur step, while v(T + b) = v(T) + 1/2 r_b(T)^2 / g_bb(T) accumulates non-negative terms.
-That step *is* the marginal of b given T, so every term with i above max(S) is read off
-exactly. The others are v(S + i) - v(S) from the accumulated values, whose true value is a
-non-negative Schur term: a negative difference can only be rounding (of order k eps v) and
-is set to zero. Work is sum_b 2^b (k-b)^2 ~ 6 * 2^k per step pair for the sweep plus
-k 2^(k-1) for the sum; memory at stage b is 2^b (k-b)^2 floats per step pair, and step pairs
+The shares are then summed from v alone, phi_i = sum_{S ni i} w(|S|-1) v(S) - sum_{S not ni i}
+w(|S|) v(S), over strided views of v (bit i as one axis): k passes over 2^k floats, no
+masks or gathers. Every term v(S + i) - v(S) is a non-negative Schur complement, so a
+negative share can only be rounding (of order k eps v(N)) and is set to zero. Work is
+sum_b 2^b (k-b)^2 ~ 6 * 2^k per step pair for the sweep plus 2k 2^k for the sum; memory at stage b is 2^b (k-b)^2 floats per step pair, and step pairs
 are processed in chunks that keep it under ``CHUNK_FLOATS``. Everything is vectorised
 across subsets and step pairs: no linear solve per subset.
 """
@@ -77,7 +77,6 @@ def _weights(k: int) -> np.ndarray:
 def _shares_chunk(dz: np.ndarray, gg: np.ndarray) -> np.ndarray:
     p, k = dz.shape
     w = _weights(k)
-    phi = np.zeros((p, k))
     r = dz[:, None, :].copy()  # (P, M, m): residuals of the unprocessed features given each subset
     gc = gg[:, None, :, :].copy()  # (P, M, m, m): their conditional covariance
     v = np.zeros((p, 1))  # (P, M): v(T); subset index == bit mask
@@ -85,7 +84,6 @@ def _shares_chunk(dz: np.ndarray, gg: np.ndarray) -> np.ndarray:
     for b in range(k):
         g00 = gc[:, :, 0, 0]
         marginal = 0.5 * r[:, :, 0] ** 2 / g00  # m(T, b) for every T within {0..b-1}: exact, >= 0
-        phi[:, b] += marginal @ w[sizes]
         v = np.concatenate([v, v + marginal], axis=1)
         if b < k - 1:
             col = gc[:, :, 1:, 0]
@@ -94,14 +92,19 @@ def _shares_chunk(dz: np.ndarray, gg: np.ndarray) -> np.ndarray:
             r = np.concatenate([r[:, :, 1:], r_in], axis=1)
             gc = np.concatenate([gc[:, :, 1:, 1:], gc_in], axis=1)
         sizes = np.concatenate([sizes, sizes + 1])
-    masks = np.arange(2 ** k)
+    # phi_i = sum_{S ni i} w(|S|-1) v(S) - sum_{S not ni i} w(|S|) v(S): two weighted copies of v,
+    # then for each i two sums over a strided view (bit i is axis 2 of a (P, 2^(k-1-i), 2, 2^i)
+    # reshape): k passes over 2^k values, no masks, no gathers.
+    w_with = np.where(sizes > 0, w[np.maximum(sizes - 1, 0)], 0.0)
+    w_without = np.where(sizes < k, np.r_[w, 0.0][np.minimum(sizes, k)], 0.0)
+    a = v * w_with
+    c = v * w_without
+    phi = np.empty((p, k))
     for i in range(k):
-        # S without i and with some feature above i: the terms not read off during the sweep.
-        s_masks = masks[((masks >> i) & 1 == 0) & ((masks >> (i + 1)) != 0)]
-        if len(s_masks):
-            diff = np.maximum(v[:, s_masks | (1 << i)] - v[:, s_masks], 0.0)
-            phi[:, i] += diff @ w[sizes[s_masks]]
-    return phi
+        shape = (p, 2 ** (k - 1 - i), 2, 2 ** i)
+        phi[:, i] = a.reshape(shape)[:, :, 1, :].sum(axis=(1, 2)) - c.reshape(shape)[:, :, 0, :].sum(axis=(1, 2))
+    # every term is v(S + i) - v(S) >= 0 (a Schur complement): a negative share is rounding
+    return np.maximum(phi, 0.0)
 
 
 def shapley_shares(delta_z: np.ndarray, g: np.ndarray) -> np.ndarray:
