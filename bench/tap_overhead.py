@@ -2,8 +2,17 @@
 
 Runs the same tiny GRPO training (the reference records' tiny Qwen3, 260-token byte
 vocabulary, 8 completions of 32 tokens per step) without the tap and with it for each D_t
-estimator, in one process, and prints median seconds per step and the ratios. The first
-steps of each run are dropped (warm-up).
+estimator, in one process. Two measurements, because a single training per configuration
+is at the mercy of the machine (repeated, the untapped step ranged 0.98-1.52x itself):
+
+* **interleaved wall time**: ``--reps`` rounds (default 5), each training every
+  configuration once in a rotated order; per round, each tapped configuration's median step
+  time is divided by that round's untapped median. Prints the median ratio and its range.
+* **the tap's own time**: every tap method the trainer calls (its callbacks and the
+  generation hook) is timed from inside, per step, and divided by the untapped step: what
+  the tap adds, whatever else the machine does.
+
+The first steps of each run are dropped (warm-up).
 """
 
 from __future__ import annotations
@@ -27,19 +36,25 @@ STEPS, WARMUP = 24, 4
 class Timer(TrainerCallback):
     def __init__(self):
         self.times: list[float] = []
+        self.own: list[float] = []
+        self.spent = [0.0]
         self.t0 = None
+        self.s0 = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
+        self.s0 = self.spent[0]
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self.t0)
+        self.own.append(self.spent[0] - self.s0)
 
 
 def timed_training(*, batch: int = 8, prompts=("ab", "cd"), lr: float = 1e-3, steps: int = STEPS,
-                   tap: dict | None = None) -> float:
+                   tap: dict | None = None, own: list[float] | None = None) -> float:
     """Median seconds per step (after WARMUP) of a tiny GRPO training, with the tap attached
-    with ``tap`` as its keyword arguments, or without the tap when ``tap`` is None."""
+    with ``tap`` as its keyword arguments, or without the tap when ``tap`` is None. With
+    ``own``, the seconds spent inside the tap's methods are appended per step."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -57,24 +72,65 @@ def timed_training(*, batch: int = 8, prompts=("ab", "cd"), lr: float = 1e-3, st
         trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args,
                               train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=tok)
         timer = Timer()
+        spent = [0.0]
         if tap is not None:
-            RewardLensTap.attach(trainer, tmp / "rec", **tap)
+            t = RewardLensTap.attach(trainer, tmp / "rec", **tap)
+            for name in ("_on_generation", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log",
+                         "on_train_begin", "on_train_end"):
+                _time_inside(t, name, spent)
         trainer.add_callback(timer)  # after the tap: its on_step_end (flushes) runs inside the timing
+        timer.spent = spent
         trainer.train()
+        if own is not None:
+            own.extend(timer.own[WARMUP:])
         return statistics.median(timer.times[WARMUP:])
 
 
-def run(estimator: str | None, tap: bool) -> float:
-    return timed_training(tap={"estimator": estimator, "n_exact": 8, "flush_every": 8} if tap else None)
+def _time_inside(obj, name: str, spent: list[float]) -> None:
+    method = getattr(obj, name)
+
+    def timed(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return method(*a, **kw)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    setattr(obj, name, timed)
+
+
+CONFIGS = {"untapped": None, "tap, no estimator": None, "tap, rollout": "rollout", "tap, exact": "exact"}
+
+
+def run(name: str, own: list[float] | None = None) -> float:
+    if name == "untapped":
+        return timed_training()
+    return timed_training(tap={"estimator": CONFIGS[name], "n_exact": 8, "flush_every": 8}, own=own)
 
 
 def main() -> None:
-    run(None, tap=False)  # throwaway: the first training in a process pays one-off initialisation
-    base = run(None, tap=False)
-    print(f"untapped step: {base * 1e3:.0f} ms (median of {STEPS - WARMUP} steps)")
-    for est in (None, "rollout", "exact"):
-        t = run(est, tap=True)
-        print(f"tap, estimator={est!s:8s}: {t * 1e3:.0f} ms per step, ratio {t / base:.2f}x")
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    run("untapped")  # throwaway: the first training in a process pays one-off initialisation
+    names = list(CONFIGS)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    own: dict[str, list[float]] = {n: [] for n in names if n != "untapped"}
+    for rep in range(a.reps):
+        order = names[rep % len(names):] + names[:rep % len(names)]  # rotated: no configuration always first
+        for n in order:
+            times[n].append(run(n, own.get(n)))
+    base = times["untapped"]
+    print(f"untapped step: median {statistics.median(base) * 1e3:.0f} ms over {a.reps} interleaved rounds "
+          f"(round medians {min(base) * 1e3:.0f}-{max(base) * 1e3:.0f} ms)")
+    for n in names[1:]:
+        ratios = [t / b for t, b in zip(times[n], base)]
+        inside = statistics.median(own[n]) / statistics.median(base)
+        print(f"{n:18s}: wall ratio median {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}-"
+              f"{max(ratios):.2f}x); time inside the tap {statistics.median(own[n]) * 1e3:.0f} ms per step = "
+              f"{inside:.2f} of an untapped step")
 
 
 if __name__ == "__main__":
