@@ -194,6 +194,13 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
             raise ValueError(f"step {s.step} is in basis {s.names}, step {samples[0].step} in {names}: "
                              "samples must share one feature basis")
     by_step = {s.step: s for s in samples}
+    moments: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # each step's once (it sits in two pairs)
+
+    def moments_of(x: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
+        if x.step not in moments:
+            moments[x.step] = step_moments(x)
+        return moments[x.step]
+
     ledgers = []
     for t in sorted(by_step):
         if t + 1 not in by_step:
@@ -207,8 +214,8 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
         if matched is not None:
             dz, cov, units = matched
         else:
-            m_pre, v_pre, u_pre = step_moments(pre)
-            m_post, v_post, u_post = step_moments(post)
+            m_pre, v_pre, u_pre = moments_of(pre)
+            m_post, v_post, u_post = moments_of(post)
             dz, cov, units = m_post - m_pre, v_pre + v_post, u_pre + u_post
         ledgers.append(Ledger(
             step_pair=(t, t + 1), names=names, delta_z=dz,
