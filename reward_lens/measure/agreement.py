@@ -97,8 +97,8 @@ def agreement_section(ctx: RunContext) -> BookResult:
     refusals = [r for b in (effect, cause) if b.data is None for r in b.refusals]
     if drift is None or selection is None:
         status = "refused" if drift is None and selection is None else "partial"
-    else:
-        status = "computed"
+    else:  # something to agree on needs something resolved: a move or an ask
+        status = "computed" if any(f.moved or f.selected for f in sec.features) else "unresolved"
     ctxt = {"a": sec, "s": sec.summary, "dis": [f for f in sec.features if f.verdict in DISAGREEMENTS],
             "agree": [f for f in sec.features if f.verdict == AGREE], "status": status}
     headline = render_template("report/books/agreement.headline.j2", ctxt).strip()
