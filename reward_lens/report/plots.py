@@ -34,8 +34,7 @@ def reduce_minmax(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) ->
     n = len(x)
     if n <= max_points:
         return x, y
-    bins = max_points // 2
-    b = (np.arange(n) * bins) // n  # bin of each point
+    b = _bin_of(n, max_points)
     finite = np.isfinite(y)
     idx = np.nonzero(finite)[0]
     order = idx[np.lexsort((y[idx], b[idx]))]  # by bin, then by y
@@ -45,6 +44,19 @@ def reduce_minmax(x: np.ndarray, y: np.ndarray, max_points: int = MAX_POINTS) ->
     keep = np.union1d(order[first], order[last])  # each bin's min and max
     keep = np.union1d(keep, np.nonzero(~finite)[0])  # and every break
     return x[keep], y[keep]
+
+
+def _bin_of(n: int, max_points: int = MAX_POINTS) -> np.ndarray:
+    """The bin of each of n consecutive points: max_points / 2 bins of (nearly) equal size."""
+    return (np.arange(n) * (max_points // 2)) // n
+
+
+def _per_bin(values: np.ndarray, bins: np.ndarray, reduce) -> np.ndarray:
+    """``reduce`` (np.min, np.max, np.mean) of ``values`` over each bin, in bin order."""
+    starts = np.r_[0, np.nonzero(np.diff(bins))[0] + 1]
+    if reduce is np.mean:
+        return np.add.reduceat(values, starts) / np.diff(np.r_[starts, len(values)])
+    return (np.minimum if reduce is np.min else np.maximum).reduceat(values, starts)
 
 
 def _broken(s: Series) -> tuple[np.ndarray, np.ndarray]:
@@ -62,8 +74,13 @@ def _draw(ax, panel: Panel, legend: bool) -> None:
     stacks = [s for s in panel.series if s.style == "stack"]
     colors = iter(_COLORS)
     if stacks:
-        ax.stackplot(np.asarray(stacks[0].x, float), np.array([s.y for s in stacks], float),
-                     labels=[s.label for s in stacks], linewidth=0)
+        x = np.asarray(stacks[0].x, float)
+        ys = np.array([st.y for st in stacks], float)
+        if len(x) > MAX_POINTS:  # each bin's mean, so the stack keeps its totals' shape
+            b = _bin_of(len(x))
+            x = _per_bin(x, b, np.min)
+            ys = np.array([_per_bin(row, b, np.mean) for row in ys])
+        ax.stackplot(x, ys, labels=[st.label for st in stacks], linewidth=0)
     for s in panel.series:
         if s.style == "stack":
             continue
@@ -75,13 +92,10 @@ def _draw(ax, panel: Panel, legend: bool) -> None:
             xr, yr = reduce_minmax(x, y)
             ax.plot(xr, yr, lw=0.9, ls="--" if s.style == "dashed" else "-", color=color, label=s.label)
         elif s.style == "band":
-            lo, hi = np.asarray(s.lo, float), np.asarray(s.hi, float)
-            xs = np.asarray(s.x, float)
-            if len(xs) > MAX_POINTS:  # the envelope of each bin
-                _, lo = reduce_minmax(xs, lo)
-                xr, hi = reduce_minmax(xs, hi)
-                m = min(len(lo), len(hi))
-                xs, lo, hi = xr[:m], lo[:m], hi[:m]
+            xs, lo, hi = np.asarray(s.x, float), np.asarray(s.lo, float), np.asarray(s.hi, float)
+            if len(xs) > MAX_POINTS:  # each bin's envelope: its lowest lo and highest hi
+                b = _bin_of(len(xs))
+                xs, lo, hi = _per_bin(xs, b, np.min), _per_bin(lo, b, np.min), _per_bin(hi, b, np.max)
             ax.fill_between(xs, lo, hi, color=color, alpha=0.25, lw=0, label=s.label)
         elif s.style == "interval":
             ax.vlines(np.asarray(s.x, float), np.asarray(s.lo, float), np.asarray(s.hi, float), lw=0.6, color=color,

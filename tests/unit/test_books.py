@@ -159,3 +159,17 @@ def test_long_lines_are_reduced_to_each_bins_min_and_max():
         assert kept.max() == y[sel].max() and kept.min() == y[sel].min()
     short = np.arange(10.0)
     assert reduce_minmax(short, short)[0] is short
+
+
+def test_bands_and_stacks_are_reduced_per_bin_without_losing_their_envelope():
+    from reward_lens.report.plots import MAX_POINTS, _bin_of, _per_bin
+
+    rng = np.random.default_rng(2)
+    lo = rng.normal(size=30_000)
+    b = _bin_of(lo.size)
+    env = _per_bin(lo, b, np.min)
+    assert len(env) == MAX_POINTS // 2
+    assert all(env[j] == lo[b == j].min() for j in (0, 321, MAX_POINTS // 2 - 1))
+    # a stack keeps each bin's mean, so its area over the run is kept
+    means = _per_bin(lo, b, np.mean)
+    assert np.average(means, weights=np.bincount(b)) == pytest.approx(lo.mean())
