@@ -25,10 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from reward_lens.measure.efficiency.cost import denominator_context, rollouts_context
 from reward_lens.record.errors import RecordError
 from reward_lens.record.importers import whole_number
-from reward_lens_spec import (Presence, Refusal, Subject, load_books, load_frameworks, load_taps, make_refusal,
-                              resolve)
+from reward_lens_spec import (Presence, Refusal, Subject, load_books, load_fields, load_frameworks, load_taps,
+                              make_refusal, resolve)
 from reward_lens_spec.models import BookSpec, Condition, FrameworkSpec
-from reward_lens_spec.render import first_sentence
+from reward_lens_spec.render import first_sentence, render_macro
 from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
 
 SCHEMA_VERSION = "1.0"
@@ -157,6 +157,11 @@ def _keys(cfg: dict[str, Any], prefix: str = "") -> set[str]:
     return out
 
 
+def _say(macro: str, **kwargs: Any) -> str:
+    """One sentence of the audit, from templates/audit/says.j2."""
+    return render_macro("audit/says.j2", macro, **kwargs)
+
+
 def _show(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -206,13 +211,11 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
     elif isinstance(raw_window, float) and 0 < raw_window < 1:
         # transformers reads a logging_steps below 1 as a ratio of the total training steps
         if pr.steps is None:
-            raise RecordError(where, f"`{spec.window_key}` = {raw_window:g} is a ratio of the run's steps, and "
-                              f"`{spec.steps_key}` is not set, so the logging interval is not known",
-                              field=spec.window_key)
+            raise RecordError(where, _say("ratio_unknown", key=spec.window_key, raw=f"{raw_window:g}",
+                                          steps_key=spec.steps_key), field=spec.window_key)
         window = max(1, math.ceil(raw_window * pr.steps))
-        pr.statements.append(Statement(key=spec.window_key, value=raw_window, origin=w_origin, says=(
-            f"`{spec.window_key}` = {raw_window:g} is a ratio of the run's steps: a logging step every {window} "
-            f"steps of {pr.steps}")))
+        pr.statements.append(Statement(key=spec.window_key, value=raw_window, origin=w_origin, says=_say(
+            "ratio_window", key=spec.window_key, raw=f"{raw_window:g}", window=window, steps=pr.steps)))
     else:
         window = whole_number(raw_window, where, spec.window_key, minimum=1)
     pr.window = window
@@ -220,7 +223,6 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
         if _holds(rej.when, cfg, d):
             v, o = _get(cfg, rej.when.key, d)
             pr.rejected = Cause(key=rej.when.key, value=v, origin=o, says=rej.why)
-    pr.window = window
     logged = None if pr.steps is None else math.ceil(pr.steps / window)
 
     def presence(kind: str) -> tuple[Presence, str]:
@@ -238,8 +240,8 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
                 v, o = _get(cfg, c.key, d)
                 o = "tap default" if layer is tap and o == "default" else o
                 for f in sup.fields:
-                    pr.why_missing.setdefault(f, Cause(key=c.key, value=v, origin=o, says=(
-                        f"`{c.key}` = {_show(v)}{_origin_words(o, layer)}, and {sup.why}")))
+                    pr.why_missing.setdefault(f, Cause(key=c.key, value=v, origin=o, says=_say(
+                        "key_and_why", key=c.key, value=_show(v), origin=_origin_words(o, layer), why=sup.why)))
                 continue
             kind = sup.per_window if layer is spec else "every_step"
             for f in sup.fields:
@@ -250,8 +252,9 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
                     pr.cadence[f] = words
                 if kind == "last_step" and window > 1 and p.count < p.of:
                     v, o = _get(cfg, spec.window_key, d)
-                    pr.why_missing.setdefault(f, Cause(key=spec.window_key, value=window, origin=o, says=(
-                        f"`{spec.window_key}` = {window}{_origin_words(o, spec)}, and {sup.why}")))
+                    pr.why_missing.setdefault(f, Cause(key=spec.window_key, value=window, origin=o, says=_say(
+                        "key_and_why", key=spec.window_key, value=window, origin=_origin_words(o, spec),
+                        why=sup.why)))
     for st in spec.settings + (tap.settings if tap is not None else []):
         if st.when is None or _holds(st.when, cfg, d):
             v, o = _get(cfg, st.key, d)
@@ -259,25 +262,21 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
             o = "tap default" if owner is tap and o == "default" else o
             says = st.says.format(value=_show(v), origin=_origin_words(o, owner))
             if tap is not None and st.about and all(pr.cadence.get(f) == "every step" for f in st.about):
-                says += f"; the tap records {', '.join(f'`{f}`' for f in st.about)} on every step all the same"
+                says += _say("tap_records_anyway", fields=st.about)
             pr.statements.append(Statement(key=st.key, value=v, origin=o, says=says))
     if window > 1:
-        pr.statements.append(Statement(key=spec.window_key, value=window, origin=w_origin, says=(
-            f"`{spec.window_key}` = {window}{_origin_words(w_origin, spec)}: the trainer's own telemetry will be "
-            f"means over {window}-step windows, not per-step values"
-            + ("; the tap records its telemetry on every step" if tap is not None else ""))))
+        pr.statements.append(Statement(key=spec.window_key, value=window, origin=w_origin, says=_say(
+            "window", key=spec.window_key, window=window, origin=_origin_words(w_origin, spec), tap=tap is not None)))
     for f, why in sorted(spec.never.items()):
         if f in pr.supplied:
             continue
         if tap is None and spec.framework in load_taps():
             section = load_taps()[spec.framework].section
-            pr.why_missing.setdefault(f, Cause(key=section, value=None, origin="unset", says=(
-                f"{why}; the reward-lens tap records it, and this audit assumes no tap (`--with-tap`, or a "
-                f"`{section}:` section in the config, audits a run recorded with it)")))
+            pr.why_missing.setdefault(f, Cause(key=section, value=None, origin="unset",
+                                               says=_say("never_without_tap", why=why, section=section)))
         else:
-            pr.why_missing.setdefault(f, Cause(key=None, value=None, origin="unset", says=f"{why}, whatever the "
-                                               "configuration says"))
-        pr.statements.append(Statement(key=None, value=None, origin="unset", says=f"`{f}` will be absent: {why}"))
+            pr.why_missing.setdefault(f, Cause(key=None, value=None, origin="unset", says=_say("never", why=why)))
+        pr.statements.append(Statement(key=None, value=None, origin="unset", says=_say("absent", field=f, why=why)))
     return pr
 
 
@@ -377,9 +376,9 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
         pr.cadence = {f: f"{p.count} of {p.of} steps" for f, p in pr.supplied.items()}
         pr.window = run.manifest.logging_steps
         pr.statements = [Statement(key=None, value=None, origin="record", says=n) for n in run.manifest.notes]
-        for f in load_fields_all():
+        for f in load_fields().fields:
             if f not in pr.supplied:
-                pr.why_missing[f] = Cause(key=f, value=None, origin="record", says=f"this record has no `{f}`")
+                pr.why_missing[f] = Cause(key=f, value=None, origin="record", says=_say("record_lacks", field=f))
         betas = sorted(set(run.telemetry_column("beta").values()))
         books = _verdicts(pr, subject=run.run_id[:12], audit_words=False,
                           optimizer=run.manifest.optimizer, betas=betas, framework=run.manifest.framework.name)
@@ -411,12 +410,6 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
     return out, pr, None
 
 
-def load_fields_all() -> list[str]:
-    from reward_lens_spec import load_fields
-
-    return list(load_fields().fields)
-
-
 # ---------------------------------------------------------------- verdicts
 
 def _cause_for(resolution, rid: str, pr: Projection) -> Cause:
@@ -426,7 +419,7 @@ def _cause_for(resolution, rid: str, pr: Projection) -> Cause:
             if f in pr.why_missing:
                 return pr.why_missing[f]
     missing = sorted({f for a in status.alternatives for f in a.missing + a.partial})
-    return Cause(key=None, value=None, origin="unset", says=f"nothing supplies {', '.join(missing)}")
+    return Cause(key=None, value=None, origin="unset", says=_say("nothing_supplies", fields=missing))
 
 
 def _ledger(book: BookSpec, pr: Projection) -> tuple[str | None, Cause | None]:
@@ -440,7 +433,7 @@ def _ledger(book: BookSpec, pr: Projection) -> tuple[str | None, Cause | None]:
             break
         if cause is None:
             cause = pr.why_missing.get(lacking[0]) or Cause(key=None, value=None, origin="unset",
-                                                             says=f"no `{lacking[0]}` on every step")
+                                                             says=_say("not_every_step", field=lacking[0]))
     if chosen is not None and chosen == book.ledgers[0].id:
         cause = None
     return chosen, cause
@@ -520,36 +513,29 @@ def _feature_verdicts(basis, result: AuditOut, pr: Projection, record: dict[str,
             missing = [f for f in needs[0] if not (f in pr.supplied and pr.supplied[f].any)]
             cause = pr.why_missing.get(missing[0]) or Cause(
                 key=None, value=None, origin="unset",
-                says=f"nothing in {result.subject} supplies `{missing[0]}`")
-            alts = " or ".join("+".join(f"`{f}`" for f in alt) for alt in needs)
+                says=_say("feature_unsupplied", subject=result.subject, field=missing[0]))
             out.append(FeatureVerdict(**common, verdict="not supported", cause=cause,
-                                      says=f"needs {alts}: {cause.says}"))
+                                      says=_say("feature_needs", alternatives=needs, cause=cause.says)))
             continue
         if d.kind == "reward":
             if rewards is not None:
                 if d.reward in rewards:
-                    out.append(FeatureVerdict(**common, verdict="supported", says=f"reward function `{d.reward}` "
-                                              "is in the record"))
+                    out.append(FeatureVerdict(**common, verdict="supported",
+                                              says=_say("reward_in_record", reward=d.reward)))
                 else:
                     cause = Cause(key="rewards", value=sorted(rewards), origin="record",
-                                  says=f"the record's reward functions are {sorted(rewards)}, not `{d.reward}`")
+                                  says=_say("reward_not_in_record", reward=d.reward, names=sorted(rewards)))
                     out.append(FeatureVerdict(**common, verdict="not supported", cause=cause, says=cause.says))
                 continue
-            out.append(FeatureVerdict(**common, verdict="depends", says=(
-                f"needs a reward function named `{d.reward}`: per-function rewards will be recorded, and their "
-                "names come from the reward functions the script passes, which a configuration does not name")))
+            out.append(FeatureVerdict(**common, verdict="depends", says=_say("reward_depends", reward=d.reward)))
             continue
         if d.kind in ("ends_with_eos", "truncated") and getattr(d, "eos_token_id", None) is None:
             if record is not None and record["eos_token_id"] is None:
-                cause = Cause(key="eos_token_id", value=None, origin="record", says=(
-                    "the record does not name its model's end-of-sequence token: set `eos_token_id` on the feature"))
+                cause = Cause(key="eos_token_id", value=None, origin="record", says=_say("eos_not_in_record"))
                 out.append(FeatureVerdict(**common, verdict="not supported", cause=cause, says=cause.says))
                 continue
             if record is None and not result.with_tap:
-                out.append(FeatureVerdict(**common, verdict="depends", says=(
-                    "needs the end-of-sequence token id: the tap records the model's, an imported record does "
-                    "not; set `eos_token_id` on the feature")))
+                out.append(FeatureVerdict(**common, verdict="depends", says=_say("eos_depends")))
                 continue
-        out.append(FeatureVerdict(**common, verdict="supported", says="computable from " + ", ".join(
-            f"`{f}`" for f in ok[0])))
+        out.append(FeatureVerdict(**common, verdict="supported", says=_say("computable_from", fields=ok[0])))
     return out

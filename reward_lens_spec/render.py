@@ -63,6 +63,18 @@ def render_template(name: str, context: dict[str, Any], root: Path | None = None
     return normalise_prose(text)
 
 
+def render_macro(name: str, macro: str, root: Path | None = None, **kwargs: Any) -> str:
+    """One macro of a template of sentences (e.g. ``templates/audit/says.j2``), rendered."""
+    env = _env(str(root or templates_dir()))
+    try:
+        module = env.get_template(name).module
+    except jinja2.TemplateNotFound:
+        raise SpecError(f"{(root or templates_dir()) / name}:1: template not found") from None
+    if not hasattr(module, macro):
+        raise SpecError(f"{(root or templates_dir()) / name}:1: no macro `{macro}`")
+    return " ".join(str(getattr(module, macro)(**kwargs)).split())
+
+
 def normalise_prose(text: str) -> str:
     """Collapse whitespace inside paragraphs; keep blank lines between paragraphs."""
     paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", text.strip())]

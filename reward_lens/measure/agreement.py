@@ -30,6 +30,8 @@ NOT_BOUGHT = "asked for, not bought"
 OTHER_WAY = "asked for, moved the other way"
 NEITHER = "neither"
 DISAGREEMENTS = (COLLATERAL, NOT_BOUGHT, OTHER_WAY)
+SUMMARY_KEYS = {AGREE: "asked_for_and_bought", COLLATERAL: "collateral", NOT_BOUGHT: "asked_for_not_bought",
+                OTHER_WAY: "asked_for_moved_the_other_way", NEITHER: "neither"}
 
 
 class _M(BaseModel):
@@ -74,9 +76,8 @@ def agreement_table(features: Sequence[str], units: dict[str, str], shares: dict
         out.append(FeatureVerdict(feature=n, unit=units.get(n, ""), share=shares.get(n) if shares else None,
                                   moved=mv[0] if mv else None, drift=mv[1] if mv else None,
                                   selected=sl[0] if sl else None, selection=sl[1] if sl else None, verdict=v))
-    counts = {k: sum(f.verdict == k for f in out) for k in (AGREE, COLLATERAL, NOT_BOUGHT, OTHER_WAY, NEITHER)}
-    summary = {"features": len(out), "disagreements": sum(counts[k] for k in DISAGREEMENTS),
-               **{k.split(" (")[0].replace(",", "").replace(" ", "_"): v for k, v in counts.items()}}
+    summary = {"features": len(out), "disagreements": sum(f.verdict in DISAGREEMENTS for f in out),
+               **{key: sum(f.verdict == v for f in out) for v, key in SUMMARY_KEYS.items()}}
     return AgreementSection(features=out, summary=summary)
 
 

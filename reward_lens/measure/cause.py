@@ -30,7 +30,7 @@ from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.efficiency.metric import MetricG
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample
+from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes
 from reward_lens_spec import Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -68,8 +68,7 @@ class CauseSection(_M):
 def selection_differential(sample: StepSample) -> tuple[np.ndarray, np.ndarray]:
     """s = Cov(z, A) within prompt groups over one step's rollouts, and its SE (groups as units)."""
     z, a = sample.z, np.asarray(sample.advantages, dtype=float)
-    _, codes = np.unique(sample.groups.astype(str), return_inverse=True)
-    g = int(codes.max()) + 1
+    codes, g = group_codes(sample.groups)
     size = np.bincount(codes, minlength=g).astype(float)
     zc = z - (np.stack([np.bincount(codes, weights=z[:, j], minlength=g) for j in range(z.shape[1])], 1)
               / size[:, None])[codes]

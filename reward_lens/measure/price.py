@@ -27,9 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from scipy import special
 
 from reward_lens.measure.books import BookResult, RunContext, status_of
+from reward_lens.measure.efficiency.cost import run_denominator_context
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import StepSample
+from reward_lens.measure.ledger.price import StepSample, step_moments
 from reward_lens_spec import Subject, load_book, make_refusal, resolve
 from reward_lens_spec.render import render_template
 
@@ -65,15 +66,13 @@ class PriceSection(_M):
 
 
 def _step_reward(s: StepSample) -> tuple[float, float]:
-    r = np.asarray(s.rewards, dtype=float)
-    units = r
-    if s.groups is not None:
-        _, codes = np.unique(s.groups.astype(str), return_inverse=True)
-        g = codes.max() + 1
-        if g > 1:  # groups as units; one group: its rollouts are
-            units = np.bincount(codes, weights=r, minlength=g) / np.bincount(codes, minlength=g)
-    se = float(units.std(ddof=1) / math.sqrt(len(units))) if len(units) > 1 else float("nan")
-    return float(r.mean()), se
+    """A step's mean reward and its standard error, with prompt groups as the units
+    (``step_moments`` on the reward as a one-feature sample)."""
+    r = np.asarray(s.rewards, float)[:, None]
+    if len(r) < 2:
+        return float(r.mean()), float("nan")
+    mean, cov, _ = step_moments(StepSample(s.step, ("reward",), r, groups=s.groups))
+    return float(mean[0]), float(math.sqrt(cov[0, 0]))
 
 
 def fit_frontier(d: np.ndarray, r: np.ndarray) -> tuple[float | None, float | None, float | None]:
@@ -170,13 +169,8 @@ def price_section(ctx: RunContext) -> BookResult:
         refusals.append(make_refusal("RECORD_INCOMPLETE", book, Subject(run_id=run.run_id), {
             "requirement": "rewards", "run": run.short_id, "framework": run.manifest.framework.name}))
     if not kl:
-        resolution = resolve(book, run.fields(), optimizer=run.manifest.optimizer)
-        from reward_lens.measure.efficiency.cost import denominator_context
-
-        ctx_d = denominator_context(resolution, run_label=run.short_id, n_missing=max(len(run.steps) - 1, 0),
-                                    n_total=max(len(run.steps) - 1, 0), optimizer=run.manifest.optimizer,
-                                    betas=sorted(set(run.telemetry_column("beta").values())),
-                                    framework=run.manifest.framework.name)
+        pairs = max(len(run.steps) - 1, 0)
+        ctx_d = run_denominator_context(run, pairs, pairs, resolve(book, run.fields(), optimizer=run.manifest.optimizer))
         refusals.append(make_refusal("RECORD_INCOMPLETE", book, Subject(run_id=run.run_id), ctx_d))
     if refusals:
         return BookResult("refused", "No price: " + "; ".join(sorted({r.context["requirement"] for r in refusals}))

@@ -29,7 +29,7 @@ from reward_lens.report.model import (
     SampleRollout,
 )
 from reward_lens_spec import Refusal, load_books, load_fields, load_refusal_codes
-from reward_lens_spec.render import first_sentence
+from reward_lens_spec.render import first_sentence, render_template
 
 Progress = Callable[[str], None]
 SAMPLES_PER_END = 6
@@ -163,10 +163,7 @@ def summary_card(books: list[BookOut]) -> list[str]:
         for b in missing:
             for r in b.refusals:
                 remedies.setdefault(first_sentence(r.remedy), []).append(b.id)
-        names = ", ".join(f"the {b.id} book{' (in part)' if b.status == 'partial' else ''}" for b in missing)
-        line = f"Not computed: {names}."
-        if remedies:
-            best = max(remedies, key=lambda k: len(set(remedies[k])))
-            line += f" To get {'it' if len(set(remedies[best])) == 1 else 'most of it'}: {best}"
-        lines.append(line)
+        best = max(remedies, key=lambda k: len(set(remedies[k]))) if remedies else None
+        lines.append(render_template("report/card_missing.j2", {
+            "missing": missing, "remedy": best, "remedy_books": len(set(remedies[best])) if best else 0}))
     return lines[:5]

@@ -45,11 +45,10 @@ def rollout_curves(run: Run) -> list[Panel]:
         if "rewards" in t.column_names:
             m = t.column("rewards").combine_chunks()
             lens = np.diff(np.asarray(m.offsets))
-            keys = np.asarray(m.keys.to_pylist(), dtype=object)
             vals = m.items.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
             rep = np.repeat(st, lens)
-            for k in set(keys.tolist()):
-                sel = keys == k
+            for k in m.keys.unique().to_pylist():  # a handful of reward functions: one vectorised compare each
+                sel = pc.equal(m.keys, k).to_numpy(zero_copy_only=False)
                 funcs.setdefault(k, ([], []))
                 funcs[k][0].append(rep[sel])
                 funcs[k][1].append(vals[sel])

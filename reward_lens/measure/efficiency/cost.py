@@ -327,10 +327,11 @@ def rollouts_refusal(run: Run, samples: Sequence[Any]) -> Refusal:
     return make_refusal("RECORD_INCOMPLETE", load_book(BOOK_ID), _subject(run.run_id, []), ctx)
 
 
-def _incomplete_context(run: Run | None, missing_pairs: list[tuple[int, int]], total: int, resolution,
-                        kl_spent_given: bool) -> dict[str, Any]:
+def run_denominator_context(run: Run | None, n_missing: int, total: int, resolution,
+                            kl_spent_given: bool = False) -> dict[str, Any]:
+    """The RECORD_INCOMPLETE context for a run's missing D_t (every book that needs D_t)."""
     return denominator_context(
-        resolution, run_label=_short(run.run_id if run is not None else None), n_missing=len(missing_pairs),
+        resolution, run_label=_short(run.run_id if run is not None else None), n_missing=n_missing,
         n_total=total, optimizer=run.manifest.optimizer if run is not None else None,
         betas=sorted(set(run.telemetry_column("beta").values())) if run is not None else [],
         framework=run.manifest.framework.name if run is not None else None, kl_spent_given=kl_spent_given)
@@ -417,7 +418,7 @@ def cost_series(
         resolution = resolve(book, _supplied(run_, kl_spent, n_steps),
                              optimizer=run_.manifest.optimizer if run_ is not None else None)
         refusals.append(make_refusal("RECORD_INCOMPLETE", book, _subject(run_id, missing),
-                                     _incomplete_context(run_, missing, len(ledgers), resolution, bool(kl_spent))))
+                                     run_denominator_context(run_, len(missing), len(ledgers), resolution, bool(kl_spent))))
     estimates: list[_eta.EtaEstimate] = []
     heavy: list[dict[str, Any]] = []  # paired step pairs whose weights are too heavy-tailed: one refusal
     meta: dict[tuple[int, int], tuple[KlMinRow, str, dict]] = {}
