@@ -64,8 +64,18 @@ after that step's flush and is written by the next flush.
 With ``num_iterations > 1`` (or ``steps_per_generation > gradient_accumulation_steps``)
 rollouts are reused across steps; they are recorded once, under the step whose policy
 sampled them, and the rollout estimator of a later step is marked ``rollout_stale`` (its
-prefixes come from an older policy). Single-process training only: under several processes
-each sees a slice of the batch, and ``attach`` refuses.
+prefixes come from an older policy).
+
+Several processes (``accelerate launch`` / ``torchrun``, data-parallel: DDP on CPUs or GPUs).
+Each process generates its slice of the global generation batch (TRL gathers the rewards,
+computes advantages over whole groups and slices them back), and holds a full replica of the
+parameters, so each can score its own rollouts under pi_t and pi_{t+1}. The tap does exactly
+that on every rank, then gathers with the trainer's own process group (accelerate's
+``gather_object``): the per-sequence KLs, so D_t and its standard error are those of the
+global batch, and the finished rollouts, which rank 0 alone writes (crash-safe as above).
+Rollout and group ids are positions in the global batch, as TRL's ``process_slice`` defines
+them. DeepSpeed, FSDP and Megatron shard the parameters, so no rank can evaluate pi_t on its
+own: ``attach`` refuses them.
 """
 
 from __future__ import annotations
@@ -87,6 +97,8 @@ from reward_lens.record.stream import RecordStream
 
 INDEX_KEY = "_reward_lens_index"
 ESTIMATORS = ("rollout", "exact", "both", None)
+# accelerate's distributed types that shard the parameters across processes
+SHARDED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 # What the tap adds to the trainer's own logs (W&B, TensorBoard, whatever `report_to` names):
 # means over the optimizer steps since the previous log. eta is not among them: it needs the
 # next step's rollouts and a book-wide noise decision, so it is a report's number, not a log's.
@@ -131,9 +143,15 @@ class RewardLensTap(TrainerCallback):
                  paired: bool = True):
         if estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
-        if getattr(trainer.accelerator, "num_processes", 1) != 1:
-            raise ValueError("the reward-lens TRL tap records single-process runs only: with several processes "
-                             "each sees a slice of the generation batch")
+        acc = trainer.accelerator
+        kind = str(getattr(acc, "distributed_type", "NO")).split(".")[-1]
+        if kind in SHARDED:
+            raise ValueError(f"the reward-lens TRL tap does not support {kind}: it shards the parameters, so no "
+                             "process can evaluate pi_t and pi_{t+1} on its own rollouts (the rollouts' "
+                             "log-probabilities and D_t need both); record the run data-parallel instead "
+                             "(accelerate's multi-GPU or multi-CPU launch, i.e. DDP)")
+        self.world = int(getattr(acc, "num_processes", 1) or 1)
+        self.rank = int(getattr(acc, "process_index", 0) or 0)
         self.trainer = trainer
         self.estimator = estimator
         self.paired = paired  # keep pi_t one step longer and score step t+1's rollouts under it
@@ -168,7 +186,11 @@ class RewardLensTap(TrainerCallback):
         if args.logging_steps != 1:
             notes.append(f"logging_steps={args.logging_steps}: TRL's `kl` is a window mean, so kl_to_ref is not "
                          "recorded")
-        self.stream = RecordStream(record_dir, framework={"name": "trl", "version": trl.__version__},
+        if self.world > 1:
+            notes.append(f"recorded from {self.world} data-parallel processes; rollouts and D_t gathered over all "
+                         "of them, written by rank 0")
+        # Only rank 0 writes; the other ranks measure and send what they measured to it.
+        self.stream = None if self.rank else RecordStream(record_dir, framework={"name": "trl", "version": trl.__version__},
                                    model={"description": model_description or str(
                                        getattr(model.config, "_name_or_path", "") or type(model).__name__),
                                           "architecture": type(model).__name__, "n_parameters": n_params,
@@ -218,20 +240,28 @@ class RewardLensTap(TrainerCallback):
     def _on_generation(self, out: dict[str, Any]) -> None:
         tr = self.trainer
         n = out["completion_ids"].shape[0]
+        # TRL's own layout of the global batch: equal slices, rank-major (its process_slice);
+        # rewards, prompts and completions in its logs are gathered over all ranks.
+        total, offset = n * self.world, n * self.rank
         t = tr.state.global_step
         names = list(tr.reward_func_names)
         weights = tr.reward_weights.detach().cpu().numpy().astype(float)
-        rewards = np.array([[list(tr._logs["rewards"][name])[-n:][i] for name in names] for i in range(n)], float)
-        prompts = list(tr._logs["prompt"])[-n:]
-        completions = list(tr._logs["completion"])[-n:]
+        logged = {name: list(tr._logs["rewards"][name])[-total:] for name in names}
+        prompts = list(tr._logs["prompt"])[-total:]
+        completions = list(tr._logs["completion"])[-total:]
+        if len(prompts) != total or any(len(v) != total for v in logged.values()):
+            raise RuntimeError(f"reward-lens tap: TRL logged {len(prompts)} prompts for a generation batch of "
+                               f"{n} x {self.world} processes; the tap cannot place this rank's rollouts")
+        rewards = np.array([[logged[name][offset + i] for name in names] for i in range(n)], float)
+        prompts, completions = prompts[offset:offset + n], completions[offset:offset + n]
         group = max(1, int(tr.num_generations))
-        idx = torch.arange(self._next_index, self._next_index + n)
-        self._next_index += n
+        idx = torch.arange(self._next_index + offset, self._next_index + offset + n)
+        self._next_index += total
         for i in range(n):
             pmask = out["prompt_mask"][i].bool().cpu()
             cmask = out["completion_mask"][i].bool().cpu()
             self._pending[int(idx[i])] = _Pending(
-                step=t, group=i // group, prompt=str(prompts[i]), completion=str(completions[i]),
+                step=t, group=(offset + i) // group, prompt=str(prompts[i]), completion=str(completions[i]),
                 prompt_ids=out["prompt_ids"][i].cpu()[pmask], completion_ids=out["completion_ids"][i].cpu()[cmask],
                 reward=float(np.nansum(rewards[i] * weights)),
                 rewards={nm: float(v) for nm, v in zip(names, rewards[i]) if not math.isnan(v)},
@@ -239,8 +269,16 @@ class RewardLensTap(TrainerCallback):
         out[INDEX_KEY] = idx.to(out["completion_ids"].device)
 
     # ------------------------------------------------------------------ the step
+    def _gather(self, items: list) -> list:
+        """All ranks' lists, concatenated in rank order (the trainer's process group)."""
+        if self.world == 1:
+            return list(items)
+        from accelerate.utils import gather_object
+
+        return list(gather_object(list(items)))
+
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.save_initial_checkpoint:
+        if self.save_initial_checkpoint and self.stream is not None:
             d = self.stream.path / "checkpoints" / f"step-{state.global_step}"
             self.trainer.model.save_pretrained(d)
             if self.trainer.processing_class is not None:
@@ -268,14 +306,19 @@ class RewardLensTap(TrainerCallback):
         self._row["update_norm"] = float(torch.sqrt(sq))
         used = [i for i in dict.fromkeys(self._used) if i in self._pending]
         self._used = []
-        if self.estimator is not None and used:
+        # Under several processes every rank takes part (its slice may be empty), since the
+        # estimates are gathered.
+        if self.estimator is not None and (used or self.world > 1):
             was = model.training
             model.eval()
             try:
                 est = self._estimate(used, t, snap)
             finally:
                 model.train(was)
-            self.estimates[t] = est
+            if est:
+                self.estimates[t] = est
+        if t in self.estimates:
+            est = self.estimates[t]
             primary = est.get("exact") or est.get("rollout") or est.get("rollout_stale")
             self._row.update(kl_to_previous=primary.mean, kl_to_previous_se=primary.se,
                              kl_to_previous_estimator=primary.estimator)
@@ -316,7 +359,7 @@ class RewardLensTap(TrainerCallback):
         pad = getattr(tok, "pad_token_id", None)
         pad = 0 if pad is None else pad
         out: dict[str, KlEstimate] = {}
-        stale = any(self._pending[i].step != t for i in used)
+        stale = any(self._gather([any(self._pending[i].step != t for i in used)]))
         # pi_{t-1}, kept from the previous step: scores step t's rollouts for the paired ledger.
         # With one generation batch feeding R optimizer steps (num_iterations > 1), the
         # independent sample of the window t-R .. t is the generation at step t, scored under
@@ -346,25 +389,31 @@ class RewardLensTap(TrainerCallback):
                     self._pending[i].logp_pre = float(lp_old[j])
                     self._pending[i].logp_post = float(lp_new[j])
             name = "rollout_stale" if stale else "rollout"
-            out[name] = KlEstimate.of(per, name)
+            per = self._gather(per)
+            if per:
+                out[name] = KlEstimate.of(per, name)
         if self.estimator in ("exact", "both"):
             prompts = list(dict.fromkeys(tuple(self._pending[i].prompt_ids.tolist()) for i in used))
+            # n_exact sequences over the whole batch: this rank's share, spread over its prompts
+            share = self.n_exact // self.world + (1 if self.rank < self.n_exact % self.world else 0)
             per = []
             eos = getattr(tok, "eos_token_id", None)
             cap = int(self.trainer.args.max_completion_length)
             for k, prompt in enumerate(prompts):
-                m = self.n_exact // len(prompts) + (1 if k < self.n_exact % len(prompts) else 0)
+                m = share // len(prompts) + (1 if k < share % len(prompts) else 0)
                 if m == 0:
                     continue
-                seqs = sample(self.trainer.model, list(prompt), m, cap, eos, pad, self.seed + 7919 * t + k,
-                              temperature=self.temperature)
+                seqs = sample(self.trainer.model, list(prompt), m, cap, eos, pad,
+                              self.seed + 7919 * t + k + 104729 * self.rank, temperature=self.temperature)
                 ids, comp_full = seqs.ids, seqs.completion_mask
                 att = torch.ones_like(ids)
                 new = self._forward(None, ids, att)[:, :-1]
                 old = self._forward(snap, ids, att)[:, :-1]
                 kl, _, _ = summed_kl_and_logps(new, old, ids[:, 1:], comp_full[:, 1:])
                 per.extend(kl.tolist())
-            out["exact"] = KlEstimate.of(per)
+            per = self._gather(per)
+            if len(per) > 1:
+                out["exact"] = KlEstimate.of(per)
         return out
 
     def _reuse(self, args) -> int:
@@ -388,7 +437,8 @@ class RewardLensTap(TrainerCallback):
         t = state.global_step - 1
         if self._row:
             row = {k: v for k, v in self._row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
-            self.stream.set_telemetry(OptimizerTelemetry(**row))
+            if self.stream is not None:  # the same on every rank: DDP averaged the gradients
+                self.stream.set_telemetry(OptimizerTelemetry(**row))
             for key, name in LOGGED.items():
                 if key in row:
                     self._log_acc.setdefault(name, []).append(float(row[key]))
@@ -396,10 +446,17 @@ class RewardLensTap(TrainerCallback):
         # A generation batch is written once the last step that uses it has ended.
         reuse = self._reuse(args)
         ready = sorted(i for i, p in self._pending.items() if p.step + reuse - 1 <= t)
-        if ready:
-            self.stream.add_rollouts(self._rows(ready))
-        if (t + 1) % self.flush_every == 0:
+        self._write(ready)
+        if (t + 1) % self.flush_every == 0 and self.stream is not None:
             self.stream.flush()
+
+    def _write(self, ready: list[int]) -> None:
+        """Rank 0 writes every rank's finished rollouts, in global-batch order."""
+        rows = self._rows(ready) if ready else []
+        if self.world > 1:
+            rows = [r for _, r in sorted(self._gather(list(zip(ready, rows))), key=lambda x: x[0])]
+        if rows and self.stream is not None:
+            self.stream.add_rollouts(rows)
 
     def _drain_log(self) -> dict[str, float]:
         out = {name: sum(v) / len(v) for name, v in self._log_acc.items() if v}
@@ -409,10 +466,10 @@ class RewardLensTap(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and args.logging_steps == 1 and "kl" in logs and logs["kl"] is not None:
             t = state.global_step - 1
-            if t in self.stream._telemetry:
+            if self.stream is not None and t in self.stream._telemetry:
                 self.stream.set_telemetry(OptimizerTelemetry(step=t, kl_to_ref=float(logs["kl"])))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._pending:
-            self.stream.add_rollouts(self._rows(sorted(self._pending)))
-        self.stream.flush()
+        self._write(sorted(self._pending))
+        if self.stream is not None:
+            self.stream.flush()

@@ -208,3 +208,17 @@ def test_attach_refuses_unknown_estimators(tmp_path):
 
     with pytest.raises(ValueError, match="estimator must be one of"):
         RewardLensTap(object(), tmp_path / "r", estimator="cheap")
+
+
+@pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
+def test_sharded_training_is_refused_at_attach(kind):
+    """Sharded parameters: no rank can evaluate pi_t alone, so the tap refuses by name."""
+    from types import SimpleNamespace
+
+    from reward_lens.taps.trl import RewardLensTap
+
+    trainer = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=f"DistributedType.{kind}", num_processes=2,
+                                                          process_index=0))
+    with pytest.raises(ValueError, match=kind):
+        RewardLensTap(trainer, "never-written")
+    assert not Path("never-written").exists()

@@ -1,0 +1,60 @@
+"""One rank of a real data-parallel TRL GRPO run with the reward-lens tap (launched by
+``torchrun --nproc_per_node 2`` from ``test_trl_tap_distributed.py``; gloo on CPUs).
+
+Each rank writes what its reward function saw (``seen-RANK.jsonl``: one line per generation
+call) and what the tap estimated (``estimates-RANK.json``), so the test can check the record
+against what every process actually generated. TRL saves a checkpoint after every step, so
+the test can recompute D_t from the weights alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+import make_reference_records as gen  # noqa: E402
+
+
+def main(tmp: Path, steps: int) -> None:
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from reward_lens.taps.trl import RewardLensTap
+
+    rank = int(os.environ["RANK"])
+    seen = open(tmp / f"seen-{rank}.jsonl", "w")
+
+    def lowercase(completions, prompts=None, **kw):
+        seen.write(json.dumps({"prompts": list(prompts), "completions": list(completions)}) + "\n")
+        seen.flush()
+        return gen.lowercase(completions)
+
+    tok = gen.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=steps, per_device_train_batch_size=8, num_generations=8,
+                      max_completion_length=16, learning_rate=1e-2, beta=0.0, logging_steps=1, bf16=False,
+                      report_to="none", use_cpu=True, seed=3, save_strategy="steps", save_steps=1,
+                      save_only_model=True, disable_tqdm=True)
+    if rank == 0:
+        model = gen.build_model(len(tok), 3, tok)
+        model.save_pretrained(tmp / "init")
+        tok.save_pretrained(tmp / "init")
+    dist.barrier()
+    trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[lowercase], args=args,
+                          train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}), processing_class=tok)
+    tap = RewardLensTap.attach(trainer, tmp / "rec", flush_every=2)
+    trainer.train()
+    (tmp / f"estimates-{rank}.json").write_text(json.dumps(
+        {t: {k: {"mean": e.mean, "se": e.se, "n": e.n} for k, e in est.items()} for t, est in tap.estimates.items()}))
+    seen.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]))

@@ -1,0 +1,110 @@
+"""The TRL tap under torch.distributed: a real 2-process TRL GRPO run (torchrun, gloo on CPUs,
+DDP), checked against what each process generated and against D_t recomputed from the
+checkpoints TRL saved after every step."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from reward_lens.record import open_run
+
+pytestmark = pytest.mark.slow
+WORKER = Path(__file__).with_name("ddp_worker.py")
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp), str(STEPS)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp, open_run(tmp / "rec")
+
+
+def _seen(tmp: Path) -> list[Counter]:
+    """Per generation call (= per step here), the (prompt, completion) pairs every rank's reward
+    function saw: the global batch."""
+    calls = [[json.loads(line) for line in (tmp / f"seen-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert len(calls[0]) == len(calls[1]) == STEPS
+    return [Counter(p for r in (0, 1) for p in zip(calls[r][s]["prompts"], calls[r][s]["completions"]))
+            for s in range(STEPS)]
+
+
+def test_every_rollout_of_the_global_batch_is_recorded_once(ddp):
+    tmp, run = ddp
+    rows = run.read_rollouts(["prompt", "completion", "group_id", "completion_ids", "logp_pre", "logp_prev"]).to_pylist()
+    assert len(rows) == STEPS * 16  # 2 processes x 8 per device, every step
+    seen = _seen(tmp)
+    for s in range(STEPS):
+        recorded = Counter((x["prompt"], x["completion"]) for x in rows if x["step"] == s)
+        assert recorded == seen[s], f"step {s}"
+        # both ranks contributed (a rank-0-only record would hold 8)
+        assert sum(seen[s].values()) == 16
+    groups: dict[str, list] = {}
+    for x in rows:
+        groups.setdefault(x["group_id"], []).append(x["prompt"])
+    # groups are whole (8 generations of one prompt), numbered over the global batch
+    assert all(len(v) == 8 and len(set(v)) == 1 for v in groups.values()) and len(groups) == STEPS * 2
+    assert all(x["logp_pre"] is not None for x in rows)
+    assert all(x["logp_prev"] is not None for x in rows if x["step"] > 0)  # the paired ledger's input, every rank
+
+
+def test_d_t_is_the_global_estimate(ddp):
+    """D_t recomputed from TRL's own checkpoints over all 16 rollouts of each step equals the
+    record's, and both ranks hold the same gathered estimate (n = 16, not 8)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp, run = ddp
+    tok = AutoTokenizer.from_pretrained(tmp / "init")
+    d_t = run.telemetry_column("kl_to_previous")
+    est = [json.loads((tmp / f"estimates-{r}.json").read_text()) for r in (0, 1)]
+    assert est[0] == est[1]
+    rows = run.read_rollouts(["prompt", "completion_ids"]).to_pylist()
+
+    def load(t):
+        path = tmp / "init" if t == 0 else tmp / "out" / f"checkpoint-{t}"
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    for t in range(STEPS):
+        pre, post = load(t), load(t + 1)
+        per = []
+        for x in (r for r in rows if r["step"] == t):
+            prompt = tok(x["prompt"], add_special_tokens=False)["input_ids"]
+            ids = torch.tensor([prompt + x["completion_ids"]])
+            with torch.no_grad():
+                lp_new = torch.log_softmax(post(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
+                lp_old = torch.log_softmax(pre(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
+            per.append(float((lp_new.exp() * (lp_new - lp_old)).sum()))
+        assert len(per) == 16 and est[0][str(t)]["rollout"]["n"] == 16
+        assert d_t[t] == pytest.approx(np.mean(per), rel=1e-4)
+        assert run.telemetry_column("kl_to_previous_se")[t] == pytest.approx(np.std(per, ddof=1) / 4, rel=1e-3)
+
+
+def test_the_record_reads_and_reports_like_a_single_process_one(ddp, tmp_path):
+    tmp, run = ddp
+    assert sorted(run.telemetry_column("update_norm")) == list(range(STEPS))
+    assert any("2 data-parallel processes" in n for n in run.manifest.notes)
+    out = tmp_path / "rep"
+    proc = subprocess.run([str(Path(sys.executable).with_name("reward-lens")), "report", str(tmp / "rec"), "--out",
+                           str(out), "--format", "json", "--quiet", "--ledger", "paired"],
+                          capture_output=True, text=True)
+    assert proc.returncode in (0, 1), proc.stderr  # computed, or refused for a stated reason
+    report = json.loads((out / "report.json").read_text())
+    assert report["run"]["rollouts"] == STEPS * 16 and report["run"]["rollouts_per_step"] == 16
+    cost = next(b for b in report["books"] if b["id"] == "cost")
+    assert cost["status"] in ("computed", "unresolved") and not cost["refusals"]  # nothing missing from the record
+    # every step pair priced on the paired ledger: D_t, rollouts and pi_t's scores of the next step all there
+    assert [r["step_pair"] for r in cost["data"]["kl_min"]] == [[t, t + 1] for t in range(STEPS - 1)]
+    assert "paired" in cost["headline"]
