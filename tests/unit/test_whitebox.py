@@ -99,8 +99,10 @@ def test_score_matrix_rows_are_gradients_of_log_probs(policy):
 
 
 def test_memory_is_estimated_before_allocating():
-    assert check_memory(8, 2_453_368, max_bytes=1 << 40) == 78_507_776  # the seed's 78 MB
-    with pytest.raises(WhiteboxError, match=r"8 rollouts x 7,000,000,000 parameters x 4 bytes = 224\.0 GB.*sketch"):
+    # the seed's 78 MB of S, plus autograd's gradient and its concatenation for the row in flight
+    assert check_memory(8, 2_453_368, max_bytes=1 << 40) == (8 + 2) * 2_453_368 * 4
+    with pytest.raises(WhiteboxError, match=r"8 rollouts \+ 2 in flight\) x 7,000,000,000 parameters x 4 bytes = "
+                                            r"280\.0 GB.*sketched_kernel"):
         check_memory(8, 7_000_000_000, max_bytes=64 << 30)
 
 

@@ -176,9 +176,10 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
                     "so KL_min is a lower bound on the true minimum while C is stationary over the window",
         )
     if method == "fisher_kernel":
-        if kwargs.get("scores") is None:
-            raise ValueError("metric_g(method='fisher_kernel') needs scores=: the per-sequence score vectors of "
-                             "the step's rollouts (reward_lens.measure.whitebox.scores.score_matrix)")
+        if kwargs.get("scores") is None and kwargs.get("kernel") is None:
+            raise ValueError("metric_g(method='fisher_kernel') needs scores= (the per-sequence score vectors of the "
+                             "step's rollouts, reward_lens.measure.whitebox.scores.score_matrix) or kernel= (K = S S^T, "
+                             "e.g. reward_lens.measure.whitebox.sketch.sketched_kernel)")
         return fisher_kernel_metric(samples, **kwargs)
     raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
 
@@ -306,9 +307,38 @@ DF_MAX_FRACTION = 0.5
 # and KL_min exceeds the covariance-bound value by 10 % (else rung 2 says nothing rung 1
 # did not).
 FLOOR_RATIO_MIN = 1.1
+# A sketched kernel adds a fourth: KL_min from a second, independently seeded sketch agrees
+# within this fraction (the sketch's own error, measured rather than assumed).
+SKETCH_AGREEMENT = 0.05
+# K = S S^T is accumulated over column blocks of S of this many parameters (float32 in,
+# float64 out): no float64 copy of S and no mask the size of S.
+KERNEL_BLOCK = 1 << 20
 
 
-def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, rho: float | None = None,
+def kernel_from_scores(scores: np.ndarray) -> np.ndarray:
+    """K = S S^T in float64 from S (n x |theta|, any float dtype), block by block."""
+    s = np.asarray(scores)
+    if s.ndim != 2:
+        raise ValueError(f"scores must be a matrix (n x |theta|), not shape {s.shape}")
+    k = np.zeros((s.shape[0], s.shape[0]), dtype=np.float64)
+    for a in range(0, s.shape[1], KERNEL_BLOCK):
+        b = s[:, a:a + KERNEL_BLOCK].astype(np.float64)
+        if not np.isfinite(b).all():
+            raise ValueError("scores contain NaN or infinite values; no metric is built from them")
+        k += b @ b.T
+    return k
+
+
+def _as_kernel(kernel) -> tuple[np.ndarray, dict[str, float]]:
+    """A kernel given as an array, or as a SketchedKernel (with its sketch dimension)."""
+    if hasattr(kernel, "kernel") and hasattr(kernel, "dim"):
+        return np.asarray(kernel.kernel, dtype=np.float64), {"sketch_dim": float(kernel.dim),
+                                                               "sketch_seed": float(kernel.seed)}
+    return np.asarray(kernel, dtype=np.float64), {}
+
+
+def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray | None = None, *,
+                         kernel=None, kernel_check=None, rho: float | None = None,
                          delta_z: np.ndarray | None = None) -> MetricG:
     """Rung 2 for one step: ``samples`` is the single StepSample whose rollouts ``scores``
     were computed on (row i of S is grad log pi(y_i) at the pre-step policy).
@@ -320,25 +350,39 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
     cost book refuses the reading (ENVELOPE_VIOLATED, premise ``damping_unidentified``). ``delta_z`` (the step's movement, same basis) lets the
     stability check use KL_min itself; without it the check uses the KL_min expected for
     a movement distributed like the features, 1/2 tr(G^-1 C).
+
+    ``kernel`` replaces ``scores`` by K = S S^T itself (n x n), e.g. a ``SketchedKernel``;
+    ``kernel_check`` is a second, independently seeded sketch: the metric is built from it
+    too, and ``damping_stable`` also needs the two KL_min to agree within
+    ``SKETCH_AGREEMENT``.
     """
     if len(samples) != 1:
         raise ValueError("fisher_kernel takes the one StepSample its scores were computed on, "
                          f"not {len(samples)} steps")
     (sample,) = samples
-    s = np.asarray(scores, dtype=np.float64)
     n = sample.n
-    if s.ndim != 2 or s.shape[0] != n:
-        raise ValueError(f"scores have shape {s.shape}; they need one row per rollout of step {sample.step} ({n})")
+    if (scores is None) == (kernel is None):
+        raise ValueError("fisher_kernel takes scores= or kernel=, exactly one")
+    if scores is not None:
+        if np.ndim(scores) != 2 or np.shape(scores)[0] != n:
+            raise ValueError(f"scores have shape {np.shape(scores)}; they need one row per rollout of step "
+                             f"{sample.step} ({n})")
+        k, sketch = kernel_from_scores(scores), {}
+    else:
+        k, sketch = _as_kernel(kernel)
+        if k.shape != (n, n):
+            raise ValueError(f"the kernel has shape {k.shape}; step {sample.step} has {n} rollouts, so it needs "
+                             f"({n}, {n})")
+        if not np.isfinite(k).all():
+            raise ValueError("the kernel contains NaN or infinite values; no metric is built from it")
+        k = (k + k.T) / 2
     if n < 2:
         raise ValueError(f"step {sample.step} has {n} rollout: a metric needs at least 2")
-    if not np.isfinite(s).all():
-        raise ValueError("scores contain NaN or infinite values; no metric is built from them")
     names = sample.names
     zc = sample.z - sample.z.mean(axis=0)
     c = zc.T @ zc / n
     active, excluded = _active_set(c, sample.z.mean(axis=0), names)
     idx = [names.index(a) for a in active]
-    k = s @ s.T
     evals, evecs = np.linalg.eigh(k)
     evals = np.clip(evals, 0.0, None)
     zh = evecs.T @ zc  # features in K's eigenbasis
@@ -393,12 +437,21 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
         return float(0.5 * np.trace(np.linalg.solve(ga, c_a)))
 
     g = g_of(rho)
-    diag = {"rho": rho, "df": float(shrink(rho).sum()), "n": float(n), "at_boundary": float(at_boundary)}
+    diag = {"rho": rho, "df": float(shrink(rho).sum()), "n": float(n), "at_boundary": float(at_boundary), **sketch}
     if idx:
         lo, mid, hi, floor = stat(g_of(rho / 2)), stat(g), stat(g_of(rho * 2)), stat(c)
         diag["elasticity"] = abs(np.log(hi) - np.log(lo)) / np.log(4) if lo > 0 and hi > 0 else float("inf")
         diag["floor_ratio"] = mid / floor if floor > 0 else float("inf")
+        diag["kl_min_stat"] = mid
     reasons = []
+    if kernel_check is not None:
+        other = fisher_kernel_metric(samples, kernel=kernel_check, delta_z=delta_z)
+        a, b = diag.get("kl_min_stat", 0.0), other.diagnostics.get("kl_min_stat", 0.0)
+        gap = abs(a - b) / max(abs(a), abs(b)) if max(abs(a), abs(b)) > 0 else 0.0
+        diag["sketch_disagreement"] = gap
+        if gap > SKETCH_AGREEMENT:
+            reasons.append(f"two sketch seeds disagree: KL_min {a:.4g} vs {b:.4g} ({gap:.1%} > "
+                           f"{SKETCH_AGREEMENT:.0%}); a larger sketch is needed")
     if at_boundary:
         reasons.append(f"the leave-one-out optimum of the damping is at the edge of its search range "
                        f"[{RHO_MIN:g}, {RHO_MAX:g}] (rho = {rho:.3g}): the data do not identify it")
@@ -415,6 +468,8 @@ def fisher_kernel_metric(samples: Sequence[StepSample], scores: np.ndarray, *, r
     lam = rho * scale / n
     reading = (f"Fisher kernel (rung 2), n = {n}, damping lambda = {lam:.3g} (rho = {rho:.3g}, by "
                f"{chosen_by})")
+    if sketch:
+        reading += f", from a seeded sketch of dimension {int(sketch['sketch_dim']):,}"
     reading += ": stable" if stable else (": damping not stable (" + "; ".join(reasons) + "), so read it as the "
                                           "covariance bound with a shrinkage applied, not as a measurement of G")
     return MetricG(matrix=g, names=names, method="fisher_kernel", n=n, damping=lam, damping_stable=stable,

@@ -6,11 +6,13 @@ Fisher F = E[s s^T]; the empirical-Fisher pitfall (gradients of the loss at the 
 not apply. It would if the rollouts were filtered or reweighted (e.g. dropped groups with
 zero reward variance): then they are no longer samples of pi and this refuses.
 
-Memory. The kernel form holds n * |theta| floats (float32): 78 MB for 8 rollouts of a 2.45M
-parameter policy, 224 GB for 8 rollouts of a 7B one. The estimate is made before anything is
-allocated, and above ``max_bytes`` this refuses with the arithmetic; sketching the score
-matrix (or Fisher solves done directly) is the route for large policies, and is not
-implemented here.
+Memory. S holds n * |theta| floats (float32), and while row i is computed autograd's
+gradients and their concatenation hold two more rows: (n + 2) * |theta| * 4 bytes at peak,
+98 MB for 8 rollouts of a 2.45M-parameter policy, 288 GB for 8 rollouts of a 7B one. The
+metric then builds K = S S^T block by block (``metric.kernel_from_scores``) without a float64
+copy. The figure is computed before anything is allocated, and above ``max_bytes`` this
+refuses with the arithmetic; for large policies, ``sketch.sketched_kernel`` estimates K
+without S.
 """
 
 from __future__ import annotations
@@ -38,14 +40,15 @@ def parameter_count(model) -> int:
 
 
 def check_memory(n: int, n_params: int, max_bytes: int | None = None) -> int:
-    need = n * n_params * BYTES_PER_FLOAT
+    """Peak bytes of ``score_matrix``: S plus the two rows in flight; refused above the limit."""
+    need = (n + 2) * n_params * BYTES_PER_FLOAT
     limit = default_max_bytes() if max_bytes is None else max_bytes
     if need > limit:
         raise WhiteboxError(
-            f"the score matrix needs {n} rollouts x {n_params:,} parameters x {BYTES_PER_FLOAT} bytes = "
-            f"{need / 1e9:.1f} GB, above the {limit / 1e9:.1f} GB allowed; sketch the score matrix (a random "
-            "projection of the parameter space) or solve with the Fisher directly -- neither is implemented in "
-            "this version, so the rung-2 metric is refused for this policy")
+            f"the score matrix needs ({n} rollouts + 2 in flight) x {n_params:,} parameters x {BYTES_PER_FLOAT} "
+            f"bytes = {need / 1e9:.1f} GB, above the {limit / 1e9:.1f} GB allowed; use the sketched kernel "
+            "(reward_lens.measure.whitebox.sketch.sketched_kernel, memory O(n x sketch dimension + one layer)) "
+            "and pass it as metric_g(..., kernel=)")
     return need
 
 
@@ -67,11 +70,12 @@ def score_matrix(model, seqs: Sequences, *, reweighted: bool = False, max_bytes:
             logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
             total = (logp * seqs.completion_mask[i:i + 1, 1:]).sum()
             grads = torch.autograd.grad(total, params)
-            out[i] = torch.cat([g.reshape(-1) for g in grads]).numpy()
+            row = torch.cat([g.reshape(-1) for g in grads])
+            if not bool(torch.isfinite(row).all()):  # row by row: no mask the size of S
+                raise WhiteboxError(f"non-finite scores for sequence {i}: the policy's log-probabilities "
+                                    "overflowed; no metric is built from them")
+            out[i] = row.numpy()
+            del grads, row
     finally:
         model.train(was_training)
-    if not np.isfinite(out).all():
-        bad = sorted(set(np.nonzero(~np.isfinite(out))[0].tolist()))
-        raise WhiteboxError(f"non-finite scores for sequence(s) {bad[:8]}: the policy's log-probabilities "
-                            "overflowed; no metric is built from them")
     return out
