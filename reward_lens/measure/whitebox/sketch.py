@@ -3,38 +3,47 @@
 Rung 2 needs only the n x n kernel K_ij = <s_i, s_j> of the per-sequence scores
 s_i = grad_theta log pi(y_i | x_i), never S itself (n x |theta|: 224 GB for 8 rollouts of a
 7B policy). This module computes an unbiased estimate K~ in one batched forward and backward
-pass, with memory O(n * m + the largest layer), in the style of LoGra (Choe et al., 2024):
+pass, with memory O(n * (m + one layer's sketch)) beyond the pass itself, in the style of
+LoGra (Choe et al., 2024). Two stages, every projection regenerated from (seed, parameter
+name), never stored or sent:
 
-* **A weight matrix** W (a x b) -- of a ``Linear`` (a = out, b = in) or an ``Embedding``
-  (a = vocabulary, b = width) -- has per-sequence gradient G_i = sum_t u_it v_it^T, with
-  (u, v) = (output gradient, input) for a Linear and (output gradient, one-hot token) for an
-  Embedding (in W's layout: rows indexed by the token). Two seeded Gaussian projections
-  P (r_a x a) and Q (r_b x b), entries N(0, 1/r), are applied to the two sides *before* the
-  outer product: P G_i Q^T = sum_t (P u_it)(Q v_it)^T, an r_a x r_b matrix, so G_i is never
-  formed. E[P^T P] = I and E[Q^T Q] = I with P, Q independent, so
-  E <P G_i Q^T, P G_j Q^T> = <G_i, G_j>: each layer's contribution to K is unbiased. A side of
-  size <= r is not projected (identity: exact). The projections are regenerated from
-  (seed, parameter name), never stored or sent. Tied weights (an embedding shared with the
-  output layer) get one pair of projections and their two contributions are summed before
-  the inner product, as the gradients are.
-* **Every other parameter** (norm scales, biases: ~0.1 % of a transformer's): its
-  per-sequence gradient is taken exactly, by substituting a per-sequence copy of it for the
-  one forward (shape (n, 1, ..., *shape), broadcast like the original), which autograd
-  differentiates per sequence; a Linear's bias is summed from its output gradient. One longer
-  than r^2 is then projected to r^2 dimensions by a dense seeded Gaussian (a plain JL
-  projection, unbiased the same way); a shorter one enters as it is. A module whose
-  computation does not broadcast that way (``nn.LayerNorm``'s fused kernel, for one) is
-  refused by name.
+1. **Per parameter, a first sketch** of the per-sequence gradient, of at most r^2 entries:
 
-The sketch dimension m is the sum of r_a * r_b over the weight matrices plus the exact
-parameters. Across processes (parameters or work split over ranks), K~ is a sum over
-parameters, so each rank sketches the parameters assigned to it (by a fixed round-robin over
-names, the same on every rank) and one ``all_reduce`` of the n x n matrix completes it; the
-result does not depend on the number of processes, because the projections depend on the
-seed and the parameter's name only.
+   * A weight matrix W (a x b) of a ``Linear`` (a = out, b = in) has per-sequence gradient
+     G_i = sum_t u_it v_it^T, u the output gradient and v the input. Seeded Gaussian
+     projections P (r x a) and Q (r x b), entries N(0, 1/r), are applied to the two sides
+     *before* the outer product: P G_i Q^T = sum_t (P u_it)(Q v_it)^T, so G_i is never
+     formed. E[P^T P] = I, E[Q^T Q] = I, P and Q independent, hence
+     E <P G_i Q^T, P G_j Q^T> = <G_i, G_j>. A side of size <= r is not projected. An embedding
+     tied to a Linear (a shared output layer) is sketched the same way (its rows are the
+     one-hot tokens) and its two uses summed before any inner product, as the gradients are.
+   * An untied ``Embedding`` (V x d) gets a dense JL projection of its flattened gradient:
+     sum_t D_{y_t} R g_t, with R (r^2 x d) Gaussian and D_y a diagonal of signs hashed from
+     (seed, token). The implied r^2 x (V d) matrix [D_1 R, ..., D_V R] is dense, and
+     E[R^T D_v D_w R] = 0 for v != w, so different tokens do not leak into each other (a
+     Kronecker projection of the one-hot side would: <P e_v, P e_w> ~ 1/sqrt(r)).
+   * Every other parameter (norm scales, biases: ~0.1 % of a transformer's) is taken per
+     sequence exactly, by substituting a per-sequence copy for the one forward (shape
+     (n, 1, ..., *shape), broadcast like the original) -- a Linear's bias is summed from its
+     output gradient -- and then projected densely to r^2 entries when longer. A module
+     whose computation does not broadcast that way (``nn.LayerNorm``'s fused kernel, for
+     one) is refused by name.
+
+2. **Down to the sketch dimension m**: the parameters' first sketches together have D
+   entries; when D > m, each parameter's first sketch (d_p entries) is projected by a
+   seeded Gaussian (d_p x m_p, N(0, 1/m_p)) to m_p entries, m_p proportional to its share
+   of tr(K~) (a JL estimate's variance goes as the square of the share over m_p, so this
+   allocation minimises the total), at least 1 and at most d_p. Conditionally on the first
+   stage the second is unbiased, so K~ stays unbiased.
+
+Across processes (parameters split over ranks), K~ is a sum over parameters: each rank
+sketches the parameters assigned to it (a fixed round-robin over names, the same on every
+rank), one all_reduce of each parameter's trace share sets the allocation, and one
+``all_reduce`` of the n x n matrix completes K~. The result does not depend on the number of
+processes, since the projections depend on the seed and the parameter's name only.
 
 Two sketches with different seeds are independent estimates of K; ``metric_g`` compares the
-KL_min they give and folds their disagreement into ``damping_stable``.
+KL_min they give (``kernel_check=``) and folds their disagreement into ``damping_stable``.
 """
 
 from __future__ import annotations
@@ -53,24 +62,57 @@ class SketchedKernel:
     """An estimate of K = S S^T (n x n, float64) from a seeded sketch of dimension ``dim``."""
 
     kernel: np.ndarray
-    dim: int
+    dim: int  # m: entries of each sequence's sketch
     seed: int
-    rank: int
+    rank: int  # r: the first stage's size per side
     n_parameters: int
-    n_exact: int  # parameters entered without projection (norm scales, biases, small sides)
+    n_exact: int  # entries that are exact gradient coordinates (no projection at either stage)
     matrices: int  # weight matrices sketched
+    first_stage: int  # D: the first stage's entries, before the reduction to m
 
     @property
     def n(self) -> int:
         return self.kernel.shape[0]
 
 
-def _projection(seed: int, name: str, side: str, r: int, size: int) -> torch.Tensor | None:
-    """N(0, 1/r) entries, r x size, regenerated from (seed, name, side); None = identity."""
-    if size <= r:
+def _projection(seed: int, name: str, side: str, r: int, size: int, *, force: bool = False) -> torch.Tensor | None:
+    """N(0, 1/r) entries, r x size, regenerated from (seed, name, side); None = identity
+    (when size <= r, unless ``force``)."""
+    if size <= r and not force:
         return None
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(f"{name}/{side}".encode())) % (1 << 62))
     return torch.randn(r, size, generator=g, dtype=torch.float32) / float(np.sqrt(r))
+
+
+def _signs(seed: int, name: str, tokens: torch.Tensor, width: int) -> torch.Tensor:
+    """+-1 of shape tokens.shape + (width,), a hash of (seed, name, token, column): the
+    diagonal D_token of the dense embedding projection, regenerated for the tokens present."""
+    salt = (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 31)
+    x = tokens.long()[..., None] * 1_000_003 + torch.arange(width, dtype=torch.long) * 7919 + salt
+    x = (x ^ (x >> 16)) * 0x45D9F3B % (1 << 32)  # integer mixing (a murmur-style finaliser)
+    x = (x ^ (x >> 16)) * 0x45D9F3B % (1 << 32)
+    x = x ^ (x >> 16)
+    return (x & 1).float() * 2 - 1
+
+
+def _allocate(params: dict[str, tuple[int, float]], dim: int) -> dict[str, int]:
+    """m_p proportional to the trace share, at least 1, at most the width d_p; what a capped
+    parameter does not use goes to the others (water-filling). Sums to about ``dim``."""
+    if sum(w for w, _ in params.values()) <= dim:
+        return {nm: w for nm, (w, _) in params.items()}
+    alloc: dict[str, int] = {}
+    left, active = dim, dict(params)
+    while active:
+        total = sum(t for _, t in active.values())
+        capped = {nm for nm, (w, t) in active.items() if total > 0 and left * t / total >= w}
+        if not capped:
+            for nm, (w, t) in active.items():
+                alloc[nm] = min(w, max(1, round(left * t / total))) if total > 0 else 1
+            break
+        for nm in capped:
+            alloc[nm] = active.pop(nm)[0]
+            left -= alloc[nm]
+    return alloc
 
 
 def _owned(names: list[str], group) -> set[str]:
@@ -82,14 +124,16 @@ def _owned(names: list[str], group) -> set[str]:
     return {nm for k, nm in enumerate(sorted(names)) if k % world == rank}
 
 
-def sketched_kernel(model, seqs: Sequences, *, rank: int = 32, seed: int = 0, group=None) -> SketchedKernel:
+def sketched_kernel(model, seqs: Sequences, *, dim: int = 16384, rank: int = 64, seed: int = 0,
+                    group=None) -> SketchedKernel:
     """K~ for the sequences ``seqs`` at the policy ``model`` (see the module docstring).
 
-    ``rank`` is r, the sketch size of each side of each weight matrix; ``group`` a
-    torch.distributed process group over which the parameters are split and K~ summed.
+    ``dim`` is m, the entries of each sequence's sketch; ``rank`` is r, the first stage's
+    size per side of each weight matrix; ``group`` a torch.distributed process group over
+    which the parameters are split and K~ summed.
     """
-    if rank < 1:
-        raise WhiteboxError(f"sketch rank must be >= 1, not {rank}")
+    if rank < 1 or dim < 1:
+        raise WhiteboxError(f"sketch rank and dimension must be >= 1, not {rank} and {dim}")
     n = seqs.n
     if n < 2:
         raise WhiteboxError(f"the Fisher kernel needs at least 2 sequences, not {n}")
@@ -122,8 +166,17 @@ def sketched_kernel(model, seqs: Sequences, *, rank: int = 32, seed: int = 0, gr
             if nm in exact and nm in owned:
                 holder.setdefault(nm, (mod, attr))
 
-    proj = {nm: (_projection(seed, nm, "rows", rank, by_name[nm].shape[0]),
-                 _projection(seed, nm, "cols", rank, by_name[nm].shape[1])) for nm in uses if nm in owned}
+    tied = {nm for nm, mods in uses.items() if {k for _, k in mods} == {"linear", "embedding"}}
+    proj = {}
+    for nm in uses:
+        if nm not in owned:
+            continue
+        a, b = by_name[nm].shape
+        if nm in tied or all(k == "linear" for _, k in uses[nm]):
+            proj[nm] = (_projection(seed, nm, "rows", rank, a), _projection(seed, nm, "cols", rank, b))
+        else:  # an untied embedding: dense JL of the flattened gradient (exact when it is small)
+            proj[nm] = (None, _projection(seed, nm, "embedding", rank * rank, b, force=True)
+                        if a * b > rank * rank else None)
     parts: dict[str, list[torch.Tensor]] = {}  # name -> per-use (n, dims) per-sequence pieces (summed)
     copies: dict[str, list[torch.Tensor]] = {}  # exact parameter -> its per-sequence copies, one per call
     anchors: list[torch.Tensor] = []
@@ -156,16 +209,24 @@ def sketched_kernel(model, seqs: Sequences, *, rank: int = 32, seed: int = 0, gr
 
     def hook_embedding(mod: torch.nn.Module, nm: str):
         pa, pb = proj[nm]
+        dense = nm not in tied and pb is not None
 
         def fwd(m, inputs, output):
             ids = inputs[0].detach().reshape(n, -1)
-            u = torch.nn.functional.one_hot(ids, m.num_embeddings).float() if pa is None else pa.T[ids]
-            if m.padding_idx is not None:  # torch gives the padding row no gradient
-                u = u * (ids != m.padding_idx)[..., None]
+            keep = (ids != m.padding_idx)[..., None].float() if m.padding_idx is not None else None
             anchors.append(output)
+            if dense:
+                d = _signs(seed, nm, ids, pb.shape[0])  # (n, T, r^2): D_token for each position
+            else:
+                u = torch.nn.functional.one_hot(ids, m.num_embeddings).float() if pa is None else pa.T[ids]
 
             def back(g):
-                add(nm, torch.einsum("ntr,nts->nrs", u.double(), side(pb, g).double()))
+                if dense:  # sum_t D_{y_t} R g_t
+                    piece = (d * side(pb, g)) if keep is None else d * side(pb, g) * keep
+                    add(nm, piece.double().sum(1))
+                else:
+                    add(nm, torch.einsum("ntr,nts->nrs", (u if keep is None else u * keep).double(),
+                                         side(pb, g).double()))
             output.register_hook(back)
 
         return mod.register_forward_hook(fwd)
@@ -224,34 +285,59 @@ def sketched_kernel(model, seqs: Sequences, *, rank: int = 32, seed: int = 0, gr
             mod._parameters[attr] = by_name[nm]
         model.train(was_training)
 
-    k = np.zeros((n, n), dtype=np.float64)
-    dim = n_exact = 0
-    pieces = dict(parts)
+    # per parameter: its first-stage sketch, (n, d_p), float64
+    first: dict[str, torch.Tensor] = {}
+    exact_coords: set[str] = set()
+    for nm, ps in parts.items():
+        first[nm] = ps[0] if len(ps) == 1 else sum(ps)
+        if nm not in proj and first[nm].shape[1] <= rank * rank:
+            exact_coords.add(nm)  # a Linear's bias, short enough
+        elif nm in proj and proj[nm] == (None, None):
+            exact_coords.add(nm)
     g_iter = iter(grads)
     for nm in copies:
         gs = [next(g_iter) for _ in copies[nm]]
         gs = [g.detach().double().reshape(n, -1) for g in gs if g is not None]
         if gs:
-            pieces.setdefault(nm, []).append(sum(gs))
-    for nm, ps in pieces.items():
-        phi = ps[0] if len(ps) == 1 else sum(ps)
-        projected = nm in proj and any(x is not None for x in proj[nm])
-        if nm not in proj:  # a vector parameter: dense JL above r^2 entries
-            dense = _projection(seed, nm, "dense", rank * rank, phi.shape[1])
-            if dense is not None:
-                phi, projected = phi @ dense.double().T, True
+            first[nm] = sum(gs)
+            exact_coords.add(nm)
+    for nm in list(first):
+        if nm in exact_coords and first[nm].shape[1] > rank * rank:  # a long vector: dense JL to r^2
+            first[nm] = first[nm] @ _projection(seed, nm, "dense", rank * rank, first[nm].shape[1]).double().T
+            exact_coords.discard(nm)
+
+    # stage 2: allocate m over the parameters by their share of tr(K~), the same on every rank
+    names = sorted(by_name)
+    widths = torch.tensor([first[nm].shape[1] if nm in first else 0 for nm in names], dtype=torch.float64)
+    traces = torch.tensor([float((first[nm] ** 2).sum()) if nm in first else 0.0 for nm in names],
+                          dtype=torch.float64)
+    if group is not None:
+        import torch.distributed as dist
+
+        both = torch.stack([widths, traces])
+        dist.all_reduce(both, group=group)
+        widths, traces = both[0], both[1]
+    total_width = int(widths.sum())
+    k = np.zeros((n, n), dtype=np.float64)
+    m = n_exact = 0
+    alloc = _allocate({nm: (int(widths[i]), float(traces[i])) for i, nm in enumerate(names) if widths[i] > 0}, dim)
+    for nm, phi in first.items():
+        if alloc[nm] < phi.shape[1]:
+            phi = phi @ _projection(seed, nm, "reduce", alloc[nm], phi.shape[1]).double().T
+        elif nm in exact_coords:
+            n_exact += phi.shape[1]
         k += (phi @ phi.T).numpy()
-        dim += phi.shape[1]
-        n_exact += 0 if projected else phi.shape[1]
+        m += phi.shape[1]
     if group is not None:
         import torch.distributed as dist
 
         kt = torch.from_numpy(k)
         dist.all_reduce(kt, group=group)
-        counts = torch.tensor([dim, n_exact], dtype=torch.float64)
+        counts = torch.tensor([m, n_exact], dtype=torch.float64)
         dist.all_reduce(counts, group=group)
-        k, dim, n_exact = kt.numpy(), int(counts[0]), int(counts[1])
+        k, m, n_exact = kt.numpy(), int(counts[0]), int(counts[1])
     if not np.isfinite(k).all():
         raise WhiteboxError("the sketched kernel has non-finite entries: the policy's log-probabilities overflowed")
-    return SketchedKernel(kernel=k, dim=dim, seed=seed, rank=rank,
-                          n_parameters=sum(p.numel() for p in by_name.values()), n_exact=n_exact, matrices=len(uses))
+    return SketchedKernel(kernel=k, dim=m, seed=seed, rank=rank,
+                          n_parameters=sum(p.numel() for p in by_name.values()), n_exact=n_exact, matrices=len(uses),
+                          first_stage=total_width)
