@@ -18,12 +18,17 @@ w(|S|) v(S), by halving on the top bit (``_bit_sums``): about 3 * 2^k additions 
 copy of v, no masks or gathers. Every term v(S + i) - v(S) is a non-negative Schur complement, so a
 negative share can only be rounding (of order k eps v(N)) and is set to zero. Work is
 sum_b 2^b (k-b)^2 ~ 6 * 2^k per step pair for the sweep plus 2k 2^k for the sum; memory at stage b is 2^b (k-b)^2 floats per step pair, and step pairs
-are processed in chunks that keep it under ``CHUNK_FLOATS``. Everything is vectorised
-across subsets and step pairs: no linear solve per subset.
+are processed in chunks that keep it under ``CHUNK_FLOATS``, split over threads from
+``PARALLEL_MIN_FEATURES`` on (numpy releases the GIL inside each array operation; the result
+does not depend on the split). Everything is vectorised across subsets and step pairs: no
+linear solve per subset.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
 from math import factorial
 
 import numpy as np
@@ -74,18 +79,37 @@ def _weights(k: int) -> np.ndarray:
     return np.array([factorial(s) * factorial(k - s - 1) / factorial(k) for s in range(k)])
 
 
+# Step pairs are split over threads from this many features on: numpy releases the GIL inside
+# each array operation, and from here on the operations are large enough for that to pay.
+PARALLEL_MIN_FEATURES = 14
+
+
+@lru_cache(maxsize=4)
+def _subset_weights(k: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every subset S (index = bit mask): w(|S|-1) where S is non-empty and w(|S|) where S is
+    not the full set, 0 elsewhere -- the two weightings of v in the Shapley sum. They depend on
+    k only, so they are built once (read-only)."""
+    w = _weights(k)
+    sizes = np.zeros(1, dtype=np.int64)
+    for _ in range(k):
+        sizes = np.concatenate([sizes, sizes + 1])
+    w_with = np.where(sizes > 0, w[np.maximum(sizes - 1, 0)], 0.0)
+    w_without = np.where(sizes < k, np.r_[w, 0.0][np.minimum(sizes, k)], 0.0)
+    w_with.flags.writeable = False
+    w_without.flags.writeable = False
+    return w_with, w_without
+
+
 def _shares_chunk(dz: np.ndarray, gg: np.ndarray) -> np.ndarray:
     p, k = dz.shape
-    w = _weights(k)
     r = dz[:, None, :].copy()  # (P, M, m): residuals of the unprocessed features given each subset
     gc = gg[:, None, :, :].copy()  # (P, M, m, m): their conditional covariance
-    v = np.zeros((p, 1))  # (P, M): v(T); subset index == bit mask
-    sizes = np.zeros(1, dtype=np.int64)
+    v = np.zeros((p, 2 ** k))  # (P, 2^k): v(T); subset index == bit mask, filled by doubling
     for b in range(k):
         n_sub = 2 ** b
         g00 = gc[:, :, 0, 0]
         marginal = 0.5 * r[:, :, 0] ** 2 / g00  # m(T, b) for every T within {0..b-1}: exact, >= 0
-        v = np.concatenate([v, v + marginal], axis=1)
+        np.add(v[:, :n_sub], marginal, out=v[:, n_sub:2 * n_sub])
         if b < k - 1:
             m = k - b - 1
             # the next stage's buffers, written in place: T's rows copied, T + b's by one Schur step
@@ -99,12 +123,10 @@ def _shares_chunk(dz: np.ndarray, gg: np.ndarray) -> np.ndarray:
             np.multiply(col[..., :, None], (col / g00[..., None])[..., None, :], out=outer)
             np.subtract(gc[:, :, 1:, 1:], outer, out=outer)
             r, gc = r_next, gc_next
-        sizes = np.concatenate([sizes, sizes + 1])
     # phi_i = sum_{S ni i} w(|S|-1) v(S) - sum_{S not ni i} w(|S|) v(S): two weighted copies of v,
     # then for each i two sums over a strided view (bit i is axis 2 of a (P, 2^(k-1-i), 2, 2^i)
     # reshape): k passes over 2^k values, no masks, no gathers.
-    w_with = np.where(sizes > 0, w[np.maximum(sizes - 1, 0)], 0.0)
-    w_without = np.where(sizes < k, np.r_[w, 0.0][np.minimum(sizes, k)], 0.0)
+    w_with, w_without = _subset_weights(k)
     phi = _bit_sums(v * w_with, k, bit=1) - _bit_sums(v * w_without, k, bit=0)
     # every term is v(S + i) - v(S) >= 0 (a Schur complement): a negative share is rounding
     return np.maximum(phi, 0.0)
@@ -134,6 +156,16 @@ def shapley_shares(delta_z: np.ndarray, g: np.ndarray) -> np.ndarray:
     p, k = dz.shape
     widest = max((2 ** b) * (k - b) ** 2 for b in range(k))
     step = max(1, CHUNK_FLOATS // widest)
-    out = np.concatenate([_shares_chunk(dz[a:a + step], np.ascontiguousarray(gg[a:a + step]))
-                          for a in range(0, p, step)])
+    starts = range(0, p, step)
+    workers = min(len(starts), os.cpu_count() or 1) if k >= PARALLEL_MIN_FEATURES else 1
+
+    def chunk(a: int) -> np.ndarray:
+        return _shares_chunk(dz[a:a + step], np.ascontiguousarray(gg[a:a + step]))
+
+    if workers > 1:
+        with ThreadPoolExecutor(workers) as pool:
+            parts = list(pool.map(chunk, starts))
+    else:
+        parts = [chunk(a) for a in starts]
+    out = np.concatenate(parts)
     return out[0] if np.ndim(delta_z) == 1 else out
