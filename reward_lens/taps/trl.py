@@ -53,8 +53,10 @@ and between two truncated distributions the KL can be infinite.
 Memory: pi_t is kept as a parameter snapshot from ``on_pre_optimizer_step`` (after
 clipping, before the step) until the step's estimates are done: |theta| floats of the
 parameters' dtype (4 bytes each in float32; 28 GB for a 7B model: use a smaller policy or
-``estimator=None`` there). Logits are computed in chunks of ``chunk`` sequences and reduced
-in float64 at once; no logits are kept.
+``estimator=None`` there). Logits are computed for ``chunk`` sequences at a time and, where
+the output layer is a plain linear map, from the last hidden states a block of positions at a
+time (``whitebox.kl.BlockedLogits``: at most 4M float64 logits per block, so the peak does not
+grow with positions x vocabulary); no logits are kept.
 
 Crash safety: the record is flushed every ``flush_every`` steps (new rollout segment,
 rewritten telemetry, then the manifest as the commit point); a run killed mid-way leaves a
@@ -89,7 +91,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from reward_lens.measure.whitebox.kl import KlEstimate, summed_kl_and_logps
+from reward_lens.measure.whitebox.kl import BlockedLogits, KlEstimate, summed_kl_and_logps_blocked
 from reward_lens.measure.whitebox.policy import sample
 from reward_lens.record.importers.trl import record_config
 from reward_lens.record.schema import OptimizerTelemetry, Rollout
@@ -124,6 +126,17 @@ class _Pending:
     logp_prev: float | None = None
     logp_prev_step: int | None = None
     kl_prev: float | None = None
+
+
+def _positions(logits, a: int, b: int):
+    """Positions a..b-1 (b <= 0 counts from the end) of whole or blocked logits."""
+    if isinstance(logits, BlockedLogits):
+        return logits.positions(a, b)
+    return logits[:, a:(b if b < 0 else b)] if b != 0 else logits[:, a:]
+
+
+def _rows(logits, index):
+    return logits.rows(index) if isinstance(logits, BlockedLogits) else logits[index]
 
 
 def _eos_id(trainer) -> int | None:
@@ -328,15 +341,42 @@ class RewardLensTap(TrainerCallback):
             self._prev = (t, snap)
         self._snapshot = None
 
-    def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor):
+        """The policy's logits over ``ids`` (at the sampling temperature), under the live
+        parameters or ``params``: as ``BlockedLogits`` (computed a block of positions at a time
+        from the last hidden states) where the output layer is a plain linear map, else whole."""
         model = self.trainer.model
         dev = next(model.parameters()).device
         kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
-        if params is None:
-            logits = model(**kwargs).logits
-        else:
-            logits = torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
-        return (logits.float() / self.temperature).cpu()
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        blocked = isinstance(head, torch.nn.Linear) and not any(
+            getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+        hidden: list[torch.Tensor] = []
+        if blocked:
+            def keep(m, inputs):  # take the last hidden states, let the output layer see no position
+                hidden.append(inputs[0])
+                return (inputs[0][..., :0, :],)
+            handle = head.register_forward_pre_hook(keep)
+        try:
+            if params is None:
+                logits = model(**kwargs).logits
+            else:
+                logits = torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
+        finally:
+            if blocked:
+                handle.remove()
+        if not blocked:
+            return (logits.float() / self.temperature).cpu()
+        key = self._head_key
+        weight = head.weight if params is None or key not in params else params[key]
+        return BlockedLogits(hidden[0], weight, head.bias, self.temperature)
+
+    @property
+    def _head_key(self) -> str | None:
+        """The name under which the output layer's weight appears in a parameter snapshot
+        (an embedding's name when the two are tied)."""
+        head = self.trainer.model.get_output_embeddings()
+        return next((n for n, p in self.trainer.model.named_parameters() if p is head.weight), None)
 
     def _batch(self, items: list[tuple[torch.Tensor, torch.Tensor]], pad: int):
         """Left-pad prompts, right-pad completions (TRL's layout); return ids, attention mask,
@@ -372,14 +412,15 @@ class RewardLensTap(TrainerCallback):
                 chunk = used[a:a + self.chunk]
                 ids, att, comp, pw = self._batch([(self._pending[i].prompt_ids, self._pending[i].completion_ids)
                                                   for i in chunk], pad)
-                new = self._forward(None, ids, att)[:, pw - 1:-1]
-                old = self._forward(snap, ids, att)[:, pw - 1:-1]
-                kl, lp_old, lp_new = summed_kl_and_logps(new, old, ids[:, pw:], comp)
+                new = _positions(self._forward(None, ids, att), pw - 1, -1)
+                old = _positions(self._forward(snap, ids, att), pw - 1, -1)
+                kl, lp_old, lp_new = summed_kl_and_logps_blocked(new, old, ids[:, pw:], comp)
                 per.extend(kl.tolist())
                 fresh = [j for j, i in enumerate(chunk) if self._pending[i].step == t]
                 if prev is not None and fresh:
-                    older = self._forward(prev, ids[fresh], att[fresh])[:, pw - 1:-1]
-                    kl_prev, lp_prev, _ = summed_kl_and_logps(old[fresh], older, ids[fresh][:, pw:], comp[fresh])
+                    older = _positions(self._forward(prev, ids[fresh], att[fresh]), pw - 1, -1)
+                    kl_prev, lp_prev, _ = summed_kl_and_logps_blocked(_rows(old, fresh), older, ids[fresh][:, pw:],
+                                                                      comp[fresh])
                     for q, j in enumerate(fresh):
                         self._pending[chunk[j]].logp_prev = float(lp_prev[q])
                         self._pending[chunk[j]].logp_prev_step = t - reuse
@@ -407,9 +448,9 @@ class RewardLensTap(TrainerCallback):
                               self.seed + 7919 * t + k + 104729 * self.rank, temperature=self.temperature)
                 ids, comp_full = seqs.ids, seqs.completion_mask
                 att = torch.ones_like(ids)
-                new = self._forward(None, ids, att)[:, :-1]
-                old = self._forward(snap, ids, att)[:, :-1]
-                kl, _, _ = summed_kl_and_logps(new, old, ids[:, 1:], comp_full[:, 1:])
+                new = _positions(self._forward(None, ids, att), 0, -1)
+                old = _positions(self._forward(snap, ids, att), 0, -1)
+                kl, _, _ = summed_kl_and_logps_blocked(new, old, ids[:, 1:], comp_full[:, 1:])
                 per.extend(kl.tolist())
             per = self._gather(per)
             if len(per) > 1:

@@ -211,3 +211,28 @@ def test_an_informative_basis_gets_an_interior_damping():
     sample, s = _kernel_case()
     g = metric_g([sample], method="fisher_kernel", scores=s)
     assert not g.diagnostics["at_boundary"] and "leave-one-out" in g.reading
+
+
+def test_blocked_logits_give_the_sums_of_whole_ones():
+    """D_t a block of positions at a time (peak independent of T x V) equals the whole-tensor
+    computation, for sub-views of rows and positions as the tap takes them."""
+    from reward_lens.measure.whitebox.kl import BlockedLogits, summed_kl_and_logps, summed_kl_and_logps_blocked
+
+    g = torch.Generator().manual_seed(0)
+    n, t, d, v = 5, 11, 6, 40
+    h_new, h_old = torch.randn(n, t, d, generator=g), torch.randn(n, t, d, generator=g)
+    w_new, w_old = torch.randn(v, d, generator=g), torch.randn(v, d, generator=g)
+    targets = torch.randint(0, v, (n, t - 3), generator=g)
+    mask = torch.rand(n, t - 3, generator=g) > 0.3
+    whole = [summed_kl_and_logps((h @ w.T / 0.7)[:, 2:-1], (h2 @ w2.T / 0.7)[:, 2:-1], targets, mask)
+             for h, w, h2, w2 in [(h_new, w_new, h_old, w_old)]][0]
+    a = BlockedLogits(h_new, w_new, None, 0.7).positions(2, -1)
+    b = BlockedLogits(h_old, w_old, None, 0.7).positions(2, -1)
+    assert a.shape == (n, t - 3, v)
+    for block in (1, 3 * n * v, 10 ** 9):  # one position per block, three, all at once
+        got = summed_kl_and_logps_blocked(a, b, targets, mask, block_elements=block)
+        for x, y in zip(got, whole):  # logits are float32 as the model's: matmul rounding only
+            np.testing.assert_allclose(x, y, rtol=1e-6)
+    rows = [0, 3]
+    got = summed_kl_and_logps_blocked(a.rows(rows), b.rows(rows), targets[rows], mask[rows], block_elements=n * v)
+    np.testing.assert_allclose(got[0], whole[0][rows], rtol=1e-6)
