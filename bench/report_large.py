@@ -5,6 +5,8 @@ temporary directory, then measures in separate processes, each from a cold inter
 
 * baseline: ``pyarrow.parquet.read_table`` of the columns the report reads
   (step, completion, reward, advantage) -- the floor for any reader of this record;
+* read plus features: the same read, then the report's nine surface features
+  (``SurfaceFeatures().compute``) -- what any tool that reads this basis must at least do;
 * ``reward-lens report`` (md, html, json) on the same record.
 
 Prints wall seconds and peak resident memory of each, and the ratios, for completions of
@@ -75,6 +77,17 @@ n = table.num_rows
 print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "rows": n}))
 """
 
+FEATURES = """
+import sys, time, json
+HWM
+t = time.perf_counter()
+import pyarrow.parquet as pq
+from reward_lens.measure.ledger.features import SurfaceFeatures
+table = pq.read_table(sys.argv[1] + "/rollouts.parquet", columns=["step", "completion", "reward", "advantage"])
+z = SurfaceFeatures().compute(table)
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "rows": len(z)}))
+"""
+
 REPORT = """
 import sys, time, json
 HWM
@@ -114,14 +127,19 @@ def main() -> None:
             make_record(rec, a.steps, a.per_step, scale)
             size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
             base = measure(BASELINE, str(rec))
+            feat = measure(FEATURES, str(rec))
             rep = measure(REPORT, str(rec), str(Path(tmp) / "out"))
             outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out").iterdir()}
         print(f"\ntext x{scale}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
               f"(generated in {time.perf_counter() - t:.0f} s)")
         print(f"  pyarrow read of the same columns: {base['seconds']:.2f} s, peak RSS {base['rss_mib']:.0f} MiB")
+        print(f"  the same read plus the report's nine features (imports included): {feat['seconds']:.2f} s, "
+              f"peak RSS {feat['rss_mib']:.0f} MiB")
         print(f"  reward-lens report (md,html,json): {rep['seconds']:.2f} s, peak RSS {rep['rss_mib']:.0f} MiB")
         print(f"  ratio report / pyarrow read: time {rep['seconds'] / base['seconds']:.1f}x, "
               f"peak memory {rep['rss_mib'] / base['rss_mib']:.2f}x")
+        print(f"  ratio report / read plus features (issue 14's baseline; target 1.3x): time "
+              f"{rep['seconds'] / feat['seconds']:.1f}x, peak memory {rep['rss_mib'] / feat['rss_mib']:.2f}x")
         print("  outputs: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sorted(outs.items())))
 
 

@@ -122,6 +122,20 @@ def _draw(ax, panel: Panel, legend: bool) -> None:
         ax.legend(frameon=False, fontsize=7, ncol=3 if len(panel.series) > 4 else 1)
 
 
+# Margins in inches, fixed (tight_layout drew every figure twice to measure its labels: a third
+# of the report's drawing time): room for 7-8 pt tick labels, axis labels and panel titles.
+MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 0.85, 0.15, 0.3, 0.5
+GAP_ROWS, GAP_COLS = 0.6, 0.75
+
+
+def _fixed_margins(fig, rows: int, cols: int) -> None:
+    w, h = fig.get_size_inches()
+    axes_h = max(0.3, (h - MARGIN_TOP - MARGIN_BOTTOM - GAP_ROWS * (rows - 1)) / rows)
+    axes_w = max(0.3, (w - MARGIN_LEFT - MARGIN_RIGHT - GAP_COLS * (cols - 1)) / cols)
+    fig.subplots_adjust(left=MARGIN_LEFT / w, right=1 - MARGIN_RIGHT / w, top=1 - MARGIN_TOP / h,
+                        bottom=MARGIN_BOTTOM / h, hspace=GAP_ROWS / axes_h, wspace=GAP_COLS / axes_w)
+
+
 def render_figure(fig_spec: FigureOut) -> str:
     import matplotlib
     from matplotlib.figure import Figure
@@ -137,9 +151,9 @@ def render_figure(fig_spec: FigureOut) -> str:
                 ax.set_xlabel(fig_spec.x_label, fontsize=8)
         if cols > 1:
             fig.supxlabel(fig_spec.x_label, fontsize=8)
-        fig.tight_layout()
+        _fixed_margins(fig, rows, cols)
         buf = io.StringIO()
-        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})  # tight_layout already fits it
+        fig.savefig(buf, format="svg", metadata={"Date": None, "Creator": None})
     text = buf.getvalue()
     text = text[text.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline SVG needs neither
     return _ID.sub(lambda m: f"{m.group(1)}{fig_spec.id}-{m.group(2)}", text)

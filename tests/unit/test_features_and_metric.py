@@ -142,3 +142,28 @@ def test_unpaired_steps_that_share_prompts_are_matched_by_prompt():
     other = StepSample(1, ("x",), post.z, prompts=np.array([p + "!" for p in post.prompts], dtype=object))
     (lg2,) = ledger_series([pre, other])
     assert not lg2.matched
+
+
+def test_batched_active_sets_are_the_sequential_ones():
+    """The batched Cholesky path of _active_sets gives exactly what _active_set gives, window by
+    window, for well-conditioned, constant, collinear and nearly collinear features."""
+    from reward_lens.measure.efficiency.metric import _active_set, _active_sets
+
+    rng = np.random.default_rng(0)
+    names = ("a", "b", "c", "d")
+    cs, ms = [], []
+    for kind in ("good", "constant", "collinear", "near", "good"):
+        z = rng.normal(size=(50, 4))
+        if kind == "constant":
+            z[:, 1] = 3.0
+        elif kind == "collinear":
+            z[:, 2] = z[:, 0] - 2 * z[:, 1]
+        elif kind == "near":
+            z[:, 3] = z[:, 0] + 1e-3 * rng.normal(size=50)
+        cs.append(np.cov(z, rowvar=False))
+        ms.append(z.mean(axis=0))
+    got = _active_sets(np.stack(cs), np.stack(ms), names)
+    assert got == [_active_set(c, m, names) for c, m in zip(cs, ms)]
+    assert got[1][0] == ("a", "c", "d") and "constant" in got[1][1]["b"]
+    assert got[2][0] == ("a", "b", "d") and "collinear" in got[2][1]["c"]
+    assert got[3][0] == names  # 1e-3 noise is far above the collinearity tolerance

@@ -127,6 +127,43 @@ def _active_set(c: np.ndarray, mean: np.ndarray, names: tuple[str, ...]) -> tupl
     return tuple(names[i] for i in keep), excluded
 
 
+def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
+    """``_active_set`` for a stack of covariances (W, k, k) at once. Windows are grouped by
+    which features are constant in them (usually none, or the same few in every window); in
+    each group, where every remaining feature's residual variance fraction given the ones
+    before it is at least ``COLLINEAR_TOL``, one batched Cholesky of the correlation matrices
+    decides (that fraction is the squared diagonal of the Cholesky factor, in basis order).
+    Any other window goes through ``_active_set`` itself."""
+    cs = np.asarray(cs, dtype=np.float64)
+    out: list = [None] * len(cs)
+    if not len(cs):
+        return out
+    sd = np.sqrt(np.clip(np.diagonal(cs, axis1=1, axis2=2), 0, None))
+    const = sd <= CONSTANT_TOL * np.maximum(1.0, np.abs(means))
+    patterns, which = np.unique(const, axis=0, return_inverse=True)
+    for p, pattern in enumerate(patterns):
+        idx = np.flatnonzero(which.reshape(-1) == p)
+        keep = np.flatnonzero(~pattern)
+        if len(keep) == 0:
+            continue
+        sub = cs[idx][:, keep][:, :, keep]
+        sdk = sd[idx][:, keep]
+        try:
+            diag = np.diagonal(np.linalg.cholesky(sub / (sdk[:, :, None] * sdk[:, None, :])), axis1=1, axis2=2) ** 2
+            good = (diag >= COLLINEAR_TOL).all(axis=1)
+        except np.linalg.LinAlgError:
+            continue
+        active = tuple(names[j] for j in keep)
+        excluded = {names[j]: "constant: its within-step variance is zero in every step of the window"
+                    for j in np.flatnonzero(pattern)}
+        for i in idx[good]:
+            out[i] = (active, dict(excluded))
+    for i in range(len(cs)):
+        if out[i] is None:
+            out[i] = _active_set(cs[i], means[i], names)
+    return out
+
+
 # scope="auto" prices each step with its own covariance when every step has at least this
 # many rollouts per feature (a 9-feature basis: 90 rollouts), else pools the window.
 PER_STEP_MIN_PER_FEATURE = 10
@@ -209,13 +246,17 @@ def _local(samples: Sequence[StepSample]) -> MetricG:
             scat[i] = zc.T @ zc
         sums[i] = x.z.sum(axis=0)
     by_step = {}
-    for s, a, b in zip(ordered, lo, hi):  # the steps within the half-width, by bisection (was a scan per step)
-        dof = int(dofs[a:b].sum())
-        if dof < 1:
-            raise ValueError("metric_g needs at least one step with two or more rollouts")
-        n = int(ns[a:b].sum())
-        c, mean = scat[a:b].sum(axis=0) / dof, sums[a:b].sum(axis=0) / max(n, 1)
-        active, excluded = _active_set(c, mean, names)
+    # the steps within the half-width, by bisection; each window sums its steps' scatter as before
+    w_dof = np.array([dofs[a:b].sum() for a, b in zip(lo, hi)])
+    if (w_dof < 1).any():
+        raise ValueError("metric_g needs at least one step with two or more rollouts")
+    w_n = np.array([ns[a:b].sum() for a, b in zip(lo, hi)])
+    cs = np.stack([scat[a:b].sum(axis=0) for a, b in zip(lo, hi)]) / w_dof[:, None, None]
+    ms = np.stack([sums[a:b].sum(axis=0) for a, b in zip(lo, hi)]) / np.maximum(w_n, 1)[:, None]
+    sets = _active_sets(cs, ms, names)
+    for i, s in enumerate(ordered):
+        c, n = cs[i], int(w_n[i])
+        active, excluded = sets[i]
         by_step[s.step] = MetricG(matrix=c, names=names, method="covariance_bound", n=n, damping=0.0,
                                   damping_stable=True, h2={a: 1.0 for a in active}, active=active,
                                   excluded=excluded, reading=f"covariance bound pooled over steps {s.step} +- "
@@ -235,8 +276,9 @@ def _per_step(samples: Sequence[StepSample]) -> MetricG:
     for s in samples:
         if s.n < 2:
             raise ValueError(f"step {s.step} has {s.n} rollout: a per-step covariance needs at least 2")
-        c = np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1))
-        active, excluded = _active_set(c, s.z.mean(axis=0), names)
+    cs = np.stack([np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1)) for s in samples])
+    sets = _active_sets(cs, np.stack([s.z.mean(axis=0) for s in samples]), names)
+    for s, c, (active, excluded) in zip(samples, cs, sets):
         by_step[s.step] = MetricG(matrix=c, names=names, method="covariance_bound", n=s.n, damping=0.0,
                                   damping_stable=True, h2={a: 1.0 for a in active}, active=active, excluded=excluded,
                                   reading=f"covariance bound at step {s.step}")
@@ -265,16 +307,18 @@ def within_group_metric(ledgers) -> MetricG:
         raise ValueError("within_group_metric needs at least one paired ledger")
     names = ledgers[0].names
     by_step: dict[int, MetricG] = {}
+    cs, ns = [], []
     for lg in ledgers:
         size = np.bincount(lg.codes, minlength=lg.n_groups).astype(float)
         means = np.stack([np.bincount(lg.codes, weights=lg.z[:, j], minlength=lg.n_groups) for j in
                           range(lg.z.shape[1])], axis=1) / size[:, None]
         zc = lg.z - means[lg.codes]
-        dof = max(len(zc) - lg.n_groups, 1)
-        c = zc.T @ zc / dof
-        active, excluded = _active_set(c, lg.z.mean(axis=0), names)
+        cs.append(zc.T @ zc / max(len(zc) - lg.n_groups, 1))
+        ns.append(len(zc))
+    sets = _active_sets(np.stack(cs), np.stack([lg.z.mean(axis=0) for lg in ledgers]), names)
+    for lg, c, n_rows, (active, excluded) in zip(ledgers, cs, ns, sets):
         by_step[lg.step_pair[0]] = MetricG(
-            matrix=c, names=names, method="covariance_bound", n=len(zc), damping=0.0, damping_stable=True,
+            matrix=c, names=names, method="covariance_bound", n=n_rows, damping=0.0, damping_stable=True,
             h2={a: 1.0 for a in active}, active=active, excluded=excluded,
             reading=f"within-group covariance of step {lg.step_pair[1]}'s rollouts")
     first = by_step[ledgers[0].step_pair[0]]

@@ -25,7 +25,7 @@ class StepSample:
     z: np.ndarray  # (n, k) float64, features of each rollout in basis `names`
     rewards: np.ndarray | None = None  # (n,)
     advantages: np.ndarray | None = None  # (n,)
-    groups: np.ndarray | None = None  # (n,) prompt group label of each rollout
+    groups: np.ndarray | None = None  # (n,) prompt group of each rollout: any labels (a record's are coded 0..G-1)
     logp: np.ndarray | None = None  # (n,) log pi_t(y): the sampling policy (record `logp_pre`)
     logp_prev: np.ndarray | None = None  # (n,) log pi_{t-1}(y): the policy before the last step
     kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
@@ -62,6 +62,14 @@ class Ledger:
 
 def group_codes(groups) -> tuple[np.ndarray, int]:
     """Integer codes 0..G-1 for any array of group labels, in order of first appearance."""
+    groups = np.asarray(groups)
+    if groups.dtype.kind in "iu" and len(groups) and groups[0] == 0:
+        g = int(groups.max()) + 1
+        if g <= len(groups):  # already codes in order of first appearance? (cheap to check)
+            first = np.full(g, len(groups))
+            np.minimum.at(first, groups, np.arange(len(groups)))
+            if (first < len(groups)).all() and (np.diff(first) > 0).all():
+                return groups.astype(np.int64, copy=False), g
     _, first, inverse = np.unique(np.asarray(groups), return_index=True, return_inverse=True)
     order = np.argsort(np.argsort(first))
     return order[inverse].astype(np.int64), len(first)
@@ -162,6 +170,8 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
                 v = np.concatenate([ch[1][c] for ch in chunks])
                 if v.dtype != object and np.isnan(v).all():
                     continue  # absent at this step
+                if c == "group_id":  # labels -> codes in order of first appearance, once per step
+                    v = group_codes(v)[0]
                 kw[attr] = v
         out.append(StepSample(s, features.names, z, **kw))
     return out
