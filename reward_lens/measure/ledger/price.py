@@ -97,6 +97,44 @@ def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
     return mean, np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1)) / s.n, s.n
 
 
+def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
+    """``step_moments`` of every sample in one segmented pass (no Python per step): the
+    rollouts of all steps stacked, group sums by one bincount per feature over global group
+    ids, and each step's scatter of its units (group means, or rollouts for a step with one
+    group) summed by segment. Same definitions, same numbers to rounding."""
+    if not samples:
+        return {}
+    k = samples[0].z.shape[1]
+    z = np.concatenate([s.z for s in samples])
+    ns = np.array([s.n for s in samples])
+    # units: each step's groups where it has two or more, else each rollout
+    unit_ids, offset, n_units = [], 0, []
+    for s in samples:
+        codes, g = group_codes(s.groups) if s.groups is not None else (None, 0)
+        if codes is None or g < 2:
+            codes, g = np.arange(s.n), s.n
+        unit_ids.append(codes + offset)
+        offset += g
+        n_units.append(g)
+    uid = np.concatenate(unit_ids)
+    size = np.bincount(uid, minlength=offset).astype(float)
+    um = np.stack([np.bincount(uid, weights=z[:, j], minlength=offset) for j in range(k)], axis=1) / size[:, None]
+    n_units = np.array(n_units)
+    step_of_unit = np.repeat(np.arange(len(samples)), n_units)
+    ustart = np.concatenate([[0], np.cumsum(n_units)[:-1]])
+    rstart = np.concatenate([[0], np.cumsum(ns)[:-1]])
+    means = np.add.reduceat(z, rstart, axis=0) / ns[:, None]
+    unit_mean = np.add.reduceat(um, ustart, axis=0) / n_units[:, None]
+    dev = um - unit_mean[step_of_unit]
+    scatter = np.add.reduceat(np.einsum("ui,uj->uij", dev, dev), ustart, axis=0)
+    out = {}
+    for i, s in enumerate(samples):
+        g = int(n_units[i])
+        cov = scatter[i] / (g - 1) / g if g > 1 else np.full((k, k), np.nan)
+        out[s.step] = (means[i], cov, g)
+    return out
+
+
 # Consecutive steps are matched by prompt when they share at least this many prompts: the
 # per-prompt differences then need a covariance across prompts.
 MATCH_MIN_PROMPTS = 2
@@ -204,11 +242,10 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
             raise ValueError(f"step {s.step} is in basis {s.names}, step {samples[0].step} in {names}: "
                              "samples must share one feature basis")
     by_step = {s.step: s for s in samples}
-    moments: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}  # each step's once (it sits in two pairs)
+    # each step's moments once (it sits in two pairs), all in one segmented pass
+    moments = all_step_moments([s for s in samples if s.n >= 2])
 
     def moments_of(x: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
-        if x.step not in moments:
-            moments[x.step] = step_moments(x)
         return moments[x.step]
 
     ledgers = []

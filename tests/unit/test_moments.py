@@ -1,0 +1,25 @@
+"""The segmented pass over all steps gives each step's moments as step_moments does alone."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from reward_lens.measure.ledger.price import StepSample, all_step_moments, step_moments
+
+
+def test_all_step_moments_equal_step_moments():
+    rng = np.random.default_rng(0)
+    samples = []
+    for t in range(40):
+        n = int(rng.integers(2, 40))
+        # no groups; one group (rollouts become the units); several groups of unequal sizes
+        groups = None if t % 5 == 0 else rng.integers(0, 1 if t % 7 == 0 else 4, n).astype(str)
+        samples.append(StepSample(t, ("a", "b", "c"), rng.normal(size=(n, 3)) * [1, 10, 0.1], groups=groups))
+    together = all_step_moments(samples)
+    assert sorted(together) == list(range(40))
+    for s in samples:
+        mean, cov, units = step_moments(s)
+        m2, c2, u2 = together[s.step]
+        assert u2 == units
+        np.testing.assert_allclose(m2, mean, rtol=1e-12, atol=1e-15)
+        np.testing.assert_allclose(c2, cov, rtol=1e-10, atol=1e-15 * np.abs(cov).max())
