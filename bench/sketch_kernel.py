@@ -103,6 +103,11 @@ def part(name: str, work: Path, args) -> None:
         k = kernel_from_scores(s)
         out["s"] = time.perf_counter() - t
         np.save(work / "k_exact.npy", k)
+        # two features linear in the scores (s_i . v, v a seeded random direction), so that
+        # the kernel regression has something to find: z = S v + noise is predictable from K
+        rng = np.random.default_rng(5)
+        lin = np.stack([s @ rng.standard_normal(s.shape[1]).astype(np.float32) for _ in range(2)], axis=1)
+        np.save(work / "z_linear.npy", lin.astype(np.float64))
     elif name == "sketch":
         from reward_lens.measure.whitebox.sketch import sketched_kernel
 
@@ -143,7 +148,7 @@ def kl_min(k: np.ndarray, z: np.ndarray, dz: np.ndarray, rho: float | None = Non
     from reward_lens.measure.efficiency.metric import fisher_kernel_metric
     from reward_lens.measure.ledger.price import StepSample
 
-    g = fisher_kernel_metric([StepSample(0, ("logp", "logp_first_half", "low_ids"), z)], kernel=k, delta_z=dz,
+    g = fisher_kernel_metric([StepSample(0, ("logp", "logp_first_half", "linear_1", "linear_2"), z)], kernel=k, delta_z=dz,
                              rho=rho)
     idx = [g.names.index(a) for a in g.active]
     ga = g.matrix[np.ix_(idx, idx)]
@@ -172,8 +177,13 @@ def main() -> None:
             sk[s]["k"] = np.load(work / f"k_sketch_{s}.npy")
         shard = run("shard", work, [*common, "--seed", "0"])
         z = np.load(work / "seqs.npz")["z"]
+        lin = np.load(work / "z_linear.npy")
         k_exact = np.load(work / "k_exact.npy")
         k_shard = np.load(work / "k_shard.npy")
+    # features: log pi(y) and its first half (which the random policy's kernel interpolates),
+    # and the two linear ones with noise of their own size (a regression with an interior optimum)
+    noise = np.random.default_rng(6).standard_normal(lin.shape) * lin.std(axis=0, ddof=1)
+    z = np.column_stack([z[:, :2], lin + noise])
     dz = 0.5 * z.std(axis=0, ddof=1)
     ref, g_ref = kl_min(k_exact, z, dz)
     print(f"policy: Qwen3, {base['n_parameters'] / 1e6:.1f}M parameters; n = {args.n} sequences of {PROMPT} + {NEW} "
@@ -201,7 +211,7 @@ def main() -> None:
     from reward_lens.measure.efficiency.metric import fisher_kernel_metric
     from reward_lens.measure.ledger.price import StepSample
 
-    both = fisher_kernel_metric([StepSample(0, ("logp", "logp_first_half", "low_ids"), z)], kernel=sk[0]["k"],
+    both = fisher_kernel_metric([StepSample(0, ("logp", "logp_first_half", "linear_1", "linear_2"), z)], kernel=sk[0]["k"],
                                 kernel_check=sk[1]["k"], delta_z=dz)
     print(f"two seeds: KL_min disagreement {both.diagnostics['sketch_disagreement']:.1%} "
           f"(damping_stable: {both.damping_stable})")
