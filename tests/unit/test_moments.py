@@ -23,3 +23,18 @@ def test_all_step_moments_equal_step_moments():
         assert u2 == units
         np.testing.assert_allclose(m2, mean, rtol=1e-12, atol=1e-15)
         np.testing.assert_allclose(c2, cov, rtol=1e-10, atol=1e-15 * np.abs(cov).max())
+
+
+def test_group_codes_are_first_appearance_codes_for_any_labels():
+    """Labels of any type (including integer labels that already are, or are not, codes in order
+    of first appearance) get the codes of the definition: the order in which they first appear."""
+    from reward_lens.measure.ledger.price import group_codes
+
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        g = rng.integers(0, 5, int(rng.integers(1, 12)))
+        for labels in (g, g.astype(str)):
+            seen: dict = {}
+            expected = [seen.setdefault(x, len(seen)) for x in labels.tolist()]
+            codes, n = group_codes(labels)
+            assert codes.tolist() == expected and n == len(seen)

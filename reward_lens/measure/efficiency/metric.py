@@ -128,12 +128,16 @@ def _active_set(c: np.ndarray, mean: np.ndarray, names: tuple[str, ...]) -> tupl
 
 
 def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
-    """``_active_set`` for a stack of covariances (W, k, k) at once. Windows are grouped by
-    which features are constant in them (usually none, or the same few in every window); in
-    each group, where every remaining feature's residual variance fraction given the ones
-    before it is at least ``COLLINEAR_TOL``, one batched Cholesky of the correlation matrices
-    decides (that fraction is the squared diagonal of the Cholesky factor, in basis order).
-    Any other window goes through ``_active_set`` itself."""
+    """``_active_set`` for a stack of covariances (W, k, k) at once, with the same result.
+
+    Windows are grouped by which features are constant in them. In each group the first
+    window is decided by ``_active_set`` itself, and its decision is then *checked* on every
+    window of the group in a few batched operations: each kept feature's residual variance
+    fraction given the kept ones before it is at least ``COLLINEAR_TOL`` (the squared
+    diagonal of the Cholesky factor of the kept features' correlation matrix, in basis
+    order), and each feature it excluded as collinear has a residual fraction below it given
+    the kept features before it. A window where the check fails is decided by
+    ``_active_set`` too."""
     cs = np.asarray(cs, dtype=np.float64)
     out: list = [None] * len(cs)
     if not len(cs):
@@ -141,23 +145,41 @@ def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
     sd = np.sqrt(np.clip(np.diagonal(cs, axis1=1, axis2=2), 0, None))
     const = sd <= CONSTANT_TOL * np.maximum(1.0, np.abs(means))
     patterns, which = np.unique(const, axis=0, return_inverse=True)
-    for p, pattern in enumerate(patterns):
+    for p in range(len(patterns)):
         idx = np.flatnonzero(which.reshape(-1) == p)
-        keep = np.flatnonzero(~pattern)
-        if len(keep) == 0:
+        active, excluded = _active_set(cs[idx[0]], means[idx[0]], names)
+        out[idx[0]] = (active, excluded)
+        rest = idx[1:]
+        keep = [names.index(a) for a in active]
+        if not len(rest) or not keep:
             continue
-        sub = cs[idx][:, keep][:, :, keep]
-        sdk = sd[idx][:, keep]
+        ok = np.ones(len(rest), dtype=bool)
+        sdr = np.where(sd[rest] > 0, sd[rest], 1.0)  # constant features are not used below
+        corr = cs[rest] / (sdr[:, :, None] * sdr[:, None, :])
         try:
-            diag = np.diagonal(np.linalg.cholesky(sub / (sdk[:, :, None] * sdk[:, None, :])), axis1=1, axis2=2) ** 2
-            good = (diag >= COLLINEAR_TOL).all(axis=1)
+            diag = np.diagonal(np.linalg.cholesky(corr[:, keep][:, :, keep]), axis1=1, axis2=2) ** 2
+            ok &= (diag >= COLLINEAR_TOL).all(axis=1)
         except np.linalg.LinAlgError:
             continue
-        active = tuple(names[j] for j in keep)
-        excluded = {names[j]: "constant: its within-step variance is zero in every step of the window"
-                    for j in np.flatnonzero(pattern)}
-        for i in idx[good]:
-            out[i] = (active, dict(excluded))
+        reasons: dict[str, np.ndarray] = {}
+        for name, why in excluded.items():
+            if not why.startswith("collinear"):
+                continue
+            j = names.index(name)
+            before = [i for i in keep if i < j]
+            rkk = corr[:, before][:, :, before]
+            rkj = corr[:, before, j]
+            resid = 1.0 - np.einsum("wi,wi->w", rkj, np.linalg.solve(rkk, rkj[..., None])[..., 0])
+            ok &= resid < COLLINEAR_TOL
+            reasons[name] = resid
+        for q in np.flatnonzero(ok):
+            ex = dict(excluded)
+            for name, resid in reasons.items():  # the fraction explained is the window's own
+                j = names.index(name)
+                with_ = ", ".join(names[i] for i in keep if i < j)
+                ex[name] = (f"collinear: {1 - resid[q]:.12f} of its variance is explained by earlier "
+                            f"features ({with_})")
+            out[rest[q]] = (active, ex)
     for i in range(len(cs)):
         if out[i] is None:
             out[i] = _active_set(cs[i], means[i], names)

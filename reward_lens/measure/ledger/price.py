@@ -64,12 +64,11 @@ def group_codes(groups) -> tuple[np.ndarray, int]:
     """Integer codes 0..G-1 for any array of group labels, in order of first appearance."""
     groups = np.asarray(groups)
     if groups.dtype.kind in "iu" and len(groups) and groups[0] == 0:
-        g = int(groups.max()) + 1
-        if g <= len(groups):  # already codes in order of first appearance? (cheap to check)
-            first = np.full(g, len(groups))
-            np.minimum.at(first, groups, np.arange(len(groups)))
-            if (first < len(groups)).all() and (np.diff(first) > 0).all():
-                return groups.astype(np.int64, copy=False), g
+        # already codes in order of first appearance iff the running maximum starts at 0 and
+        # never grows by more than 1 (each new code is the next integer)
+        top = np.maximum.accumulate(groups)
+        if (np.diff(top) <= 1).all():
+            return groups.astype(np.int64, copy=False), int(top[-1]) + 1
     _, first, inverse = np.unique(np.asarray(groups), return_index=True, return_inverse=True)
     order = np.argsort(np.argsort(first))
     return order[inverse].astype(np.int64), len(first)
