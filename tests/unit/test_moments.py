@@ -38,3 +38,21 @@ def test_group_codes_are_first_appearance_codes_for_any_labels():
             expected = [seen.setdefault(x, len(seen)) for x in labels.tolist()]
             codes, n = group_codes(labels)
             assert codes.tolist() == expected and n == len(seen)
+
+
+def test_selection_differentials_equal_the_per_step_ones():
+    from reward_lens.measure.cause import selection_differential, selection_differentials
+
+    rng = np.random.default_rng(1)
+    samples = []
+    for t in range(40):
+        n = int(rng.integers(2, 30))
+        groups = rng.integers(0, 1 if t % 4 == 0 else 5, n).astype(str)  # every 4th step: one group
+        samples.append(StepSample(t, ("a", "b"), rng.normal(size=(n, 2)) * [1, 50], advantages=rng.normal(size=n),
+                                  groups=groups))
+    together = selection_differentials(samples)
+    for x in samples:
+        s, se = selection_differential(x)
+        s2, se2 = together[x.step]
+        np.testing.assert_allclose(s2, s, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(se2, se, rtol=1e-8, atol=1e-13, equal_nan=True)
