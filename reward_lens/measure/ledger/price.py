@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.record.reader import Run, Window, table_source
@@ -30,7 +31,7 @@ class StepSample:
     logp_prev: np.ndarray | None = None  # (n,) log pi_{t-1}(y): the policy before the last step
     kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
     logp_prev_step: np.ndarray | None = None  # (n,) the step whose policy logp_prev is under (t-1 by default)
-    prompts: np.ndarray | None = None  # (n,) prompt text of each rollout (object array)
+    prompts: np.ndarray | None = None  # (n,) prompt of each rollout: any labels (a record's are integer ids)
 
     @property
     def n(self) -> int:
@@ -179,6 +180,7 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     if {"completion_ids", "num_tokens"} & set(features.columns) and not {"completion_ids", "num_tokens"} & set(wanted):
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
     parts: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}
+    labels: dict[str, dict] = {}  # group ids and prompts -> integers, the same across row groups
     for table in run.iter_rollouts([*dict.fromkeys([*wanted, *extra])], window):
         if not table.num_rows:
             continue
@@ -188,7 +190,7 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         for c in extra:
             col = table.column(c)
             if c in ("group_id", "prompt"):
-                cols[c] = np.asarray(col.to_pylist(), dtype=object)
+                cols[c] = _label_ids(col, labels.setdefault(c, {}))
             elif col.null_count == 0:
                 cols[c] = col.to_numpy(zero_copy_only=False).astype(float)
             else:  # partly null (e.g. logp_prev of the first step): NaN marks the gaps
@@ -212,6 +214,17 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
                 kw[attr] = v
         out.append(StepSample(s, features.names, z, **kw))
     return out
+
+
+def _label_ids(col, ids: dict) -> np.ndarray:
+    """Integer ids for a column of labels (group ids, prompts), through Arrow's dictionary
+    encoding: Python sees each distinct label once, never each row. ``ids`` maps labels to
+    integers and is shared across row groups, so equal labels get equal ids; null is -1."""
+    enc = pc.dictionary_encode(col)
+    enc = enc.combine_chunks() if isinstance(enc, pa.ChunkedArray) else enc
+    table = np.array([ids.setdefault(v, len(ids)) for v in enc.dictionary.to_pylist()] + [-1], dtype=np.int64)
+    idx = enc.indices.fill_null(len(enc.dictionary)).to_numpy(zero_copy_only=False)
+    return table[idx]
 
 
 def feature_context(run: Run) -> dict[str, object]:
