@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -117,6 +118,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--per-step", type=int, default=64)
     ap.add_argument("--text-scales", default="1,4")
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     imports = measure(IMPORTS)
     print(f"reward-lens imports alone: {imports['seconds']:.2f} s, peak RSS {imports['rss_mib']:.0f} MiB")
@@ -125,17 +127,25 @@ def main() -> None:
             rec = Path(tmp) / "record"
             t = time.perf_counter()
             make_record(rec, a.steps, a.per_step, scale)
+            generated = time.perf_counter() - t
             size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
-            base = measure(BASELINE, str(rec))
-            feat = measure(FEATURES, str(rec))
-            rep = measure(REPORT, str(rec), str(Path(tmp) / "out"))
-            outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out").iterdir()}
+            runs = []
+            for r in range(a.repeats):  # interleaved: each round measures all three
+                runs.append((measure(BASELINE, str(rec)), measure(FEATURES, str(rec)),
+                             measure(REPORT, str(rec), str(Path(tmp) / f"out{r}"))))
+            base, feat, rep = ({key: statistics.median(x[i][key] for x in runs) for key in ("seconds", "rss_mib")}
+                               for i in range(3))
+            ranges = {i: (min(x[i]["seconds"] for x in runs), max(x[i]["seconds"] for x in runs)) for i in range(3)}
+            outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out0").iterdir()}
         print(f"\ntext x{scale}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
-              f"(generated in {time.perf_counter() - t:.0f} s)")
-        print(f"  pyarrow read of the same columns: {base['seconds']:.2f} s, peak RSS {base['rss_mib']:.0f} MiB")
-        print(f"  the same read plus the report's nine features (imports included): {feat['seconds']:.2f} s, "
-              f"peak RSS {feat['rss_mib']:.0f} MiB")
-        print(f"  reward-lens report (md,html,json): {rep['seconds']:.2f} s, peak RSS {rep['rss_mib']:.0f} MiB")
+              f"(generated in {generated:.0f} s)")
+        print(f"  medians of {a.repeats} interleaved rounds (range of seconds in brackets)")
+        print(f"  pyarrow read of the same columns: {base['seconds']:.2f} s {ranges[0][0]:.2f}-{ranges[0][1]:.2f}, "
+              f"peak RSS {base['rss_mib']:.0f} MiB")
+        print(f"  the same read plus the report's nine features (imports included): {feat['seconds']:.2f} s "
+              f"{ranges[1][0]:.2f}-{ranges[1][1]:.2f}, peak RSS {feat['rss_mib']:.0f} MiB")
+        print(f"  reward-lens report (md,html,json): {rep['seconds']:.2f} s {ranges[2][0]:.2f}-{ranges[2][1]:.2f}, "
+              f"peak RSS {rep['rss_mib']:.0f} MiB")
         print(f"  ratio report / pyarrow read: time {rep['seconds'] / base['seconds']:.1f}x, "
               f"peak memory {rep['rss_mib'] / base['rss_mib']:.2f}x")
         print(f"  ratio report / read plus features (issue 14's baseline; target 1.3x): time "
