@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import make_reference_records as gen  # noqa: E402
 
 
-def main(tmp: Path, steps: int) -> None:
+def main(tmp: Path, steps: int, estimator: str = "rollout", ga: int = 1) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -39,7 +39,7 @@ def main(tmp: Path, steps: int) -> None:
     args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=steps, per_device_train_batch_size=8, num_generations=8,
                       max_completion_length=16, learning_rate=1e-2, beta=0.0, logging_steps=1, bf16=False,
                       report_to="none", use_cpu=True, seed=3, save_strategy="steps", save_steps=1,
-                      save_only_model=True, disable_tqdm=True)
+                      save_only_model=True, disable_tqdm=True, gradient_accumulation_steps=ga)
     if rank == 0:
         model = gen.build_model(len(tok), 3, tok)
         model.save_pretrained(tmp / "init")
@@ -47,7 +47,7 @@ def main(tmp: Path, steps: int) -> None:
     dist.barrier()
     trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[lowercase], args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}), processing_class=tok)
-    tap = RewardLensTap.attach(trainer, tmp / "rec", flush_every=2)
+    tap = RewardLensTap.attach(trainer, tmp / "rec", flush_every=2, estimator=estimator, n_exact=16)
     trainer.train()
     (tmp / f"estimates-{rank}.json").write_text(json.dumps(
         {t: {k: {"mean": e.mean, "se": e.se, "n": e.n} for k, e in est.items()} for t, est in tap.estimates.items()}))
@@ -60,4 +60,4 @@ def main(tmp: Path, steps: int) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]))
+    main(Path(sys.argv[1]), int(sys.argv[2]), *(sys.argv[3:4] or ["rollout"]), *[int(x) for x in sys.argv[4:5]])

@@ -22,15 +22,18 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def ddp(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ddp")
+def _launch(tmp: Path, *args: str):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp), str(STEPS)],
+    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp), *args],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp, open_run(tmp / "rec")
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("ddp"), str(STEPS))
 
 
 def _seen(tmp: Path) -> list[Counter]:
@@ -108,3 +111,20 @@ def test_the_record_reads_and_reports_like_a_single_process_one(ddp, tmp_path):
     # every step pair priced on the paired ledger: D_t, rollouts and pi_t's scores of the next step all there
     assert [r["step_pair"] for r in cost["data"]["kl_min"]] == [[t, t + 1] for t in range(STEPS - 1)]
     assert "paired" in cost["headline"]
+
+
+def test_both_estimators_and_gradient_accumulation_across_processes(tmp_path):
+    """estimator="both" and 2 micro-batches per step on 2 processes: the whole global generation
+    batch (8 per device x 2 micro-batches x 2 processes) is recorded once per step, every
+    micro-batch's rollouts enter the rollout estimate, and the exact one samples n_exact = 16
+    sequences over both ranks together."""
+    tmp, run = _launch(tmp_path, "2", "both", "2")
+    steps, counts = np.unique(run.rollout_steps, return_counts=True)
+    assert steps.tolist() == [0, 1] and set(counts) == {32}
+    est = [json.loads((tmp / f"estimates-{r}.json").read_text()) for r in (0, 1)]
+    assert est[0] == est[1]
+    for t in ("0", "1"):
+        assert est[0][t]["rollout"]["n"] == 32 and est[0][t]["exact"]["n"] == 16
+    d_t = run.telemetry_column("kl_to_previous")
+    assert [d_t[t] for t in (0, 1)] == [pytest.approx(est[0][t]["exact"]["mean"]) for t in ("0", "1")]
+    assert set(run.telemetry_column("kl_to_previous_estimator").values()) == {"exact_post_samples"}
