@@ -130,6 +130,10 @@ def _read_manifest(root: Path) -> RunManifest:
         raise RecordError(path, err["msg"], field=".".join(str(p) for p in err["loc"])) from None
 
 
+# Rows read per call when streaming rollouts (several small row groups at once).
+ROWS_PER_READ = 1 << 16
+
+
 @dataclass(frozen=True)
 class Window:
     """A closed range of steps [start, stop]."""
@@ -268,7 +272,9 @@ class Run:
         return self._read(pf, name, ["step", *[c for c in columns if c != "step"]]).slice(0, 0)
 
     def iter_rollouts(self, columns: Sequence[str], window: Window | None = None) -> Iterator[pa.Table]:
-        """Yield the requested columns (plus ``step``) one row group at a time."""
+        """Yield the requested columns (plus ``step``) a few row groups at a time: consecutive
+        row groups are read together up to ``ROWS_PER_READ`` rows (a writer's small row groups
+        would otherwise cost a read call each), so memory stays bounded by that, not the file."""
         cols = ["step", *[c for c in columns if c != "step"]]
         for c in cols:
             if c not in self.rollout_columns():
@@ -278,12 +284,21 @@ class Run:
             path = self.path / name
             meta = pf.metadata
             step_idx = pf.schema_arrow.get_field_index("step")
+            batches: list[list[int]] = []
+            rows = 0
             for rg in range(meta.num_row_groups):
                 stats = meta.row_group(rg).column(step_idx).statistics
                 if window is not None and stats is not None and stats.has_min_max:
                     if stats.max < window.start or stats.min > window.stop:
                         continue
-                table = self._read(pf, name, cols, [rg])
+                n = meta.row_group(rg).num_rows
+                if not batches or rows + n > ROWS_PER_READ or batches[-1][-1] != rg - 1:
+                    batches.append([])
+                    rows = 0
+                batches[-1].append(rg)
+                rows += n
+            for batch in batches:
+                table = self._read(pf, name, cols, batch)
                 if window is not None:
                     s = table.column("step")
                     table = table.filter(pc.and_(pc.greater_equal(s, window.start), pc.less_equal(s, window.stop)))

@@ -242,3 +242,20 @@ def test_reference_record_reads_without_loading_everything():
     assert "completion" in run.rollout_columns()
     t = run.read_rollouts(["advantage"])
     assert t.column_names == ["step", "advantage"]
+
+
+def test_small_row_groups_are_read_together_and_every_row_once(tmp_path, monkeypatch):
+    """Consecutive row groups are read in batches of up to ROWS_PER_READ rows; a window still
+    skips the groups outside it; every row comes once, in order."""
+    from reward_lens.record import reader, writer
+    from reward_lens.record.reader import Window
+
+    monkeypatch.setattr(writer, "ROLLOUT_ROW_GROUP", 16)
+    _write(tmp_path / "r", steps=20, per_step=8)  # 10 row groups of 2 steps
+    run = open_run(tmp_path / "r")
+    monkeypatch.setattr(reader, "ROWS_PER_READ", 48)  # three row groups per read
+    parts = list(run.iter_rollouts(["completion"]))
+    assert [p.num_rows for p in parts] == [48, 48, 48, 16]
+    assert [s for p in parts for s in p.column("step").to_pylist()] == [s for s in range(20) for _ in range(8)]
+    parts = list(run.iter_rollouts(["completion"], Window(3, 12)))  # row groups 1..6 overlap
+    assert [s for p in parts for s in p.column("step").to_pylist()] == [s for s in range(3, 13) for _ in range(8)]
