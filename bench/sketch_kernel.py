@@ -94,12 +94,11 @@ def part(name: str, work: Path, args) -> None:
         out["s"] = time.perf_counter() - t
     elif name == "exact":
         from reward_lens.measure.efficiency.metric import kernel_from_scores
-        from reward_lens.measure.whitebox.scores import check_memory, peak_rows, score_matrix
+        from reward_lens.measure.whitebox.scores import check_memory, score_matrix
 
         model, seqs = build(), seqs_of(work / "seqs.npz")
         n_params = sum(p.numel() for p in model.parameters())
-        out["batch"] = 1
-        out["guard_bytes"] = check_memory(peak_rows(seqs.n, out["batch"]) - 2, n_params)
+        out["guard_bytes"] = check_memory(seqs.n, n_params)
         t = time.perf_counter()
         s = score_matrix(model, seqs)
         k = kernel_from_scores(s)
@@ -194,7 +193,7 @@ def main() -> None:
     print(f"floor (one batched forward + backward, no per-sequence work): {floor['s']:.1f} s, peak RSS "
           f"{floor['peak_mib']:.0f} MiB (+{floor['peak_mib'] - base['peak_mib']:.0f})")
     print(f"exact kernel: {exact['s']:.1f} s, peak RSS {exact['peak_mib']:.0f} MiB (+{exact['peak_mib'] - base['peak_mib']:.0f}"
-          f" over the model; the guard's figure for S and the batch in flight {exact['guard_bytes'] / 2 ** 20:.0f} MiB); KL_min {ref:.4g}, "
+          f" over the model; the guard's figure for S and the rows in flight {exact['guard_bytes'] / 2 ** 20:.0f} MiB); KL_min {ref:.4g}, "
           f"damping stable: {g_ref.damping_stable}, rho {g_ref.diagnostics['rho']:.3g}, "
           f"df {g_ref.diagnostics['df']:.1f} of n = {args.n}")
     rhos = (0.01, 0.1, 1.0)

@@ -163,10 +163,3 @@ def test_split_over_two_gloo_processes_the_kernel_is_the_one_process_kernel(tmp_
     assert (got[-2], got[-1]) == (one.dim, one.n_exact)
 
 
-
-def test_per_sample_gradients_by_vmap_equal_the_loop(case):
-    """score_matrix's batched rows (vmap over grad) are the per-sequence backward passes."""
-    model, seqs, _ = case
-    loop = score_matrix(model, seqs, batch=1)
-    for b in (2, 4, 6):
-        np.testing.assert_allclose(score_matrix(model, seqs, batch=b), loop, rtol=1e-5, atol=1e-6 * np.abs(loop).max())

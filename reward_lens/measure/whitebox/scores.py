@@ -6,21 +6,17 @@ Fisher F = E[s s^T]; the empirical-Fisher pitfall (gradients of the loss at the 
 not apply. It would if the rollouts were filtered or reweighted (e.g. dropped groups with
 zero reward variance): then they are no longer samples of pi and this refuses.
 
-Speed. One backward pass per sequence by default. ``batch=B`` computes B rows at a time by
-``torch.func.vmap`` over ``torch.func.grad`` (equal to the loop to float32 rounding, tested);
-measured on the CPU it is no faster (``bench/scores_vmap.py``: 0.8-1.0x on a 7.2M-parameter
-Qwen3, where the copy of S into memory costs as much as the gradients), and it needs more
-memory, so it is offered for accelerators, not chosen by default. A model vmap cannot trace
-falls back to the loop.
+Speed. One backward pass per sequence. Per-sample gradients by ``torch.func.vmap`` over
+``torch.func.grad`` are faster on small policies (``bench/scores_vmap.py``: 1.4-1.8x on a
+7.2M-parameter Qwen3) but hold a batch of B gradients at once, B * |theta| floats beyond S;
+they are not used here yet (issue 14 keeps them open). For large policies the sketch is the
+route, not a faster S.
 
-Memory. S holds n * |theta| floats (float32). One sequence at a time, autograd's gradients
-and their concatenation hold two more rows: (n + 2) * |theta| * 4 bytes at peak (98 MB for 8
-rollouts of a 2.45M-parameter policy, 288 GB for 8 rollouts of a 7B one). A vmap batch of B
-holds about ``ROWS_PER_BATCHED`` rows per sequence in flight (measured 3.2 on a 127M-parameter
-Qwen3: per-sample gradients, their concatenation, functorch's buffers), so the figure is
-(n + 4B) * |theta| * 4. The metric then builds
-K = S S^T block by block (``metric.kernel_from_scores``) without a float64 copy. The figure is
-computed before anything is allocated, and where even B = 1 does not fit this refuses with the
+Memory. S holds n * |theta| floats (float32). While a row is computed, autograd's gradients
+and their concatenation hold two more: (n + 2) * |theta| * 4 bytes at peak (98 MB for 8
+rollouts of a 2.45M-parameter policy, 280 GB for 8 rollouts of a 7B one). The metric then
+builds K = S S^T block by block (``metric.kernel_from_scores``) without a float64 copy. The
+figure is computed before anything is allocated, and above ``max_bytes`` this refuses with the
 arithmetic; for large policies, ``sketch.sketched_kernel`` estimates K without S.
 """
 
@@ -34,8 +30,6 @@ import torch
 from reward_lens.measure.whitebox.policy import Sequences, WhiteboxError
 
 BYTES_PER_FLOAT = 4
-# Rows of |theta| floats in flight per sequence of a vmap batch (3.2 measured, rounded up).
-ROWS_PER_BATCHED = 4
 
 
 def default_max_bytes() -> int:
@@ -63,80 +57,29 @@ def check_memory(n: int, n_params: int, max_bytes: int | None = None) -> int:
     return need
 
 
-def peak_rows(n: int, b: int) -> int:
-    """Rows of |theta| floats at peak: S, and what one step of the batch holds in flight."""
-    return n + (2 if b == 1 else ROWS_PER_BATCHED * b)
-
-
-def score_matrix(model, seqs: Sequences, *, reweighted: bool = False, max_bytes: int | None = None,
-                 batch: int = 1) -> np.ndarray:
-    """S (n x |theta|), float32: per-sample gradients, ``batch`` sequences at a time."""
+def score_matrix(model, seqs: Sequences, *, reweighted: bool = False, max_bytes: int | None = None) -> np.ndarray:
+    """S (n x |theta|), float32, one backward pass per sequence."""
     if reweighted:
         raise WhiteboxError("rollouts that were filtered or reweighted are not samples of the policy, so their "
                             "scores do not estimate its Fisher; pass the step's unfiltered rollouts")
-    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
-    n_params = sum(p.numel() for _, p in named)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_params = sum(p.numel() for p in params)
     check_memory(seqs.n, n_params, max_bytes)
-    b = max(1, min(int(batch), seqs.n))
-    check_memory(peak_rows(seqs.n, b) - 2, n_params, max_bytes)
     out = np.empty((seqs.n, n_params), dtype=np.float32)
     was_training = model.training
     model.eval()
     try:
-        rows = _rows_vmap(model, named, seqs, b) if b > 1 else None
-        if rows is None:
-            rows = _rows_loop(model, [p for _, p in named], seqs)
-        for a, block in rows:
-            if not bool(torch.isfinite(block).all()):  # block by block: no mask the size of S
-                bad = a + int(torch.nonzero(~torch.isfinite(block).all(dim=1))[0, 0])
-                raise WhiteboxError(f"non-finite scores for sequence {bad}: the policy's log-probabilities "
+        for i in range(seqs.n):
+            ids = seqs.ids[i:i + 1]
+            logits = model(input_ids=ids).logits[:, :-1].float()
+            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+            grads = torch.autograd.grad((logp * seqs.completion_mask[i:i + 1, 1:]).sum(), params)
+            row = torch.cat([g.reshape(-1) for g in grads])
+            if not bool(torch.isfinite(row).all()):  # row by row: no mask the size of S
+                raise WhiteboxError(f"non-finite scores for sequence {i}: the policy's log-probabilities "
                                     "overflowed; no metric is built from them")
-            out[a:a + len(block)] = block.numpy()
+            out[i] = row.numpy()
+            del grads, row
     finally:
         model.train(was_training)
     return out
-
-
-def _logp(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=ids).logits[:, :-1].float()
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-    return (lp * mask[:, 1:]).sum()
-
-
-def _rows_loop(model, params: list[torch.Tensor], seqs: Sequences):
-    for i in range(seqs.n):
-        grads = torch.autograd.grad(_logp(model, seqs.ids[i:i + 1], seqs.completion_mask[i:i + 1]), params)
-        yield i, torch.cat([g.reshape(-1) for g in grads])[None]
-        del grads
-
-
-def _rows_vmap(model, named, seqs: Sequences, b: int):
-    """Per-sample gradients by vmap(grad); None when this model cannot be vmapped (the first
-    batch is tried before anything is yielded, so the caller can fall back)."""
-    import warnings
-
-    from torch.func import functional_call, grad, vmap
-
-    params = {k: p.detach() for k, p in named}
-
-    def one(p, ids, mask):
-        return _logp(lambda **kw: functional_call(model, p, args=(), kwargs=kw), ids[None], mask[None])
-
-    per_sample = vmap(grad(one), in_dims=(None, 0, 0))
-
-    def block(a: int) -> torch.Tensor:
-        with warnings.catch_warnings():  # torch's note that some backward has no batching rule yet
-            warnings.filterwarnings("ignore", message=".*batching rule.*")
-            g = per_sample(params, seqs.ids[a:a + b], seqs.completion_mask[a:a + b].float())
-        return torch.cat([g[k].reshape(g[k].shape[0], -1) for k, _ in named], dim=1)
-
-    try:
-        first = block(0)
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-    def gen():
-        yield 0, first
-        for a in range(b, seqs.n, b):
-            yield a, block(a)
-    return gen()

@@ -70,10 +70,6 @@ class SketchedKernel:
     matrices: int  # weight matrices sketched
     first_stage: int  # D: the first stage's entries, before the reduction to m
 
-    @property
-    def n(self) -> int:
-        return self.kernel.shape[0]
-
 
 def _projection(seed: int, name: str, side: str, r: int, size: int, *, force: bool = False) -> torch.Tensor | None:
     """N(0, 1/r) entries, r x size, regenerated from (seed, name, side); None = identity
@@ -275,9 +271,9 @@ def sketched_kernel(model, seqs: Sequences, *, dim: int = 16384, rank: int = 64,
             wanted = leaves + (first or [a for a in anchors if a.requires_grad])
             grads = torch.autograd.grad(total, wanted, allow_unused=True) if wanted else ()
     except RuntimeError as exc:
-        raise WhiteboxError(f"the sketch could not take per-sequence gradients through this model ({exc}); "
-                            "some module computes with a parameter in a way that does not broadcast over "
-                            "sequences") from exc
+        raise WhiteboxError(f"the sketch's forward and backward pass failed ({exc}); a module that computes with "
+                            "a vector parameter in a way that does not broadcast over sequences (nn.LayerNorm's "
+                            "fused kernel, for one) cannot be taken per sequence") from exc
     finally:
         for h in handles:
             h.remove()
@@ -285,26 +281,22 @@ def sketched_kernel(model, seqs: Sequences, *, dim: int = 16384, rank: int = 64,
             mod._parameters[attr] = by_name[nm]
         model.train(was_training)
 
-    # per parameter: its first-stage sketch, (n, d_p), float64
-    first: dict[str, torch.Tensor] = {}
-    exact_coords: set[str] = set()
-    for nm, ps in parts.items():
-        first[nm] = ps[0] if len(ps) == 1 else sum(ps)
-        if nm not in proj and first[nm].shape[1] <= rank * rank:
-            exact_coords.add(nm)  # a Linear's bias, short enough
-        elif nm in proj and proj[nm] == (None, None):
-            exact_coords.add(nm)
+    # per parameter: its first-stage sketch, (n, d_p), float64, summed over the parameter's uses
+    first = {nm: sum(ps) for nm, ps in parts.items()}
     g_iter = iter(grads)
     for nm in copies:
-        gs = [next(g_iter) for _ in copies[nm]]
-        gs = [g.detach().double().reshape(n, -1) for g in gs if g is not None]
+        gs = [g.detach().double().reshape(n, -1) for g in (next(g_iter) for _ in copies[nm]) if g is not None]
         if gs:
             first[nm] = sum(gs)
-            exact_coords.add(nm)
-    for nm in list(first):
-        if nm in exact_coords and first[nm].shape[1] > rank * rank:  # a long vector: dense JL to r^2
-            first[nm] = first[nm] @ _projection(seed, nm, "dense", rank * rank, first[nm].shape[1]).double().T
-            exact_coords.discard(nm)
+    exact: dict[str, bool] = {}  # whether the entries are gradient coordinates themselves
+    for nm, phi in first.items():
+        if nm in proj:
+            exact[nm] = proj[nm] == (None, None)
+        elif phi.shape[1] > rank * rank:  # a long vector parameter: dense JL to r^2
+            first[nm] = phi @ _projection(seed, nm, "dense", rank * rank, phi.shape[1]).double().T
+            exact[nm] = False
+        else:
+            exact[nm] = True
 
     # stage 2: allocate m over the parameters by their share of tr(K~), the same on every rank
     names = sorted(by_name)
@@ -324,7 +316,7 @@ def sketched_kernel(model, seqs: Sequences, *, dim: int = 16384, rank: int = 64,
     for nm, phi in first.items():
         if alloc[nm] < phi.shape[1]:
             phi = phi @ _projection(seed, nm, "reduce", alloc[nm], phi.shape[1]).double().T
-        elif nm in exact_coords:
+        elif exact[nm]:
             n_exact += phi.shape[1]
         k += (phi @ phi.T).numpy()
         m += phi.shape[1]
