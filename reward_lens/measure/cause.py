@@ -66,24 +66,9 @@ class CauseSection(_M):
 
 
 def selection_differential(sample: StepSample) -> tuple[np.ndarray, np.ndarray]:
-    """s = Cov(z, A) within prompt groups over one step's rollouts, and its SE (groups as units)."""
-    z, a = sample.z, np.asarray(sample.advantages, dtype=float)
-    codes, g = group_codes(sample.groups)
-    size = np.bincount(codes, minlength=g).astype(float)
-    zc = z - (np.stack([np.bincount(codes, weights=z[:, j], minlength=g) for j in range(z.shape[1])], 1)
-              / size[:, None])[codes]
-    ac = a - (np.bincount(codes, weights=a, minlength=g) / size)[codes]
-    prod = zc * ac[:, None]
-    u = np.stack([np.bincount(codes, weights=prod[:, j], minlength=g) for j in range(z.shape[1])], 1)  # (g, k)
-    n = size.sum()
-    s = u.sum(axis=0) / n
-    if g < 2:  # one prompt group: its rollouts are the units (their products' spread)
-        if n < 3:
-            return s, np.full(z.shape[1], np.nan)
-        return s, prod.std(axis=0, ddof=1) / np.sqrt(n)
-    resid = u - size[:, None] * s
-    var = g / (g - 1) * (resid ** 2).sum(axis=0) / n ** 2
-    return s, np.sqrt(var)
+    """s = Cov(z, A) within prompt groups over one step's rollouts, and its SE (groups as units;
+    with one group, its rollouts)."""
+    return selection_differentials([sample])[sample.step]
 
 
 def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarray, np.ndarray]]:

@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def _positions(logits, a: int, b: int):
     """Positions a..b-1 (b <= 0 counts from the end) of whole or blocked logits."""
     if isinstance(logits, BlockedLogits):
         return logits.positions(a, b)
-    return logits[:, a:(b if b < 0 else b)] if b != 0 else logits[:, a:]
+    return logits[:, a:b] if b else logits[:, a:]
 
 
 def _rows(logits, index):
@@ -371,10 +372,10 @@ class RewardLensTap(TrainerCallback):
         weight = head.weight if params is None or key not in params else params[key]
         return BlockedLogits(hidden[0], weight, head.bias, self.temperature)
 
-    @property
+    @cached_property
     def _head_key(self) -> str | None:
         """The name under which the output layer's weight appears in a parameter snapshot
-        (an embedding's name when the two are tied)."""
+        (an embedding's name when the two are tied); found once."""
         head = self.trainer.model.get_output_embeddings()
         return next((n for n, p in self.trainer.model.named_parameters() if p is head.weight), None)
 

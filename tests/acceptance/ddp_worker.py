@@ -60,4 +60,6 @@ def main(tmp: Path, steps: int, estimator: str = "rollout", ga: int = 1) -> None
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), *(sys.argv[3:4] or ["rollout"]), *[int(x) for x in sys.argv[4:5]])
+    # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION]]
+    args = sys.argv[1:]
+    main(Path(args[0]), int(args[1]), args[2] if len(args) > 2 else "rollout", int(args[3]) if len(args) > 3 else 1)

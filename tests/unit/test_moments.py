@@ -1,4 +1,6 @@
-"""The segmented pass over all steps gives each step's moments as step_moments does alone."""
+"""The segmented passes over all steps give each step's moments and selection differential as
+the definitions do, written here plainly per step (np.cov of group means, covariances within
+groups) -- not by the package's own code."""
 
 from __future__ import annotations
 
@@ -7,7 +9,16 @@ import numpy as np
 from reward_lens.measure.ledger.price import StepSample, all_step_moments, step_moments
 
 
-def test_all_step_moments_equal_step_moments():
+def _moments_by_definition(s: StepSample):
+    """Mean; Cov(group means) / G with groups as units, or C / n with one group or none."""
+    labels = list(dict.fromkeys(s.groups.tolist())) if s.groups is not None else []
+    if len(labels) >= 2:
+        gm = np.array([s.z[s.groups == g].mean(axis=0) for g in labels])
+        return s.z.mean(axis=0), np.atleast_2d(np.cov(gm, rowvar=False, ddof=1)) / len(labels), len(labels)
+    return s.z.mean(axis=0), np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1)) / s.n, s.n
+
+
+def test_all_step_moments_equal_the_definition():
     rng = np.random.default_rng(0)
     samples = []
     for t in range(40):
@@ -18,8 +29,9 @@ def test_all_step_moments_equal_step_moments():
     together = all_step_moments(samples)
     assert sorted(together) == list(range(40))
     for s in samples:
-        mean, cov, units = step_moments(s)
+        mean, cov, units = _moments_by_definition(s)
         m2, c2, u2 = together[s.step]
+        assert all(np.array_equal(a, b) for a, b in zip(step_moments(s)[:2], (m2, c2)))  # one step alone
         assert u2 == units
         np.testing.assert_allclose(m2, mean, rtol=1e-12, atol=1e-15)
         np.testing.assert_allclose(c2, cov, rtol=1e-10, atol=1e-15 * np.abs(cov).max())
@@ -40,7 +52,28 @@ def test_group_codes_are_first_appearance_codes_for_any_labels():
             assert codes.tolist() == expected and n == len(seen)
 
 
-def test_selection_differentials_equal_the_per_step_ones():
+def _selection_by_definition(s: StepSample):
+    """sum over groups of sum_i (z_i - zbar_g)(A_i - Abar_g) / n; SE with groups as units
+    (g / (g - 1) sum_g (u_g - n_g s)^2 / n^2), or with one group the rollouts' products."""
+    labels = list(dict.fromkeys(s.groups.tolist()))
+    u, sizes, prods = [], [], []
+    for g in labels:
+        z, a = s.z[s.groups == g], s.advantages[s.groups == g]
+        p = (z - z.mean(axis=0)) * (a - a.mean())[:, None]
+        u.append(p.sum(axis=0))
+        sizes.append(len(z))
+        prods.append(p)
+    u, sizes, n = np.array(u), np.array(sizes, float), s.n
+    sel = u.sum(axis=0) / n
+    if len(labels) >= 2:
+        g = len(labels)
+        return sel, np.sqrt(g / (g - 1) * ((u - sizes[:, None] * sel) ** 2).sum(axis=0) / n ** 2)
+    if n < 3:
+        return sel, np.full(s.z.shape[1], np.nan)
+    return sel, np.vstack(prods).std(axis=0, ddof=1) / np.sqrt(n)
+
+
+def test_selection_differentials_equal_the_definition():
     from reward_lens.measure.cause import selection_differential, selection_differentials
 
     rng = np.random.default_rng(1)
@@ -52,7 +85,8 @@ def test_selection_differentials_equal_the_per_step_ones():
                                   groups=groups))
     together = selection_differentials(samples)
     for x in samples:
-        s, se = selection_differential(x)
+        s, se = _selection_by_definition(x)
         s2, se2 = together[x.step]
+        assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(selection_differential(x), (s2, se2)))
         np.testing.assert_allclose(s2, s, rtol=1e-10, atol=1e-13)
         np.testing.assert_allclose(se2, se, rtol=1e-8, atol=1e-13, equal_nan=True)

@@ -84,17 +84,7 @@ def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
     between-prompt variance cannot be estimated from the step and the rollouts are taken as
     the units, C / n -- an understatement whenever prompts differ in what they elicit.
     """
-    mean = s.z.mean(axis=0)
-    if s.groups is not None:
-        codes, g = group_codes(s.groups)
-        if g >= 2:
-            size = np.bincount(codes, minlength=g).astype(float)
-            gm = np.stack([np.bincount(codes, weights=s.z[:, j], minlength=g) for j in range(s.z.shape[1])],
-                          axis=1) / size[:, None]
-            # The step mean weights groups by their size; equal sizes (GRPO) make it the mean
-            # of the group means, whose sampling covariance this is.
-            return mean, np.atleast_2d(np.cov(gm, rowvar=False, ddof=1)) / g, g
-    return mean, np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1)) / s.n, s.n
+    return all_step_moments([s])[s.step]
 
 
 def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
