@@ -102,7 +102,7 @@ IMPORTS = """
 import time, json
 HWM
 t = time.perf_counter()
-import reward_lens.cli, reward_lens.report.render, reward_lens.report.build, matplotlib.figure
+import reward_lens.cli, reward_lens.report.render, reward_lens.report.build, reward_lens.report.plots
 print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm()}))
 """
 

@@ -1,0 +1,87 @@
+"""The SVG plotter: ticks worked by hand, well-formed and deterministic SVG, gaps, log scales,
+escaping, and the reduction of long series."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from reward_lens.measure.figures import FigureOut, Panel, Series
+from reward_lens.report.plots import MAX_POINTS, nice_ticks, render_figure, tick_label
+
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.mark.parametrize("lo, hi, ticks, decimals", [
+    (0.0, 10.0, [0, 2, 4, 6, 8, 10], 0),          # span 10 / 5: step 2
+    (-0.3, 0.7, [-0.2, 0, 0.2, 0.4, 0.6], 1),      # span 1 / 5 = 0.2
+    (0.0, 1.0e-3, [0, 2e-4, 4e-4, 6e-4, 8e-4, 1e-3], 4),
+    (3.0, 4.0, [3.0, 3.2, 3.4, 3.6, 3.8, 4.0], 1),
+    (0.0, 9.0, [0, 2.5, 5.0, 7.5], 1),             # 9 / 5 = 1.8 -> 2 gives 5 intervals, fine; 2.5 not needed
+])
+def test_nice_ticks_by_hand(lo, hi, ticks, decimals):
+    got, dec = nice_ticks(lo, hi)
+    if (lo, hi) == (0.0, 9.0):  # 9 / 2 = 4.5 intervals <= 5: the step is 2
+        ticks, decimals = [0, 2, 4, 6, 8], 0
+    assert np.allclose(got, ticks) and dec == decimals
+    assert tick_label(0.2 * 3, 1) == "0.6" and tick_label(0.0, 3) == "0" and tick_label(250000.0, 0) == "2.5e5"
+
+
+def test_a_step_of_two_and_a_half_shows_one_more_decimal():
+    got, dec = nice_ticks(0.0, 11.0)  # 11 / 2 = 5.5 intervals > 5, 11 / 2.5 = 4.4: step 2.5
+    assert np.allclose(got, [0, 2.5, 5, 7.5, 10]) and dec == 1
+
+
+def _figure(**panel) -> FigureOut:
+    base = dict(y_label="y <units>", series=[Series(label="a & b", x=[0, 1, 2, 4, 5], y=[1, 2, 3, 4, 5],
+                                                    gaps=[2.0])])
+    return FigureOut(id="f1", caption='cap "quoted"', x_label="step", panels=[Panel(**{**base, **panel})])
+
+
+def test_svg_is_well_formed_deterministic_and_escaped():
+    svg = render_figure(_figure(title="<script>x</script>"))
+    root = ET.fromstring(svg)  # parses: every label was escaped
+    assert root.tag == SVG_NS + "svg" and root.get("aria-label") == 'cap "quoted"'
+    texts = [t.text for t in root.iter(SVG_NS + "text")]
+    assert "<script>x</script>" in texts and "y <units>" in texts and "a & b" in texts
+    assert render_figure(_figure(title="<script>x</script>")) == svg
+    # ids are the figure's own, so two figures can share a page
+    assert all(i.startswith("f1-") for i in re.findall(r'id="([^"]+)"', svg))
+
+
+def test_a_line_is_broken_at_a_gap_and_points_beyond_the_axes_are_clipped():
+    svg = render_figure(_figure())
+    (line,) = [p for p in ET.fromstring(svg).iter(SVG_NS + "path") if p.get("stroke-width") == "1.1"]
+    d = line.get("d")
+    assert d.count("M") == 2  # 0,1,2 then 4,5: never joined across the gap
+    xs = [float(v.split(",")[0]) for v in re.findall(r"[-\d.]+,[-\d.]+", d)]
+    assert xs == sorted(xs) and len(xs) == 5
+
+
+def test_log_axis_draws_positive_values_only_with_decade_ticks():
+    fig = _figure(log_y=True, series=[Series(x=[0, 1, 2, 3], y=[1e-3, 0.0, 1e-1, 1.0])])
+    root = ET.fromstring(render_figure(fig))
+    texts = [t.text for t in root.iter(SVG_NS + "text")]
+    assert {"10⁻³", "10⁻²", "10⁻¹", "10⁰"} <= set(texts)
+    (line,) = [p for p in root.iter(SVG_NS + "path") if p.get("stroke-width") == "1.1"]
+    assert line.get("d").count("M") == 2  # the zero breaks the line
+
+
+def test_long_series_of_every_style_are_drawn_in_bounded_size():
+    n = 50_000
+    x = np.arange(n, dtype=float)
+    y = np.sin(x / 300)
+    series = [Series(x=x.tolist(), y=y.tolist(), style=s, lo=(y - 1).tolist(), hi=(y + 1).tolist())
+              for s in ("line", "points", "hollow", "band", "interval")]
+    series += [Series(label=f"s{i}", x=x.tolist(), y=np.abs(y).tolist(), style="stack") for i in range(2)]
+    svg = render_figure(FigureOut(id="big", caption="c", x_label="x", panels=[Panel(y_label="y", series=series)]))
+    root = ET.fromstring(svg)
+    for p in root.iter(SVG_NS + "path"):
+        d = p.get("d")
+        assert d.count("M") <= MAX_POINTS + 1  # a dot or an interval is one move; a line or area a few
+        if "a" not in d:  # not dots: every vertex is a coordinate pair
+            assert len(re.findall(r"[-\d.]+,[-\d.]+", d)) <= 2 * MAX_POINTS + 2
+    assert len(svg) < 1_000_000
