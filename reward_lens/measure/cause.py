@@ -30,7 +30,7 @@ from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.efficiency.metric import MetricG
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes
+from reward_lens.measure.ledger.price import Ledger, StepSample, sample_codes
 from reward_lens_spec import Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -81,7 +81,7 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     z = np.concatenate([x.z for x in samples])
     a = np.concatenate([np.asarray(x.advantages, dtype=float) for x in samples])
     ns = np.array([x.n for x in samples])
-    codes = [group_codes(x.groups) for x in samples]
+    codes = [sample_codes(x) for x in samples]
     gs = np.array([g for _, g in codes])
     offsets = np.concatenate([[0], np.cumsum(gs)[:-1]])
     uid = np.concatenate([c + o for (c, _), o in zip(codes, offsets)])

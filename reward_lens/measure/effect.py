@@ -25,7 +25,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes
+from reward_lens.measure.ledger.price import Ledger, StepSample, sample_codes
 from reward_lens_spec.render import render_template
 
 
@@ -70,7 +70,7 @@ def _unit_means(samples: Sequence[StepSample]) -> np.ndarray:
     units = []
     for s in samples:
         if s.groups is not None:
-            codes, g = group_codes(s.groups)
+            codes, g = sample_codes(s)
             size = np.bincount(codes, minlength=g).astype(float)
             sums = np.stack([np.bincount(codes, weights=s.z[:, j], minlength=g) for j in range(s.z.shape[1])], 1)
             units.append(sums / size[:, None])

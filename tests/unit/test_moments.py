@@ -90,3 +90,24 @@ def test_selection_differentials_equal_the_definition():
         assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(selection_differential(x), (s2, se2)))
         np.testing.assert_allclose(s2, s, rtol=1e-10, atol=1e-13)
         np.testing.assert_allclose(se2, se, rtol=1e-8, atol=1e-13, equal_nan=True)
+
+
+def test_group_codes_and_segment_codes_agree_with_first_appearance_written_plainly():
+    from reward_lens.measure.ledger.price import group_codes, segment_codes
+
+    def plain(labels):
+        seen: dict = {}
+        return [seen.setdefault(v, len(seen)) for v in labels.tolist()], len(set(labels.tolist()))
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        lens = rng.integers(1, 12, size=rng.integers(1, 8))
+        starts = np.r_[0, np.cumsum(lens)[:-1]]
+        labels = rng.integers(-1, 5, size=lens.sum())  # -1: a null group id
+        codes, counts = segment_codes(starts, int(lens.sum()), labels)
+        for a, n, g in zip(starts, lens, counts):
+            want, g_want = plain(labels[a:a + n])
+            got, g_got = group_codes(labels[a:a + n])
+            assert codes[a:a + n].tolist() == want == got.tolist() and g == g_want == g_got
+    # a label -1 after a 0 is not already a code (the fast path once took it for one)
+    assert group_codes(np.array([0, -1, 0, 1]))[0].tolist() == [0, 1, 0, 2]

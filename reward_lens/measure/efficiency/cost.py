@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -208,55 +208,65 @@ def _basis_refusal(ledgers: Sequence[Ledger], g: MetricG, run_id: str | None) ->
 
 def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
     """Rows for every ledger, each priced by the metric of its step (``g.for_step``); pairs
-    that share an active set are computed together (one vectorised Shapley sweep)."""
+    that share an active set are computed together (one vectorised Shapley sweep, and the
+    noise floors and Hotelling tests as batched matrix operations)."""
     groups: dict[tuple[str, ...], list[tuple[int, Ledger, MetricG]]] = {}
     for p, lg in enumerate(ledgers):
         sub = g.for_step(lg.step_pair[0])
         groups.setdefault(sub.active, []).append((p, lg, sub))
-    rows: list[KlMinRow | None] = [None] * len(ledgers)
+    fields: list[dict | None] = [None] * len(ledgers)  # each row's fields; resolved comes last
+    pvals = np.ones(len(ledgers))
+    excluded_of: dict[tuple[str, ...], list[int]] = {}
     for active, items in groups.items():
         idx = items[0][2].active_index
-        if len(idx):
-            dz = np.stack([lg.delta_z[idx] for _, lg, _ in items])
-            gaa = np.stack([sub.matrix[np.ix_(idx, idx)] for _, _, sub in items])
-            kl = np.atleast_1d(quad_kl_min(dz, gaa))
-            shares = np.atleast_2d(shapley_shares(dz, gaa))
-            ginv = np.linalg.inv(gaa)
-            sd = np.sqrt(np.einsum("pii->pi", gaa))
-            conds = np.linalg.cond(gaa / (sd[:, :, None] * sd[:, None, :]))
-        for q, (p, lg, sub) in enumerate(items):
-            excluded_idx = [g.names.index(n) for n in sub.excluded]
+        units = []
+        for p, lg, sub in items:
+            key = tuple(sub.excluded)
+            excluded_idx = excluded_of.setdefault(key, [g.names.index(n) for n in key])
             unpriced = {g.names[j]: float(lg.delta_z[j]) for j in excluded_idx if lg.delta_z[j] != 0}
-            if not len(idx):  # nothing varies at this step: no movement can be priced
-                rows[p] = KlMinRow(lg.step_pair, 0.0, {}, 0.0, 0.0, False, None, None, None, lg.n_pre, lg.n_post,
-                                   unpriced, kind=lg.kind)
-                continue
-            m = ginv[q] @ lg.cov_delta[np.ix_(idx, idx)]
-            floor = 0.5 * float(np.trace(m))
-            sd = math.sqrt(max(0.5 * float(np.trace(m @ m)), 0.0))
-            lead = int(np.argmax(shares[q])) if kl[q] > 0 else None
-            if isinstance(lg, PairedLedger):
-                _, pval, _ = _eta.within_group_r2_test(lg.z[:, idx], lg.log_ratio, lg.codes, lg.n_groups)
+            fields[p] = dict(step_pair=lg.step_pair, n_pre=lg.n_pre, n_post=lg.n_post, unpriced_movement=unpriced,
+                             kind=lg.kind)
+            units.append(lg.units or lg.n_pre + lg.n_post)
+        if not len(idx):  # nothing varies at this step: no movement can be priced
+            for p, lg, _ in items:
+                fields[p].update(kl_min=0.0, shares={}, noise_floor=0.0, noise_sd=0.0, clears_noise_floor=False,
+                                 leading_feature=None, leading_delta=None, leading_se=None)
+            pvals[[p for p, _, _ in items]] = np.nan  # not a test: left out of Benjamini-Hochberg
+            continue
+        dz = np.stack([lg.delta_z for _, lg, _ in items])[:, idx]
+        se = np.stack([lg.se for _, lg, _ in items])[:, idx]
+        gaa = np.stack([sub.matrix for _, _, sub in items])[:, idx][:, :, idx]
+        cov = np.stack([lg.cov_delta for _, lg, _ in items])[:, idx][:, :, idx]
+        kl = np.atleast_1d(quad_kl_min(dz, gaa))
+        shares = np.atleast_2d(shapley_shares(dz, gaa))
+        m = np.linalg.inv(gaa) @ cov
+        floor = 0.5 * np.trace(m, axis1=1, axis2=2)
+        noise_sd = np.sqrt(np.clip(0.5 * np.einsum("pij,pji->p", m, m), 0.0, None))  # 0.5 tr(M M)
+        sd = np.sqrt(np.einsum("pii->pi", gaa))
+        conds = np.linalg.cond(gaa / (sd[:, :, None] * sd[:, None, :]))
+        lead = np.argmax(shares, axis=1)
+        unpaired = [q for q, (_, lg, _) in enumerate(items) if not isinstance(lg, PairedLedger)]
+        p_unpaired = _eta.hotelling_p_many(dz[unpaired], cov[unpaired], np.array(units)[unpaired],
+                                           np.array([items[q][1].matched for q in unpaired], dtype=bool))
+        p_of = dict(zip(unpaired, p_unpaired.tolist()))
+        inexact = np.abs(shares.sum(axis=1) - kl) > SHARE_SUM_RTOL * np.maximum(kl, 1e-300)
+        for q, (p, lg, sub) in enumerate(items):
+            if q in p_of:
+                pvals[p] = p_of[q]
             else:
-                pval = _eta.hotelling_p(lg.delta_z[idx], lg.cov_delta[np.ix_(idx, idx)], lg.units or lg.n_pre + lg.n_post,
-                                        one_sample=lg.matched)
-            rows[p] = KlMinRow(
-                step_pair=lg.step_pair, kl_min=float(kl[q]),
-                shares={a: float(v) for a, v in zip(active, shares[q])},
-                noise_floor=floor, noise_sd=sd, clears_noise_floor=bool(kl[q] > floor + NOISE_Z * sd),
-                leading_feature=active[lead] if lead is not None else None,
-                leading_delta=float(lg.delta_z[idx[lead]]) if lead is not None else None,
-                leading_se=float(lg.se[idx[lead]]) if lead is not None else None,
-                n_pre=lg.n_pre, n_post=lg.n_post, unpriced_movement=unpriced, p_value=pval, kind=lg.kind,
-                shares_inexact=bool(abs(shares[q].sum() - kl[q]) > SHARE_SUM_RTOL * max(kl[q], 1e-300)),
-                condition=float(conds[q]),
-            )
-    out = [r for r in rows if r is not None]
-    priced = [i for i, r in enumerate(out) if not r.nothing_priced]
-    decided = _eta.benjamini_hochberg([out[i].p_value for i in priced])
-    for i, rej in zip(priced, decided):
-        out[i] = replace(out[i], resolved=bool(rej))
-    return out
+                pvals[p] = _eta.within_group_r2_test(lg.z[:, idx], lg.log_ratio, lg.codes, lg.n_groups)[1]
+            j = int(lead[q]) if kl[q] > 0 else None
+            fields[p].update(
+                kl_min=float(kl[q]), shares=dict(zip(active, shares[q].tolist())), noise_floor=float(floor[q]),
+                noise_sd=float(noise_sd[q]), clears_noise_floor=bool(kl[q] > floor[q] + NOISE_Z * noise_sd[q]),
+                leading_feature=active[j] if j is not None else None,
+                leading_delta=float(dz[q, j]) if j is not None else None,
+                leading_se=float(se[q, j]) if j is not None else None,
+                p_value=float(pvals[p]), shares_inexact=bool(inexact[q]), condition=float(conds[q]))
+    priced = np.flatnonzero(~np.isnan(pvals))
+    resolved = np.zeros(len(ledgers), dtype=bool)
+    resolved[priced] = _eta.benjamini_hochberg(pvals[priced])
+    return [KlMinRow(**f, resolved=bool(r)) for f, r in zip(fields, resolved.tolist())]
 
 
 def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None = None) -> KlMinSeries:

@@ -173,6 +173,26 @@ def hotelling_p(dz: np.ndarray, sigma: np.ndarray, units: int, one_sample: bool 
     return float(special.fdtrc(k, dof, t2 * scale))
 
 
+def hotelling_p_many(dz: np.ndarray, sigma: np.ndarray, units: np.ndarray, one_sample: np.ndarray) -> np.ndarray:
+    """``hotelling_p`` of many ledgers of one dimension k at once: dz (P, k), sigma (P, k, k),
+    units and one_sample (P,). One batched solve; a batch with a singular Sigma is solved one
+    ledger at a time, as ``hotelling_p`` does (1 for the singular ones)."""
+    n_rows, k = dz.shape
+    if not n_rows:
+        return np.zeros(0)
+    try:
+        t2 = np.einsum("pi,pi->p", dz, np.linalg.solve(sigma, dz[:, :, None])[:, :, 0])
+    except np.linalg.LinAlgError:
+        return np.array([hotelling_p(d, s, int(u), bool(o)) for d, s, u, o in zip(dz, sigma, units, one_sample)])
+    n = units.astype(float)
+    dof = np.where(one_sample, n - k, n - k - 1)
+    scale = np.where(one_sample, (n - k) / (k * (n - 1)), (n - k - 1) / (k * np.maximum(n - 2, 1)))
+    ok = (dof >= 1) & np.isfinite(t2) & (t2 >= 0)
+    out = np.ones(n_rows)
+    out[ok] = special.fdtrc(k, dof[ok], t2[ok] * scale[ok])
+    return out
+
+
 def unpaired_estimate(lg: Ledger, g_active: np.ndarray, active_idx: np.ndarray, kl_min: float, noise_floor: float,
                       d_t: float, p: float) -> EtaEstimate:
     """eta = KL_min / D_t on a two-sample ledger; the variance of KL_min from draws of dz from

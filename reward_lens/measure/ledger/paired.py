@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes
+from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes, sample_codes
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,7 +138,7 @@ def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> Pai
     prev = previous_step(sample)
     if isinstance(prev, NotFormed):
         return prev
-    codes, n_groups = group_codes(sample.groups)
+    codes, n_groups = sample_codes(sample)
     sizes = np.bincount(codes, minlength=n_groups)
     keep = sizes[codes] >= 2
     if int(np.unique(codes[keep]).size) < 2:

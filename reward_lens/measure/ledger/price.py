@@ -32,6 +32,9 @@ class StepSample:
     kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
     logp_prev_step: np.ndarray | None = None  # (n,) the step whose policy logp_prev is under (t-1 by default)
     prompts: np.ndarray | None = None  # (n,) prompt of each rollout: any labels (a record's are integer ids)
+    # set only when ``groups`` are already codes 0..n_groups-1 in order of first appearance
+    # (``steps_from_run`` codes them once for all steps), so nothing has to code them again
+    n_groups: int | None = None
 
     @property
     def n(self) -> int:
@@ -65,14 +68,35 @@ def group_codes(groups) -> tuple[np.ndarray, int]:
     """Integer codes 0..G-1 for any array of group labels, in order of first appearance."""
     groups = np.asarray(groups)
     if groups.dtype.kind in "iu" and len(groups) and groups[0] == 0:
-        # already codes in order of first appearance iff the running maximum starts at 0 and
-        # never grows by more than 1 (each new code is the next integer)
+        # already codes in order of first appearance iff none is negative and the running
+        # maximum starts at 0 and never grows by more than 1 (each new code is the next integer)
         top = np.maximum.accumulate(groups)
-        if (np.diff(top) <= 1).all():
+        if (np.diff(top) <= 1).all() and groups.min() >= 0:
             return groups.astype(np.int64, copy=False), int(top[-1]) + 1
     _, first, inverse = np.unique(np.asarray(groups), return_index=True, return_inverse=True)
     order = np.argsort(np.argsort(first))
     return order[inverse].astype(np.int64), len(first)
+
+
+def sample_codes(s: StepSample) -> tuple[np.ndarray, int]:
+    """``group_codes`` of a sample's groups, without recomputing codes a reader already made."""
+    if s.n_groups is not None:
+        return s.groups, s.n_groups
+    return group_codes(s.groups)
+
+
+def segment_codes(starts: np.ndarray, n: int, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``group_codes`` within each segment of rows [starts[i], starts[i+1]) of ``labels``
+    (integers), for all segments at once: the codes, and each segment's number of groups."""
+    seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+    lab = np.unique(labels, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    key = seg.astype(np.int64) * (int(lab.max(initial=0)) + 1) + lab
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    rank = np.empty(len(first), dtype=np.int64)
+    rank[np.argsort(first, kind="stable")] = np.arange(len(first))  # rows are in segment order,
+    counts = np.bincount(seg[first], minlength=len(starts))         # so ranks run segment by segment
+    offsets = np.r_[0, np.cumsum(counts)[:-1]]
+    return rank[inverse.reshape(-1)] - offsets[seg], counts
 
 
 def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
@@ -100,7 +124,7 @@ def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarra
     # units: each step's groups where it has two or more, else each rollout
     unit_ids, offset, n_units = [], 0, []
     for s in samples:
-        codes, g = group_codes(s.groups) if s.groups is not None else (None, 0)
+        codes, g = sample_codes(s) if s.groups is not None else (None, 0)
         if codes is None or g < 2:
             codes, g = np.arange(s.n), s.n
         unit_ids.append(codes + offset)
@@ -169,40 +193,44 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     wanted = [c for c in features.columns if c in available or c not in ("completion_ids", "num_tokens")]
     if {"completion_ids", "num_tokens"} & set(features.columns) and not {"completion_ids", "num_tokens"} & set(wanted):
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
-    parts: dict[int, list[tuple[np.ndarray, dict[str, np.ndarray]]]] = {}
+    zs, step_parts, col_parts = [], [], {c: [] for c in extra}
     labels: dict[str, dict] = {}  # group ids and prompts -> integers, the same across row groups
     for table in run.iter_rollouts([*dict.fromkeys([*wanted, *extra])], window):
         if not table.num_rows:
             continue
-        z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
-        steps = table.column("step").to_numpy()
-        cols = {}
+        zs.append(features.compute(table, source=table_source(table, run.path / "rollouts.parquet"),
+                                   context=context))
+        step_parts.append(table.column("step").to_numpy())
         for c in extra:
             col = table.column(c)
             if c in ("group_id", "prompt"):
-                cols[c] = _label_ids(col, labels.setdefault(c, {}))
+                col_parts[c].append(_label_ids(col, labels.setdefault(c, {})))
             elif col.null_count == 0:
-                cols[c] = col.to_numpy(zero_copy_only=False).astype(float)
+                col_parts[c].append(col.to_numpy(zero_copy_only=False).astype(float))
             else:  # partly null (e.g. logp_prev of the first step): NaN marks the gaps
-                cols[c] = col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
-        uniq, starts = np.unique(steps, return_index=True)
-        bounds = [*starts[1:], len(steps)]
-        for s, a, b in zip(uniq, starts, bounds):
-            parts.setdefault(int(s), []).append((z[a:b], {c: v[a:b] for c, v in cols.items()}))
+                col_parts[c].append(col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
+    if not zs:
+        return []
+    # every step's rows at once, in step order (a writer's row groups are; a stable sort if not)
+    steps = np.concatenate(step_parts)
+    z = np.vstack(zs) if len(zs) > 1 else zs[0]
+    cols = {c: np.concatenate(v) for c, v in col_parts.items()}
+    if len(steps) > 1 and (np.diff(steps) < 0).any():
+        order = np.argsort(steps, kind="stable")
+        steps, z, cols = steps[order], z[order], {c: v[order] for c, v in cols.items()}
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    ends = np.r_[starts[1:], len(steps)]
+    n_groups = None
+    if "group_id" in cols:  # labels -> codes in order of first appearance, per step
+        cols["group_id"], n_groups = segment_codes(starts, len(steps), cols["group_id"])
+    # a float column that is null on every row of a step is absent at that step
+    absent = {c: np.logical_and.reduceat(np.isnan(v), starts) for c, v in cols.items() if v.dtype.kind == "f"}
+    present = [(c, OPTIONAL_COLUMNS[c]) for c in OPTIONAL_COLUMNS if c in cols]
     out = []
-    for s in sorted(parts):
-        chunks = parts[s]
-        z = np.vstack([c[0] for c in chunks])
-        kw = {}
-        for c, attr in OPTIONAL_COLUMNS.items():
-            if c in extra:
-                v = np.concatenate([ch[1][c] for ch in chunks])
-                if v.dtype != object and np.isnan(v).all():
-                    continue  # absent at this step
-                if c == "group_id":  # labels -> codes in order of first appearance, once per step
-                    v = group_codes(v)[0]
-                kw[attr] = v
-        out.append(StepSample(s, features.names, z, **kw))
+    for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+        kw = {attr: cols[c][a:b] for c, attr in present if c not in absent or not absent[c][i]}
+        out.append(StepSample(int(steps[a]), features.names, z[a:b], n_groups=None if n_groups is None
+                              else int(n_groups[i]), **kw))
     return out
 
 
