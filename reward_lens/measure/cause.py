@@ -19,6 +19,8 @@ features rejects sum_t s_t = 0 (SE: the steps' SEs in quadrature).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -112,17 +114,21 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     return out
 
 
-def _split(dz: np.ndarray, s: np.ndarray, g: np.ndarray) -> tuple[float | None, float, float]:
-    ginv_dz = np.linalg.solve(g, dz)
-    ginv_s = np.linalg.solve(g, s)
-    q_dz = float(dz @ ginv_dz)
-    q_s = float(s @ ginv_s)
-    cross = float(dz @ ginv_s)
-    kl = 0.5 * q_dz
-    if q_dz <= 0 or q_s <= 0:
-        return None, kl, 0.0
-    along = min(kl, 0.5 * cross ** 2 / q_s)
-    return cross / np.sqrt(q_dz * q_s), kl, along
+def _split(dz: np.ndarray, s: np.ndarray, g: np.ndarray) -> list[tuple[float | None, float, float]]:
+    """For each of P step pairs (dz, s: (P, k), g: (P, k, k)): the G^-1-cosine of dz and s,
+    KL_quad = dz' G^-1 dz / 2, and the part of it along s (at most KL_quad)."""
+    sol = np.linalg.solve(g, np.stack([dz, s], axis=2))  # G^-1 dz, G^-1 s
+    q_dz = np.einsum("pi,pi->p", dz, sol[:, :, 0])
+    q_s = np.einsum("pi,pi->p", s, sol[:, :, 1])
+    cross = np.einsum("pi,pi->p", dz, sol[:, :, 1])
+    out = []
+    for qd, qs, c in zip(q_dz.tolist(), q_s.tolist(), cross.tolist()):
+        kl = 0.5 * qd
+        if qd <= 0 or qs <= 0:
+            out.append((None, kl, 0.0))
+        else:
+            out.append((c / math.sqrt(qd * qs), kl, min(kl, 0.5 * c ** 2 / qs)))
+    return out
 
 
 def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metric: MetricG,
@@ -134,21 +140,30 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
     rows, per_step_s, per_step_se = [], [], []
     wanted = [by_step[lg.step_pair[0]] for lg in ledgers if lg.step_pair[0] in by_step]
     differentials = selection_differentials(list({x.step: x for x in wanted}.values()))
+    kept = []  # (ledger, its step's metric, s, se)
     for lg in ledgers:
         t = lg.step_pair[0]
         if t not in by_step:
             continue
-        s, se = differentials[t]
         try:
-            sub = metric.for_step(t)
+            kept.append((lg, metric.for_step(t), *differentials[t]))
         except KeyError:
             continue
-        idx = sub.active_index
+    splits: list = [None] * len(kept)
+    by_active: dict[tuple[str, ...], list[int]] = {}
+    for i, (_, sub, _, _) in enumerate(kept):
+        by_active.setdefault(sub.active, []).append(i)
+    for members in by_active.values():  # pairs priced in one active set: one batched solve
+        idx = kept[members[0]][1].active_index
         if not len(idx):
-            cos, kl, along = None, 0.0, 0.0
+            got = [(None, 0.0, 0.0)] * len(members)
         else:
-            g = np.asarray(sub.matrix)[np.ix_(idx, idx)]
-            cos, kl, along = _split(np.asarray(lg.delta_z)[idx], s[idx], g)
+            got = _split(np.stack([kept[i][0].delta_z for i in members])[:, idx],
+                         np.stack([kept[i][2] for i in members])[:, idx],
+                         np.stack([kept[i][1].matrix for i in members])[:, idx][:, :, idx])
+        for i, v in zip(members, got):
+            splits[i] = v
+    for (lg, _, s, se), (cos, kl, along) in zip(kept, splits):
         rows.append(CauseRow(step_pair=tuple(lg.step_pair), selection=dict(zip(names, s.tolist())),
                              se=dict(zip(names, se.tolist())), cosine=cos, kl_quad=kl, kl_along=along,
                              kl_collateral=kl - along,

@@ -106,30 +106,29 @@ def effect_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], unit
     """What moved: per step pair from ``ledgers``, over the run from ``samples``."""
     units = units or {}
     names = list(ledgers[0].names if ledgers else samples[0].names)
-    rows_p, rows = [], []
-    for lg in ledgers:
-        se = np.sqrt(np.clip(np.diag(lg.cov_delta), 0, None))
+    k = len(names)
+    if ledgers:  # every step pair at once
+        dz = np.stack([lg.delta_z for lg in ledgers])
+        se = np.sqrt(np.clip(np.stack([np.diag(lg.cov_delta) for lg in ledgers]), 0, None))
+        groups = np.array([getattr(lg, "n_groups", 0) for lg in ledgers])[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.where(se > 0, lg.delta_z / se, 0.0)
-        groups = getattr(lg, "n_groups", 0)
-        p = 2 * (special.stdtr(groups - 1, -np.abs(t)) if groups > 1 else special.ndtr(-np.abs(t)))
+            t = np.where(se > 0, dz / se, 0.0)
+            p = 2 * np.where(groups > 1, special.stdtr(np.maximum(groups - 1, 1), -np.abs(t)), special.ndtr(-np.abs(t)))
         p = np.where(se > 0, p, 1.0)  # a feature constant in both samples moved nowhere
-        rows_p.append(p)
-        rows.append((lg, se, t, p))
-    flat = np.concatenate(rows_p) if rows_p else np.zeros(0)
-    rejected = benjamini_hochberg(flat, FDR_Q).reshape(len(rows), len(names)) if len(flat) else np.zeros((0, 0), bool)
-    out_rows = []
-    for i, (lg, se, t, p) in enumerate(rows):
-        out_rows.append(EffectRow(step_pair=tuple(lg.step_pair), delta_z=dict(zip(names, lg.delta_z.tolist())),
-                                  se=dict(zip(names, se.tolist())), t=dict(zip(names, t.tolist())),
-                                  p=dict(zip(names, p.tolist())),
-                                  moved=[n for j, n in enumerate(names) if rejected[i, j]]))
+    else:
+        dz = se = t = p = np.zeros((0, k))
+    rejected = benjamini_hochberg(p.ravel(), FDR_Q).reshape(p.shape)
+    out_rows = [EffectRow(step_pair=tuple(lg.step_pair), delta_z=dict(zip(names, dz_i)), se=dict(zip(names, se_i)),
+                          t=dict(zip(names, t_i)), p=dict(zip(names, p_i)),
+                          moved=[n for n, r in zip(names, rej_i) if r])
+                for lg, dz_i, se_i, t_i, p_i, rej_i in zip(ledgers, dz.tolist(), se.tolist(), t.tolist(), p.tolist(),
+                                                           rejected.tolist())]
     dr, first, last = drift(samples, names, units)
     counts = {n: sum(n in r.moved for r in out_rows) for n in names}
     dr = [d.model_copy(update={"rows_moved": counts[d.feature]}) for d in dr]
     summary = {"rows": len(out_rows), "rows_with_movement": sum(bool(r.moved) for r in out_rows),
                "features_moved": sum(d.moved for d in dr), "features": len(dr),
-               "false_discoveries_expected": FDR_Q * int(rejected.sum()) if len(flat) else 0.0}
+               "false_discoveries_expected": FDR_Q * int(rejected.sum())}
     return EffectSection(ledger=ledger, first_steps=first, last_steps=last, rows=out_rows, drift=dr, summary=summary)
 
 

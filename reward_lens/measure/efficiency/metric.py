@@ -88,21 +88,15 @@ class MetricG:
 
 def pooled_covariance(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Pooled within-step covariance, grand mean, total rollouts, degrees of freedom."""
-    k = len(samples[0].names)
-    scatter = np.zeros((k, k))
-    dof = 0
-    total = np.zeros(k)
-    n = 0
-    for s in samples:
-        if s.n >= 2:
-            zc = s.z - s.z.mean(axis=0)
-            scatter += zc.T @ zc
-            dof += s.n - 1
-        total += s.z.sum(axis=0)
-        n += s.n
+    return _pooled(np.array([s.n for s in samples]), *step_scatter(samples))
+
+
+def _pooled(ns: np.ndarray, scat: np.ndarray, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+    dof = int(np.where(ns >= 2, ns - 1, 0).sum())
     if dof < 1:
         raise ValueError("metric_g needs at least one step with two or more rollouts")
-    return scatter / dof, total / max(n, 1), n, dof
+    n = int(ns.sum())
+    return scat.sum(axis=0) / dof, sums.sum(axis=0) / max(n, 1), n, dof
 
 
 def _active_set(c: np.ndarray, mean: np.ndarray, names: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -250,31 +244,50 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
 LOCAL_HALF_WIDTH = 10
 
 
+def step_scatter(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
+    """Each step's scatter sum_i (z_i - mean)(z_i - mean)^T (zero for a step of one rollout)
+    and feature sums: the steps of each size stacked, one batched matrix product per size."""
+    k = ordered[0].z.shape[1]
+    ns = np.array([x.n for x in ordered])
+    scat, sums = np.zeros((len(ordered), k, k)), np.zeros((len(ordered), k))
+    for size in np.unique(ns[ns > 0]).tolist():
+        which = np.flatnonzero(ns == size)
+        z = np.stack([ordered[i].z for i in which])  # (steps, size, k)
+        sums[which] = z.sum(axis=1)
+        if size >= 2:
+            zc = z - (sums[which] / size)[:, None, :]
+            scat[which] = zc.transpose(0, 2, 1) @ zc
+    return scat, sums
+
+
+def _window_sum(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """``values[lo[i]:hi[i]].sum(axis=0)`` for every i, added in index order."""
+    out = np.zeros((len(lo),) + values.shape[1:], dtype=np.result_type(values.dtype, np.float64)
+                   if values.dtype.kind == "f" else values.dtype)
+    for d in range(int((hi - lo).max(initial=0))):
+        inside = lo + d < hi
+        out[inside] += values[lo[inside] + d]
+    return out
+
+
 def _local(samples: Sequence[StepSample]) -> MetricG:
     names = samples[0].names
     ordered = sorted(samples, key=lambda x: x.step)
     steps = np.array([s.step for s in ordered])
     lo = np.searchsorted(steps, steps - LOCAL_HALF_WIDTH, side="left")
     hi = np.searchsorted(steps, steps + LOCAL_HALF_WIDTH, side="right")
-    # each step's scatter, sum and counts once; a window adds its steps' (was: recomputed per window)
-    k = len(names)
-    scat = np.zeros((len(ordered), k, k))
-    sums = np.zeros((len(ordered), k))
+    by_step = {}
     ns = np.array([x.n for x in ordered])
     dofs = np.where(ns >= 2, ns - 1, 0)
-    for i, x in enumerate(ordered):
-        if x.n >= 2:
-            zc = x.z - x.z.mean(axis=0)
-            scat[i] = zc.T @ zc
-        sums[i] = x.z.sum(axis=0)
-    by_step = {}
-    # the steps within the half-width, by bisection; each window sums its steps' scatter as before
-    w_dof = np.array([dofs[a:b].sum() for a, b in zip(lo, hi)])
+    scat, sums = step_scatter(ordered)
+    # the steps within the half-width, by bisection; each window adds its steps' scatter in
+    # step order, all windows at once: offset d adds the (lo + d)-th step where it is inside
+    w_dof = _window_sum(dofs, lo, hi)
     if (w_dof < 1).any():
         raise ValueError("metric_g needs at least one step with two or more rollouts")
-    w_n = np.array([ns[a:b].sum() for a, b in zip(lo, hi)])
-    cs = np.stack([scat[a:b].sum(axis=0) for a, b in zip(lo, hi)]) / w_dof[:, None, None]
-    ms = np.stack([sums[a:b].sum(axis=0) for a, b in zip(lo, hi)]) / np.maximum(w_n, 1)[:, None]
+    w_n = _window_sum(ns, lo, hi)
+    cs = _window_sum(scat, lo, hi) / w_dof[:, None, None]
+    ms = _window_sum(sums, lo, hi) / np.maximum(w_n, 1)[:, None]
     sets = _active_sets(cs, ms, names)
     for i, s in enumerate(ordered):
         c, n = cs[i], int(w_n[i])
@@ -283,7 +296,7 @@ def _local(samples: Sequence[StepSample]) -> MetricG:
                                   damping_stable=True, h2={a: 1.0 for a in active}, active=active,
                                   excluded=excluded, reading=f"covariance bound pooled over steps {s.step} +- "
                                                              f"{LOCAL_HALF_WIDTH}")
-    c_pool, mean, n, _ = pooled_covariance(samples)
+    c_pool, mean, n, _ = _pooled(ns, scat, sums)
     active, excluded = _active_set(c_pool, mean, names)
     return MetricG(matrix=c_pool, names=names, method="covariance_bound", n=n, damping=0.0, damping_stable=True,
                    h2={a: 1.0 for a in active}, active=active, excluded=excluded, scope="per_step", by_step=by_step,
