@@ -99,11 +99,48 @@ def test_score_matrix_rows_are_gradients_of_log_probs(policy):
 
 
 def test_memory_is_estimated_before_allocating():
-    # the seed's 78 MB of S, plus autograd's gradient and its concatenation for the row in flight
-    assert check_memory(8, 2_453_368, max_bytes=1 << 40) == (8 + 2) * 2_453_368 * 4
+    # the seed's 78 MB of S, plus autograd's gradients and their concatenation for the rows in flight
+    assert check_memory(8, 2_453_368, max_bytes=1 << 40, batch=1) == (1, (8 + 2) * 2_453_368 * 4)
+    assert check_memory(8, 2_453_368, max_bytes=1 << 40, batch=8) == (8, (8 + 16) * 2_453_368 * 4)
+    # a batch that does not fit is halved until it does: (8 + 2 x 2) rows fit in 12 rows' bytes
+    assert check_memory(8, 1000, max_bytes=12 * 1000 * 4, batch=8) == (2, 12 * 1000 * 4)
     with pytest.raises(WhiteboxError, match=r"8 rollouts \+ 2 in flight\) x 7,000,000,000 parameters x 4 bytes = "
                                             r"280\.0 GB.*sketched_kernel"):
         check_memory(8, 7_000_000_000, max_bytes=64 << 30)
+
+
+def test_batched_scores_equal_one_backward_per_sequence(policy):
+    model, _ = policy
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(65, 90, (5, 7), generator=g)
+    mask = torch.zeros(5, 7, dtype=torch.bool)
+    mask[:, 3:] = True
+    mask[2, 6] = False  # a shorter completion
+    seqs = Sequences(ids, mask, 3)
+    loop = score_matrix(model, seqs, batch=1)
+    for b in (2, 8):  # 5 = 2 + 2 + 1: a short last batch; 8 > n
+        got = score_matrix(model, seqs, batch=b)
+        assert np.abs(got - loop).max() <= 1e-5 * np.abs(loop).max(), b
+
+
+def test_a_forward_that_cannot_be_vmapped_is_refused_with_the_remedy(policy):
+    model, _ = policy
+
+    class Branchy(torch.nn.Module):  # data-dependent control flow: vmap cannot batch it
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            out = self.inner(input_ids=input_ids)
+            if bool(out.logits.sum() > 0):
+                return out
+            return out
+
+    seqs = Sequences(torch.tensor([[65, 66, 67, 68]] * 3), torch.tensor([[0, 0, 1, 1]] * 3, dtype=torch.bool), 2)
+    with pytest.raises(WhiteboxError, match="pass batch=1"):
+        score_matrix(Branchy(model), seqs, batch=2)
+    assert score_matrix(Branchy(model), seqs, batch=1).shape[0] == 3
 
 
 def _kernel_case(n=40, p=300, seed=0):

@@ -6,18 +6,20 @@ Fisher F = E[s s^T]; the empirical-Fisher pitfall (gradients of the loss at the 
 not apply. It would if the rollouts were filtered or reweighted (e.g. dropped groups with
 zero reward variance): then they are no longer samples of pi and this refuses.
 
-Speed. One backward pass per sequence. Per-sample gradients by ``torch.func.vmap`` over
-``torch.func.grad`` are faster on small policies (``bench/scores_vmap.py``: 1.4-1.8x on a
-7.2M-parameter Qwen3) but hold a batch of B gradients at once, B * |theta| floats beyond S;
-they are not used here yet (issue 14 keeps them open). For large policies the sketch is the
-route, not a faster S.
+Speed. Per-sample gradients by ``torch.func.vmap`` over ``torch.func.grad``, ``batch``
+sequences at a time (default 8): one batched forward and backward instead of a backward per
+sequence (``bench/scores_vmap.py`` measures both paths of this function). ``batch=1`` is one
+backward pass per sequence, for a model whose forward cannot be vmapped (data-dependent
+control flow, in-place updates of its inputs); such a model is refused with that remedy, not
+silently switched. For large policies the sketch is the route, not a faster S.
 
-Memory. S holds n * |theta| floats (float32). While a row is computed, autograd's gradients
-and their concatenation hold two more: (n + 2) * |theta| * 4 bytes at peak (98 MB for 8
-rollouts of a 2.45M-parameter policy, 280 GB for 8 rollouts of a 7B one). The metric then
-builds K = S S^T block by block (``metric.kernel_from_scores``) without a float64 copy. The
-figure is computed before anything is allocated, and above ``max_bytes`` this refuses with the
-arithmetic; for large policies, ``sketch.sketched_kernel`` estimates K without S.
+Memory. S holds n * |theta| floats (float32). While a batch of B rows is computed, its
+gradients and their concatenation hold 2B more: (n + 2B) * |theta| * 4 bytes at peak, beyond
+the model and B sequences' activations (98 MB for 8 rollouts of a 2.45M-parameter policy with
+B = 1, 280 GB for 8 rollouts of a 7B one). B is lowered, down to 1, until that fits under
+``max_bytes``; if even B = 1 does not, this refuses with the arithmetic before anything is
+allocated (for large policies, ``sketch.sketched_kernel`` estimates K without S). The metric
+then builds K = S S^T block by block (``metric.kernel_from_scores``) without a float64 copy.
 """
 
 from __future__ import annotations
@@ -44,42 +46,84 @@ def parameter_count(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def check_memory(n: int, n_params: int, max_bytes: int | None = None) -> int:
-    """Peak bytes of ``score_matrix``: S plus the two rows in flight; refused above the limit."""
-    need = (n + 2) * n_params * BYTES_PER_FLOAT
+def check_memory(n: int, n_params: int, max_bytes: int | None = None, batch: int = 1) -> tuple[int, int]:
+    """The batch of rows computed at once and the peak bytes of ``score_matrix``: S plus two
+    copies of the rows in flight, (n + 2B) |theta| 4. B is at most ``batch`` and lowered until
+    the figure fits under the limit; refused when it does not fit with B = 1."""
     limit = default_max_bytes() if max_bytes is None else max_bytes
+    b = max(1, min(batch, n))
+    while b > 1 and (n + 2 * b) * n_params * BYTES_PER_FLOAT > limit:
+        b //= 2
+    need = (n + 2 * b) * n_params * BYTES_PER_FLOAT
     if need > limit:
         raise WhiteboxError(
             f"the score matrix needs ({n} rollouts + 2 in flight) x {n_params:,} parameters x {BYTES_PER_FLOAT} "
             f"bytes = {need / 1e9:.1f} GB, above the {limit / 1e9:.1f} GB allowed; use the sketched kernel "
             "(reward_lens.measure.whitebox.sketch.sketched_kernel, memory O(n x sketch dimension + one layer)) "
             "and pass it as metric_g(..., kernel=)")
-    return need
+    return b, need
 
 
-def score_matrix(model, seqs: Sequences, *, reweighted: bool = False, max_bytes: int | None = None) -> np.ndarray:
-    """S (n x |theta|), float32, one backward pass per sequence."""
+def score_matrix(model, seqs: Sequences, *, reweighted: bool = False, max_bytes: int | None = None,
+                 batch: int = 8) -> np.ndarray:
+    """S (n x |theta|), float32: ``batch`` sequences' gradients at a time by vmap over grad
+    (``batch=1``: one backward pass per sequence)."""
     if reweighted:
         raise WhiteboxError("rollouts that were filtered or reweighted are not samples of the policy, so their "
                             "scores do not estimate its Fisher; pass the step's unfiltered rollouts")
-    params = [p for p in model.parameters() if p.requires_grad]
-    n_params = sum(p.numel() for p in params)
-    check_memory(seqs.n, n_params, max_bytes)
+    named = [(k, p) for k, p in model.named_parameters() if p.requires_grad]
+    n_params = sum(p.numel() for _, p in named)
+    b, _ = check_memory(seqs.n, n_params, max_bytes, batch)
     out = np.empty((seqs.n, n_params), dtype=np.float32)
     was_training = model.training
     model.eval()
     try:
-        for i in range(seqs.n):
-            ids = seqs.ids[i:i + 1]
-            logits = model(input_ids=ids).logits[:, :-1].float()
-            logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
-            grads = torch.autograd.grad((logp * seqs.completion_mask[i:i + 1, 1:]).sum(), params)
-            row = torch.cat([g.reshape(-1) for g in grads])
-            if not bool(torch.isfinite(row).all()):  # row by row: no mask the size of S
+        rows = _rows_vmap(model, named, seqs, b) if b > 1 else _rows_loop(model, [p for _, p in named], seqs)
+        for a, chunk in rows:
+            finite = torch.isfinite(chunk).all(dim=1)
+            if not bool(finite.all()):  # chunk by chunk: no mask the size of S
+                i = a + int((~finite).nonzero()[0, 0])
                 raise WhiteboxError(f"non-finite scores for sequence {i}: the policy's log-probabilities "
                                     "overflowed; no metric is built from them")
-            out[i] = row.numpy()
-            del grads, row
+            out[a:a + len(chunk)] = chunk.numpy()
+            del chunk
     finally:
         model.train(was_training)
     return out
+
+
+def _rows_loop(model, params, seqs: Sequences):
+    for i in range(seqs.n):
+        ids = seqs.ids[i:i + 1]
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+        grads = torch.autograd.grad((logp * seqs.completion_mask[i:i + 1, 1:]).sum(), params)
+        yield i, torch.cat([g.reshape(-1) for g in grads])[None]
+
+
+def _rows_vmap(model, named, seqs: Sequences, b: int):
+    import warnings
+
+    from torch.func import functional_call, grad, vmap
+
+    params = {k: p.detach() for k, p in named}
+
+    def logp(p, ids, mask):
+        logits = functional_call(model, p, args=(), kwargs={"input_ids": ids[None]}).logits[0, :-1].float()
+        return (torch.log_softmax(logits, -1).gather(-1, ids[1:, None])[..., 0] * mask[1:]).sum()
+
+    per_sample = vmap(grad(logp), in_dims=(None, 0, 0))
+    mask = seqs.completion_mask.float()
+    for a in range(0, seqs.n, b):
+        m = min(b, seqs.n - a)
+        try:
+            with warnings.catch_warnings():  # torch's note that some backward has no batching rule yet
+                warnings.filterwarnings("ignore", message=".*batching rule.*")
+                g = per_sample(params, seqs.ids[a:a + m], mask[a:a + m])
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as e:
+            raise WhiteboxError(f"torch.func.vmap failed on this model's forward ({e}); a forward with "
+                                "data-dependent control flow or in-place updates of its inputs cannot be vmapped: "
+                                "pass batch=1 to score_matrix for one backward pass per sequence") from e
+        yield a, torch.cat([g.pop(k).reshape(m, -1) for k, _ in named], dim=1)
