@@ -271,10 +271,13 @@ class Run:
         name, pf = self._segments[0]
         return self._read(pf, name, ["step", *[c for c in columns if c != "step"]]).slice(0, 0)
 
-    def iter_rollouts(self, columns: Sequence[str], window: Window | None = None) -> Iterator[pa.Table]:
+    def iter_rollouts(self, columns: Sequence[str], window: Window | None = None, *,
+                      steps: Sequence[int] | None = None) -> Iterator[pa.Table]:
         """Yield the requested columns (plus ``step``) a few row groups at a time: consecutive
         row groups are read together up to ``ROWS_PER_READ`` rows (a writer's small row groups
-        would otherwise cost a read call each), so memory stays bounded by that, not the file."""
+        would otherwise cost a read call each), so memory stays bounded by that, not the file.
+        ``steps``: only those steps' rows, and only row groups whose step range holds one."""
+        wanted = np.unique(np.asarray(steps, dtype=np.int64)) if steps is not None else None
         cols = ["step", *[c for c in columns if c != "step"]]
         for c in cols:
             if c not in self.rollout_columns():
@@ -291,6 +294,10 @@ class Run:
                 if window is not None and stats is not None and stats.has_min_max:
                     if stats.max < window.start or stats.min > window.stop:
                         continue
+                if wanted is not None and stats is not None and stats.has_min_max:
+                    i = np.searchsorted(wanted, stats.min)
+                    if i == len(wanted) or wanted[i] > stats.max:  # no wanted step in [min, max]
+                        continue
                 n = meta.row_group(rg).num_rows
                 if not batches or rows + n > ROWS_PER_READ or batches[-1][-1] != rg - 1:
                     batches.append([])
@@ -302,6 +309,8 @@ class Run:
                 if window is not None:
                     s = table.column("step")
                     table = table.filter(pc.and_(pc.greater_equal(s, window.start), pc.less_equal(s, window.stop)))
+                if wanted is not None:
+                    table = table.filter(pc.is_in(table.column("step"), value_set=pa.array(wanted)))
                 step_np = table.column("step").to_numpy()
                 for c in cols:
                     spec = self._fields_spec.fields.get(f"rollout.{c}")
@@ -359,17 +368,18 @@ class Run:
 
 
 def _null_count(meta: pq.FileMetaData, column: str) -> int | None:
+    """Nulls in ``column`` over the file's row groups, from their statistics (None where a
+    row group has none). The column's index is found once, not per row group."""
+    paths = [meta.schema.column(i).path for i in range(meta.num_columns)]
+    index = next((i for i, path in enumerate(paths) if path.split(".")[0] == column), None)
+    if index is None:
+        return 0
     total = 0
     for rg in range(meta.num_row_groups):
-        group = meta.row_group(rg)
-        for i in range(group.num_columns):
-            col = group.column(i)
-            if col.path_in_schema.split(".")[0] == column:
-                st = col.statistics
-                if st is None or not st.has_null_count:
-                    return None
-                total += st.null_count
-                break
+        st = meta.row_group(rg).column(index).statistics
+        if st is None or not st.has_null_count:
+            return None
+        total += st.null_count
     return total
 
 

@@ -104,13 +104,20 @@ def _browser(run: Run, features: FeatureBasis, context: dict) -> list[BrowserRow
     cols += [c for c in features.columns if c in available and c not in cols]
     taken: dict[int, int] = {}
     out = []
-    for table in run.iter_rollouts(cols):
-        st = table.column("step").to_numpy()
-        keep = []
-        for i, s in enumerate(st.tolist()):
-            if s in chosen and taken.get(s, 0) < BROWSER_PER_STEP:
-                taken[s] = taken.get(s, 0) + 1
-                keep.append(i)
+    for table in run.iter_rollouts(cols, steps=sorted(chosen)):  # only the chosen steps' rows
+        s = table.column("step").to_numpy()
+        rows = np.arange(len(s))
+        # each row's rank among its step's rows (stable: in record order), after those kept before
+        order = np.argsort(s, kind="stable")
+        ss = s[order]
+        starts = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
+        rank = np.empty(len(s), dtype=np.int64)
+        rank[order] = np.arange(len(s)) - np.repeat(starts, np.diff(np.r_[starts, len(s)]))
+        before = np.array([taken.get(v, 0) for v in s.tolist()], dtype=np.int64)
+        ok = rank + before < BROWSER_PER_STEP
+        keep = rows[ok].tolist()
+        for v, c in zip(*np.unique(s[ok], return_counts=True)):
+            taken[int(v)] = taken.get(int(v), 0) + int(c)
         if not keep:
             continue
         sub = table.take(keep)

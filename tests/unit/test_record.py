@@ -259,3 +259,23 @@ def test_small_row_groups_are_read_together_and_every_row_once(tmp_path, monkeyp
     assert [s for p in parts for s in p.column("step").to_pylist()] == [s for s in range(20) for _ in range(8)]
     parts = list(run.iter_rollouts(["completion"], Window(3, 12)))  # row groups 1..6 overlap
     assert [s for p in parts for s in p.column("step").to_pylist()] == [s for s in range(3, 13) for _ in range(8)]
+
+
+def test_chosen_steps_read_only_the_row_groups_that_hold_them(tmp_path, monkeypatch):
+    from reward_lens.record import reader, writer
+
+    monkeypatch.setattr(writer, "ROLLOUT_ROW_GROUP", 16)
+    _write(tmp_path / "r", steps=20, per_step=8)  # 10 row groups of 2 steps
+    run = open_run(tmp_path / "r")
+    read: list[list[int]] = []
+    real = run._read
+
+    def spy(pf, name, columns, row_groups=None):
+        read.append(list(row_groups))
+        return real(pf, name, columns, row_groups)
+
+    monkeypatch.setattr(run, "_read", spy)
+    monkeypatch.setattr(reader, "ROWS_PER_READ", 16)  # one row group per read
+    parts = list(run.iter_rollouts(["completion"], steps=[17, 3, 4]))
+    assert [s for p in parts for s in p.column("step").to_pylist()] == [3] * 8 + [4] * 8 + [17] * 8
+    assert read == [[1], [2], [8]]  # steps 2-3, 4-5 and 16-17: nothing else is read
