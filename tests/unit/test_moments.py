@@ -4,7 +4,10 @@ groups) -- not by the package's own code."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from reward_lens.measure.ledger.price import StepSample, all_step_moments, step_moments
 
@@ -133,3 +136,41 @@ def test_step_scatter_and_window_sums_agree_with_the_definitions_written_plainly
     got = _window_sum(values, lo, hi)
     for i, (a, b) in enumerate(zip(lo, hi)):
         assert np.allclose(got[i], sum(values[a:b], np.zeros((2, 2))), rtol=1e-14, atol=1e-15)
+
+
+def test_features_in_threads_keep_order_and_raise_the_first_error_in_order():
+    import time
+
+    from reward_lens.measure.ledger.price import in_threads
+
+    def slow_square(x):
+        time.sleep(0.01 * (5 - x % 5))  # later items finish first
+        if x == 7:
+            raise ValueError("item 7")
+        return x * x
+
+    got = list(in_threads(iter(range(7)), slow_square, workers=3))
+    assert got == [(x, x * x) for x in range(7)]
+    seen = []
+    with pytest.raises(ValueError, match="item 7"):
+        for x, y in in_threads(iter(range(12)), slow_square, workers=3):
+            seen.append(x)
+    assert seen == list(range(7))  # everything before the failing item, in order
+
+
+def test_steps_from_run_is_the_same_with_and_without_threads(monkeypatch):
+    from reward_lens.measure.ledger import price
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.record import reader
+    from reward_lens.record.reader import open_run
+
+    run = open_run(Path(__file__).parents[1] / "fixtures" / "grpo_run" / "paired")
+    monkeypatch.setattr(reader, "ROWS_PER_READ", 256)  # many small reads, so threads overlap
+    monkeypatch.setattr(price, "FEATURE_THREADS", 1)
+    one = price.steps_from_run(run, SurfaceFeatures())
+    monkeypatch.setattr(price, "FEATURE_THREADS", 3)
+    three = price.steps_from_run(run, SurfaceFeatures())
+    assert [s.step for s in one] == [s.step for s in three] and len(one) > 10
+    for a, b in zip(one, three):
+        assert np.array_equal(a.z, b.z) and np.array_equal(a.groups, b.groups) and a.n_groups == b.n_groups
+        assert np.array_equal(a.logp, b.logp, equal_nan=True)

