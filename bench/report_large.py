@@ -7,6 +7,9 @@ temporary directory, then measures in separate processes, each from a cold inter
   (step, completion, reward, advantage) -- the floor for any reader of this record;
 * read plus features: the same read, then the report's nine surface features
   (``SurfaceFeatures().compute``) -- what any tool that reads this basis must at least do;
+* read plus features on threads: the same, read in batches of 65,536 rows with the features
+  computed on ``in_threads`` as the report does (one thread per core, up to four) -- the
+  report's threads are not what the ratio against the single-threaded baseline measures;
 * ``reward-lens report`` (md, html, json) on the same record.
 
 Prints wall seconds and peak resident memory of each, and the ratios, for completions of
@@ -89,6 +92,22 @@ z = SurfaceFeatures().compute(table)
 print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "rows": len(z)}))
 """
 
+FEATURES_THREADED = """
+import sys, time, json
+HWM
+t = time.perf_counter()
+import pyarrow as pa
+import pyarrow.parquet as pq
+from reward_lens.measure.ledger.features import SurfaceFeatures
+from reward_lens.measure.ledger.price import in_threads
+pf = pq.ParquetFile(sys.argv[1] + "/rollouts.parquet")
+f = SurfaceFeatures()
+batches = (pa.Table.from_batches([b]) for b in pf.iter_batches(batch_size=65536,
+           columns=["step", "completion", "reward", "advantage"]))
+n = sum(len(z) for _, z in in_threads(batches, f.compute))
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "rows": n}))
+"""
+
 REPORT = """
 import sys, time, json
 HWM
@@ -132,10 +151,10 @@ def main() -> None:
             runs = []
             for r in range(a.repeats):  # interleaved: each round measures all three
                 runs.append((measure(BASELINE, str(rec)), measure(FEATURES, str(rec)),
-                             measure(REPORT, str(rec), str(Path(tmp) / f"out{r}"))))
-            base, feat, rep = ({key: statistics.median(x[i][key] for x in runs) for key in ("seconds", "rss_mib")}
-                               for i in range(3))
-            ranges = {i: (min(x[i]["seconds"] for x in runs), max(x[i]["seconds"] for x in runs)) for i in range(3)}
+                             measure(REPORT, str(rec), str(Path(tmp) / f"out{r}")), measure(FEATURES_THREADED, str(rec))))
+            base, feat, rep, thr = ({key: statistics.median(x[i][key] for x in runs) for key in ("seconds", "rss_mib")}
+                                    for i in range(4))
+            ranges = {i: (min(x[i]["seconds"] for x in runs), max(x[i]["seconds"] for x in runs)) for i in range(4)}
             outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out0").iterdir()}
         print(f"\ntext x{scale}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
               f"(generated in {generated:.0f} s)")
@@ -144,12 +163,16 @@ def main() -> None:
               f"peak RSS {base['rss_mib']:.0f} MiB")
         print(f"  the same read plus the report's nine features (imports included): {feat['seconds']:.2f} s "
               f"{ranges[1][0]:.2f}-{ranges[1][1]:.2f}, peak RSS {feat['rss_mib']:.0f} MiB")
+        print(f"  the same with the features on threads, as the report computes them: {thr['seconds']:.2f} s "
+              f"{ranges[3][0]:.2f}-{ranges[3][1]:.2f}, peak RSS {thr['rss_mib']:.0f} MiB")
         print(f"  reward-lens report (md,html,json): {rep['seconds']:.2f} s {ranges[2][0]:.2f}-{ranges[2][1]:.2f}, "
               f"peak RSS {rep['rss_mib']:.0f} MiB")
         print(f"  ratio report / pyarrow read: time {rep['seconds'] / base['seconds']:.1f}x, "
               f"peak memory {rep['rss_mib'] / base['rss_mib']:.2f}x")
         print(f"  ratio report / read plus features (issue 14's baseline; target 1.3x): time "
               f"{rep['seconds'] / feat['seconds']:.1f}x, peak memory {rep['rss_mib'] / feat['rss_mib']:.2f}x")
+        print(f"  ratio report / read plus features on threads: time {rep['seconds'] / thr['seconds']:.1f}x, "
+              f"peak memory {rep['rss_mib'] / thr['rss_mib']:.2f}x")
         print("  outputs: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sorted(outs.items())))
 
 

@@ -20,7 +20,6 @@ features rejects sum_t s_t = 0 (SE: the steps' SEs in quadrature).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 
 import numpy as np

@@ -262,8 +262,7 @@ def step_scatter(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]
 
 def _window_sum(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """``values[lo[i]:hi[i]].sum(axis=0)`` for every i, added in index order."""
-    out = np.zeros((len(lo),) + values.shape[1:], dtype=np.result_type(values.dtype, np.float64)
-                   if values.dtype.kind == "f" else values.dtype)
+    out = np.zeros((len(lo),) + values.shape[1:], dtype=values.dtype)
     for d in range(int((hi - lo).max(initial=0))):
         inside = lo + d < hi
         out[inside] += values[lo[inside] + d]
