@@ -31,7 +31,9 @@ Kinds (every built-in kind is one vectorised ``pyarrow.compute`` pass over a col
 - ``reward``: the record's per-rollout score of reward function ``reward`` (``rewards.NAME``);
 - ``json``: 1 if the completion (surrounding whitespace stripped) parses as JSON;
 - ``callable``: ``function: "module:function"``, called with a ``pyarrow`` array of completions
-  and returning one finite value per completion.
+  and returning one finite value per completion. A report computes the features of several
+  row groups at once on threads (``price.FEATURE_THREADS``), so the function may be called
+  concurrently: it should not keep state between calls.
 
 The basis id (``basis:`` + 12 hex digits) is a hash of the canonical definitions (names,
 kinds, parameters, units; not the prose meanings): results computed in different bases are
