@@ -148,7 +148,7 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,
                              function=spec.function, status=res.status, headline=res.headline,
                              refusals=[refusal_out(r) for r in res.refusals], card=res.card,
-                             data=res.data.model_dump(mode="json") if res.data is not None else None,
+                             data=res.data,
                              figures=res.figures))
     basis = BasisOut(id=features.basis_id, name=features.label, source=features.source,
                      features=[BasisFeature(**d) for d in features.describe()])

@@ -73,7 +73,7 @@ def diff_reports(a: Report, b: Report, labels: tuple[str, str]) -> Diff:
         x, y = ba.get(i), bb.get(i)
         books.append(BookPair(id=i, title=(x or y).title, status=(x.status if x else None, y.status if y else None),
                               headline=(x.headline if x else None, y.headline if y else None),
-                              data=(x.data if x else None, y.data if y else None)))
+                              data=(x.data_dict() if x else None, y.data_dict() if y else None)))
     return Diff(status="compared", runs=runs, labels=labels, basis=basis, books=books)
 
 

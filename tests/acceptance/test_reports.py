@@ -257,3 +257,17 @@ def test_markdown_and_json_reports_never_import_matplotlib(tmp_path):
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "o" / "report.json").read_text()
     assert "\n" not in text.rstrip("\n") and json.loads(text)["schema_version"] == "3.0"  # compact
+
+
+def test_a_report_renders_the_same_from_its_section_models_and_from_their_json():
+    """A built report holds each book's section model (no dump to dicts); one read back from
+    report.json holds dicts. Every format is byte-identical either way."""
+    built = build_report(open_run(PAIRED))
+    assert all(b.data is None or not isinstance(b.data, dict) for b in built.books)
+    as_dicts = built.model_copy(update={"books": [b.model_copy(update={"data": b.data_dict()}) for b in built.books]})
+    assert all(b.data is None or isinstance(b.data, dict) for b in as_dicts.books)
+    assert to_json(built) == to_json(as_dicts)
+    assert to_markdown(built) == to_markdown(as_dicts)
+    assert to_html(built) == to_html(as_dicts)
+    back = Report.model_validate_json(to_json(built))
+    assert [b.typed() == c.typed() for b, c in zip(back.books, built.books)] == [True] * len(built.books)
