@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 from markupsafe import Markup
+from pydantic import BaseModel
 
 from reward_lens.report.model import Report
 from reward_lens_spec.paths import templates_dir
@@ -68,8 +69,21 @@ def to_markdown(report: Report) -> str:
 def to_json(report: Report, pretty: bool = False) -> str:
     """Compact by default, ``pretty`` indents for reading; written by pydantic's own serialiser
     (7-10x faster than a dump to Python objects and ``json.dumps``; the same values, and a
-    non-finite float becomes null rather than the invalid ``NaN``)."""
-    return report.model_dump_json(indent=2 if pretty else None) + "\n"
+    non-finite float becomes null rather than the invalid ``NaN``).
+
+    Compact JSON of a built report serialises each book's section with its own model and
+    splices it in: a section held as ``data`` (typed ``Any`` there) is otherwise serialised by
+    inspecting every value, 4x slower at 10,000 steps. The same text either way (tested)."""
+    if pretty or not all(b.data is None or isinstance(b.data, BaseModel) for b in report.books):
+        return report.model_dump_json(indent=2 if pretty else None) + "\n"
+    head = report.model_copy(update={"books": []}).model_dump_json()
+    books = []
+    for b in report.books:
+        shell = b.model_copy(update={"data": None}).model_dump_json()
+        if not shell.endswith(',"data":null}') or head.count('"books":[]') != 1:  # not the layout spliced here
+            return report.model_dump_json() + "\n"
+        books.append(shell if b.data is None else shell[:-len("null}")] + b.data.model_dump_json() + "}")
+    return head.replace('"books":[]', '"books":[' + ",".join(books) + "]", 1) + "\n"
 
 
 def figures(report: Report) -> tuple[dict[str, list[dict]], list[dict]]:
