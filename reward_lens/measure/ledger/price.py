@@ -142,13 +142,25 @@ def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarra
     rstart = np.concatenate([[0], np.cumsum(ns)[:-1]])
     means = np.add.reduceat(z, rstart, axis=0) / ns[:, None]
     unit_mean = np.add.reduceat(um, ustart, axis=0) / n_units[:, None]
-    dev = um - unit_mean[step_of_unit]
-    scatter = np.add.reduceat(np.einsum("ui,uj->uij", dev, dev), ustart, axis=0)
+    scatter = segment_scatter(um - unit_mean[step_of_unit], ustart, n_units)
     out = {}
     for i, s in enumerate(samples):
         g = int(n_units[i])
         cov = scatter[i] / (g - 1) / g if g > 1 else np.full((k, k), np.nan)
         out[s.step] = (means[i], cov, g)
+    return out
+
+
+def segment_scatter(dev: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """sum_i dev_i dev_i^T over each segment [starts[j], starts[j] + lengths[j]) of the rows of
+    ``dev`` (zero for an empty segment): segments of one length stacked, one batched matrix
+    product per length (an outer product per row, summed, held rows x k x k floats)."""
+    k = dev.shape[1]
+    out = np.zeros((len(starts), k, k))
+    for length in np.unique(lengths[lengths > 0]).tolist():
+        which = np.flatnonzero(lengths == length)
+        block = dev[(starts[which][:, None] + np.arange(length)).reshape(-1)].reshape(len(which), length, k)
+        out[which] = block.transpose(0, 2, 1) @ block
     return out
 
 
