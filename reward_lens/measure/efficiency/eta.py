@@ -151,45 +151,55 @@ def paired_estimate(lg: PairedLedger, active_idx: np.ndarray, p_value: float | N
                        converged=bool(proj.converged.all()), steps=lg.step_pair[1] - lg.step_pair[0])
 
 
+# Hotelling's test is not formed on a Sigma whose correlation matrix is worse conditioned
+# than this (as on a singular one): there T^2 is dominated by directions in which Sigma is
+# zero up to rounding, and a change of 1e-15 in Sigma moved such a p-value from 0.986 to
+# 0.906 (`long`). The same bound the metric uses to call a feature collinear (COLLINEAR_TOL).
+HOTELLING_MAX_CONDITION = 1e10
+
+
+def _testable(sigma: np.ndarray) -> np.ndarray:
+    """For a stack of covariances (P, k, k): finite, every variance positive, and a
+    correlation matrix with condition number at most HOTELLING_MAX_CONDITION."""
+    ok = np.isfinite(sigma).all(axis=(1, 2))
+    var = np.einsum("pii->pi", sigma)
+    ok &= (var > 0).all(axis=1)
+    out = np.zeros(len(sigma), dtype=bool)
+    if ok.any():
+        sd = np.sqrt(var[ok])
+        ev = np.linalg.eigvalsh(sigma[ok] / (sd[:, :, None] * sd[:, None, :]))
+        out[ok] = ev[:, 0] * HOTELLING_MAX_CONDITION >= ev[:, -1]
+    return out
+
+
 def hotelling_p(dz: np.ndarray, sigma: np.ndarray, units: int, one_sample: bool = False) -> float:
     """p-value of dz = 0 on a two-sample ledger: Hotelling's T^2 = dz^T Sigma^-1 dz with
     F = T^2 (N - k - 1) / (k (N - 2)) ~ F(k, N - k - 1), N the independent units of both steps
     (prompt groups, or rollouts where a step has one prompt); exact for Gaussian features with
     a common covariance and equal sizes. Sigma estimated from few units makes a chi^2 reading
     of T^2 far too optimistic. ``one_sample``: dz is a mean of P matched differences, and
-    F = T^2 (P - k) / (k (P - 1)) ~ F(k, P - k). 1 where it cannot be tested."""
-    k = len(dz)
-    n = units
-    dof = n - k if one_sample else n - k - 1
-    if dof < 1:
-        return 1.0
-    try:
-        t2 = float(dz @ np.linalg.solve(sigma, dz))
-    except np.linalg.LinAlgError:
-        return 1.0
-    if not np.isfinite(t2) or t2 < 0:
-        return 1.0
-    scale = (n - k) / (k * (n - 1)) if one_sample else (n - k - 1) / (k * (n - 2))
-    return float(special.fdtrc(k, dof, t2 * scale))
+    F = T^2 (P - k) / (k (P - 1)) ~ F(k, P - k). 1 where it cannot be tested: too few units,
+    or Sigma singular or nearly so (``HOTELLING_MAX_CONDITION``)."""
+    return float(hotelling_p_many(dz[None], sigma[None], np.array([units]), np.array([one_sample]))[0])
 
 
 def hotelling_p_many(dz: np.ndarray, sigma: np.ndarray, units: np.ndarray, one_sample: np.ndarray) -> np.ndarray:
     """``hotelling_p`` of many ledgers of one dimension k at once: dz (P, k), sigma (P, k, k),
-    units and one_sample (P,). One batched solve; a batch with a singular Sigma is solved one
-    ledger at a time, as ``hotelling_p`` does (1 for the singular ones)."""
+    units and one_sample (P,); one batched solve over the testable ones."""
     n_rows, k = dz.shape
-    if not n_rows:
-        return np.zeros(0)
-    try:
-        t2 = np.einsum("pi,pi->p", dz, np.linalg.solve(sigma, dz[:, :, None])[:, :, 0])
-    except np.linalg.LinAlgError:
-        return np.array([hotelling_p(d, s, int(u), bool(o)) for d, s, u, o in zip(dz, sigma, units, one_sample)])
-    n = units.astype(float)
-    dof = np.where(one_sample, n - k, n - k - 1)
-    scale = np.where(one_sample, (n - k) / (k * (n - 1)), (n - k - 1) / (k * np.maximum(n - 2, 1)))
-    ok = (dof >= 1) & np.isfinite(t2) & (t2 >= 0)
     out = np.ones(n_rows)
-    out[ok] = special.fdtrc(k, dof[ok], t2[ok] * scale[ok])
+    n = np.asarray(units, dtype=float)
+    one_sample = np.asarray(one_sample, dtype=bool)
+    dof = np.where(one_sample, n - k, n - k - 1)
+    ok = (dof >= 1) & _testable(sigma) if n_rows else np.zeros(0, dtype=bool)
+    if not ok.any():
+        return out
+    t2 = np.einsum("pi,pi->p", dz[ok], np.linalg.solve(sigma[ok], dz[ok][:, :, None])[:, :, 0])
+    scale = np.where(one_sample, (n - k) / (k * (n - 1)), (n - k - 1) / (k * np.maximum(n - 2, 1)))[ok]
+    good = np.isfinite(t2) & (t2 >= 0)
+    p = np.ones(len(t2))
+    p[good] = special.fdtrc(k, dof[ok][good], t2[good] * scale[good])
+    out[ok] = p
     return out
 
 
