@@ -106,7 +106,6 @@ def _browser(run: Run, features: FeatureBasis, context: dict) -> list[BrowserRow
     out = []
     for table in run.iter_rollouts(cols, steps=sorted(chosen)):  # only the chosen steps' rows
         s = table.column("step").to_numpy()
-        rows = np.arange(len(s))
         # each row's rank among its step's rows (stable: in record order), after those kept before
         order = np.argsort(s, kind="stable")
         ss = s[order]
@@ -115,7 +114,7 @@ def _browser(run: Run, features: FeatureBasis, context: dict) -> list[BrowserRow
         rank[order] = np.arange(len(s)) - np.repeat(starts, np.diff(np.r_[starts, len(s)]))
         before = np.array([taken.get(v, 0) for v in s.tolist()], dtype=np.int64)
         ok = rank + before < BROWSER_PER_STEP
-        keep = rows[ok].tolist()
+        keep = np.flatnonzero(ok).tolist()
         for v, c in zip(*np.unique(s[ok], return_counts=True)):
             taken[int(v)] = taken.get(int(v), 0) + int(c)
         if not keep:

@@ -271,3 +271,26 @@ def test_a_report_renders_the_same_from_its_section_models_and_from_their_json()
     assert to_html(built) == to_html(as_dicts)
     back = Report.model_validate_json(to_json(built))
     assert [b.typed() == c.typed() for b, c in zip(back.books, built.books)] == [True] * len(built.books)
+
+
+def test_the_browser_keeps_the_first_rollouts_of_each_chosen_step_in_record_order(monkeypatch):
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import feature_context
+    from reward_lens.record import reader
+    from reward_lens.report import build
+
+    run = open_run(PAIRED)
+    monkeypatch.setattr(reader, "ROWS_PER_READ", 20)  # a step's rows span several reads
+    monkeypatch.setattr(build, "BROWSER_STEPS", 7)
+    rows = build._browser(run, SurfaceFeatures(), feature_context(run))
+    # the rule written plainly: over every rollout in record order, the first BROWSER_PER_STEP
+    # of each chosen step (steps spread over the run)
+    steps = np.unique(run.rollout_steps)
+    chosen = set(steps[np.unique(np.linspace(0, len(steps) - 1, 7).astype(int))].tolist())
+    table = run.read_rollouts(["completion"])
+    want, taken = [], {}
+    for s, text in zip(table.column("step").to_pylist(), table.column("completion").to_pylist()):
+        if s in chosen and taken.get(s, 0) < build.BROWSER_PER_STEP:
+            taken[s] = taken.get(s, 0) + 1
+            want.append((s, text[:build.BROWSER_TEXT_MAX]))
+    assert [(r.step, r.completion[:build.BROWSER_TEXT_MAX]) for r in rows] == want and len(want) == 7 * 4
