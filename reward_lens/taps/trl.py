@@ -92,7 +92,7 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from reward_lens.measure.whitebox.kl import BlockedLogits, KlEstimate, summed_kl_and_logps_blocked
+from reward_lens.measure.whitebox.kl import BlockedLogits, KlEstimate, WholeLogits, summed_kl_and_logps_blocked
 from reward_lens.measure.whitebox.policy import sample
 from reward_lens.record.importers.trl import record_config
 from reward_lens.record.schema import OptimizerTelemetry, Rollout
@@ -127,17 +127,6 @@ class _Pending:
     logp_prev: float | None = None
     logp_prev_step: int | None = None
     kl_prev: float | None = None
-
-
-def _positions(logits, a: int, b: int):
-    """Positions a..b-1 (b <= 0 counts from the end) of whole or blocked logits."""
-    if isinstance(logits, BlockedLogits):
-        return logits.positions(a, b)
-    return logits[:, a:b] if b else logits[:, a:]
-
-
-def _rows(logits, index):
-    return logits.rows(index) if isinstance(logits, BlockedLogits) else logits[index]
 
 
 def _eos_id(trainer) -> int | None:
@@ -345,7 +334,8 @@ class RewardLensTap(TrainerCallback):
     def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor):
         """The policy's logits over ``ids`` (at the sampling temperature), under the live
         parameters or ``params``: as ``BlockedLogits`` (computed a block of positions at a time
-        from the last hidden states) where the output layer is a plain linear map, else whole."""
+        from the last hidden states) where the output layer is a plain linear map, else as
+        ``WholeLogits``."""
         model = self.trainer.model
         dev = next(model.parameters()).device
         kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
@@ -367,7 +357,7 @@ class RewardLensTap(TrainerCallback):
             if blocked:
                 handle.remove()
         if not blocked:
-            return (logits.float() / self.temperature).cpu()
+            return WholeLogits((logits.float() / self.temperature).cpu())
         key = self._head_key
         weight = head.weight if params is None or key not in params else params[key]
         return BlockedLogits(hidden[0], weight, head.bias, self.temperature)
@@ -413,14 +403,14 @@ class RewardLensTap(TrainerCallback):
                 chunk = used[a:a + self.chunk]
                 ids, att, comp, pw = self._batch([(self._pending[i].prompt_ids, self._pending[i].completion_ids)
                                                   for i in chunk], pad)
-                new = _positions(self._forward(None, ids, att), pw - 1, -1)
-                old = _positions(self._forward(snap, ids, att), pw - 1, -1)
+                new = self._forward(None, ids, att).positions(pw - 1, -1)
+                old = self._forward(snap, ids, att).positions(pw - 1, -1)
                 kl, lp_old, lp_new = summed_kl_and_logps_blocked(new, old, ids[:, pw:], comp)
                 per.extend(kl.tolist())
                 fresh = [j for j, i in enumerate(chunk) if self._pending[i].step == t]
                 if prev is not None and fresh:
-                    older = _positions(self._forward(prev, ids[fresh], att[fresh]), pw - 1, -1)
-                    kl_prev, lp_prev, _ = summed_kl_and_logps_blocked(_rows(old, fresh), older, ids[fresh][:, pw:],
+                    older = self._forward(prev, ids[fresh], att[fresh]).positions(pw - 1, -1)
+                    kl_prev, lp_prev, _ = summed_kl_and_logps_blocked(old.rows(fresh), older, ids[fresh][:, pw:],
                                                                       comp[fresh])
                     for q, j in enumerate(fresh):
                         self._pending[chunk[j]].logp_prev = float(lp_prev[q])
@@ -449,8 +439,8 @@ class RewardLensTap(TrainerCallback):
                               self.seed + 7919 * t + k + 104729 * self.rank, temperature=self.temperature)
                 ids, comp_full = seqs.ids, seqs.completion_mask
                 att = torch.ones_like(ids)
-                new = _positions(self._forward(None, ids, att), 0, -1)
-                old = _positions(self._forward(snap, ids, att), 0, -1)
+                new = self._forward(None, ids, att).positions(0, -1)
+                old = self._forward(snap, ids, att).positions(0, -1)
                 kl, _, _ = summed_kl_and_logps_blocked(new, old, ids[:, 1:], comp_full[:, 1:])
                 per.extend(kl.tolist())
             per = self._gather(per)

@@ -253,7 +253,12 @@ def test_an_informative_basis_gets_an_interior_damping():
 def test_blocked_logits_give_the_sums_of_whole_ones():
     """D_t a block of positions at a time (peak independent of T x V) equals the whole-tensor
     computation, for sub-views of rows and positions as the tap takes them."""
-    from reward_lens.measure.whitebox.kl import BlockedLogits, summed_kl_and_logps, summed_kl_and_logps_blocked
+    from reward_lens.measure.whitebox.kl import (
+        BlockedLogits,
+        WholeLogits,
+        summed_kl_and_logps,
+        summed_kl_and_logps_blocked,
+    )
 
     g = torch.Generator().manual_seed(0)
     n, t, d, v = 5, 11, 6, 40
@@ -273,3 +278,10 @@ def test_blocked_logits_give_the_sums_of_whole_ones():
     rows = [0, 3]
     got = summed_kl_and_logps_blocked(a.rows(rows), b.rows(rows), targets[rows], mask[rows], block_elements=n * v)
     np.testing.assert_allclose(got[0], whole[0][rows], rtol=1e-6)
+    # logits held whole (an output layer with soft-capping) behind the same interface
+    wa = WholeLogits(h_new @ w_new.T / 0.7).positions(2, -1)
+    wb = WholeLogits(h_old @ w_old.T / 0.7).positions(2, -1)
+    assert wa.shape == (n, t - 3, v)
+    got = summed_kl_and_logps_blocked(wa.rows(rows), wb.rows(rows), targets[rows], mask[rows], block_elements=3 * n * v)
+    for x, y in zip(got, whole):
+        np.testing.assert_allclose(x, y[rows], rtol=1e-12)

@@ -79,13 +79,36 @@ class BlockedLogits:
         return (out.float() / self.temperature).cpu()
 
 
+class WholeLogits:
+    """Logits held whole (an output layer that is not a plain linear map: soft-capping, a
+    logit scale), behind the interface of ``BlockedLogits``."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.logits.shape)
+
+    def rows(self, index) -> WholeLogits:
+        return WholeLogits(self.logits[index])
+
+    def positions(self, a: int, b: int) -> WholeLogits:
+        """Positions a..b-1 (negative b counts from the end, as in slicing)."""
+        return WholeLogits(self.logits[:, a:self.logits.shape[1] + b if b <= 0 else b])
+
+    def block(self, a: int, b: int) -> torch.Tensor:
+        return self.logits[:, a:b]
+
+
 # Positions per block: at most this many float64 logits per block (32 MB), whatever the vocabulary.
 BLOCK_ELEMENTS = 1 << 22
 
 
-def summed_kl_and_logps_blocked(new, old, targets: torch.Tensor, mask: torch.Tensor,
+def summed_kl_and_logps_blocked(new: BlockedLogits | WholeLogits, old: BlockedLogits | WholeLogits,
+                                targets: torch.Tensor, mask: torch.Tensor,
                                 block_elements: int = BLOCK_ELEMENTS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``summed_kl_and_logps`` over ``BlockedLogits`` (or plain tensors), a block of positions
+    """``summed_kl_and_logps`` over ``BlockedLogits`` (or ``WholeLogits``), a block of positions
     at a time: the same sums, with peak memory independent of positions x vocabulary beyond
     one block."""
     n, t, v = new.shape
@@ -93,13 +116,9 @@ def summed_kl_and_logps_blocked(new, old, targets: torch.Tensor, mask: torch.Ten
     kl = np.zeros(n)
     lp_old = np.zeros(n)
     lp_new = np.zeros(n)
-
-    def get(x, a, b):
-        return x.block(a, b) if isinstance(x, BlockedLogits) else x[:, a:b]
-
     for a in range(0, t, step):
         b = min(t, a + step)
-        k, lo, ln = summed_kl_and_logps(get(new, a, b), get(old, a, b), targets[:, a:b], mask[:, a:b])
+        k, lo, ln = summed_kl_and_logps(new.block(a, b), old.block(a, b), targets[:, a:b], mask[:, a:b])
         kl += k
         lp_old += lo
         lp_new += ln
