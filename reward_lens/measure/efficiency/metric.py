@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import StepSample
+from reward_lens.measure.ledger.price import StepSample, segment_scatter
 
 # Relative SD below which a feature counts as constant: 1e-12 of max(1, |mean|), i.e. at
 # float64 round-off, so that only genuinely constant features are excluded.
@@ -246,18 +246,18 @@ LOCAL_HALF_WIDTH = 10
 
 def step_scatter(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's scatter sum_i (z_i - mean)(z_i - mean)^T (zero for a step of one rollout)
-    and feature sums: the steps of each size stacked, one batched matrix product per size."""
+    and feature sums, for all steps at once (``segment_scatter`` of the centred rollouts)."""
     k = ordered[0].z.shape[1]
     ns = np.array([x.n for x in ordered])
-    scat, sums = np.zeros((len(ordered), k, k)), np.zeros((len(ordered), k))
-    for size in np.unique(ns[ns > 0]).tolist():
-        which = np.flatnonzero(ns == size)
-        z = np.stack([ordered[i].z for i in which])  # (steps, size, k)
-        sums[which] = z.sum(axis=1)
-        if size >= 2:
-            zc = z - (sums[which] / size)[:, None, :]
-            scat[which] = zc.transpose(0, 2, 1) @ zc
-    return scat, sums
+    sums = np.zeros((len(ordered), k))
+    some = ns > 0
+    if not some.any():
+        return np.zeros((len(ordered), k, k)), sums
+    z = np.concatenate([x.z for x in ordered])
+    starts = np.r_[0, np.cumsum(ns)[:-1]]
+    sums[some] = np.add.reduceat(z, starts[some], axis=0)  # reduceat cannot sum an empty segment
+    zc = z - np.repeat(sums / np.maximum(ns, 1)[:, None], ns, axis=0)
+    return segment_scatter(zc, starts, np.where(ns >= 2, ns, 0)), sums
 
 
 def _window_sum(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
