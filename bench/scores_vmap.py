@@ -1,6 +1,6 @@
 """Rung 2's exact score matrix, the package's two paths: ``score_matrix(batch=8)`` (per-sample
-gradients by ``torch.func.vmap`` over ``grad``, 8 sequences at a time, the default) against
-``score_matrix(batch=1)`` (one backward pass per sequence), on a 7.2M-parameter Qwen3 (random
+gradients by ``torch.func.vmap`` over ``grad``, 8 sequences at a time) against
+``score_matrix(batch=1)`` (one backward pass per sequence, the default), on a 7.2M-parameter Qwen3 (random
 init, seeded), 16 sequences of 16 + 48 tokens. Three interleaved rounds; prints the median of
 each, their ratio, and the largest difference between the two matrices.
 
