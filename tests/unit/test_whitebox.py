@@ -285,3 +285,29 @@ def test_blocked_logits_give_the_sums_of_whole_ones():
     got = summed_kl_and_logps_blocked(wa.rows(rows), wb.rows(rows), targets[rows], mask[rows], block_elements=3 * n * v)
     for x, y in zip(got, whole):
         np.testing.assert_allclose(x, y[rows], rtol=1e-12)
+
+
+def test_non_finite_scores_are_refused_naming_the_sequence_and_a_sum_that_overflowed_is_not():
+    from reward_lens.measure.whitebox.scores import _check_finite
+
+    block = torch.zeros(4, 6)
+    block[2, 5] = float("nan")
+    with pytest.raises(WhiteboxError, match="non-finite scores for sequence 12"):
+        _check_finite(block, 10)
+    block[2, 5] = -float("inf")
+    with pytest.raises(WhiteboxError, match="sequence 12"):
+        _check_finite(block, 10)
+    big = torch.full((2, 3), 3e38)  # every entry finite, their float32 sum is not
+    assert not torch.isfinite(big.sum())
+    _check_finite(big, 0)
+
+
+def test_a_policy_with_an_infinite_weight_is_refused(policy):
+    import copy
+
+    model = copy.deepcopy(policy[0])
+    with torch.no_grad():
+        model.get_input_embeddings().weight[65, 0] = float("inf")  # token 65 opens every sequence
+    ids = torch.tensor([[65, 66, 67, 68]] * 2)
+    with pytest.raises(WhiteboxError, match="non-finite scores for sequence 0"):
+        score_matrix(model, Sequences(ids, torch.tensor([[0, 0, 1, 1]] * 2, dtype=torch.bool), 2))

@@ -6,17 +6,22 @@ Fisher F = E[s s^T]; the empirical-Fisher pitfall (gradients of the loss at the 
 not apply. It would if the rollouts were filtered or reweighted (e.g. dropped groups with
 zero reward variance): then they are no longer samples of pi and this refuses.
 
-Speed. One backward pass per sequence by default. ``batch=B`` computes B sequences' gradients
-at once by ``torch.func.vmap`` over ``torch.func.grad`` (one batched forward and backward);
-``bench/scores_vmap.py`` compares the two paths of this function, and on a 7.2M-parameter
-Qwen3 on two CPU cores the batched one was no faster (0.8-1.0x in four quiet runs), so it is
-not the default. A model whose forward cannot be vmapped (data-dependent control flow,
-in-place updates of its inputs) is refused under ``batch`` > 1 with the remedy ``batch=1``,
-never switched silently. For large policies the sketch is the route, not a faster S.
+Speed. One backward pass per sequence by default, each gradient copied once into its place in
+S and finiteness tested by one float32 sum per block of rows: the concatenation and the
+``isfinite`` mask this path used before were about half its time (``bench/scores_vmap.py``
+times both: 1.5-1.9x on a 7.2M-parameter Qwen3, S identical). ``batch=B`` computes B
+sequences' gradients at once by ``torch.func.vmap`` over ``torch.func.grad`` (one batched
+forward and backward); on two CPU cores it measured 1.1-1.4x the loop, within run-to-run noise
+of it, so it is not the default: on a CPU the per-sample weight gradients (an outer product
+over positions into |theta| floats per sequence) are the same work batched or not. A model
+whose forward cannot be vmapped (data-dependent control flow, in-place updates of its
+inputs) is refused under ``batch`` > 1 with the remedy ``batch=1``, never switched silently.
+For large policies the sketch is the route, not a faster S.
 
 Memory. S holds n * |theta| floats (float32). While a batch of B rows is computed, its
-gradients and their concatenation hold 2B more: (n + 2B) * |theta| * 4 bytes at peak, beyond
-the model and B sequences' activations (98 MB for 8 rollouts of a 2.45M-parameter policy with
+gradients and autograd's buffers hold about 2B more: the guard counts (n + 2B) * |theta| * 4
+bytes, beyond the model and B sequences' activations (``bench/sketch_kernel.py``, 127M
+parameters, n = 16, B = 1: +9,398 MiB measured over the model against the guard's 8,722) (98 MB for 8 rollouts of a 2.45M-parameter policy with
 B = 1, 280 GB for 8 rollouts of a 7B one). B is lowered, down to 1, until that fits under
 ``max_bytes``; if even B = 1 does not, this refuses with the arithmetic before anything is
 allocated (for large policies, ``sketch.sketched_kernel`` estimates K without S). The metric
@@ -25,6 +30,7 @@ then builds K = S S^T block by block (``metric.kernel_from_scores``) without a f
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -76,21 +82,36 @@ def score_matrix(model, seqs: Sequences, *, reweighted: bool = False, max_bytes:
     n_params = sum(p.numel() for _, p in named)
     b, _ = check_memory(seqs.n, n_params, max_bytes, batch)
     out = np.empty((seqs.n, n_params), dtype=np.float32)
+    dst = torch.from_numpy(out)  # each gradient is copied once, into its place in S
     was_training = model.training
     model.eval()
     try:
         rows = _rows_vmap(model, named, seqs, b) if b > 1 else _rows_loop(model, [p for _, p in named], seqs)
-        for a, chunk in rows:
-            finite = torch.isfinite(chunk).all(dim=1)
-            if not bool(finite.all()):  # chunk by chunk: no mask the size of S
-                i = a + int((~finite).nonzero()[0, 0])
-                raise WhiteboxError(f"non-finite scores for sequence {i}: the policy's log-probabilities "
-                                    "overflowed; no metric is built from them")
-            out[a:a + len(chunk)] = chunk.numpy()
-            del chunk
+        for a, grads in rows:
+            m, o = grads[0].shape[0], 0
+            for g in grads:
+                k = g[0].numel()
+                dst[a:a + m, o:o + k].copy_(g.reshape(m, k))
+                o += k
+            del grads
+            _check_finite(dst[a:a + m], a)
     finally:
         model.train(was_training)
     return out
+
+
+def _check_finite(block: torch.Tensor, first: int) -> None:
+    """Refuse non-finite scores, naming the first sequence that has one. A float32 sum is
+    finite only if every term is (a NaN or an infinity carries through any sum), and it is 20x
+    cheaper than ``isfinite`` over the block, which runs only when the sum is not finite (a
+    NaN, an infinity, or a sum of finite terms that overflowed)."""
+    if math.isfinite(float(block.sum())):
+        return
+    finite = torch.isfinite(block).all(dim=1)
+    if not bool(finite.all()):
+        i = first + int((~finite).nonzero()[0, 0])
+        raise WhiteboxError(f"non-finite scores for sequence {i}: the policy's log-probabilities "
+                            "overflowed; no metric is built from them")
 
 
 def _rows_loop(model, params, seqs: Sequences):
@@ -99,7 +120,7 @@ def _rows_loop(model, params, seqs: Sequences):
         logits = model(input_ids=ids).logits[:, :-1].float()
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
         grads = torch.autograd.grad((logp * seqs.completion_mask[i:i + 1, 1:]).sum(), params)
-        yield i, torch.cat([g.reshape(-1) for g in grads])[None]
+        yield i, [g[None] for g in grads]
 
 
 def _rows_vmap(model, named, seqs: Sequences, b: int):
@@ -127,4 +148,4 @@ def _rows_vmap(model, named, seqs: Sequences, b: int):
             raise WhiteboxError(f"torch.func.vmap failed on this model's forward ({e}); a forward with "
                                 "data-dependent control flow or in-place updates of its inputs cannot be vmapped: "
                                 "pass batch=1 to score_matrix for one backward pass per sequence") from e
-        yield a, torch.cat([g.pop(k).reshape(m, -1) for k, _ in named], dim=1)
+        yield a, [g.pop(k) for k, _ in named]
