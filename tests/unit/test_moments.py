@@ -117,19 +117,21 @@ def test_group_codes_and_segment_codes_agree_with_first_appearance_written_plain
 
 
 def test_step_scatter_and_window_sums_agree_with_the_definitions_written_plainly():
-    from reward_lens.measure.efficiency.metric import _window_sum, step_scatter
+    from reward_lens.measure.efficiency.metric import _window_sum, step_scatter, step_sums
     from reward_lens.measure.ledger.price import StepSample
 
     rng = np.random.default_rng(3)
     samples = [StepSample(i, ("a", "b", "c"), rng.normal(size=(n, 3)) * [1, 10, 0.1])
                for i, n in enumerate([5, 0, 1, 7, 2, 9])]  # an empty step and a step of one rollout
     scat, sums = step_scatter(samples)
-    for s, got, total in zip(samples, scat, sums):
+    sums2, squares = step_sums(samples)
+    for s, got, total, total2, sq in zip(samples, scat, sums, sums2, squares):
         want = np.zeros((3, 3))
         if s.n >= 2:
             zc = s.z - s.z.mean(axis=0)
             want = sum(np.outer(r, r) for r in zc)
         assert np.allclose(got, want, rtol=1e-12, atol=1e-12) and np.allclose(total, s.z.sum(axis=0))
+        assert np.allclose(sq, np.diag(want), rtol=1e-12, atol=1e-12) and np.array_equal(total2, total)
     values = rng.normal(size=(12, 2, 2))
     lo = np.array([0, 0, 1, 3, 5, 11])
     hi = np.array([1, 4, 4, 3, 12, 12])  # an empty window too

@@ -244,6 +244,23 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
 LOCAL_HALF_WIDTH = 10
 
 
+def step_sums(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
+    """Each step's feature sums and sums of squared deviations from its mean (the diagonal of
+    ``step_scatter``, without the k x k products), for all steps at once."""
+    k = ordered[0].z.shape[1]
+    ns = np.array([x.n for x in ordered])
+    sums, squares = np.zeros((len(ordered), k)), np.zeros((len(ordered), k))
+    some = ns > 0
+    if not some.any():
+        return sums, squares
+    z = np.concatenate([x.z for x in ordered])
+    starts = np.r_[0, np.cumsum(ns)[:-1]]
+    sums[some] = np.add.reduceat(z, starts[some], axis=0)  # reduceat cannot sum an empty segment
+    zc = z - np.repeat(sums / np.maximum(ns, 1)[:, None], ns, axis=0)
+    squares[some] = np.add.reduceat(zc * zc, starts[some], axis=0)
+    return sums, squares
+
+
 def step_scatter(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's scatter sum_i (z_i - mean)(z_i - mean)^T (zero for a step of one rollout)
     and feature sums, for all steps at once (``segment_scatter`` of the centred rollouts)."""

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
-from reward_lens.measure.efficiency.metric import step_scatter
+from reward_lens.measure.efficiency.metric import step_sums
 from reward_lens.measure.figures import FigureOut, Panel, Series
 from reward_lens_spec import Refusal, Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
@@ -179,10 +179,10 @@ def cost_section(ctx: RunContext) -> BookResult:
                          source=r.kl_spent_source, resolved=r.resolved, d_t_checks=r.d_t_checks,
                          d_t_disagrees=r.d_t_disagrees)
            for r in book.rows]
-    scat, sums = step_scatter(samples)  # each step's mean and standard error, all steps at once
+    sums, squares = step_sums(samples)  # each step's mean and standard error, all steps at once
     ns = np.array([s.n for s in samples], dtype=float)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        se = np.where(ns > 1, np.sqrt(np.einsum("pii->pi", scat) / (ns - 1) / ns), 0.0)
+        se = np.where(ns > 1, np.sqrt(squares / (ns - 1) / ns), 0.0)
     means = [FeatureMeans(step=s.step, n=s.n, mean=m, se=e)
              for s, m, e in zip(samples, (sums / ns).tolist(), se.tolist())]
     totals = {a: sum(r.shares.get(a, 0.0) for r in formed) for a in g.names}

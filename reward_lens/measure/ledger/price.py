@@ -325,7 +325,7 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
     def moments_of(x: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
         return moments[x.step]
 
-    ledgers = []
+    formed = []
     for t in sorted(by_step):
         if t + 1 not in by_step:
             continue
@@ -341,11 +341,11 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
             m_pre, v_pre, u_pre = moments_of(pre)
             m_post, v_post, u_post = moments_of(post)
             dz, cov, units = m_post - m_pre, v_pre + v_post, u_pre + u_post
-        ledgers.append(Ledger(
-            step_pair=(t, t + 1), names=names, delta_z=dz,
-            se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov,
-            n_pre=pre.n, n_post=post.n,
-            learning_rate=None if eta_by_step is None else eta_by_step.get(t),
-            units=units, matched=matched is not None,
-        ))
-    return ledgers
+        formed.append((t, pre, post, dz, cov, units, matched is not None))
+    if not formed:
+        return []
+    # every pair's standard errors at once: the diagonals of the stacked covariances
+    ses = np.sqrt(np.clip(np.diagonal(np.stack([f[4] for f in formed]), axis1=1, axis2=2), 0, None))
+    return [Ledger(step_pair=(t, t + 1), names=names, delta_z=dz, se=se, cov_delta=cov, n_pre=pre.n, n_post=post.n,
+                   learning_rate=None if eta_by_step is None else eta_by_step.get(t), units=units, matched=matched)
+            for (t, pre, post, dz, cov, units, matched), se in zip(formed, ses)]
