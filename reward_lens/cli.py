@@ -233,13 +233,20 @@ def cmd_publish(args) -> int:
 
     from reward_lens.report.output import check_owned
 
+    from reward_lens.measure.efficiency.of_run import LEDGERS
+    from reward_lens.measure.ledger.features import features_from
+
     site = Path(args.site)
+    window = _window(args.window)
+    if args.ledger not in LEDGERS:
+        raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {args.ledger!r}")
     check_owned(site, "site")  # before any work
+    features = features_from(args.features)  # a bad basis file is named before any record is read
     progress = Progress(args.quiet)
     runs = [open_run(p) for p in args.run_dirs]
     for run in runs:
         run.verify()
-    files = publish(runs, site, progress)
+    files = publish(runs, site, progress, ledger=args.ledger, window=window, features=features)
     progress.done()
     if not args.quiet:
         print(f"wrote {len(files)} files to {args.site} (open {Path(args.site) / 'index.html'})")
@@ -319,6 +326,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")
     s.add_argument("run_dirs", nargs="+", help="record directories")
     s.add_argument("--site", required=True, help="the site directory (replaced atomically)")
+    s.add_argument("--features", metavar="FILE", help="the feature basis every run is read in (YAML, e.g. "
+                   "examples/features/task.yaml; default: specs/features/surface.yaml)")
+    s.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired, for every run")
+    s.add_argument("--window", default="1", help="as for report: W step pairs priced together, or 'adaptive'")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_publish)
 

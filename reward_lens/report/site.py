@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.record.reader import Run
 from reward_lens.report.build import build_report
 from reward_lens.report.model import Report
@@ -19,11 +20,14 @@ def run_slug(run: Run) -> str:
     return f"{run.path.name}-{run.run_id[4:12]}"
 
 
-def site_files(runs: Sequence[Run], progress: Callable[[str], None] | None = None) -> dict[str, str]:
+def site_files(runs: Sequence[Run], progress: Callable[[str], None] | None = None, *, ledger: str = "auto",
+               window: int | str = 1, features: FeatureBasis | None = None) -> dict[str, str]:
+    """Every run's report (``build_report`` with the same ``ledger``, ``window`` and feature
+    basis for all of them, so their pages compare like with like) and the index."""
     files: dict[str, str] = {}
     entries = []
     for run in runs:
-        report: Report = build_report(run, progress)
+        report: Report = build_report(run, progress, ledger=ledger, window=window, features=features)
         slug = run_slug(run)
         files[f"runs/{slug}/report.html"] = to_html(report)
         files[f"runs/{slug}/report.md"] = to_markdown(report)
@@ -39,7 +43,7 @@ def site_files(runs: Sequence[Run], progress: Callable[[str], None] | None = Non
     return files
 
 
-def publish(runs: Sequence[Run], site: Path, progress: Callable[[str], None] | None = None) -> dict[str, str]:
-    files = site_files(runs, progress)
+def publish(runs: Sequence[Run], site: Path, progress: Callable[[str], None] | None = None, **options) -> dict[str, str]:
+    files = site_files(runs, progress, **options)
     replace_dir_atomically(site, files, kind="site")
     return files

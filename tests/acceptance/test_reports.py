@@ -211,6 +211,41 @@ def test_publish_site_links_are_relative(tmp_path):
         assert (tmp_path / "site" / l).is_file(), l
 
 
+def test_publish_reads_every_run_in_the_declared_basis_and_refuses_bad_options_before_writing(tmp_path):
+    from reward_lens.measure.ledger.basis import load_basis
+
+    task, spec = REPO / "tests" / "fixtures" / "grpo_run" / "task", REPO / "examples" / "features" / "task.yaml"
+    site, again = tmp_path / "site", tmp_path / "task_again"
+    shutil.copytree(task, again)
+    r = _cli("publish", str(task), str(again), "--site", str(site), "--features", str(spec), "--quiet")
+    assert r.returncode == 0, r.stderr
+    reports = sorted(site.glob("runs/*/report.json"))
+    assert len(reports) == 2
+    for path in reports:  # both runs in the task basis, not the surface default
+        data = json.loads(path.read_text())
+        assert data["basis"]["id"] == load_basis(spec).basis_id
+        names = [f["name"] for f in data["basis"]["features"]]
+        assert names == list(load_basis(spec).names)
+    # the same record published without --features is read in the surface basis
+    plain = tmp_path / "plain"
+    assert _cli("publish", str(task), "--site", str(plain), "--quiet").returncode == 0
+    (page,) = plain.glob("runs/*/report.json")
+    assert json.loads(page.read_text())["basis"]["id"] != load_basis(spec).basis_id
+    # a run that cannot feed the basis is bad input naming its file; no site is written
+    r = _cli("publish", str(task), str(SHORT), "--site", str(tmp_path / "mixed"), "--features", str(spec))
+    assert r.returncode == 2 and "short/rollouts.parquet" in r.stderr and "correctness" in r.stderr
+    assert not (tmp_path / "mixed").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("features:\n  - name: a\n    kind: regexx\n    pattern: x\n")
+    for extra, message in ((["--features", str(bad)], r"bad\.yaml:2: .*unknown kind"),
+                           (["--ledger", "sideways"], "--ledger takes one of"),
+                           (["--window", "0"], "--window takes a positive number")):
+        out = tmp_path / "refused"
+        r = _cli("publish", str(task), "--site", str(out), *extra)
+        assert r.returncode == 2 and re.search(message, r.stderr), (extra, r.stderr)
+        assert not out.exists()
+
+
 def test_progress_shows_on_a_terminal_and_not_under_quiet(monkeypatch, tmp_path):
     import io
 
