@@ -79,7 +79,7 @@ class BookOut(_Out):
     ledger_cause: Cause | None = None
     still_computable: list[str]
     refusals: list[RefusalOut]
-    cause: Cause | None = Field(default=None, description="set when the trainer will not start at all")
+    cause: Cause | None = Field(default=None, description="set when the run will not start at all: the trainer, or the tap at attach, refuses the configuration")
 
 
 class FeatureVerdict(_Out):
@@ -126,8 +126,8 @@ def _holds(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dic
     if isinstance(cond, list):
         return all(_holds(c, cfg, defaults) for c in cond)
     v, _ = _get(cfg, cond.key, defaults)
-    if cond.op == "set":
-        return v not in (None, "", False)
+    if cond.op == "set":  # transformers reads an empty `fsdp` list or string as off
+        return v not in (None, "", False) and not (isinstance(v, (list, dict)) and not v)
     if cond.op == "unset":
         return v in (None, "")
     if cond.op == "eq":
@@ -219,8 +219,8 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
     else:
         window = whole_number(raw_window, where, spec.window_key, minimum=1)
     pr.window = window
-    for rej in spec.rejects:
-        if _holds(rej.when, cfg, d):
+    for rej in [*spec.rejects, *(tap.rejects if tap is not None else [])]:  # the trainer's, then the tap's
+        if pr.rejected is None and _holds(rej.when, cfg, d):
             v, o = _get(cfg, rej.when.key, d)
             pr.rejected = Cause(key=rej.when.key, value=v, origin=o, says=rej.why)
     logged = None if pr.steps is None else math.ceil(pr.steps / window)

@@ -138,7 +138,7 @@ def audit_text(result, verbose: bool = False) -> str:
     said: dict[str, list[str]] = {}
     for b in result.books:
         if b.cause is not None:
-            said.setdefault(f"the trainer will not start: {_visible(b.cause.says)} (`{b.cause.key}` = "
+            said.setdefault(f"the run will not start: {_visible(b.cause.says)} (`{b.cause.key}` = "
                             f"{b.cause.value})", []).append(b.function)
         if b.ledger_cause is not None:
             said.setdefault(f"{b.ledger} ledger only: {_visible(b.ledger_cause.says)}", []).append(b.function)

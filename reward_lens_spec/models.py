@@ -171,7 +171,7 @@ class Supply(_Strict):
 
 
 class Reject(_Strict):
-    """A configuration the framework itself refuses to start with."""
+    """A configuration the framework refuses to start with, or (in a tap's spec) the tap refuses to attach to."""
 
     when: Condition
     why: str

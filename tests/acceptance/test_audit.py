@@ -81,6 +81,35 @@ def test_verdict_and_cause_table(tmp_path, name, cfg, opts, verdict, ledger, cau
         assert r.cause.says in r.detail  # the detail states the cause in words
 
 
+@pytest.mark.parametrize("key,value", [("fsdp", "full_shard auto_wrap"), ("fsdp", ["full_shard"]),
+                                       ("deepspeed", "ds_zero3.json"), ("deepspeed", {"zero_optimization": {"stage": 2}})])
+def test_the_tap_refuses_sharded_training_before_it_starts(tmp_path, key, value):
+    cfg = {**PER_STEP, key: value}
+    res = audit(_write(tmp_path, cfg), with_tap=True)
+    assert {b.verdict for b in res.books} == {"will not run"}
+    b = _cost(res)
+    assert b.cause.key == key and b.cause.value == value and b.cause.origin == "config"
+    assert "RewardLensTap.attach raises" in b.cause.says and "DDP" in b.cause.says
+    text = audit_text(res)
+    assert "the run will not start: RewardLensTap.attach raises" in text and f"`{key}`" in text
+    # without the tap the same config is audited for what TRL's own logs support
+    assert _cost(audit(_write(tmp_path, cfg))).verdict == "will refuse"
+    # an empty setting is off in transformers, and so here
+    assert _cost(audit(_write(tmp_path, {**PER_STEP, key: type(value)()}), with_tap=True)).verdict == "will compute"
+
+
+def test_the_sharding_keys_the_tap_spec_names_are_training_arguments():
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from reward_lens_spec import load_taps
+
+    keys = {r.when.key for r in load_taps()["trl"].rejects}
+    assert keys == {"fsdp", "deepspeed"}
+    assert keys <= {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
 def test_record_directory_is_audited_as_a_record():
     res = audit(PAIRED)
     assert res.kind == "record" and res.with_tap
