@@ -244,20 +244,30 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
 LOCAL_HALF_WIDTH = 10
 
 
+def _centred(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """All steps' rollouts stacked and centred on their step's mean, each step's start row,
+    rollout count and feature sums; None when no step has a rollout."""
+    ns = np.array([x.n for x in ordered])
+    some = ns > 0
+    if not some.any():
+        return None
+    z = np.concatenate([x.z for x in ordered])
+    starts = np.r_[0, np.cumsum(ns)[:-1]]
+    sums = np.zeros((len(ordered), z.shape[1]))
+    sums[some] = np.add.reduceat(z, starts[some], axis=0)  # reduceat cannot sum an empty segment
+    return z - np.repeat(sums / np.maximum(ns, 1)[:, None], ns, axis=0), starts, ns, sums
+
+
 def step_sums(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's feature sums and sums of squared deviations from its mean (the diagonal of
     ``step_scatter``, without the k x k products), for all steps at once."""
     k = ordered[0].z.shape[1]
-    ns = np.array([x.n for x in ordered])
-    sums, squares = np.zeros((len(ordered), k)), np.zeros((len(ordered), k))
-    some = ns > 0
-    if not some.any():
-        return sums, squares
-    z = np.concatenate([x.z for x in ordered])
-    starts = np.r_[0, np.cumsum(ns)[:-1]]
-    sums[some] = np.add.reduceat(z, starts[some], axis=0)  # reduceat cannot sum an empty segment
-    zc = z - np.repeat(sums / np.maximum(ns, 1)[:, None], ns, axis=0)
-    squares[some] = np.add.reduceat(zc * zc, starts[some], axis=0)
+    c = _centred(ordered)
+    if c is None:
+        return np.zeros((len(ordered), k)), np.zeros((len(ordered), k))
+    zc, starts, ns, sums = c
+    squares = np.zeros_like(sums)
+    squares[ns > 0] = np.add.reduceat(zc * zc, starts[ns > 0], axis=0)
     return sums, squares
 
 
@@ -265,15 +275,10 @@ def step_scatter(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]
     """Each step's scatter sum_i (z_i - mean)(z_i - mean)^T (zero for a step of one rollout)
     and feature sums, for all steps at once (``segment_scatter`` of the centred rollouts)."""
     k = ordered[0].z.shape[1]
-    ns = np.array([x.n for x in ordered])
-    sums = np.zeros((len(ordered), k))
-    some = ns > 0
-    if not some.any():
-        return np.zeros((len(ordered), k, k)), sums
-    z = np.concatenate([x.z for x in ordered])
-    starts = np.r_[0, np.cumsum(ns)[:-1]]
-    sums[some] = np.add.reduceat(z, starts[some], axis=0)  # reduceat cannot sum an empty segment
-    zc = z - np.repeat(sums / np.maximum(ns, 1)[:, None], ns, axis=0)
+    c = _centred(ordered)
+    if c is None:
+        return np.zeros((len(ordered), k, k)), np.zeros((len(ordered), k))
+    zc, starts, ns, sums = c
     return segment_scatter(zc, starts, np.where(ns >= 2, ns, 0)), sums
 
 

@@ -345,7 +345,8 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
     if not formed:
         return []
     # every pair's standard errors at once: the diagonals of the stacked covariances
-    ses = np.sqrt(np.clip(np.diagonal(np.stack([f[4] for f in formed]), axis1=1, axis2=2), 0, None))
+    covs = np.stack([cov for _, _, _, _, cov, _, _ in formed])
+    ses = np.sqrt(np.clip(np.diagonal(covs, axis1=1, axis2=2), 0, None))
     return [Ledger(step_pair=(t, t + 1), names=names, delta_z=dz, se=se, cov_delta=cov, n_pre=pre.n, n_post=post.n,
                    learning_rate=None if eta_by_step is None else eta_by_step.get(t), units=units, matched=matched)
             for (t, pre, post, dz, cov, units, matched), se in zip(formed, ses)]
