@@ -70,6 +70,16 @@ def _window(text: str) -> int | str:
     return w
 
 
+def _pricing(args) -> int | str:
+    """Check ``--ledger`` and ``--window`` (report and publish) before any work; the window."""
+    from reward_lens.measure.efficiency.of_run import LEDGERS
+
+    window = _window(args.window)
+    if args.ledger not in LEDGERS:
+        raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {args.ledger!r}")
+    return window
+
+
 def _record_path(args) -> Path:
     from reward_lens.examples import example_record
 
@@ -91,12 +101,8 @@ def cmd_report(args) -> int:
     bad = [f for f in formats if f not in FORMATS]
     if bad or not formats:
         raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
-    from reward_lens.measure.efficiency.of_run import LEDGERS
-
     out = Path(args.out)
-    window = _window(args.window)
-    if args.ledger not in LEDGERS:
-        raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {args.ledger!r}")
+    window = _pricing(args)
     check_owned(out, "report")  # before any work
     from reward_lens.measure.ledger.features import features_from
 
@@ -233,13 +239,10 @@ def cmd_publish(args) -> int:
 
     from reward_lens.report.output import check_owned
 
-    from reward_lens.measure.efficiency.of_run import LEDGERS
     from reward_lens.measure.ledger.features import features_from
 
     site = Path(args.site)
-    window = _window(args.window)
-    if args.ledger not in LEDGERS:
-        raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {args.ledger!r}")
+    window = _pricing(args)
     check_owned(site, "site")  # before any work
     features = features_from(args.features)  # a bad basis file is named before any record is read
     progress = Progress(args.quiet)
