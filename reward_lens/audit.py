@@ -126,10 +126,10 @@ def _holds(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dic
     if isinstance(cond, list):
         return all(_holds(c, cfg, defaults) for c in cond)
     v, _ = _get(cfg, cond.key, defaults)
-    if cond.op == "set":  # transformers reads an empty `fsdp` list or string as off
-        return v not in (None, "", False) and not (isinstance(v, (list, dict)) and not v)
+    if cond.op == "set":
+        return not _empty(v) and v is not False
     if cond.op == "unset":
-        return v in (None, "")
+        return _empty(v)
     if cond.op == "eq":
         return v == cond.value
     if cond.op == "ne":
@@ -139,6 +139,12 @@ def _holds(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dic
     except (TypeError, ValueError):
         return False
     return x > float(cond.value) if cond.op == "gt" else x < float(cond.value)
+
+
+def _empty(value: Any) -> bool:
+    """No value: null, an empty string, or an empty list or mapping (transformers reads an
+    empty `fsdp` list as FSDP off)."""
+    return value is None or (isinstance(value, (str, list, dict)) and not value)
 
 
 def _first_failing(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dict[str, Any]) -> Condition:
