@@ -19,10 +19,11 @@ inputs) is refused under ``batch`` > 1 with the remedy ``batch=1``, never switch
 For large policies the sketch is the route, not a faster S.
 
 Memory. S holds n * |theta| floats (float32). While a batch of B rows is computed, its
-gradients and autograd's buffers hold about 2B more: the guard counts (n + 2B) * |theta| * 4
-bytes, beyond the model and B sequences' activations (``bench/sketch_kernel.py``, 127M
-parameters, n = 16, B = 1: +9,398 MiB measured over the model against the guard's 8,722) (98 MB for 8 rollouts of a 2.45M-parameter policy with
-B = 1, 280 GB for 8 rollouts of a 7B one). B is lowered, down to 1, until that fits under
+gradients and the previous batch's, still referenced, hold 2B more: the guard counts
+(n + 2B) * |theta| * 4 bytes, beyond the model and B sequences' activations (98 MB for 8
+rollouts of a 2.45M-parameter policy with B = 1, 280 GB for 8 rollouts of a 7B one;
+``bench/sketch_kernel.py`` measured +9,398 MiB over the model against the guard's 8,722 MiB
+at 127M parameters, n = 16, B = 1). B is lowered, down to 1, until that fits under
 ``max_bytes``; if even B = 1 does not, this refuses with the arithmetic before anything is
 allocated (for large policies, ``sketch.sketched_kernel`` estimates K without S). The metric
 then builds K = S S^T block by block (``metric.kernel_from_scores``) without a float64 copy.
