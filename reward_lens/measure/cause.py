@@ -40,15 +40,19 @@ class _M(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class CauseRow(_M):
-    step_pair: tuple[int, int]
-    selection: dict[str, float] = Field(description="s_t = Cov_t(z, A) within groups, feature units x advantage")
-    se: dict[str, float]
-    cosine: float | None = Field(description="G^-1 cosine of dz_t and s_t; null when either is zero")
-    kl_quad: float = Field(description="1/2 dz^T G^-1 dz on the active features (nats per sequence)")
-    kl_along: float = Field(description="the part of kl_quad along s (nats per sequence)")
-    kl_collateral: float = Field(description="kl_quad - kl_along (nats per sequence)")
-    resolved: bool = Field(description="the cost book resolved this step pair's KL_min from noise")
+class CauseRows(_M):
+    """Every step pair's comparison, as columns: entry i of each list (and of each feature's
+    list) belongs to ``step_pair[i]``."""
+
+    step_pair: list[tuple[int, int]]
+    selection: dict[str, list[float]] = Field(description="s_t = Cov_t(z, A) within groups, feature units x "
+                                                          "advantage")
+    se: dict[str, list[float]]
+    cosine: list[float | None] = Field(description="G^-1 cosine of dz_t and s_t; null when either is zero")
+    kl_quad: list[float] = Field(description="1/2 dz^T G^-1 dz on the active features (nats per sequence)")
+    kl_along: list[float] = Field(description="the part of kl_quad along s (nats per sequence)")
+    kl_collateral: list[float] = Field(description="kl_quad - kl_along (nats per sequence)")
+    resolved: list[bool] = Field(description="the cost book resolved this step pair's KL_min from noise")
 
 
 class SelectedOut(_M):
@@ -61,7 +65,7 @@ class SelectedOut(_M):
 
 
 class CauseSection(_M):
-    rows: list[CauseRow]
+    rows: CauseRows
     selected: list[SelectedOut]
     summary: dict[str, float | int | str | None]
 
@@ -136,7 +140,6 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
     KL_min rows); the cosine and the split are summarised over those only (all when None)."""
     by_step = {s.step: s for s in samples if s.advantages is not None and s.groups is not None}
     names = list(metric.names)
-    rows, per_step_s, per_step_se = [], [], []
     wanted = [by_step[lg.step_pair[0]] for lg in ledgers if lg.step_pair[0] in by_step]
     differentials = selection_differentials(list({x.step: x for x in wanted}.values()))
     kept = []  # (ledger, its step's metric, s, se)
@@ -162,42 +165,43 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
                          np.stack([kept[i][1].matrix for i in members])[:, idx][:, :, idx])
         for i, v in zip(members, got):
             splits[i] = v
-    for (lg, _, s, se), (cos, kl, along) in zip(kept, splits):
-        rows.append(CauseRow(step_pair=tuple(lg.step_pair), selection=dict(zip(names, s.tolist())),
-                             se=dict(zip(names, se.tolist())), cosine=cos, kl_quad=kl, kl_along=along,
-                             kl_collateral=kl - along,
-                             resolved=resolved_pairs is None or tuple(lg.step_pair) in resolved_pairs))
-        per_step_s.append(s)
-        per_step_se.append(se)
+    pairs = [tuple(lg.step_pair) for lg, _, _, _ in kept]
+    cos, kl, along = (list(v) for v in zip(*splits)) if splits else ([], [], [])
+    s_all = np.stack([s for _, _, s, _ in kept]) if kept else np.zeros((0, len(names)))
+    se_all = np.stack([se for _, _, _, se in kept]) if kept else np.zeros((0, len(names)))
+    resolved = [resolved_pairs is None or pair in resolved_pairs for pair in pairs]
+    rows = CauseRows(step_pair=pairs, selection=dict(zip(names, s_all.T.tolist())),
+                     se=dict(zip(names, se_all.T.tolist())), cosine=cos, kl_quad=kl, kl_along=along,
+                     kl_collateral=[q - a for q, a in zip(kl, along)], resolved=resolved)
     selected = []
-    if rows:
-        tot = np.sum(per_step_s, axis=0)
-        se = np.sqrt(np.nansum(np.square(per_step_se), axis=0))
+    if pairs:
+        tot = s_all.sum(axis=0)
+        se = np.sqrt(np.nansum(np.square(se_all), axis=0))
         with np.errstate(divide="ignore", invalid="ignore"):
             tt = np.where(se > 0, tot / se, 0.0)
         p = np.where(se > 0, 2 * special.ndtr(-np.abs(tt)), 1.0)
         rej = benjamini_hochberg(p, FDR_Q)
         selected = [SelectedOut(feature=n, total=float(tot[j]), se=float(se[j]), t=float(tt[j]), p=float(p[j]),
                                 selected=bool(rej[j])) for j, n in enumerate(names)]
-    res = [r for r in rows if r.resolved]
-    kq = sum(r.kl_quad for r in res)
-    cosines = [r.cosine for r in res if r.cosine is not None]
-    summary = {"rows": len(rows), "rows_resolved": len(res), "features_selected": sum(x.selected for x in selected),
+    res = [i for i, r in enumerate(resolved) if r]
+    kq = sum(kl[i] for i in res)
+    cosines = [cos[i] for i in res if cos[i] is not None]
+    summary = {"rows": len(pairs), "rows_resolved": len(res), "features_selected": sum(x.selected for x in selected),
                "median_cosine": float(np.median(cosines)) if cosines else None,
-               "fraction_along": (sum(r.kl_along for r in res) / kq) if kq > 0 else None}
+               "fraction_along": (sum(along[i] for i in res) / kq) if kq > 0 else None}
     return CauseSection(rows=rows, selected=selected, summary=summary)
 
 
 def cause_figures(c: CauseSection) -> list[FigureOut]:
-    if not c.rows:
+    if not c.rows.step_pair:
         return []
-    x = [float(r.step_pair[0]) for r in c.rows]
+    x = [float(pair[0]) for pair in c.rows.step_pair]
     return [FigureOut(id="cause-split", x_label="step t (pair t → t+1)", caption=(
         "KL_quad = ½ Δzᵀ G⁻¹ Δz split into the part along the reward's selection differential s and the "
         "collateral rest (nats per sequence, stacked)."), panels=[Panel(
             y_label="nats per sequence", series=[
-                Series(label="along s (asked for)", x=x, y=[r.kl_along for r in c.rows], style="stack"),
-                Series(label="collateral", x=x, y=[r.kl_collateral for r in c.rows], style="stack")])])]
+                Series(label="along s (asked for)", x=x, y=c.rows.kl_along, style="stack"),
+                Series(label="collateral", x=x, y=c.rows.kl_collateral, style="stack")])])]
 
 
 def advantages_refusal(ctx: RunContext, book_id: str = "cause"):
@@ -224,7 +228,7 @@ def cause_section(ctx: RunContext) -> BookResult:
     resolved = ({tuple(r.step_pair) for r in priced.book.kl_min.rows if r.resolved}
                 if priced.book is not None else set())
     sec = cause_series(list(priced.ledgers), samples, priced.metric, resolved)
-    status = status_of(bool(sec.rows), [], sec.summary["features_selected"] > 0)
+    status = status_of(bool(sec.rows.step_pair), [], sec.summary["features_selected"] > 0)
     ctxt = {"s": sec.summary, "c": sec, "sel": [x for x in sec.selected if x.selected]}
     headline = render_template("report/books/cause.headline.j2", ctxt).strip()
     card = render_template("report/books/cause.card.j2", ctxt).strip() or None

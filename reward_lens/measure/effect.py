@@ -33,13 +33,18 @@ class _M(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class EffectRow(_M):
-    step_pair: tuple[int, int]
-    delta_z: dict[str, float] = Field(description="feature units")
-    se: dict[str, float]
-    t: dict[str, float]
-    p: dict[str, float]
-    moved: list[str] = Field(description="features BH rejects dz = 0 for at this step pair (q over features x rows)")
+class EffectRows(_M):
+    """Every step pair's movement, as columns: ``t[f][i]`` is feature f's t at ``step_pair[i]``
+    (one list per feature and quantity: 10,000 step pairs are 36 lists, not 10,000 objects, and
+    ``pandas.DataFrame(rows["t"])`` reads them as a table)."""
+
+    step_pair: list[tuple[int, int]]
+    delta_z: dict[str, list[float]] = Field(description="feature units")
+    se: dict[str, list[float]]
+    t: dict[str, list[float]]
+    p: dict[str, list[float]]
+    moved: dict[str, list[bool]] = Field(description="BH rejects dz = 0 for the feature at this step pair "
+                                                     "(q over features x rows)")
 
 
 class DriftOut(_M):
@@ -59,7 +64,7 @@ class EffectSection(_M):
     ledger: str
     first_steps: list[int]
     last_steps: list[int]
-    rows: list[EffectRow]
+    rows: EffectRows
     drift: list[DriftOut]
     summary: dict[str, float | int | str | None]
 
@@ -118,32 +123,33 @@ def effect_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], unit
     else:
         dz = se = t = p = np.zeros((0, k))
     rejected = benjamini_hochberg(p.ravel(), FDR_Q).reshape(p.shape)
-    out_rows = [EffectRow(step_pair=tuple(lg.step_pair), delta_z=dict(zip(names, dz_i)), se=dict(zip(names, se_i)),
-                          t=dict(zip(names, t_i)), p=dict(zip(names, p_i)),
-                          moved=[n for n, r in zip(names, rej_i) if r])
-                for lg, dz_i, se_i, t_i, p_i, rej_i in zip(ledgers, dz.tolist(), se.tolist(), t.tolist(), p.tolist(),
-                                                           rejected.tolist())]
+
+    def columns(a: np.ndarray) -> dict[str, list]:
+        return dict(zip(names, a.T.tolist()))
+
+    rows = EffectRows(step_pair=[tuple(lg.step_pair) for lg in ledgers], delta_z=columns(dz), se=columns(se),
+                      t=columns(t), p=columns(p), moved=columns(rejected))
     dr, first, last = drift(samples, names, units)
-    counts = {n: sum(n in r.moved for r in out_rows) for n in names}
+    counts = dict(zip(names, rejected.sum(axis=0).tolist()))
     dr = [d.model_copy(update={"rows_moved": counts[d.feature]}) for d in dr]
-    summary = {"rows": len(out_rows), "rows_with_movement": sum(bool(r.moved) for r in out_rows),
+    summary = {"rows": len(ledgers), "rows_with_movement": int(rejected.any(axis=1).sum()),
                "features_moved": sum(d.moved for d in dr), "features": len(dr),
                "false_discoveries_expected": FDR_Q * int(rejected.sum())}
-    return EffectSection(ledger=ledger, first_steps=first, last_steps=last, rows=out_rows, drift=dr, summary=summary)
+    return EffectSection(ledger=ledger, first_steps=first, last_steps=last, rows=rows, drift=dr, summary=summary)
 
 
 def effect_figures(e: EffectSection) -> list[FigureOut]:
-    if not e.rows:
+    if not e.rows.step_pair:
         return []
-    x = [float(r.step_pair[0]) for r in e.rows]
+    x = [float(pair[0]) for pair in e.rows.step_pair]
     panels = []
     for d in e.drift:
         n = d.feature
-        t = [r.t[n] for r in e.rows]
-        mv = [r for r in e.rows if n in r.moved]
+        t, moved = e.rows.t[n], e.rows.moved[n]
         panels.append(Panel(title=f"{n} ({d.unit})", y_label="t = Δz / SE", zero_line=True, series=[
             Series(x=x, y=t, color="#9aa5a0"),
-            Series(x=[float(r.step_pair[0]) for r in mv], y=[r.t[n] for r in mv], style="points", color="#c0392b")]))
+            Series(x=[xi for xi, m in zip(x, moved) if m], y=[ti for ti, m in zip(t, moved) if m], style="points",
+                   color="#c0392b")]))
     return [FigureOut(id="effect-t", x_label="step t (pair t → t+1)", columns=3, panels=panels, caption=(
         "Each feature's movement per step pair in standard errors (t = Δz/SE); red points moved "
         "(Benjamini–Hochberg at q = 0.05 over features × step pairs)."))]

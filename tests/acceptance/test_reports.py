@@ -72,7 +72,7 @@ def test_report_json_round_trips_and_the_schema_file_is_current():
     path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
     report = Report.model_validate_json(path.read_text())
     (cost,) = [b for b in report.books if b.id == "cost"]
-    assert report.schema_version == "3.0" and cost.status == "partial"
+    assert report.schema_version == "4.0" and cost.status == "partial"
     assert len(cost.typed().kl_min) == 199 and cost.typed().efficiency == []
     schema = json.loads((REPO / "reports" / "report.schema.json").read_text())
     assert schema == json.loads(json.dumps(Report.model_json_schema()))
@@ -291,7 +291,7 @@ def test_markdown_and_json_reports_never_import_matplotlib(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "o" / "report.json").read_text()
-    assert "\n" not in text.rstrip("\n") and json.loads(text)["schema_version"] == "3.0"  # compact
+    assert "\n" not in text.rstrip("\n") and json.loads(text)["schema_version"] == "4.0"  # compact
 
 
 def test_a_report_renders_the_same_from_its_section_models_and_from_their_json():
@@ -329,3 +329,45 @@ def test_the_browser_keeps_the_first_rollouts_of_each_chosen_step_in_record_orde
             taken[s] = taken.get(s, 0) + 1
             want.append((s, text[:build.BROWSER_TEXT_MAX]))
     assert [(r.step, r.completion[:build.BROWSER_TEXT_MAX]) for r in rows] == want and len(want) == 7 * 4
+
+
+def test_effect_and_cause_rows_are_columns_aligned_with_their_step_pairs():
+    """report.json keeps the effect and cause books' per-step-pair numbers as columns (one list per
+    quantity and feature). Entry i of every column belongs to step_pair[i]: checked against each
+    step's feature means and within-group covariance with the advantage, computed here from the
+    record with numpy."""
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+
+    path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
+    books = {b["id"]: b["data"] for b in json.loads(path.read_text())["books"]}
+    effect, cause = books["effect"]["rows"], books["cause"]["rows"]
+    run = open_run(LONG)
+    table = run.read_rollouts(["completion", "advantage", "group_id"])
+    f = SurfaceFeatures()
+    z = f.compute(table)
+    step = table.column("step").to_numpy()
+    a = table.column("advantage").to_numpy()
+    groups = np.array(table.column("group_id").to_pylist(), dtype=object)
+    mean = {s: z[step == s].mean(axis=0) for s in np.unique(step).tolist()}
+    n = len(effect["step_pair"])
+    assert n == 199 and [tuple(p) for p in effect["step_pair"]] == [(t, t + 1) for t in range(199)]
+    assert cause["step_pair"] == effect["step_pair"]
+    for j, name in enumerate(f.names):
+        for col in ("delta_z", "se", "t", "p", "moved"):
+            assert len(effect[col][name]) == n
+        assert len(cause["selection"][name]) == len(cause["se"][name]) == n
+        want = [mean[t1][j] - mean[t0][j] for t0, t1 in effect["step_pair"]]
+        assert effect["delta_z"][name] == pytest.approx(want, rel=1e-9, abs=1e-12)
+    for i in (0, 57, 198):  # s_t = mean over the step's rollouts of (z - group mean)(A - group mean)
+        t0 = effect["step_pair"][i][0]
+        rows = step == t0
+        zc, ac = z[rows].copy(), a[rows].copy()
+        for g in set(groups[rows]):
+            m = groups[rows] == g
+            zc[m] -= zc[m].mean(axis=0)
+            ac[m] -= ac[m].mean()
+        s = (zc * ac[:, None]).mean(axis=0)
+        got = [cause["selection"][name][i] for name in f.names]
+        assert got == pytest.approx(s.tolist(), rel=1e-9, abs=1e-12)
+    for key in ("cosine", "kl_quad", "kl_along", "kl_collateral", "resolved"):
+        assert len(cause[key]) == n

@@ -47,9 +47,10 @@ def test_effect_moves_what_drifts_and_not_what_does_not():
     assert drift["bought"].drift == pytest.approx(3.3, abs=4 * drift["bought"].se)
     assert sec.first_steps == [0] and sec.last_steps == [11]
     # per step pair the t of a 0.3 drift with 128 rollouts a step (SE ~ 0.125) is about 2.4
-    t = np.array([r.t["collateral"] for r in sec.rows])
+    t = np.array(sec.rows.t["collateral"])
+    assert len(t) == len(sec.rows.step_pair) == 11
     assert 1.2 < t.mean() < 3.6
-    assert all(abs(r.t["neither"]) < 6 for r in sec.rows)
+    assert all(abs(x) < 6 for x in sec.rows.t["neither"])
 
 
 def test_selection_differential_by_hand():
@@ -71,10 +72,13 @@ def test_cause_selects_what_the_advantage_depends_on():
     assert not sel["collateral"].selected and not sel["neither"].selected
     # Cov(z_j, A) within groups: Var(z_j) (per-1)/per for the two that enter A, 0 otherwise
     expected = 7 / 8
-    for row in sec.rows:
-        assert row.selection["bought"] == pytest.approx(expected, abs=0.35)
-        assert row.kl_along + row.kl_collateral == pytest.approx(row.kl_quad)
-        assert 0 <= row.kl_along <= row.kl_quad + 1e-12
+    rows = sec.rows
+    assert len(rows.step_pair) == len(rows.kl_quad) == 11
+    for sel_bought, along, collateral, quad in zip(rows.selection["bought"], rows.kl_along, rows.kl_collateral,
+                                                  rows.kl_quad):
+        assert sel_bought == pytest.approx(expected, abs=0.35)
+        assert along + collateral == pytest.approx(quad)
+        assert 0 <= along <= quad + 1e-12
 
 
 def test_cosine_is_one_for_an_exact_tilt():
@@ -94,9 +98,10 @@ def test_cosine_is_one_for_an_exact_tilt():
     idx = rng.choice(n, size=n, p=w / w.sum())  # a sample of the tilted policy
     post = StepSample(1, names, z[idx], advantages=a[idx], groups=groups)
     sec = cause_series(ledger_series([pre, post]), [pre, post], metric_g([pre, post], method="covariance_bound"))
-    (row,) = sec.rows
-    assert row.cosine > 0.97
-    assert row.kl_collateral < 0.06 * row.kl_quad
+    assert sec.rows.step_pair == [(0, 1)]
+    ((cosine,), (collateral,), (quad,)) = sec.rows.cosine, sec.rows.kl_collateral, sec.rows.kl_quad
+    assert cosine > 0.97
+    assert collateral < 0.06 * quad
 
 
 def test_price_by_hand_and_the_frontier_form():
