@@ -331,16 +331,16 @@ def test_the_browser_keeps_the_first_rollouts_of_each_chosen_step_in_record_orde
     assert [(r.step, r.completion[:build.BROWSER_TEXT_MAX]) for r in rows] == want and len(want) == 7 * 4
 
 
-def test_effect_and_cause_rows_are_columns_aligned_with_their_step_pairs():
-    """report.json keeps the effect and cause books' per-step-pair numbers as columns (one list per
-    quantity and feature). Entry i of every column belongs to step_pair[i]: checked against each
-    step's feature means and within-group covariance with the advantage, computed here from the
-    record with numpy."""
+def test_per_step_numbers_are_columns_aligned_with_their_steps():
+    """report.json keeps the effect and cause books' per-step-pair numbers and the cost book's
+    feature means as columns (one list per quantity and feature). Entry i of every column belongs
+    to step_pair[i] (or step[i]): checked against each step's feature means and within-group
+    covariance with the advantage, computed here from the record with numpy."""
     from reward_lens.measure.ledger.features import SurfaceFeatures
 
     path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
     books = {b["id"]: b["data"] for b in json.loads(path.read_text())["books"]}
-    effect, cause = books["effect"]["rows"], books["cause"]["rows"]
+    effect, cause, means = books["effect"]["rows"], books["cause"]["rows"], books["cost"]["feature_means"]
     run = open_run(LONG)
     table = run.read_rollouts(["completion", "advantage", "group_id"])
     f = SurfaceFeatures()
@@ -371,3 +371,8 @@ def test_effect_and_cause_rows_are_columns_aligned_with_their_step_pairs():
         assert got == pytest.approx(s.tolist(), rel=1e-9, abs=1e-12)
     for key in ("cosine", "kl_quad", "kl_along", "kl_collateral", "resolved"):
         assert len(cause[key]) == n
+    assert means["step"] == sorted(mean) and means["n"] == [int((step == s).sum()) for s in means["step"]]
+    for j, name in enumerate(f.names):
+        assert means["mean"][name] == pytest.approx([mean[s][j] for s in means["step"]], rel=1e-9, abs=1e-12)
+        se = [z[step == s, j].std(ddof=1) / np.sqrt((step == s).sum()) for s in means["step"]]
+        assert means["se"][name] == pytest.approx(se, rel=1e-6, abs=1e-12)

@@ -73,10 +73,13 @@ class EfficiencyOut(_M):
 
 
 class FeatureMeans(_M):
-    step: int
-    n: int
-    mean: list[float]
-    se: list[float]
+    """Each step's feature means and their standard errors, as columns: entry i of every list
+    belongs to ``step[i]`` (one list per feature, not one object per step)."""
+
+    step: list[int]
+    n: list[int] = Field(description="rollouts of the step")
+    mean: dict[str, list[float]] = Field(description="by feature, in the feature's unit")
+    se: dict[str, list[float]] = Field(description="by feature: the standard error of the step's mean")
 
 
 class CostSection(_M):
@@ -84,7 +87,7 @@ class CostSection(_M):
     metric: MetricOut
     kl_min: list[KlMinOut]
     efficiency: list[EfficiencyOut]
-    feature_means: list[FeatureMeans]
+    feature_means: FeatureMeans
     summary: dict[str, float | int | str | list[float] | None] = Field(description=(
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
         "rows_nothing_priced, eta_median (debiased, resolved rows only; null when none), eta_interval ([lo, hi] or "
@@ -137,14 +140,16 @@ def cost_figures(c: CostSection) -> list[FigureOut]:
                            style="points", color="#1f7a4d"),
                     Series(label="unresolved", x=[a for a, k in zip(x, res) if not k],
                            y=[b for b, k in zip(y, res) if not k], style="hollow", color="#8a8a8a")])]))
-    if c.feature_means:
-        steps = [float(m.step) for m in c.feature_means]
-        mean = np.array([m.mean for m in c.feature_means])
-        se = np.array([m.se for m in c.feature_means])
-        panels = [Panel(title=f"{f.name} ({f.unit})", y_label=f.unit, series=[
-            Series(x=steps, y=(mean[:, j] - se[:, j]).tolist(), lo=(mean[:, j] - se[:, j]).tolist(),
-                   hi=(mean[:, j] + se[:, j]).tolist(), style="band", color="#9bbce0"),
-            Series(x=steps, y=mean[:, j].tolist(), color="#1f5fa8")]) for j, f in enumerate(c.features)]
+    if c.feature_means.step:
+        fm = c.feature_means
+        steps = [float(s) for s in fm.step]
+        panels = []
+        for f in c.features:
+            mean, se = np.array(fm.mean[f.name]), np.array(fm.se[f.name])
+            panels.append(Panel(title=f"{f.name} ({f.unit})", y_label=f.unit, series=[
+                Series(x=steps, y=(mean - se).tolist(), lo=(mean - se).tolist(), hi=(mean + se).tolist(), style="band",
+                       color="#9bbce0"),
+                Series(x=steps, y=mean.tolist(), color="#1f5fa8")]))
         figs.append(FigureOut(id="means", x_label="step (mean ± one standard error)", columns=3, panels=panels,
                               caption="Feature means per step, ± one standard error, in each feature's unit."))
     return figs
@@ -183,8 +188,9 @@ def cost_section(ctx: RunContext) -> BookResult:
     ns = np.array([s.n for s in samples], dtype=float)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
         se = np.where(ns > 1, np.sqrt(squares / (ns - 1) / ns), 0.0)
-    means = [FeatureMeans(step=s.step, n=s.n, mean=m, se=e)
-             for s, m, e in zip(samples, (sums / ns).tolist(), se.tolist())]
+    means = FeatureMeans(step=[s.step for s in samples], n=[s.n for s in samples],
+                         mean=dict(zip(samples[0].names, (sums / ns).T.tolist())),
+                         se=dict(zip(samples[0].names, se.T.tolist())))
     totals = {a: sum(r.shares.get(a, 0.0) for r in formed) for a in g.names}
     counts = book.counts()
     counts["refused"] += sum(len(r.subject.step_pairs) for r in extra)
