@@ -40,23 +40,30 @@ def md_cell(text: str, limit: int = 80) -> str:
 
 
 def fmt(x, digits: int = 4) -> str:
-    if x is None:
-        return "—"
-    if isinstance(x, bool):
-        return "yes" if x else "no"
-    if isinstance(x, int):
-        return str(x)
+    if x.__class__ is not float:  # floats are nearly every call: they skip these tests
+        if x is None:
+            return "—"
+        if isinstance(x, bool):
+            return "yes" if x else "no"
+        if isinstance(x, int):
+            return str(x)
     if x == 0:
         return "0"
     ax = abs(x)
     return f"{x:.{digits - 1}e}" if ax < 1e-3 or ax >= 1e5 else f"{x:.{digits}g}"
 
 
+def md_cells(values: dict, names: list[str], digits: int = 3) -> str:
+    """`` v |`` for each of ``names`` (``fmt`` of ``values.get(name)``): the tail of a Markdown
+    table row, one filter call per row instead of one lookup and one ``fmt`` per cell."""
+    return "".join(f" {fmt(values.get(n), digits)} |" for n in names)
+
+
 @lru_cache(maxsize=None)
 def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters.update(md_cell=md_cell, fmt=fmt, prose_md=markdown_view, visible=visible,
+    env.filters.update(md_cell=md_cell, fmt=fmt, md_cells=md_cells, prose_md=markdown_view, visible=visible,
                        prose_html=lambda t: Markup(html_view(t)), first_sentence=first_sentence,
                        rest_after_first=lambda t: t[len(first_sentence(t)):].strip())
     return env
