@@ -9,6 +9,7 @@ text that came from a record can never become markup.
 from __future__ import annotations
 
 import html
+import os
 import re
 import textwrap
 from functools import lru_cache
@@ -21,9 +22,45 @@ from reward_lens_spec.errors import SpecError
 from reward_lens_spec.paths import templates_dir
 
 
+class _CompiledTemplates(jinja2.FileSystemBytecodeCache):
+    """Jinja's own cache of compiled templates (a per-user directory under the system temp
+    directory, created 0700 and checked to be this user's by Jinja; entries keyed by the
+    template's path and checked against its source's hash, written by rename). ``tag`` keeps
+    environments whose options change the compiled code apart (autoescape, whitespace
+    control), and the Jinja version keeps releases apart. A cache that cannot be read or
+    written is passed over: it only saves compiling (about 0.2 s a report)."""
+
+    def __init__(self, tag: str):
+        super().__init__(pattern=f"__reward_lens_{tag}_{jinja2.__version__}_%s.cache")
+
+    def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        try:
+            super().load_bytecode(bucket)
+        except Exception:  # unreadable or cut short (Jinja reads its header with pickle): compile instead
+            bucket.reset()
+
+    def dump_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
+        try:
+            super().dump_bytecode(bucket)
+        except OSError:
+            pass
+
+
+def compiled_templates(tag: str) -> jinja2.BytecodeCache | None:
+    """The bytecode cache for an environment (None when REWARD_LENS_TEMPLATE_CACHE=0, or when
+    no safe per-user directory can be made)."""
+    if os.environ.get("REWARD_LENS_TEMPLATE_CACHE", "1") == "0":
+        return None
+    try:
+        return _CompiledTemplates(tag)
+    except (OSError, RuntimeError):
+        return None
+
+
 @lru_cache(maxsize=None)
 def _env(root: str) -> jinja2.Environment:
     env = jinja2.Environment(
+        bytecode_cache=compiled_templates("prose"),
         loader=jinja2.FileSystemLoader(root),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from reward_lens.report.model import Report
 from reward_lens_spec.paths import templates_dir
-from reward_lens_spec.render import first_sentence, html_view, markdown_view
+from reward_lens_spec.render import compiled_templates, first_sentence, html_view, markdown_view
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
@@ -62,6 +62,7 @@ def md_cells(values: dict, names: list[str], digits: int = 3) -> str:
 @lru_cache(maxsize=None)
 def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
+                             bytecode_cache=compiled_templates("html" if autoescape else "text"),
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters.update(md_cell=md_cell, fmt=fmt, md_cells=md_cells, prose_md=markdown_view, visible=visible,
                        prose_html=lambda t: Markup(html_view(t)), first_sentence=first_sentence,

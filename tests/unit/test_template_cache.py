@@ -1,0 +1,85 @@
+"""The compiled-template cache (Jinja's FileSystemBytecodeCache): it must never change what a
+template renders. Each test points the cache at its own directory through the same class the
+package uses."""
+
+from __future__ import annotations
+
+import os
+
+import jinja2
+
+from reward_lens_spec import render as spec_render
+
+
+def _env(root, cache_dir, tag, autoescape):
+    cache = spec_render._CompiledTemplates(tag)
+    cache.directory = str(cache_dir)
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(root)), bytecode_cache=cache, autoescape=autoescape)
+
+
+def test_a_template_compiled_with_autoescape_is_never_served_without_it(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.j2").write_text("{{ v }}")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    assert _env(tmp_path / "t", cache, "html", True).get_template("x.j2").render(v="<b>") == "&lt;b&gt;"
+    assert len(os.listdir(cache)) == 1  # it was cached
+    # the same template, the same cache directory, another environment: compiled again, not loaded
+    assert _env(tmp_path / "t", cache, "text", False).get_template("x.j2").render(v="<b>") == "<b>"
+    assert len(os.listdir(cache)) == 2
+    # and a fresh html environment loads the cached code, which still escapes
+    assert _env(tmp_path / "t", cache, "html", True).get_template("x.j2").render(v="<b>") == "&lt;b&gt;"
+
+
+def test_an_edited_template_is_compiled_again(tmp_path):
+    (tmp_path / "t").mkdir()
+    src = tmp_path / "t" / "x.j2"
+    src.write_text("one {{ v }}")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    assert _env(tmp_path / "t", cache, "text", False).get_template("x.j2").render(v=1) == "one 1"
+    src.write_text("two {{ v }}")
+    assert _env(tmp_path / "t", cache, "text", False).get_template("x.j2").render(v=1) == "two 1"
+
+
+def test_a_cache_that_cannot_be_written_is_passed_over(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.j2").write_text("{{ v }}")
+    not_a_dir = tmp_path / "cache"
+    not_a_dir.write_text("a file where the cache directory should be")  # even root cannot write in it
+    assert _env(tmp_path / "t", not_a_dir, "text", False).get_template("x.j2").render(v=3) == "3"
+    assert not_a_dir.read_text() == "a file where the cache directory should be"
+
+
+def test_a_missing_cache_directory_is_passed_over(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.j2").write_text("{{ v }}")
+    assert _env(tmp_path / "t", tmp_path / "nowhere", "text", False).get_template("x.j2").render(v=4) == "4"
+
+
+def test_a_corrupt_cache_entry_is_compiled_again(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "x.j2").write_text("{{ v }}!")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    _env(tmp_path / "t", cache, "text", False).get_template("x.j2")
+    (entry,) = cache.iterdir()
+    entry.write_bytes(entry.read_bytes()[:40])  # magic and checksum intact, code cut short
+    assert _env(tmp_path / "t", cache, "text", False).get_template("x.j2").render(v=5) == "5!"
+
+
+def test_the_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("REWARD_LENS_TEMPLATE_CACHE", "0")
+    assert spec_render.compiled_templates("text") is None
+    monkeypatch.setenv("REWARD_LENS_TEMPLATE_CACHE", "1")
+    assert isinstance(spec_render.compiled_templates("text"), jinja2.FileSystemBytecodeCache)
+
+
+def test_the_package_environments_never_share_compiled_code():
+    from reward_lens.report.render import environment
+    from reward_lens_spec.paths import templates_dir
+
+    root = str(templates_dir())
+    envs = [environment(root, True), environment(root, False), spec_render._env(root)]
+    patterns = [e.bytecode_cache.pattern for e in envs if e.bytecode_cache is not None]
+    assert len(set(patterns)) == len(patterns) == 3
