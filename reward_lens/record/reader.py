@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 import pyarrow as pa
@@ -215,13 +216,18 @@ class Run:
     def steps(self) -> np.ndarray:
         return self.telemetry.column("step").to_numpy()
 
-    def telemetry_column(self, field: str) -> dict[int, float | str]:
-        """``{step: value}`` for the steps where ``field`` is present (absent steps are left out)."""
-        if field not in self.telemetry.column_names:
-            return {}
-        steps = self.steps
-        values = self.telemetry.column(field).to_pylist()
-        return {int(s): v for s, v in zip(steps, values) if v is not None}
+    def telemetry_column(self, field: str) -> Mapping[int, float | str]:
+        """``{step: value}`` for the steps where ``field`` is present (absent steps are left out).
+        Read once per field and shared, read-only: a caller may look up one step per row."""
+        cache = self.__dict__.setdefault("_telemetry_columns", {})
+        if field not in cache:
+            if field not in self.telemetry.column_names:
+                cache[field] = MappingProxyType({})
+            else:
+                values = self.telemetry.column(field).to_pylist()
+                cache[field] = MappingProxyType({int(s): v for s, v in zip(self.steps.tolist(), values)
+                                                 if v is not None})
+        return cache[field]
 
     def _validate_telemetry(self) -> None:
         path = self.path / self.telemetry_name
