@@ -71,17 +71,18 @@ class EffectSection(_M):
 
 def _unit_means(samples: Sequence[StepSample]) -> np.ndarray:
     """The independent units of a set of steps: prompt-group means where groups exist (each
-    step's groups are its own), rollouts otherwise."""
-    units = []
+    step's groups are its own), rollouts otherwise; in step order, each step's groups in code
+    order. One bincount per feature over ids numbered across the steps (the same sums, in the
+    same order, as one per step)."""
+    ids, offset = [], 0
     for s in samples:
-        if s.groups is not None:
-            codes, g = sample_codes(s)
-            size = np.bincount(codes, minlength=g).astype(float)
-            sums = np.stack([np.bincount(codes, weights=s.z[:, j], minlength=g) for j in range(s.z.shape[1])], 1)
-            units.append(sums / size[:, None])
-        else:
-            units.append(s.z)
-    return np.vstack(units)
+        codes, g = sample_codes(s) if s.groups is not None else (np.arange(s.n), s.n)
+        ids.append(codes + offset)
+        offset += g
+    uid = np.concatenate(ids)
+    z = np.concatenate([s.z for s in samples])
+    size = np.bincount(uid, minlength=offset).astype(float)
+    return np.stack([np.bincount(uid, weights=z[:, j], minlength=offset) for j in range(z.shape[1])], 1) / size[:, None]
 
 
 def drift(samples: Sequence[StepSample], names: Sequence[str], units: dict[str, str]) -> tuple[list[DriftOut], list[int], list[int]]:
