@@ -121,6 +121,20 @@ def _active_set(c: np.ndarray, mean: np.ndarray, names: tuple[str, ...]) -> tupl
     return tuple(names[i] for i in keep), excluded
 
 
+def _cholesky_diagonals(mats: np.ndarray) -> np.ndarray:
+    """The diagonals of the Cholesky factors of a stack of matrices (W, k, k), NaN for a matrix
+    that is not positive definite. numpy refuses the whole stack for one such matrix, so a
+    refused stack is halved until the refusals are isolated: a few more batched calls, not one
+    call per matrix."""
+    try:
+        return np.diagonal(np.linalg.cholesky(mats), axis1=1, axis2=2)
+    except np.linalg.LinAlgError:
+        if len(mats) == 1:
+            return np.full((1, mats.shape[-1]), np.nan)
+        half = len(mats) // 2
+        return np.concatenate([_cholesky_diagonals(mats[:half]), _cholesky_diagonals(mats[half:])])
+
+
 def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
     """``_active_set`` for a stack of covariances (W, k, k) at once, with the same result.
 
@@ -150,11 +164,8 @@ def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
         ok = np.ones(len(rest), dtype=bool)
         sdr = np.where(sd[rest] > 0, sd[rest], 1.0)  # constant features are not used below
         corr = cs[rest] / (sdr[:, :, None] * sdr[:, None, :])
-        try:
-            diag = np.diagonal(np.linalg.cholesky(corr[:, keep][:, :, keep]), axis1=1, axis2=2) ** 2
-            ok &= (diag >= COLLINEAR_TOL).all(axis=1)
-        except np.linalg.LinAlgError:
-            continue
+        diag = _cholesky_diagonals(corr[:, keep][:, :, keep]) ** 2
+        ok &= (diag >= COLLINEAR_TOL).all(axis=1)  # NaN (not positive definite) fails
         reasons: dict[str, np.ndarray] = {}
         for name, why in excluded.items():
             if not why.startswith("collinear"):
