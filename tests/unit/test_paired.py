@@ -64,6 +64,54 @@ def test_i_projection_matches_an_independent_primal_solver(seed):
     assert proj.d_hat[0] == pytest.approx(d_hat, rel=1e-12)
 
 
+def test_i_projections_solves_many_samples_in_one_batch_each_as_the_primal_solver_does(monkeypatch):
+    """Five samples of one group layout, solved together (and again split over batches of two
+    samples), each against the independent primal solver; the jackknife replicates too."""
+    from reward_lens.measure.efficiency import iproj
+
+    rng = np.random.default_rng(11)
+    n_groups, m, k = 4, 5, 2
+    codes = np.repeat(np.arange(n_groups), m)
+    z = rng.normal(size=(5, n_groups * m, k)) * np.array([1.0, 30.0])
+    r = 0.3 * rng.normal(size=(5, n_groups * m)) + 0.05 * z[:, :, 0]
+    weights = np.vstack([np.ones((1, n_groups)), 1.0 - np.eye(n_groups)])
+    together = iproj.i_projections(z, r, codes, n_groups, weights)
+    monkeypatch.setattr(iproj, "BATCH_FLOATS", 2 * len(weights) * n_groups * m * k)  # two samples a batch
+    split = iproj.i_projections(z, r, codes, n_groups, weights)
+    for p in range(5):
+        for b, w in enumerate(weights):
+            keep = np.repeat(w > 0, m)  # a jackknife replicate: the sample without one group
+            kl, d_hat = _primal(z[p][keep], r[p][keep], np.repeat(np.arange(int(w.sum())), m), int(w.sum()))
+            assert together[p].kl_min[b] == pytest.approx(kl, rel=1e-5, abs=1e-9)
+            assert together[p].d_hat[b] == pytest.approx(d_hat, rel=1e-12)
+        assert split[p].kl_min == pytest.approx(together[p].kl_min, rel=1e-12)
+    with pytest.raises(ValueError, match="ordered by group"):
+        iproj.i_projections(z, r, codes[::-1], n_groups)
+
+
+def test_newton_stops_once_its_predicted_gain_is_below_the_values_rounding(monkeypatch):
+    """With the gradient tolerance made unreachable, every replicate still stops as converged
+    within a few iterations, at the same value: the predicted gain fell below what a float64
+    evaluation of the dual can see (before this stop, replicates whose gradient rounding
+    stayed above the tolerance ran all MAX_ITER iterations of 40 halvings each)."""
+    from reward_lens.measure.efficiency import iproj
+
+    rng = np.random.default_rng(5)
+    n_groups, m, k = 6, 8, 3
+    codes = np.repeat(np.arange(n_groups), m)
+    z = rng.normal(size=(n_groups * m, k)) * np.array([1.0, 5.0, 200.0])
+    r = 0.2 * rng.normal(size=len(codes)) + 0.03 * z[:, 0]
+    weights = np.vstack([np.ones((1, n_groups)), 1.0 - np.eye(n_groups)])
+    reference = i_projection(z, r, codes, n_groups, weights)
+    monkeypatch.setattr(iproj, "GRAD_TOL", 0.0)
+    monkeypatch.setattr(iproj, "MAX_ITER", 25)
+    proj = i_projection(z, r, codes, n_groups, weights)
+    assert proj.converged.all()
+    assert proj.kl_min == pytest.approx(reference.kl_min, rel=1e-12)
+    kl, _ = _primal(z, r, codes, n_groups)
+    assert proj.kl_min[0] == pytest.approx(kl, rel=1e-5, abs=1e-9)
+
+
 @pytest.mark.slow
 def test_eta_exact_is_in_the_unit_interval_in_ten_thousand_cases_with_heavy_tails():
     """10^4 samples (500 batches of 20, each sample a separate I-projection through its own

@@ -433,6 +433,11 @@ def cost_series(
     heavy: list[dict[str, Any]] = []  # paired step pairs whose weights are too heavy-tailed: one refusal
     meta: dict[tuple[int, int], tuple[KlMinRow, str, dict]] = {}
     nothing: list[CostRow] = []
+    paired_est: dict[tuple[int, int], _eta.EtaEstimate] = {}
+    if kind == "paired":  # every priced pair's I-projection at once, batched where samples share a layout
+        todo = [(lg_by_pair[r.step_pair], g.for_step(r.step_pair[0]).active_index, r.p_value) for r in series.rows
+                if not r.nothing_priced and not lg_by_pair[r.step_pair].pareto_k > lg_by_pair[r.step_pair].pareto_k_max]
+        paired_est = {item[0].step_pair: est for item, est in zip(todo, _eta.paired_estimates(todo))}
     for row in series.rows:
         pair, lg = row.step_pair, lg_by_pair[row.step_pair]
         if kind == "paired":
@@ -455,7 +460,7 @@ def cost_series(
                 heavy.append({"step_pair": list(pair), "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max,
                               "n": lg.n_post})
                 continue
-            est = _eta.paired_estimate(lg, idx, row.p_value)
+            est = paired_est[pair]
             violation = _envelope(row, lg, est.d_t, kl_min=est.kl_min)
         else:
             violation = _envelope(row, lg, d_t)

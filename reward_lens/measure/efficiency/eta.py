@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
 
-from reward_lens.measure.efficiency.iproj import i_projection
+from reward_lens.measure.efficiency.iproj import i_projections
 from reward_lens.measure.ledger.paired import PairedLedger
 from reward_lens.measure.ledger.price import Ledger
 
@@ -133,22 +133,43 @@ def paired_estimate(lg: PairedLedger, active_idx: np.ndarray, p_value: float | N
     """eta on the paired sample; its covariance by the delete-one-group jackknife (groups are
     the independent units; each replicate's null uses its own degrees of freedom).
     ``p_value``: the row's F-test, where the caller has it already (else computed here)."""
-    z = lg.z[:, active_idx]
-    k = len(active_idx)
-    g = lg.n_groups
-    weights = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])
-    proj = i_projection(z, lg.log_ratio, lg.codes, g, weights)
-    d = len(lg.log_ratio) - g
-    p = p_value if p_value is not None else within_group_r2_test(z, lg.log_ratio, lg.codes, g)[1]
-    sizes = np.bincount(lg.codes, minlength=g)
-    dofs = np.concatenate([[d], d - (sizes - 1)])  # deleting group j removes m_j rollouts and 1 group mean
-    nu = np.where(dofs > 0, k / np.maximum(dofs, 1), 1.0)
-    theta = np.stack([proj.kl_min, proj.d_hat, nu * proj.d_hat], axis=1)  # (1 + G, 3)
-    jk = theta[1:]
-    cov = (g - 1) / g * (jk - jk.mean(axis=0)).T @ (jk - jk.mean(axis=0))
-    return EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=float(theta[0, 0]), d_t=float(theta[0, 1]),
-                       null_kl=float(theta[0, 2]), p_value=p, cov=cov, dof=g - 1,
-                       converged=bool(proj.converged.all()), steps=lg.step_pair[1] - lg.step_pair[0])
+    return paired_estimates([(lg, active_idx, p_value)])[0]
+
+
+def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray, float | None]]) -> list[EtaEstimate]:
+    """``paired_estimate`` of many step pairs: those whose samples share a group layout and an
+    active set are projected in one batch (``i_projections``), the same numbers to rounding."""
+    out: list[EtaEstimate | None] = [None] * len(items)
+    batches: dict[tuple, list[int]] = {}
+    orders = []
+    for q, (lg, idx, _) in enumerate(items):
+        order = np.argsort(lg.codes, kind="stable")  # groups contiguous, as i_projections needs
+        orders.append(order)
+        key = (lg.n_groups, np.asarray(lg.codes)[order].tobytes(), tuple(np.asarray(idx).tolist()))
+        batches.setdefault(key, []).append(q)
+    for (g, _, idx), members in batches.items():
+        idx = np.array(idx, dtype=int)
+        lg0 = items[members[0]][0]
+        codes = np.asarray(lg0.codes)[orders[members[0]]]
+        weights = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])
+        z = np.stack([items[q][0].z[orders[q]][:, idx] for q in members])
+        r = np.stack([np.asarray(items[q][0].log_ratio, dtype=np.float64)[orders[q]] for q in members])
+        projs = i_projections(z, r, codes, g, weights)
+        k = len(idx)
+        d = len(codes) - g
+        sizes = np.bincount(codes, minlength=g)
+        dofs = np.concatenate([[d], d - (sizes - 1)])  # deleting group j removes m_j rollouts and 1 group mean
+        nu = np.where(dofs > 0, k / np.maximum(dofs, 1), 1.0)
+        for q, proj in zip(members, projs):
+            lg, _, p_value = items[q]
+            p = p_value if p_value is not None else within_group_r2_test(lg.z[:, idx], lg.log_ratio, lg.codes, g)[1]
+            theta = np.stack([proj.kl_min, proj.d_hat, nu * proj.d_hat], axis=1)  # (1 + G, 3)
+            jk = theta[1:]
+            cov = (g - 1) / g * (jk - jk.mean(axis=0)).T @ (jk - jk.mean(axis=0))
+            out[q] = EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=float(theta[0, 0]),
+                                 d_t=float(theta[0, 1]), null_kl=float(theta[0, 2]), p_value=p, cov=cov, dof=g - 1,
+                                 converged=bool(proj.converged.all()), steps=lg.step_pair[1] - lg.step_pair[0])
+    return out
 
 
 # Hotelling's test is not formed on a Sigma whose correlation matrix is worse conditioned

@@ -38,6 +38,9 @@ from reward_lens.measure.ledger.paired import group_log_weights
 # Newton stops when the constraint is met to this many within-group standard deviations
 # (the features are standardised first): far below any sampling error of dz.
 GRAD_TOL = 1e-10
+# ... or when Newton predicts less ascent than the dual value's rounding error (its terms are
+# O(1) log-sums, each good to a few ulps): no float64 evaluation could see the gain.
+VALUE_RTOL = 1e-15
 MAX_ITER = 100
 
 
@@ -58,61 +61,113 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
     rollout; ``group_weights`` (B, G): weight of each group in each replicate (a jackknife's
     resampling counts), default one replicate with every group weighted equally.
     """
+    order = np.argsort(codes, kind="stable")  # groups contiguous: segment sums by reduceat
+    z = np.asarray(z, dtype=np.float64)[order]
+    r = np.asarray(log_ratio, dtype=np.float64)[order]
+    return i_projections(z[None], r[None], np.asarray(codes)[order], n_groups, group_weights)[0]
+
+
+# Replicates solved together in one batch of ``i_projections``: the Hessian's deviations hold
+# replicates x n x k floats, so a batch is capped at this many of them (about 32 MiB).
+BATCH_FLOATS = 4_000_000
+
+
+def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_groups: int,
+                  group_weights: np.ndarray | None = None) -> list[Projection]:
+    """``i_projection`` of P samples that share one group layout, solved as one batch (the
+    same damped Newton, each replicate of each sample with its own step and backtracking).
+
+    ``z`` (P, n, k) and ``log_ratio`` (P, n): the samples, rows ordered so that ``codes`` (n,),
+    shared by all of them, is non-decreasing (groups contiguous); ``group_weights`` (B, G) as
+    in ``i_projection``, the same replicates for every sample."""
     z = np.asarray(z, dtype=np.float64)
     r = np.asarray(log_ratio, dtype=np.float64)
-    order = np.argsort(codes, kind="stable")  # groups contiguous: segment sums by reduceat
-    z, r, codes = z[order], r[order], np.asarray(codes)[order]
-    n, k = z.shape
+    codes = np.asarray(codes)
+    if len(codes) and (np.diff(codes) < 0).any():
+        raise ValueError("i_projections needs the rows of every sample ordered by group (codes non-decreasing)")
+    n_pairs, n, k = z.shape
     c = np.ones((1, n_groups)) if group_weights is None else np.asarray(group_weights, dtype=np.float64)
     c = c / c.sum(axis=1, keepdims=True)
     size = np.bincount(codes, minlength=n_groups).astype(np.float64)
     starts = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
     # Standardise by the within-group SD: the I-projection is invariant, Newton is not.
-    zc = z - (np.add.reduceat(z, starts, axis=0) / size[:, None])[codes]
-    sd = np.sqrt((zc ** 2).sum(axis=0) / max(n - n_groups, 1))
-    zs = zc / np.where(sd > 0, sd, 1.0)
-    logp, d_g = group_log_weights(r, codes, n_groups)
-    # The target E_u[z] per group is 0 after centring, so the constraint is mean_g E_q[z] = 0.
-    d_hat = c @ d_g
-    b = c.shape[0]
-    lam = np.zeros((b, k))
+    zc = z - (np.add.reduceat(z, starts, axis=1) / size[:, None])[:, codes]
+    sd = np.sqrt((zc ** 2).sum(axis=1) / max(n - n_groups, 1))  # (P, k)
+    zs = zc / np.where(sd > 0, sd, 1.0)[:, None, :]
+    logps, d_hats = [], []
+    for p in range(n_pairs):
+        logp, d_g = group_log_weights(r[p], codes, n_groups)
+        logps.append(logp)
+        d_hats.append(c @ d_g)
+    logp = np.array(logps).reshape(n_pairs, n)
+    per_batch = max(1, BATCH_FLOATS // max(1, len(c) * n * k))
+    out: list[Projection] = []
+    for lo in range(0, n_pairs, per_batch):
+        hi = min(n_pairs, lo + per_batch)
+        value, converged, lam = _newton(zs[lo:hi], logp[lo:hi], codes, starts, c)
+        b = len(c)
+        out += [Projection(kl_min=np.maximum(value[i * b:(i + 1) * b], 0.0), d_hat=d_hats[lo + i],
+                           converged=converged[i * b:(i + 1) * b], lam=lam[i * b:(i + 1) * b])
+                for i in range(hi - lo)]
+    return out
 
-    def evaluate(lam_, c_):
-        a = logp[None, :] + lam_ @ zs.T  # (B', n)
-        amax = np.maximum.reduceat(a, starts, axis=1)  # (B', G)
+
+def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndarray, c: np.ndarray):
+    """The dual's damped Newton ascent for every replicate of every sample in ``zs`` (P, n, k):
+    replicate j of sample p is row p * B + j (B = len(c)). Returns each row's dual value,
+    whether it converged, and its tilt."""
+    n_pairs, n, k = zs.shape
+    b = len(c)
+    pair = np.repeat(np.arange(n_pairs), b)  # each replicate's sample
+    c_all = np.tile(c, (n_pairs, 1))
+
+    def evaluate(lam_, rows):
+        p_ = pair[rows]
+        a = logp[p_] + np.matmul(zs[p_], lam_[:, :, None])[:, :, 0]  # (R', n)
+        amax = np.maximum.reduceat(a, starts, axis=1)  # (R', G)
         e = np.exp(a - amax[:, codes])
         zg = np.add.reduceat(e, starts, axis=1)
-        value = -(c_ * (amax + np.log(zg))).sum(axis=1)
+        value = -(c_all[rows] * (amax + np.log(zg))).sum(axis=1)
         return value, e / zg[:, codes]  # the dual value, and q: within-group tilted probabilities
 
-    value, q = evaluate(lam, c)
-    converged = np.zeros(b, dtype=bool)
-    live = np.ones(b, dtype=bool)  # replicates still iterating (neither converged nor stalled)
+    rows_all = np.arange(len(pair))
+    lam = np.zeros((len(pair), k))
+    value, q = evaluate(lam, rows_all)
+    converged = np.zeros(len(pair), dtype=bool)
+    live = np.ones(len(pair), dtype=bool)  # replicates still iterating (neither converged nor stalled)
     for _ in range(MAX_ITER):
         i = np.nonzero(live)[0]
         if not len(i):
             break
-        ci, qi = c[i], q[i]
-        mean_g = np.add.reduceat(qi[:, :, None] * zs[None, :, :], starts, axis=1)  # (B', G, k) E_q[z] per group
+        ci, qi, zi = c_all[i], q[i], zs[pair[i]]
+        mean_g = np.add.reduceat(qi[:, :, None] * zi, starts, axis=1)  # (R', G, k) E_q[z] per group
         grad = -np.einsum("bg,bgk->bk", ci, mean_g)
         done = np.abs(grad).max(axis=1, initial=0.0) < GRAD_TOL
         converged[i[done]] = True
         live[i[done]] = False
-        i, ci, qi, grad, mean_g = i[~done], ci[~done], qi[~done], grad[~done], mean_g[~done]
+        i, ci, qi, zi, grad, mean_g = i[~done], ci[~done], qi[~done], zi[~done], grad[~done], mean_g[~done]
         if not len(i):
             break
-        dev = zs[None, :, :] - mean_g[:, codes, :]
-        hess = np.einsum("bn,bnk,bnl->bkl", qi * ci[:, codes], dev, dev) + 1e-12 * np.eye(k)
+        dev = zi - mean_g[:, codes, :]
+        hess = np.matmul(dev.transpose(0, 2, 1), (qi * ci[:, codes])[:, :, None] * dev) + 1e-12 * np.eye(k)
         step = np.linalg.solve(hess, grad[..., None])[..., 0]
+        # Newton's predicted gain (half the squared decrement) below the value's own rounding:
+        # the maximum is reached to float64 precision, and backtracking there only sees noise.
+        flat = 0.5 * np.einsum("bk,bk->b", step, grad) <= VALUE_RTOL * (1.0 + np.abs(value[i]))
+        converged[i[flat]] = True
+        live[i[flat]] = False
+        i, ci, step = i[~flat], ci[~flat], step[~flat]
+        if not len(i):
+            break
         t = np.ones(len(i))
-        new_value, new_q = evaluate(lam[i] + step, ci)
+        new_value, new_q = evaluate(lam[i] + step, i)
         for _ in range(40):  # backtracking: accept only steps that raise the dual value
             ok = np.isfinite(new_value) & (new_value >= value[i])
             if ok.all():
                 break
             t = np.where(ok, t, t / 2)
             bad = ~ok
-            v2, q2 = evaluate(lam[i[bad]] + t[bad, None] * step[bad], ci[bad])
+            v2, q2 = evaluate(lam[i[bad]] + t[bad, None] * step[bad], i[bad])
             new_value[bad], new_q[bad] = v2, q2
         ok = np.isfinite(new_value) & (new_value >= value[i])
         lam[i[ok]] += t[ok, None] * step[ok]
@@ -120,4 +175,4 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
         q[i[ok]] = new_q[ok]
         live[i[~ok]] = False  # no ascent left at float64 precision: the value stands as a lower bound
     # value >= 0 up to rounding (it starts at lambda = 0, where it is -log 1 = 0).
-    return Projection(kl_min=np.maximum(value, 0.0), d_hat=d_hat, converged=converged, lam=lam)
+    return value, converged, lam
