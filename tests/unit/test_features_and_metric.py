@@ -197,3 +197,24 @@ def test_one_singular_window_does_not_send_its_whole_pattern_to_the_sequential_p
     assert got == expected
     assert expected[17][0] == ("a", "b") and "collinear" in expected[17][1]["c"]
     assert len(calls) == 2  # the pattern's first window, and the singular one
+
+
+def test_a_window_singular_among_its_kept_features_is_decided_alone_when_its_pattern_excludes_a_collinear_one():
+    """The pattern's first window excludes c as collinear with (a, b); in one later window a and
+    b are themselves duplicates. That window's check must not reach the batched solve of c on
+    (a, b) (singular: it raised "Singular matrix" out of a 10k-step paired report)."""
+    from reward_lens.measure.efficiency.metric import _active_set, _active_sets
+
+    rng = np.random.default_rng(2)
+    names = ("a", "b", "c")
+    cs, ms = [], []
+    for w in range(12):
+        z = rng.normal(size=(30, 3))
+        if w == 5:
+            z[:, 1] = z[:, 0]
+        z[:, 2] = z[:, 0] - 2 * z[:, 1]
+        cs.append(np.cov(z, rowvar=False))
+        ms.append(z.mean(axis=0))
+    got = _active_sets(np.stack(cs), np.stack(ms), names)
+    assert got == [_active_set(c, m, names) for c, m in zip(cs, ms)]
+    assert got[0][0] == ("a", "b") and got[5][0] == ("a",)

@@ -161,11 +161,14 @@ def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
         keep = [names.index(a) for a in active]
         if not len(rest) or not keep:
             continue
-        ok = np.ones(len(rest), dtype=bool)
         sdr = np.where(sd[rest] > 0, sd[rest], 1.0)  # constant features are not used below
         corr = cs[rest] / (sdr[:, :, None] * sdr[:, None, :])
         diag = _cholesky_diagonals(corr[:, keep][:, :, keep]) ** 2
-        ok &= (diag >= COLLINEAR_TOL).all(axis=1)  # NaN (not positive definite) fails
+        ok = (diag >= COLLINEAR_TOL).all(axis=1)  # NaN (not positive definite) fails
+        # Only windows whose kept features passed go on: every leading block of their kept
+        # correlation is then positive definite, so the solves below cannot be singular.
+        rest, corr = rest[ok], corr[ok]
+        ok = ok[ok]
         reasons: dict[str, np.ndarray] = {}
         for name, why in excluded.items():
             if not why.startswith("collinear"):
