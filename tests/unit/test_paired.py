@@ -301,6 +301,49 @@ def test_pareto_khat_recovers_the_shape_of_a_generalised_pareto_tail():
     assert pareto_khat(rng.normal(scale=0.1, size=4000)) < 0.3
 
 
+def _scalar_khat(log_w):
+    """The one-row k-hat as it was written before the batched fit (Zhang & Stephens 2009 with
+    PSIS's prior), kept here as the reference the batched fit must reproduce."""
+    import math
+
+    lw = np.asarray(log_w, dtype=np.float64)
+    m = int(min(0.2 * lw.size, 3 * math.sqrt(lw.size)))
+    w = np.sort(np.exp(lw - lw.max()))
+    x = w[-m:] - w[-m - 1]
+    if x[-1] <= 0:
+        return float("-inf")
+    grid = 80 + int(math.sqrt(m))
+    quartile = x[int(m / 4 + 0.5) - 1]
+    if quartile <= 0:
+        quartile = x[x > 0].min()
+    b = 1.0 / x[-1] + (1.0 - np.sqrt(grid / (np.arange(1, grid + 1) - 0.5))) / 3.0 / quartile
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.log1p(-b[:, None] * x[None, :]).mean(axis=1)
+        log_lik = m * (np.log(-b / k) - k - 1.0)
+    log_lik = np.where(np.isfinite(log_lik), log_lik, -np.inf)
+    weights = np.exp(log_lik - log_lik.max())
+    b_post = float((b * weights).sum() / weights.sum())
+    return (m * float(np.log1p(-b_post * x).mean()) + 5.0) / (m + 10)
+
+
+def test_pareto_khats_fits_each_row_as_if_alone():
+    """Rows of very different scales, a row with ties at the bottom of its tail and a row with
+    no tail at all, fitted together: each row's k-hat is the one it gets alone (nothing leaks
+    across rows: each row's own maximum, quartile and posterior)."""
+    from reward_lens.measure.ledger.paired import pareto_khat, pareto_khats
+
+    rng = np.random.default_rng(4)
+    rows = [rng.normal(scale=s, size=64) for s in (0.01, 0.5, 3.0)]
+    rows.append(np.concatenate([np.zeros(60), [0.1, 0.2, 0.3, 2.0]]))  # ties below the tail's top
+    rows.append(np.full(64, -1.5))  # every weight equal: no exceedance, k-hat -inf
+    got = pareto_khats(np.stack(rows))
+    alone = [pareto_khat(r) for r in rows]
+    assert got.tolist() == alone
+    np.testing.assert_allclose(got, [_scalar_khat(r) for r in rows], rtol=1e-12, atol=0)
+    assert got[-1] == -np.inf and np.isfinite(got[:-1]).all()
+    assert np.isnan(pareto_khats(rng.normal(size=(3, 20)))).all()  # tail of fewer than 5 points
+
+
 def test_adaptive_windows_merge_until_the_combined_p_value_resolves():
     from reward_lens.measure.efficiency.eta import FDR_Q, fisher_combined
 

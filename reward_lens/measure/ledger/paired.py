@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -79,28 +79,33 @@ def pareto_khat(log_w: np.ndarray) -> float:
     out here because its reference implementations (loo, ArviZ) come with far larger
     dependencies. NaN when the tail has fewer than 5 points (S < 25).
     """
+    return float(pareto_khats(np.asarray(log_w, dtype=np.float64).reshape(1, -1))[0])
+
+
+def pareto_khats(log_w: np.ndarray) -> np.ndarray:
+    """``pareto_khat`` of each row of ``log_w`` (P, S), in one batched pass."""
     lw = np.asarray(log_w, dtype=np.float64)
-    s = lw.size
+    n_rows, s = lw.shape
     m = int(min(0.2 * s, 3 * math.sqrt(s)))
     if m < 5:
-        return float("nan")
-    w = np.sort(np.exp(lw - lw.max()))
-    x = w[-m:] - w[-m - 1]  # exceedances, ascending
-    if x[-1] <= 0:
-        return float("-inf")
+        return np.full(n_rows, np.nan)
+    w = np.sort(np.exp(lw - lw.max(axis=1, keepdims=True)), axis=1)
+    x = w[:, -m:] - w[:, -m - 1:-m]  # exceedances, ascending
+    flat = x[:, -1] <= 0  # no tail at all: k-hat -inf
+    x = np.where(flat[:, None], 1.0, x)  # (placeholder rows, overwritten below)
     grid = 80 + int(math.sqrt(m))
-    quartile = x[int(m / 4 + 0.5) - 1]
-    if quartile <= 0:  # ties at the bottom of the tail (identical completions): the smallest positive gap
-        quartile = x[x > 0].min()
-    b = 1.0 / x[-1] + (1.0 - np.sqrt(grid / (np.arange(1, grid + 1) - 0.5))) / 3.0 / quartile
+    quartile = x[:, int(m / 4 + 0.5) - 1]
+    # ties at the bottom of the tail (identical completions): the smallest positive gap
+    quartile = np.where(quartile > 0, quartile, np.where(x > 0, x, np.inf).min(axis=1))
+    b = 1.0 / x[:, -1:] + (1.0 - np.sqrt(grid / (np.arange(1, grid + 1) - 0.5)))[None, :] / 3.0 / quartile[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        k = np.log1p(-b[:, None] * x[None, :]).mean(axis=1)  # profile estimate of the shape at each b
+        k = np.log1p(-b[:, :, None] * x[:, None, :]).mean(axis=2)  # profile estimate of the shape at each b
         log_lik = m * (np.log(-b / k) - k - 1.0)
     log_lik = np.where(np.isfinite(log_lik), log_lik, -np.inf)
-    weights = np.exp(log_lik - log_lik.max())
-    b_post = float((b * weights).sum() / weights.sum())
-    shape = float(np.log1p(-b_post * x).mean())
-    return (m * shape + 10 * 0.5) / (m + 10)
+    weights = np.exp(log_lik - log_lik.max(axis=1, keepdims=True))
+    b_post = (b * weights).sum(axis=1) / weights.sum(axis=1)
+    shape = np.log1p(-b_post[:, None] * x).mean(axis=1)
+    return np.where(flat, -np.inf, (m * shape + 10 * 0.5) / (m + 10))
 
 
 def has_paired_sample(s: StepSample) -> bool:
@@ -130,9 +135,11 @@ def previous_step(sample: StepSample) -> int | NotFormed:
     return int(prev[0])
 
 
-def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> PairedLedger | NotFormed:
+def paired_ledger(sample: StepSample, learning_rate: float | None = None, *, khat: bool = True
+                  ) -> PairedLedger | NotFormed:
     """The paired ledger of the step pair (previous step, sample.step) -- (t-1, t), or a
-    generation window (t-R, t) -- or why it cannot be formed."""
+    generation window (t-R, t) -- or why it cannot be formed. ``khat=False`` leaves
+    ``pareto_k`` NaN for the caller to fill (``paired_ledger_series`` fits them batched)."""
     if not has_paired_sample(sample):
         return NotFormed("no_logp_prev", sample.step)
     prev = previous_step(sample)
@@ -164,7 +171,7 @@ def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> Pai
         step_pair=(prev, sample.step), names=sample.names, delta_z=dz,
         se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov, n_pre=n, n_post=n,
         learning_rate=learning_rate, kind="paired", z=z, codes=codes, n_groups=n_groups, log_ratio=r,
-        d_hat=float(d_g.mean()), d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=pareto_khat(-r), pareto_k_max=pareto_threshold(n),
+        d_hat=float(d_g.mean()), d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=pareto_khat(-r) if khat else float("nan"), pareto_k_max=pareto_threshold(n),
         dropped_rollouts=int((~keep).sum()),
     )
 
@@ -180,10 +187,17 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
             raise ValueError(f"step {s.step} is in basis {s.names}, not {names}: one feature basis per ledger")
         if s.step == 0:
             continue
-        lg = paired_ledger(s, None if eta_by_step is None else eta_by_step.get(s.step - 1))
+        lg = paired_ledger(s, None if eta_by_step is None else eta_by_step.get(s.step - 1), khat=False)
         if isinstance(lg, NotFormed):
             prev = previous_step(s)
             why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = lg
         else:
             ledgers.append(lg)
+    by_size: dict[int, list[int]] = {}  # k-hat fitted in one pass per sample size
+    for i, lg in enumerate(ledgers):
+        by_size.setdefault(len(lg.log_ratio), []).append(i)
+    for members in by_size.values():
+        ks = pareto_khats(-np.stack([ledgers[i].log_ratio for i in members]))
+        for i, k in zip(members, ks.tolist()):
+            ledgers[i] = replace(ledgers[i], pareto_k=k)
     return ledgers, why
