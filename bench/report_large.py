@@ -15,7 +15,9 @@ temporary directory, then measures in separate processes, each from a cold inter
 Prints wall seconds and peak resident memory of each, and the ratios, for completions of
 two lengths (``--text-scales 1,4``: 8-63 characters, then four times that). The report
 streams the rollouts by row group, so its peak memory should grow far less with the text
-than the baseline's, which holds every completion. Options: ``--steps N --per-step M``.
+than the baseline's, which holds every completion. Options: ``--steps N --per-step M``, and
+``--paired`` (the rollouts carry the log-probabilities the paired ledger prices, as a tapped
+run's do).
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def make_record(path: Path, steps: int, per_step: int, scale: int = 1) -> None:
+def make_record(path: Path, steps: int, per_step: int, scale: int = 1, paired: bool = False) -> None:
+    """``paired``: every rollout also carries log pi_t and log pi_{t-1} (``logp_pre``,
+    ``logp_prev``, as the tap writes them; step 0 has no previous policy), with a log-ratio
+    that depends on the completion's share of lower-case letters, so the paired ledger prices
+    every step pair."""
     import numpy as np
     import pyarrow as pa
 
@@ -58,6 +64,13 @@ def make_record(path: Path, steps: int, per_step: int, scale: int = 1) -> None:
         "reward": pa.array(rng.random(n)),
         "advantage": pa.array(rng.normal(size=n)),
     })
+    if paired:
+        frac_lower = np.array([sum(c.islower() for c in t) / len(t) for t in texts])
+        logp = -rng.gamma(4.0, 12.0, size=n) * scale
+        ratio = 0.02 * (frac_lower - 0.6) + rng.normal(0.0, 0.01, size=n)  # log pi_t - log pi_{t-1}
+        prev = np.where(step == 0, np.nan, logp - ratio)
+        table = table.append_column("logp_pre", pa.array(logp))
+        table = table.append_column("logp_prev", pa.array(prev, mask=step == 0))
     tel = [OptimizerTelemetry(step=s, learning_rate=1e-5, grad_norm_unclipped=1.0) for s in range(steps)]
     write_run(path, framework={"name": "synthetic"}, model={"description": "bench"}, telemetry=tel, rollouts=table)
 
@@ -138,6 +151,7 @@ def main() -> None:
     ap.add_argument("--per-step", type=int, default=64)
     ap.add_argument("--text-scales", default="1,4")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paired", action="store_true", help="rollouts carry logp_pre and logp_prev: the paired ledger")
     a = ap.parse_args()
     imports = measure(IMPORTS)
     print(f"reward-lens imports alone: {imports['seconds']:.2f} s, peak RSS {imports['rss_mib']:.0f} MiB")
@@ -145,7 +159,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             rec = Path(tmp) / "record"
             t = time.perf_counter()
-            make_record(rec, a.steps, a.per_step, scale)
+            make_record(rec, a.steps, a.per_step, scale, paired=a.paired)
             generated = time.perf_counter() - t
             size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
             runs = []
@@ -156,7 +170,7 @@ def main() -> None:
                                     for i in range(4))
             ranges = {i: (min(x[i]["seconds"] for x in runs), max(x[i]["seconds"] for x in runs)) for i in range(4)}
             outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out0").iterdir()}
-        print(f"\ntext x{scale}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
+        print(f"\ntext x{scale}{', paired' if a.paired else ''}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
               f"(generated in {generated:.0f} s)")
         print(f"  medians of {a.repeats} interleaved rounds (range of seconds in brackets)")
         print(f"  pyarrow read of the same columns: {base['seconds']:.2f} s {ranges[0][0]:.2f}-{ranges[0][1]:.2f}, "
