@@ -358,3 +358,33 @@ def test_adaptive_windows_merge_until_the_combined_p_value_resolves():
         members = [e for e in est if w.step_pair[0] <= e.step_pair[0] and e.step_pair[1] <= w.step_pair[1]]
         assert fisher_combined([e.p_value for e in members]) <= FDR_Q
         assert all(fisher_combined([e.p_value for e in members[:i]]) > FDR_Q for i in range(1, len(members)))
+
+
+def test_batched_within_group_f_test_matches_the_dummy_variable_regression():
+    """R^2 within groups is 1 - RSS(r ~ groups + z) / RSS(r ~ groups) (Frisch-Waugh-Lovell): the
+    full regression with one indicator per group, by lstsq, is the independent reference. Samples
+    with a duplicated feature (rank-deficient z) and a constant-within-group r ride in the batch."""
+    from scipy import stats
+
+    from reward_lens.measure.efficiency.eta import within_group_r2_test, within_group_r2_tests
+
+    rng = np.random.default_rng(11)
+    codes = np.repeat(np.arange(6), [3, 5, 4, 6, 2, 4])
+    n, k, g = len(codes), 3, 6
+    z = rng.normal(size=(4, n, k))
+    r = 0.4 * z[:, :, 0] + rng.normal(size=(4, n))
+    z[2, :, 2] = z[2, :, 1]  # rank-deficient: two identical features
+    r[3] = codes * 0.7  # r constant within groups: nothing to explain
+    onehot = np.eye(g)[codes]
+    r2, p, d = within_group_r2_tests(z, r, codes, g)
+    assert d == n - g
+    for i in range(3):
+        rss_g = np.sum((r[i] - onehot @ np.linalg.lstsq(onehot, r[i], rcond=None)[0]) ** 2)
+        full = np.hstack([onehot, z[i]])
+        rss_f = np.sum((r[i] - full @ np.linalg.lstsq(full, r[i], rcond=None)[0]) ** 2)
+        want = 1 - rss_f / rss_g
+        assert r2[i] == pytest.approx(want, rel=1e-10)
+        f = (want / k) / ((1 - want) / (d - k))
+        assert p[i] == pytest.approx(stats.f.sf(f, k, d - k), rel=1e-9)
+        assert (r2[i], p[i]) == pytest.approx(within_group_r2_test(z[i], r[i], codes, g)[:2], rel=1e-12)
+    assert r2[3] == 0.0 and p[3] == 1.0

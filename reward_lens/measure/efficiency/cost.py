@@ -249,12 +249,19 @@ def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
         p_unpaired = _eta.hotelling_p_many(dz[unpaired], cov[unpaired], np.array(units)[unpaired],
                                            np.array([items[q][1].matched for q in unpaired], dtype=bool))
         p_of = dict(zip(unpaired, p_unpaired.tolist()))
+        layouts: dict[tuple[int, bytes], list[int]] = {}  # paired samples that share a group layout: one F-test batch
+        for q, (_, lg, _) in enumerate(items):
+            if q not in p_of:
+                layouts.setdefault((lg.n_groups, np.asarray(lg.codes).tobytes()), []).append(q)
+        for members in layouts.values():
+            lg0 = items[members[0]][1]
+            _, p_paired, _ = _eta.within_group_r2_tests(np.stack([items[q][1].z[:, idx] for q in members]),
+                                                        np.stack([items[q][1].log_ratio for q in members]),
+                                                        lg0.codes, lg0.n_groups)
+            p_of.update(zip(members, p_paired.tolist()))
         inexact = np.abs(shares.sum(axis=1) - kl) > SHARE_SUM_RTOL * np.maximum(kl, 1e-300)
         for q, (p, lg, sub) in enumerate(items):
-            if q in p_of:
-                pvals[p] = p_of[q]
-            else:
-                pvals[p] = _eta.within_group_r2_test(lg.z[:, idx], lg.log_ratio, lg.codes, lg.n_groups)[1]
+            pvals[p] = p_of[q]
             j = int(lead[q]) if kl[q] > 0 else None
             fields[p].update(
                 kl_min=float(kl[q]), shares=dict(zip(active, shares[q].tolist())), noise_floor=float(floor[q]),

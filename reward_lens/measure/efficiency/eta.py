@@ -112,21 +112,37 @@ def _seed(step_pair: tuple[int, int]) -> int:
 
 def within_group_r2_test(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[float, float, int]:
     """R^2 of r on z within groups, its F-test p-value, and the degrees of freedom d = n - G."""
-    onehot = np.zeros((len(r), n_groups))
-    onehot[np.arange(len(r)), codes] = 1.0
+    r2, p, d = within_group_r2_tests(np.asarray(z)[None], np.asarray(r)[None], codes, n_groups)
+    return float(r2[0]), float(p[0]), d
+
+
+def within_group_r2_tests(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_groups: int
+                          ) -> tuple[np.ndarray, np.ndarray, int]:
+    """``within_group_r2_test`` of P samples that share one group layout: z (P, n, k), r (P, n),
+    codes (n,). The least-squares fit by one batched SVD, with ``numpy.linalg.lstsq``'s rank
+    rule (singular values at most eps * max(n, k) * the largest count as zero)."""
+    z = np.asarray(z, dtype=np.float64)
+    r = np.asarray(r, dtype=np.float64)
+    n_pairs, n, k = z.shape
+    onehot = np.zeros((n, n_groups))
+    onehot[np.arange(n), codes] = 1.0
     size = onehot.sum(axis=0)
     zc = z - onehot @ ((onehot.T @ z) / size[:, None])
-    rc = r - onehot @ ((onehot.T @ r) / size)
-    d = len(r) - n_groups
-    k = z.shape[1]
-    tss = float(rc @ rc)
-    if tss <= 0 or d - k < 1:
-        return 0.0, 1.0, d
-    beta, *_ = np.linalg.lstsq(zc, rc, rcond=None)
-    rss = float(((rc - zc @ beta) ** 2).sum())
-    r2 = max(0.0, 1.0 - rss / tss)
-    f = (r2 / k) / max((1.0 - r2) / (d - k), 1e-300)
-    return r2, float(special.fdtrc(k, d - k, f)), d
+    rc = r - ((r @ onehot) / size) @ onehot.T
+    d = n - n_groups
+    tss = np.einsum("pn,pn->p", rc, rc)
+    r2, p = np.zeros(n_pairs), np.ones(n_pairs)
+    ok = tss > 0
+    if d - k < 1 or not ok.any():
+        return r2, p, d
+    u, sv, _ = np.linalg.svd(zc[ok], full_matrices=False)
+    kept = sv > np.finfo(np.float64).eps * max(n, k) * sv[:, :1]
+    coef = np.einsum("pnk,pn->pk", u, rc[ok]) * kept
+    resid = rc[ok] - np.einsum("pnk,pk->pn", u, coef)
+    r2[ok] = np.maximum(0.0, 1.0 - np.einsum("pn,pn->p", resid, resid) / tss[ok])
+    f = (r2[ok] / k) / np.maximum((1.0 - r2[ok]) / (d - k), 1e-300)
+    p[ok] = special.fdtrc(k, d - k, f)
+    return r2, p, d
 
 
 def paired_estimate(lg: PairedLedger, active_idx: np.ndarray, p_value: float | None = None) -> EtaEstimate:
