@@ -388,3 +388,60 @@ def test_batched_within_group_f_test_matches_the_dummy_variable_regression():
         assert p[i] == pytest.approx(stats.f.sf(f, k, d - k), rel=1e-9)
         assert (r2[i], p[i]) == pytest.approx(within_group_r2_test(z[i], r[i], codes, g)[:2], rel=1e-12)
     assert r2[3] == 0.0 and p[3] == 1.0
+
+
+def _ledger_by_loops(s):
+    """One paired ledger by its definitions, group by group in plain loops: groups of one
+    dropped, p_g(i) prop. to pi_t/pi_{t+1}, dz_g = E_u[z] - E_p[z], Sigma = Cov_g(dz_g) / G,
+    D_hat = mean_g (mean r + log mean exp(-r)), D_rb from the token-level KL by group."""
+    labels = list(dict.fromkeys(s.groups.tolist()))
+    kept = [g for g in labels if (s.groups == g).sum() >= 2]
+    dz_g, d_g, kl_g = [], [], []
+    for g in kept:
+        rows = s.groups == g
+        r = s.logp[rows] - s.logp_prev[rows]
+        w = np.exp(-r) / np.exp(-r).sum()
+        dz_g.append(s.z[rows].mean(0) - (w[:, None] * s.z[rows]).sum(0))
+        d_g.append(r.mean() + np.log(np.exp(-r).mean()))
+        if s.kl_prev is not None:
+            kl_g.append(s.kl_prev[rows].mean())
+    dz_g = np.array(dz_g)
+    cov = np.cov(dz_g, rowvar=False, ddof=1) / len(kept)
+    d_rb = (np.mean(kl_g), np.std(kl_g, ddof=1) / np.sqrt(len(kept))) if kl_g else (None, None)
+    return dz_g.mean(0), cov, float(np.mean(d_g)), d_rb
+
+
+def test_a_series_of_many_group_layouts_prices_each_step_as_its_definition_does():
+    """Steps of several group layouts (groups of one dropped, groups interleaved, the token-level
+    KL recorded on some) one after another, plus a step that cannot be formed: priced in batches by layout,
+    each ledger equals the group-by-group definition and keeps its step's place."""
+    from reward_lens.measure.ledger.paired import pareto_khat, paired_ledger_series
+
+    rng = np.random.default_rng(23)
+    samples = [_sample(0, rng)]
+    for step in range(1, 13):
+        s = _sample(step, rng, n_groups=3 + step % 3, m=8 + step % 2)
+        kl = np.abs(rng.normal(size=s.n)) if step % 4 == 0 else None
+        groups = s.groups.copy()
+        if step % 5 == 0:
+            groups[0] = "alone"
+        if step == 8:  # step 2's group sizes, its rows' groups interleaved: another layout
+            groups = rng.permutation(groups)
+        samples.append(StepSample(step, s.names, s.z, groups=groups, logp=s.logp, logp_prev=s.logp_prev,
+                                  kl_prev=kl))
+    samples[7] = StepSample(7, samples[7].names, samples[7].z, groups=samples[7].groups, logp=samples[7].logp)  # unscored
+    ledgers, why = paired_ledger_series(samples)
+    assert [lg.step_pair for lg in ledgers] == [(t - 1, t) for t in range(1, 13) if t != 7]
+    assert list(why) == [(6, 7)] and why[(6, 7)].reason == "no_logp_prev"
+    for lg in ledgers:
+        s = samples[lg.step_pair[1]]
+        dz, cov, d_hat, (d_rb, d_rb_se) = _ledger_by_loops(s)
+        np.testing.assert_allclose(lg.delta_z, dz, rtol=1e-10, atol=1e-15)
+        np.testing.assert_allclose(lg.cov_delta, cov, rtol=1e-9, atol=1e-18)
+        np.testing.assert_allclose(lg.se, np.sqrt(np.diag(cov)), rtol=1e-9)
+        assert lg.d_hat == pytest.approx(d_hat, rel=1e-10)
+        assert lg.dropped_rollouts == (1 if lg.step_pair[1] % 5 == 0 else 0)
+        assert (lg.d_rb is None) == (d_rb is None)
+        if d_rb is not None:
+            assert (lg.d_rb, lg.d_rb_se) == pytest.approx((d_rb, d_rb_se), rel=1e-12)
+        np.testing.assert_array_equal(lg.pareto_k, pareto_khat(-lg.log_ratio))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -135,11 +135,53 @@ def previous_step(sample: StepSample) -> int | NotFormed:
     return int(prev[0])
 
 
-def paired_ledger(sample: StepSample, learning_rate: float | None = None, *, khat: bool = True
-                  ) -> PairedLedger | NotFormed:
+def paired_ledger(sample: StepSample, learning_rate: float | None = None) -> PairedLedger | NotFormed:
     """The paired ledger of the step pair (previous step, sample.step) -- (t-1, t), or a
-    generation window (t-R, t) -- or why it cannot be formed. ``khat=False`` leaves
-    ``pareto_k`` NaN for the caller to fill (``paired_ledger_series`` fits them batched)."""
+    generation window (t-R, t) -- or why it cannot be formed."""
+    prep = _prepare(sample)
+    if isinstance(prep, NotFormed):
+        return prep
+    return _ledgers([(sample, prep, learning_rate)])[0]
+
+
+def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float] | None = None
+                         ) -> tuple[list[PairedLedger], dict[tuple[int, int], NotFormed]]:
+    """Paired ledgers for every step whose rollouts are scored under the previous policy,
+    and, for the step pairs that could not be formed, why. Steps whose kept rollouts share a
+    group layout are priced as one batch (``_ledgers``)."""
+    why = {}
+    names = samples[0].names if samples else ()
+    batches: dict[tuple, list[int]] = {}
+    items = []
+    for s in samples:
+        if s.names != names:
+            raise ValueError(f"step {s.step} is in basis {s.names}, not {names}: one feature basis per ledger")
+        if s.step == 0:
+            continue
+        prep = _prepare(s)
+        if isinstance(prep, NotFormed):
+            prev = previous_step(s)
+            why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = prep
+            continue
+        batches.setdefault((prep.n_groups, prep.codes.tobytes()), []).append(len(items))
+        items.append((s, prep, None if eta_by_step is None else eta_by_step.get(s.step - 1)))
+    ledgers: list[PairedLedger | None] = [None] * len(items)
+    for members in batches.values():
+        for i, lg in zip(members, _ledgers([items[i] for i in members])):
+            ledgers[i] = lg
+    return ledgers, why
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    prev: int
+    keep: np.ndarray  # (n,) rollouts in groups of two or more
+    codes: np.ndarray  # (n_kept,) group codes of the kept rollouts
+    n_groups: int
+
+
+def _prepare(sample: StepSample) -> _Prepared | NotFormed:
+    """The checks and the group layout of one sample, before any arithmetic."""
     if not has_paired_sample(sample):
         return NotFormed("no_logp_prev", sample.step)
     prev = previous_step(sample)
@@ -148,56 +190,49 @@ def paired_ledger(sample: StepSample, learning_rate: float | None = None, *, kha
     codes, n_groups = sample_codes(sample)
     sizes = np.bincount(codes, minlength=n_groups)
     keep = sizes[codes] >= 2
+    if keep.all():
+        if n_groups < 2:
+            return NotFormed("few_groups", sample.step, int((sizes >= 2).sum()))
+        return _Prepared(prev, keep, np.asarray(codes, dtype=np.int64), n_groups)
     if int(np.unique(codes[keep]).size) < 2:
         return NotFormed("few_groups", sample.step, int((sizes >= 2).sum()))
-    z = sample.z[keep]
-    r = (sample.logp - sample.logp_prev)[keep]
     codes, n_groups = group_codes(codes[keep])
-    onehot = np.zeros((len(r), n_groups))
-    onehot[np.arange(len(r)), codes] = 1.0
+    return _Prepared(prev, keep, codes, n_groups)
+
+
+def _ledgers(items: Sequence[tuple[StepSample, _Prepared, float | None]]) -> list[PairedLedger]:
+    """The paired ledgers of samples whose kept rollouts share one group layout, as one batch:
+    every sample's weights, dz by group, its covariance, D_hat and k-hat by stacked arithmetic."""
+    first = items[0][1]
+    codes, n_groups = first.codes, first.n_groups
+    n = len(codes)
+    onehot = np.zeros((n, n_groups))
+    onehot[np.arange(n), codes] = 1.0
     size = onehot.sum(axis=0)
-    logp, d_g = group_log_weights(r, codes, n_groups)
+    z = np.stack([s.z[prep.keep] for s, prep, _ in items])  # (P, n, k)
+    r = np.stack([(s.logp - s.logp_prev)[prep.keep] for s, prep, _ in items])  # (P, n)
+    lw = -r
+    gmax = np.where(onehot.T[None] > 0, lw[:, None, :], -np.inf).max(axis=2)  # (P, G) per-group maximum
+    lse = gmax + np.log(np.exp(lw - gmax[:, codes]) @ onehot)
+    logp = lw - lse[:, codes]  # log p_g(i), as group_log_weights
+    d_g = ((-np.log(size))[codes] - logp) @ onehot / size  # (P, G) KL(u_g || p_g)
     p = np.exp(logp)
-    dz_g = (onehot.T @ z) / size[:, None] - onehot.T @ (p[:, None] * z)  # (G, k)
-    dz = dz_g.mean(axis=0)
-    cov = np.atleast_2d(np.cov(dz_g, rowvar=False, ddof=1)) / n_groups
-    d_rb = d_rb_se = None
-    if sample.kl_prev is not None and np.isfinite(sample.kl_prev).all():
-        per_group = (onehot.T @ sample.kl_prev[keep]) / size
-        d_rb = float(per_group.mean())
-        d_rb_se = float(per_group.std(ddof=1) / math.sqrt(n_groups))
-    n = int(len(r))
-    return PairedLedger(
-        step_pair=(prev, sample.step), names=sample.names, delta_z=dz,
-        se=np.sqrt(np.clip(np.diag(cov), 0, None)), cov_delta=cov, n_pre=n, n_post=n,
-        learning_rate=learning_rate, kind="paired", z=z, codes=codes, n_groups=n_groups, log_ratio=r,
-        d_hat=float(d_g.mean()), d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=pareto_khat(-r) if khat else float("nan"), pareto_k_max=pareto_threshold(n),
-        dropped_rollouts=int((~keep).sum()),
-    )
-
-
-def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float] | None = None
-                         ) -> tuple[list[PairedLedger], dict[tuple[int, int], NotFormed]]:
-    """Paired ledgers for every step whose rollouts are scored under the previous policy,
-    and, for the step pairs that could not be formed, why."""
-    ledgers, why = [], {}
-    names = samples[0].names if samples else ()
-    for s in samples:
-        if s.names != names:
-            raise ValueError(f"step {s.step} is in basis {s.names}, not {names}: one feature basis per ledger")
-        if s.step == 0:
-            continue
-        lg = paired_ledger(s, None if eta_by_step is None else eta_by_step.get(s.step - 1), khat=False)
-        if isinstance(lg, NotFormed):
-            prev = previous_step(s)
-            why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = lg
-        else:
-            ledgers.append(lg)
-    by_size: dict[int, list[int]] = {}  # k-hat fitted in one pass per sample size
-    for i, lg in enumerate(ledgers):
-        by_size.setdefault(len(lg.log_ratio), []).append(i)
-    for members in by_size.values():
-        ks = pareto_khats(-np.stack([ledgers[i].log_ratio for i in members]))
-        for i, k in zip(members, ks.tolist()):
-            ledgers[i] = replace(ledgers[i], pareto_k=k)
-    return ledgers, why
+    dz_g = (onehot.T @ z) / size[:, None] - onehot.T @ (p[:, :, None] * z)  # (P, G, k)
+    dz = dz_g.mean(axis=1)
+    dev = dz_g - dz[:, None, :]
+    cov = np.matmul(dev.transpose(0, 2, 1), dev) / (n_groups - 1) / n_groups  # Cov_g(dz_g) / G
+    khat = pareto_khats(-r)
+    out = []
+    for j, (s, prep, lr) in enumerate(items):
+        d_rb = d_rb_se = None
+        if s.kl_prev is not None and np.isfinite(s.kl_prev).all():
+            per_group = (s.kl_prev[prep.keep] @ onehot) / size
+            d_rb = float(per_group.mean())
+            d_rb_se = float(per_group.std(ddof=1) / math.sqrt(n_groups))
+        out.append(PairedLedger(
+            step_pair=(prep.prev, s.step), names=s.names, delta_z=dz[j],
+            se=np.sqrt(np.clip(np.diag(cov[j]), 0, None)), cov_delta=cov[j], n_pre=n, n_post=n,
+            learning_rate=lr, kind="paired", z=z[j], codes=codes, n_groups=n_groups, log_ratio=r[j],
+            d_hat=float(d_g[j].mean()), d_rb=d_rb, d_rb_se=d_rb_se, pareto_k=float(khat[j]),
+            pareto_k_max=pareto_threshold(n), dropped_rollouts=int(len(prep.keep) - n)))
+    return out
