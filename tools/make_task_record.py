@@ -237,16 +237,17 @@ def cost_table(path: Path = DEST) -> str:
 
     report = build_report(open_run(path), features=load_basis(BASIS))
     (book,) = [b for b in report.books if b.id == "cost"]
-    c = book.typed()
-    resolved = [r for r in c.kl_min if r.resolved]
-    total = sum(r.kl_min for r in resolved)
-    units = {f.name: f.unit for f in c.features}
+    k = book.typed().kl_min  # the rows as columns
+    features = book.typed().features
+    resolved = [i for i, r in enumerate(k.resolved) if r]
+    total = sum(k.kl_min[i] for i in resolved)
+    units = {f.name: f.unit for f in features}
     lines = [f"cost book: {book.headline}", "",
              f"| feature | unit | share of KL_min over the {len(resolved)} resolved step pairs | "
              "step pairs it leads |", "|---|---|---|---|"]
-    for f in c.features:
-        share = sum(r.shares.get(f.name, 0.0) for r in resolved)
-        leads = sum(r.leading_feature == f.name for r in resolved)
+    for f in features:
+        share = sum(k.shares[f.name][i] or 0.0 for i in resolved)
+        leads = sum(k.leading_feature[i] == f.name for i in resolved)
         lines.append(f"| `{f.name}` | {units[f.name]} | {share / total:.0%} | {leads} |" if total > 0 else
                      f"| `{f.name}` | {units[f.name]} | — | {leads} |")
     return "\n".join(lines)

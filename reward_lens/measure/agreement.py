@@ -90,10 +90,11 @@ def agreement_section(ctx: RunContext) -> BookResult:
                  if cause.data is not None and cause.data.selected else None)
     shares = None
     if cost.data is not None:
-        res = [r for r in cost.data.kl_min if r.resolved]
-        total = sum(r.kl_min for r in res)
+        k = cost.data.kl_min
+        res = [i for i, r in enumerate(k.resolved) if r]
+        total = sum(k.kl_min[i] for i in res)
         if total > 0:
-            shares = {n: sum(r.shares.get(n, 0.0) for r in res) / total for n in names}
+            shares = {n: sum(k.shares[n][i] or 0.0 for i in res) / total if n in k.shares else 0.0 for n in names}
     sec = agreement_table(names, units, shares, drift, selection)
     refusals = [r for b in (effect, cause) if b.data is None for r in b.refusals]
     if drift is None or selection is None:

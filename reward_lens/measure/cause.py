@@ -29,9 +29,9 @@ from scipy import special
 from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
-from reward_lens.measure.efficiency.metric import MetricG
+from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, sample_codes
+from reward_lens.measure.ledger.price import Ledger, StepSample, group_sums, stacked, unit_ids
 from reward_lens_spec import Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -83,28 +83,28 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     if not samples:
         return {}
     k = samples[0].z.shape[1]
-    z = np.concatenate([x.z for x in samples])
-    a = np.concatenate([np.asarray(x.advantages, dtype=float) for x in samples])
-    ns = np.array([x.n for x in samples])
-    codes = [sample_codes(x) for x in samples]
-    gs = np.array([g for _, g in codes])
+    z = stacked(samples)
+    a = np.asarray(stacked(samples, "advantages"), dtype=float)
+    ns = np.fromiter((x.n for x in samples), np.int64, len(samples))
+    uid, gs = unit_ids(samples)  # every sample here has groups
     offsets = np.concatenate([[0], np.cumsum(gs)[:-1]])
-    uid = np.concatenate([c + o for (c, _), o in zip(codes, offsets)])
     total = int(gs.sum())
     size = np.bincount(uid, minlength=total).astype(float)
-    gm = np.stack([np.bincount(uid, weights=z[:, j], minlength=total) for j in range(k)], 1) / size[:, None]
+    gm = group_sums(z, uid, total) / size[:, None]
     am = np.bincount(uid, weights=a, minlength=total) / size
     prod = (z - gm[uid]) * (a - am[uid])[:, None]
-    u = np.stack([np.bincount(uid, weights=prod[:, j], minlength=total) for j in range(k)], 1)  # (groups, k)
+    u = group_sums(prod, uid, total)  # (groups, k)
     s_all = np.add.reduceat(u, offsets, axis=0) / ns[:, None]
     step_of_group = np.repeat(np.arange(len(samples)), gs)
     resid = u - size[:, None] * s_all[step_of_group]
     with np.errstate(divide="ignore", invalid="ignore"):
         var_groups = gs[:, None] / (gs[:, None] - 1) * np.add.reduceat(resid ** 2, offsets, axis=0) / ns[:, None] ** 2
-        rstart = np.concatenate([[0], np.cumsum(ns)[:-1]])
-        p1 = np.add.reduceat(prod, rstart, axis=0)
-        p2 = np.add.reduceat(prod ** 2, rstart, axis=0)
-        var_rows = (p2 - p1 ** 2 / ns[:, None]) / (ns[:, None] - 1) / ns[:, None]
+        var_rows = None
+        if (gs < 2).any():  # a step of one prompt group: its rollouts' products are the units
+            rstart = np.concatenate([[0], np.cumsum(ns)[:-1]])
+            p1 = np.add.reduceat(prod, rstart, axis=0)
+            p2 = np.add.reduceat(prod ** 2, rstart, axis=0)
+            var_rows = (p2 - p1 ** 2 / ns[:, None]) / (ns[:, None] - 1) / ns[:, None]
     out = {}
     for i, x in enumerate(samples):
         if gs[i] >= 2:
@@ -142,27 +142,27 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
     names = list(metric.names)
     wanted = [by_step[lg.step_pair[0]] for lg in ledgers if lg.step_pair[0] in by_step]
     differentials = selection_differentials(list({x.step: x for x in wanted}.values()))
-    kept = []  # (ledger, its step's metric, s, se)
+    kept = []  # (ledger, its step's active set, s, se)
     for lg in ledgers:
         t = lg.step_pair[0]
         if t not in by_step:
             continue
         try:
-            kept.append((lg, metric.for_step(t), *differentials[t]))
+            kept.append((lg, metric.active_of(t), *differentials[t]))
         except KeyError:
             continue
     splits: list = [None] * len(kept)
     by_active: dict[tuple[str, ...], list[int]] = {}
-    for i, (_, sub, _, _) in enumerate(kept):
-        by_active.setdefault(sub.active, []).append(i)
-    for members in by_active.values():  # pairs priced in one active set: one batched solve
-        idx = kept[members[0]][1].active_index
+    for i, (_, active, _, _) in enumerate(kept):
+        by_active.setdefault(active, []).append(i)
+    for active, members in by_active.items():  # pairs priced in one active set: one batched solve
+        idx = active_index(metric.names, active)
         if not len(idx):
             got = [(None, 0.0, 0.0)] * len(members)
         else:
             got = _split(np.stack([kept[i][0].delta_z for i in members])[:, idx],
                          np.stack([kept[i][2] for i in members])[:, idx],
-                         np.stack([kept[i][1].matrix for i in members])[:, idx][:, :, idx])
+                         np.stack([metric.matrix_of(kept[i][0].step_pair[0]) for i in members])[:, idx][:, :, idx])
         for i, v in zip(members, got):
             splits[i] = v
     pairs = [tuple(lg.step_pair) for lg, _, _, _ in kept]
@@ -225,8 +225,8 @@ def cause_section(ctx: RunContext) -> BookResult:
     if priced is None or priced.metric is None or not priced.ledgers:
         return BookResult("refused", "No step pair has a feature movement to compare with.",
                           [rollouts_refusal(run, samples)])
-    resolved = ({tuple(r.step_pair) for r in priced.book.kl_min.rows if r.resolved}
-                if priced.book is not None else set())
+    cols = priced.book.kl_min.columns if priced.book is not None else None
+    resolved = {tuple(p) for p in cols.step_pair[cols.resolved].tolist()} if cols is not None else set()
     sec = cause_series(list(priced.ledgers), samples, priced.metric, resolved)
     status = status_of(bool(sec.rows.step_pair), [], sec.summary["features_selected"] > 0)
     ctxt = {"s": sec.summary, "c": sec, "sel": [x for x in sec.selected if x.selected]}

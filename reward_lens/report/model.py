@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, WithJsonSchem
 
 from reward_lens.measure.figures import FigureOut
 
-SCHEMA_VERSION = "4.0"
+SCHEMA_VERSION = "5.0"
 
 
 class _M(BaseModel):

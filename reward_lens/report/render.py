@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import jinja2
-from markupsafe import Markup
+from markupsafe import Markup, escape
 from pydantic import BaseModel
 
 from reward_lens.report.model import Report
@@ -59,12 +59,51 @@ def md_cells(values: dict, names: list[str], digits: int = 3) -> str:
     return "".join(f" {fmt(values.get(n), digits)} |" for n in names)
 
 
+# Whole columns into table rows: a book that keeps its rows as columns (10,000 step pairs are a
+# few lists) names its columns and their formats in its template, and these render every row
+# at once -- the same cells a loop over rows writes, without a template loop per row.
+def fmt_all(values, digits: int = 4) -> list[str]:
+    """``fmt`` of every value of a column."""
+    return [fmt(v, digits) for v in values]
+
+
+def text_all(values) -> list[str]:
+    """A column of names or labels: the value, or "—" where there is none."""
+    return [v or "—" for v in values]
+
+
+def pairs_all(values) -> list[str]:
+    """A column of step pairs (t, u) as "t→u"."""
+    return [f"{a}→{b}" for a, b in values]
+
+
+def fmt_columns(columns: dict, names, digits: int = 4) -> list[list[str]]:
+    """``fmt_all`` of the columns ``names`` of a mapping of columns, in that order."""
+    return [fmt_all(columns[n], digits) for n in names]
+
+
+def md_rows(columns: list[list[str]]) -> str:
+    """Markdown table rows, one per entry of the columns (cells already formatted and safe)."""
+    return "".join(f"| {' | '.join(cells)} |\n" for cells in zip(*columns))
+
+
+def html_rows(columns: list[list[str]], classes: list[str]) -> Markup:
+    """HTML table rows, one per entry of the columns: every cell escaped, ``classes[j]`` the
+    class of column j's cells (empty: none)."""
+    opens = [f'<td class="{c}">' if c else "<td>" for c in classes]
+    escaped = [[str(escape(v)) for v in col] for col in columns]
+    return Markup("".join("<tr>" + "".join(o + v + "</td>" for o, v in zip(opens, cells)) + "</tr>\n"
+                          for cells in zip(*escaped)))
+
+
 @lru_cache(maxsize=None)
 def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
                              bytecode_cache=compiled_templates("html" if autoescape else "text"),
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters.update(md_cell=md_cell, fmt=fmt, md_cells=md_cells, prose_md=markdown_view, visible=visible,
+                       fmt_all=fmt_all, text_all=text_all, pairs_all=pairs_all, fmt_columns=fmt_columns,
+                       md_rows=md_rows, html_rows=html_rows,
                        prose_html=lambda t: Markup(html_view(t)), first_sentence=first_sentence,
                        rest_after_first=lambda t: t[len(first_sentence(t)):].strip())
     return env

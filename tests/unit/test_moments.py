@@ -176,3 +176,98 @@ def test_steps_from_run_is_the_same_with_and_without_threads(monkeypatch):
     for a, b in zip(one, three):
         assert np.array_equal(a.z, b.z) and np.array_equal(a.groups, b.groups) and a.n_groups == b.n_groups
         assert np.array_equal(a.logp, b.logp, equal_nan=True)
+
+
+def test_stacked_is_a_view_of_consecutive_samples_and_a_copy_of_anything_else():
+    """``stacked`` hands back the rows of consecutive samples of one read as a view of the
+    stack, and concatenates (the same values) when the samples are not consecutive, come
+    from elsewhere, or one holds another array than the stack gave it."""
+    from dataclasses import replace
+
+    from reward_lens.measure.ledger import price
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.record.reader import open_run
+
+    run = open_run(Path(__file__).parents[1] / "fixtures" / "grpo_run" / "paired")
+    samples = price.steps_from_run(run, SurfaceFeatures())
+    base = samples[0].stack.arrays["z"]
+    assert not base.flags.writeable
+    for part in (samples, samples[3:9], samples[5:6]):
+        got = price.stacked(part)
+        assert np.shares_memory(got, base) and np.array_equal(got, np.concatenate([s.z for s in part]))
+        adv = price.stacked(part, "advantages")
+        assert np.shares_memory(adv, samples[0].stack.arrays["advantages"])
+    changed = list(samples[2:6])
+    changed[1] = replace(changed[1], z=changed[1].z * 2.0)  # keeps its stack and index
+    for part in (samples[2:6:2], samples[6:3:-1], changed,
+                 [price.StepSample(s.step, s.names, s.z.copy()) for s in samples[:3]]):
+        got = price.stacked(part)
+        assert not np.shares_memory(got, base) and np.array_equal(got, np.concatenate([s.z for s in part]))
+    # logp_prev is absent at step 0 (null there): a run of samples starting at step 0 has none to stack
+    assert samples[0].logp_prev is None
+    with pytest.raises((TypeError, ValueError)):
+        price.stacked(samples[:3], "logp_prev")
+
+
+def test_group_sums_and_unit_ids_equal_bincount_and_the_loop_over_samples():
+    from reward_lens.measure.ledger.price import StepSample, group_sums, unit_ids
+
+    rng = np.random.default_rng(5)
+    z = rng.normal(size=(48, 3)) * [1, 1e3, 1e-3]
+    blocks = np.repeat(np.arange(6), 8)  # equal consecutive blocks: the reshape path
+    for uid, total in ((blocks, 6), (rng.permutation(blocks), 6), (np.sort(rng.integers(0, 9, 48)), 9)):
+        want = np.stack([np.bincount(uid, weights=z[:, j], minlength=total) for j in range(3)], axis=1)
+        assert np.array_equal(group_sums(z, uid, total), want)  # the same additions in the same order
+        assert np.array_equal(group_sums(z[:, 0], uid, total), want[:, 0])
+    # unit ids: groups (coded or not), a step of one group, a step without groups
+    samples = [StepSample(0, ("a",), z[:8, :1], groups=np.array(list("aabbccdd"))),
+               StepSample(1, ("a",), z[8:12, :1], groups=np.zeros(4, np.int64), n_groups=1),
+               StepSample(2, ("a",), z[12:15, :1]),
+               StepSample(3, ("a",), z[15:21, :1], groups=np.array([0, 1, 0, 2, 1, 2]), n_groups=3)]
+    for groups_from, want_units in ((1, [4, 1, 3, 3]), (2, [4, 4, 3, 3])):
+        uid, units = unit_ids(samples, groups_from=groups_from)
+        assert units.tolist() == want_units
+        offsets = np.r_[0, np.cumsum(want_units)[:-1]]
+        plain = [[0, 0, 1, 1, 2, 2, 3, 3], [0] * 4 if groups_from == 1 else [0, 1, 2, 3], [0, 1, 2], [0, 1, 0, 2, 1, 2]]
+        assert uid.tolist() == [c + o for p, o in zip(plain, offsets) for c in p]
+
+
+def test_window_sums_over_long_runs_of_steps_with_gaps_add_in_order():
+    """The local metric's windows: +-10 steps over a run with gaps, so most windows take the
+    slice path and the edges and gaps the gathered one; each equals its plain sum."""
+    from reward_lens.measure.efficiency.metric import _window_sum
+
+    rng = np.random.default_rng(8)
+    steps = np.r_[np.arange(0, 60), np.arange(75, 130), np.arange(131, 140)]
+    values = rng.normal(size=(len(steps), 3, 3))
+    lo = np.searchsorted(steps, steps - 10, side="left")
+    hi = np.searchsorted(steps, steps + 10, side="right")
+    got = _window_sum(values, lo, hi)
+    for i, (a, b) in enumerate(zip(lo, hi)):
+        want = np.zeros((3, 3))
+        for v in values[a:b]:
+            want = want + v
+        assert np.array_equal(got[i], want)
+
+
+def test_ledgers_match_by_prompt_exactly_where_two_prompts_are_shared():
+    """Consecutive steps sharing two or more prompts are matched (per-prompt differences);
+    the vectorised count of shared prompts picks the same pairs as the per-pair test."""
+    from reward_lens.measure.ledger.price import MATCH_MIN_PROMPTS, ledger_series, matched_by_prompt
+
+    rng = np.random.default_rng(4)
+    samples = []
+    for t in range(12):
+        prompts = rng.choice([t * 10, t * 10 + 1, 3, 4, -1] if t % 3 else [t * 10 + j for j in range(4)], 12)
+        samples.append(StepSample(t, ("a", "b"), rng.normal(size=(12, 2)), prompts=prompts,
+                                  groups=prompts, advantages=rng.normal(size=12)))
+    ledgers = ledger_series(samples)
+    for lg in ledgers:
+        pre, post = samples[lg.step_pair[0]], samples[lg.step_pair[1]]
+        shared = set(pre.prompts.tolist()) & set(post.prompts.tolist())
+        m = matched_by_prompt(pre, post)
+        assert lg.matched == (len(shared) >= MATCH_MIN_PROMPTS) == (m is not None)
+        if m is not None:
+            np.testing.assert_allclose(lg.delta_z, m[0], rtol=1e-12)
+            assert lg.units == m[2]
+    assert 0 < sum(lg.matched for lg in ledgers) < len(ledgers)

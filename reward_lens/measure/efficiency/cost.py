@@ -21,12 +21,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
 from reward_lens.measure.efficiency import eta as _eta
-from reward_lens.measure.efficiency.metric import MetricG
+from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.efficiency.shapley import EXACT_MAX_FEATURES, kl_min as quad_kl_min, shapley_shares
 from reward_lens.measure.ledger.paired import PairedLedger
 from reward_lens.measure.ledger.price import Ledger
@@ -77,19 +78,75 @@ class KlMinRow:
         return self.leading_delta / self.leading_se
 
 
-@dataclass(frozen=True)
-class KlMinSeries(Sequence):
-    """The denominator-free half of the book: a sequence of rows, plus any refusals."""
+@dataclass(frozen=True, eq=False)
+class KlMinColumns:
+    """Every row of a KL_min series as arrays, entry i of each for row i: the rows are made from
+    these when asked for (``KlMinSeries.rows``), while a report reads the columns whole."""
 
-    rows: tuple[KlMinRow, ...]
+    names: tuple[str, ...]
+    step_pair: np.ndarray  # (P, 2) int
+    kl_min: np.ndarray  # (P,) nats per sequence
+    noise_floor: np.ndarray  # (P,) nats per sequence
+    noise_sd: np.ndarray  # (P,)
+    clears_noise_floor: np.ndarray  # (P,) bool
+    p_value: np.ndarray  # (P,)
+    resolved: np.ndarray  # (P,) bool
+    shares_inexact: np.ndarray  # (P,) bool
+    condition: np.ndarray  # (P,)
+    leading: np.ndarray  # (P,) index of the leading feature in names, -1 where none
+    leading_delta: np.ndarray  # (P,) its dz (NaN where none)
+    leading_se: np.ndarray  # (P,) its SE (NaN where none)
+    n_pre: np.ndarray  # (P,) int
+    n_post: np.ndarray  # (P,) int
+    priced: np.ndarray  # (P, k) bool: the feature is in the row's active set
+    shares: np.ndarray  # (P, k) nats per sequence, 0 where not priced
+    delta_z: np.ndarray  # (P, k) the ledger's dz, feature units
+    excluded: np.ndarray  # (P, k) bool: left out by the row's metric (constant or collinear)
+    kind: tuple[str, ...]  # (P,) the ledger that made each row
+
+    def __len__(self) -> int:
+        return len(self.kl_min)
+
+    def row(self, i: int) -> KlMinRow:
+        names, lead = self.names, int(self.leading[i])
+        priced, excluded, dz = self.priced[i].tolist(), self.excluded[i].tolist(), self.delta_z[i].tolist()
+        return KlMinRow(
+            step_pair=(int(self.step_pair[i, 0]), int(self.step_pair[i, 1])), kl_min=float(self.kl_min[i]),
+            shares={n: v for n, v, on in zip(names, self.shares[i].tolist(), priced) if on},
+            noise_floor=float(self.noise_floor[i]), noise_sd=float(self.noise_sd[i]),
+            clears_noise_floor=bool(self.clears_noise_floor[i]),
+            leading_feature=names[lead] if lead >= 0 else None,
+            leading_delta=float(self.leading_delta[i]) if lead >= 0 else None,
+            leading_se=float(self.leading_se[i]) if lead >= 0 else None,
+            n_pre=int(self.n_pre[i]), n_post=int(self.n_post[i]),
+            unpriced_movement={n: d for n, d, ex in zip(names, dz, excluded) if ex and d != 0},
+            p_value=float(self.p_value[i]), shares_inexact=bool(self.shares_inexact[i]),
+            condition=float(self.condition[i]), resolved=bool(self.resolved[i]), kind=self.kind[i])
+
+
+@dataclass(frozen=True, eq=False)
+class KlMinSeries(Sequence):
+    """The denominator-free half of the book: a sequence of rows, plus any refusals. Its rows
+    are held as ``columns`` (None when the series is refused) and made one by one on access."""
+
+    columns: KlMinColumns | None
     refusals: tuple[Refusal, ...]
     metric: MetricG
 
+    @cached_property
+    def rows(self) -> tuple[KlMinRow, ...]:
+        return tuple(self.columns.row(i) for i in range(len(self))) if self.columns is not None else ()
+
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.columns) if self.columns is not None else 0
 
     def __getitem__(self, i):  # type: ignore[override]
-        return self.rows[i]
+        if isinstance(i, slice):
+            return self.rows[i]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} of a series of {n}")
+        return self.columns.row(i % n)
 
     def __iter__(self) -> Iterator[KlMinRow]:
         return iter(self.rows)
@@ -206,37 +263,37 @@ def _basis_refusal(ledgers: Sequence[Ledger], g: MetricG, run_id: str | None) ->
     })
 
 
-def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
-    """Rows for every ledger, each priced by the metric of its step (``g.for_step``); pairs
-    that share an active set are computed together (one vectorised Shapley sweep, and the
-    noise floors and Hotelling tests as batched matrix operations)."""
-    groups: dict[tuple[str, ...], list[tuple[int, Ledger, MetricG]]] = {}
+def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
+    """Rows for every ledger, each priced by the metric of its step (``g.for_step``), as
+    columns; pairs that share an active set are computed together (one vectorised Shapley
+    sweep, and the noise floors and Hotelling tests as batched matrix operations)."""
+    names, n_pairs, k = g.names, len(ledgers), len(g.names)
+    groups: dict[tuple[str, ...], list[tuple[int, Ledger, int]]] = {}  # by active set: (row, ledger, step t)
     for p, lg in enumerate(ledgers):
-        sub = g.for_step(lg.step_pair[0])
-        groups.setdefault(sub.active, []).append((p, lg, sub))
-    fields: list[dict | None] = [None] * len(ledgers)  # each row's fields; resolved comes last
-    pvals = np.ones(len(ledgers))
-    excluded_of: dict[tuple[str, ...], list[int]] = {}
+        groups.setdefault(g.active_of(lg.step_pair[0]), []).append((p, lg, lg.step_pair[0]))
+    col = {"kl_min": np.zeros(n_pairs), "noise_floor": np.zeros(n_pairs), "noise_sd": np.zeros(n_pairs),
+           "clears_noise_floor": np.zeros(n_pairs, bool), "shares_inexact": np.zeros(n_pairs, bool),
+           "condition": np.ones(n_pairs), "leading": np.full(n_pairs, -1), "leading_delta": np.full(n_pairs, np.nan),
+           "leading_se": np.full(n_pairs, np.nan), "priced": np.zeros((n_pairs, k), bool),
+           "shares": np.zeros((n_pairs, k)), "excluded": np.zeros((n_pairs, k), bool)}
+    pvals = np.ones(n_pairs)
+    excluded_of: dict[tuple[str, ...], np.ndarray] = {}
     for active, items in groups.items():
-        idx = items[0][2].active_index
-        units = []
-        for p, lg, sub in items:
-            key = tuple(sub.excluded)
-            excluded_idx = excluded_of.setdefault(key, [g.names.index(n) for n in key])
-            unpriced = {g.names[j]: float(lg.delta_z[j]) for j in excluded_idx if lg.delta_z[j] != 0}
-            fields[p] = dict(step_pair=lg.step_pair, n_pre=lg.n_pre, n_post=lg.n_post, unpriced_movement=unpriced,
-                             kind=lg.kind)
-            units.append(lg.units or lg.n_pre + lg.n_post)
+        idx = active_index(names, active)
+        rows = np.array([p for p, _, _ in items])
+        for p, _, t in items:
+            key = tuple(g.excluded_of(t))
+            if key not in excluded_of:
+                excluded_of[key] = np.isin(np.arange(k), [names.index(n) for n in key])
+            col["excluded"][p] = excluded_of[key]
         if not len(idx):  # nothing varies at this step: no movement can be priced
-            for p, lg, _ in items:
-                fields[p].update(kl_min=0.0, shares={}, noise_floor=0.0, noise_sd=0.0, clears_noise_floor=False,
-                                 leading_feature=None, leading_delta=None, leading_se=None)
-            pvals[[p for p, _, _ in items]] = np.nan  # not a test: left out of Benjamini-Hochberg
+            pvals[rows] = np.nan  # not a test: left out of Benjamini-Hochberg
             continue
         dz = np.stack([lg.delta_z for _, lg, _ in items])[:, idx]
         se = np.stack([lg.se for _, lg, _ in items])[:, idx]
-        gaa = np.stack([sub.matrix for _, _, sub in items])[:, idx][:, :, idx]
+        gaa = np.stack([g.matrix_of(t) for _, _, t in items])[:, idx][:, :, idx]
         cov = np.stack([lg.cov_delta for _, lg, _ in items])[:, idx][:, :, idx]
+        units = np.array([lg.units or lg.n_pre + lg.n_post for _, lg, _ in items])
         kl = np.atleast_1d(quad_kl_min(dz, gaa))
         shares = np.atleast_2d(shapley_shares(dz, gaa))
         m = np.linalg.inv(gaa) @ cov
@@ -246,41 +303,50 @@ def _rows(ledgers: Sequence[Ledger], g: MetricG) -> list[KlMinRow]:
         conds = np.linalg.cond(gaa / (sd[:, :, None] * sd[:, None, :]))
         lead = np.argmax(shares, axis=1)
         unpaired = [q for q, (_, lg, _) in enumerate(items) if not isinstance(lg, PairedLedger)]
-        p_unpaired = _eta.hotelling_p_many(dz[unpaired], cov[unpaired], np.array(units)[unpaired],
-                                           np.array([items[q][1].matched for q in unpaired], dtype=bool))
-        p_of = dict(zip(unpaired, p_unpaired.tolist()))
+        p_of = np.ones(len(items))
+        p_of[unpaired] = _eta.hotelling_p_many(dz[unpaired], cov[unpaired], units[unpaired],
+                                               np.array([items[q][1].matched for q in unpaired], dtype=bool))
         layouts: dict[tuple[int, bytes], list[int]] = {}  # paired samples that share a group layout: one F-test batch
         for q, (_, lg, _) in enumerate(items):
-            if q not in p_of:
+            if isinstance(lg, PairedLedger):
                 layouts.setdefault((lg.n_groups, np.asarray(lg.codes).tobytes()), []).append(q)
         for members in layouts.values():
             lg0 = items[members[0]][1]
             _, p_paired, _ = _eta.within_group_r2_tests(np.stack([items[q][1].z[:, idx] for q in members]),
                                                         np.stack([items[q][1].log_ratio for q in members]),
                                                         lg0.codes, lg0.n_groups)
-            p_of.update(zip(members, p_paired.tolist()))
-        inexact = np.abs(shares.sum(axis=1) - kl) > SHARE_SUM_RTOL * np.maximum(kl, 1e-300)
-        for q, (p, lg, sub) in enumerate(items):
-            pvals[p] = p_of[q]
-            j = int(lead[q]) if kl[q] > 0 else None
-            fields[p].update(
-                kl_min=float(kl[q]), shares=dict(zip(active, shares[q].tolist())), noise_floor=float(floor[q]),
-                noise_sd=float(noise_sd[q]), clears_noise_floor=bool(kl[q] > floor[q] + NOISE_Z * noise_sd[q]),
-                leading_feature=active[j] if j is not None else None,
-                leading_delta=float(dz[q, j]) if j is not None else None,
-                leading_se=float(se[q, j]) if j is not None else None,
-                p_value=float(pvals[p]), shares_inexact=bool(inexact[q]), condition=float(conds[q]))
+            p_of[members] = p_paired
+        pvals[rows] = p_of
+        has_lead = kl > 0
+        q_lead = np.arange(len(items))
+        col["kl_min"][rows] = kl
+        col["noise_floor"][rows] = floor
+        col["noise_sd"][rows] = noise_sd
+        col["clears_noise_floor"][rows] = kl > floor + NOISE_Z * noise_sd
+        col["shares_inexact"][rows] = np.abs(shares.sum(axis=1) - kl) > SHARE_SUM_RTOL * np.maximum(kl, 1e-300)
+        col["condition"][rows] = conds
+        col["leading"][rows] = np.where(has_lead, idx[lead], -1)
+        col["leading_delta"][rows] = np.where(has_lead, dz[q_lead, lead], np.nan)
+        col["leading_se"][rows] = np.where(has_lead, se[q_lead, lead], np.nan)
+        col["priced"][np.ix_(rows, idx)] = True
+        col["shares"][np.ix_(rows, idx)] = shares
     priced = np.flatnonzero(~np.isnan(pvals))
-    resolved = np.zeros(len(ledgers), dtype=bool)
+    resolved = np.zeros(n_pairs, dtype=bool)
     resolved[priced] = _eta.benjamini_hochberg(pvals[priced])
-    return [KlMinRow(**f, resolved=bool(r)) for f, r in zip(fields, resolved.tolist())]
+    return KlMinColumns(
+        names=names, step_pair=np.array([lg.step_pair for lg in ledgers], dtype=np.int64).reshape(n_pairs, 2),
+        p_value=np.where(np.isnan(pvals), 1.0, pvals), resolved=resolved,
+        n_pre=np.array([lg.n_pre for lg in ledgers], dtype=np.int64),
+        n_post=np.array([lg.n_post for lg in ledgers], dtype=np.int64),
+        delta_z=np.stack([lg.delta_z for lg in ledgers]) if ledgers else np.zeros((0, k)),
+        kind=tuple(lg.kind for lg in ledgers), **col)
 
 
 def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None = None) -> KlMinSeries:
     """KL_min and its exact Shapley shares for every step pair. Needs no D_t."""
     refusal = _basis_refusal(ledgers, g, run_id)
     if refusal is not None:
-        return KlMinSeries((), (refusal,), g)
+        return KlMinSeries(None, (refusal,), g)
     if g.method == "fisher_kernel" and g.diagnostics.get("at_boundary"):
         from reward_lens.measure.efficiency.metric import RHO_MAX, RHO_MIN
 
@@ -288,18 +354,18 @@ def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None =
         ref = make_refusal("ENVELOPE_VIOLATED", load_book(BOOK_ID), _subject(run_id, pairs), {
             "premise": "damping_unidentified", "step_pair": list(pairs[0]) if pairs else [0, 0], "n_pairs": len(pairs),
             "run": _short(run_id), "rho": g.diagnostics["rho"], "rho_min": RHO_MIN, "rho_max": RHO_MAX, "n": g.n})
-        return KlMinSeries((), (ref,), g)
-    widest = max([len(g.active)] + [len(sub.active) for sub in g.by_step.values()])
+        return KlMinSeries(None, (ref,), g)
+    widest = max([len(g.active)] + [len(g.active_of(t)) for t in g.by_step])
     if widest > EXACT_MAX_FEATURES:
         ref = make_refusal("LIMIT_EXCEEDED", load_book(BOOK_ID), _subject(run_id, [lg.step_pair for lg in ledgers]),
                            {"what": "exact Shapley shares", "limit": EXACT_MAX_FEATURES, "k": widest,
                             "run": _short(run_id)})
-        return KlMinSeries((), (ref,), g)
+        return KlMinSeries(None, (ref,), g)
     missing = [lg.step_pair for lg in ledgers if g.scope == "per_step" and lg.step_pair[0] not in g.by_step]
     if missing:
         raise ValueError(f"the per-step metric has no estimate for the steps of pairs {missing[:5]}: build the "
                          "metric from the same StepSample list as the ledgers")
-    return KlMinSeries(tuple(_rows(ledgers, g)), (), g)
+    return KlMinSeries(_columns(ledgers, g), (), g)
 
 
 # ---------------------------------------------------------------------------- denominator
@@ -442,10 +508,14 @@ def cost_series(
     nothing: list[CostRow] = []
     paired_est: dict[tuple[int, int], _eta.EtaEstimate] = {}
     if kind == "paired":  # every priced pair's I-projection at once, batched where samples share a layout
-        todo = [(lg_by_pair[r.step_pair], g.for_step(r.step_pair[0]).active_index, r.p_value) for r in series.rows
-                if not r.nothing_priced and not lg_by_pair[r.step_pair].pareto_k > lg_by_pair[r.step_pair].pareto_k_max]
+        cols = series.columns
+        todo = [(lg_by_pair[(a, b)], active_index(g.names, g.active_of(a)), p) for (a, b), p, priced in
+                zip(cols.step_pair.tolist(), cols.p_value.tolist(), cols.priced.any(axis=1).tolist())
+                if priced and not lg_by_pair[(a, b)].pareto_k > lg_by_pair[(a, b)].pareto_k_max]
         paired_est = {item[0].step_pair: est for item, est in zip(todo, _eta.paired_estimates(todo))}
-    for row in series.rows:
+    # rows only where a denominator can price them (paired ledgers carry their own)
+    wanted = [i for i, t in enumerate(series.columns.step_pair[:, 0].tolist()) if kind == "paired" or t in denoms]
+    for row in (series[i] for i in wanted):
         pair, lg = row.step_pair, lg_by_pair[row.step_pair]
         if kind == "paired":
             span = pair[1] - pair[0]
@@ -461,7 +531,7 @@ def cost_series(
         if row.nothing_priced:
             nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind))
             continue
-        idx = g.for_step(pair[0]).active_index
+        idx = active_index(g.names, g.active_of(pair[0]))
         if kind == "paired":
             if lg.pareto_k > lg.pareto_k_max:
                 heavy.append({"step_pair": list(pair), "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max,
@@ -472,7 +542,7 @@ def cost_series(
         else:
             violation = _envelope(row, lg, d_t)
             est = None if violation else _eta.unpaired_estimate(
-                lg, g.for_step(pair[0]).matrix[np.ix_(idx, idx)], idx, row.kl_min, row.noise_floor, d_t, row.p_value)
+                lg, g.matrix_of(pair[0])[np.ix_(idx, idx)], idx, row.kl_min, row.noise_floor, d_t, row.p_value)
         if violation is not None:
             refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pair]),
                                          {**violation, "run": _short(run_id), "source": source}))

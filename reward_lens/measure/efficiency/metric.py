@@ -28,14 +28,14 @@ not priced.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import math
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import StepSample, segment_scatter
+from reward_lens.measure.ledger.price import StepSample, segment_scatter, stacked
 
 # Relative SD below which a feature counts as constant: 1e-12 of max(1, |mean|), i.e. at
 # float64 round-off, so that only genuinely constant features are excluded.
@@ -71,7 +71,7 @@ class MetricG:
     reading: str = ""
     diagnostics: dict[str, float] = field(default_factory=dict)
     scope: str = "pooled"
-    by_step: dict[int, MetricG] = field(default_factory=dict)  # scope "per_step": G_t for each step t
+    by_step: Mapping[int, MetricG] = field(default_factory=dict)  # scope "per_step": G_t for each step t
 
     def for_step(self, t: int) -> MetricG:
         """The metric that prices the movement of step t (pi_t -> pi_{t+1})."""
@@ -81,9 +81,67 @@ class MetricG:
             raise KeyError(f"the per-step metric has no estimate at step {t}")
         return self.by_step[t]
 
+    # What a book pricing thousands of step pairs reads of each step's metric, without making
+    # one MetricG per step where ``by_step`` holds them as arrays (``StepMetrics``).
+    def active_of(self, t: int) -> tuple[str, ...]:
+        return self.by_step.active(t) if isinstance(self.by_step, StepMetrics) else self.for_step(t).active
+
+    def excluded_of(self, t: int) -> dict[str, str]:
+        return self.by_step.excluded(t) if isinstance(self.by_step, StepMetrics) else self.for_step(t).excluded
+
+    def matrix_of(self, t: int) -> np.ndarray:
+        return self.by_step.matrix(t) if isinstance(self.by_step, StepMetrics) else self.for_step(t).matrix
+
     @property
     def active_index(self) -> np.ndarray:
-        return np.array([self.names.index(a) for a in self.active], dtype=int)
+        return active_index(self.names, self.active)
+
+
+def active_index(names: tuple[str, ...], active: tuple[str, ...]) -> np.ndarray:
+    """The positions of ``active`` in ``names``."""
+    return np.array([names.index(a) for a in active], dtype=int)
+
+
+class StepMetrics(Mapping):
+    """The per-step metrics of a MetricG of scope "per_step", held as arrays: step t's G_t
+    (``matrices``), its active set and exclusions (``sets``) and rollouts; the MetricG of a
+    step is made when it is asked for (a 10,000-step run needs 10,000 estimates, and a book
+    prices them from the arrays). ``reading(t)`` says how step t's estimate was made."""
+
+    def __init__(self, steps: Sequence[int], matrices: np.ndarray, sets: Sequence[tuple[tuple[str, ...], dict[str, str]]],
+                 ns: Sequence[int], names: tuple[str, ...], reading):
+        self.steps = [int(t) for t in steps]
+        self.position = {t: i for i, t in enumerate(self.steps)}
+        self.matrices, self.sets, self.ns = matrices, list(sets), [int(n) for n in ns]
+        self.names, self._reading = names, reading
+        self._made: dict[int, MetricG] = {}
+
+    def __getitem__(self, t: int) -> MetricG:
+        if t not in self._made:
+            i = self.position[t]  # KeyError for a step it has no estimate for, as a dict
+            active, excluded = self.sets[i]
+            self._made[t] = MetricG(matrix=self.matrices[i], names=self.names, method="covariance_bound", n=self.ns[i],
+                                    damping=0.0, damping_stable=True, h2={a: 1.0 for a in active}, active=active,
+                                    excluded=excluded, reading=self._reading(t))
+        return self._made[t]
+
+    def __contains__(self, t) -> bool:
+        return t in self.position
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def active(self, t: int) -> tuple[str, ...]:
+        return self.sets[self.position[t]][0]
+
+    def excluded(self, t: int) -> dict[str, str]:
+        return self.sets[self.position[t]][1]
+
+    def matrix(self, t: int) -> np.ndarray:
+        return self.matrices[self.position[t]]
 
 
 def pooled_covariance(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, int, int]:
@@ -152,8 +210,11 @@ def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
         return out
     sd = np.sqrt(np.clip(np.diagonal(cs, axis1=1, axis2=2), 0, None))
     const = sd <= CONSTANT_TOL * np.maximum(1.0, np.abs(means))
-    patterns, which = np.unique(const, axis=0, return_inverse=True)
-    for p in range(len(patterns)):
+    # each window's pattern of constant features as one integer (k <= 64 bits; wider as bytes)
+    pattern = const @ (1 << np.arange(const.shape[1], dtype=np.uint64)) if const.shape[1] <= 64 else \
+        np.array([row.tobytes() for row in const])
+    _, which = np.unique(pattern, return_inverse=True)
+    for p in range(int(which.max()) + 1):
         idx = np.flatnonzero(which.reshape(-1) == p)
         active, excluded = _active_set(cs[idx[0]], means[idx[0]], names)
         out[idx[0]] = (active, excluded)
@@ -180,13 +241,13 @@ def _active_sets(cs: np.ndarray, means: np.ndarray, names: tuple[str, ...]):
             resid = 1.0 - np.einsum("wi,wi->w", rkj, np.linalg.solve(rkk, rkj[..., None])[..., 0])
             ok &= resid < COLLINEAR_TOL
             reasons[name] = resid
-        for q in np.flatnonzero(ok):
+        with_ = {name: ", ".join(names[i] for i in keep if i < names.index(name)) for name in reasons}
+        explained = {name: (1 - resid).tolist() for name, resid in reasons.items()}
+        for q in np.flatnonzero(ok).tolist():
             ex = dict(excluded)
-            for name, resid in reasons.items():  # the fraction explained is the window's own
-                j = names.index(name)
-                with_ = ", ".join(names[i] for i in keep if i < j)
-                ex[name] = (f"collinear: {1 - resid[q]:.12f} of its variance is explained by earlier "
-                            f"features ({with_})")
+            for name in reasons:  # the fraction explained is the window's own
+                ex[name] = (f"collinear: {explained[name][q]:.12f} of its variance is explained by earlier "
+                            f"features ({with_[name]})")
             out[rest[q]] = (active, ex)
     for i in range(len(cs)):
         if out[i] is None:
@@ -258,50 +319,71 @@ def metric_g(samples: Sequence[StepSample], method: str = "covariance_bound", **
 LOCAL_HALF_WIDTH = 10
 
 
-def _centred(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
-    """All steps' rollouts stacked and centred on their step's mean, each step's start row,
-    rollout count and feature sums; None when no step has a rollout."""
-    ns = np.array([x.n for x in ordered])
-    some = ns > 0
-    if not some.any():
-        return None
-    z = np.concatenate([x.z for x in ordered])
+# Steps are centred and summed this many rollouts at a time: the centred copy of a block stays
+# in cache, where one of every rollout (46 MB at 640,000 x 9) would be paged in only to be freed.
+BLOCK_ROWS = 1 << 15
+
+
+def _step_blocks(ordered: Sequence[StepSample], per_step):
+    """All steps' feature sums (P, k), and ``per_step(zc, starts, ns)`` of their rollouts centred
+    on their step's mean, block by block of whole steps (each block's rows relative to it)."""
+    ns = np.fromiter((x.n for x in ordered), np.int64, len(ordered))
+    k = ordered[0].z.shape[1]
+    z = stacked(ordered) if ns.any() else np.zeros((0, k))
     starts = np.r_[0, np.cumsum(ns)[:-1]]
-    sums = np.zeros((len(ordered), z.shape[1]))
+    some = ns > 0
+    sums = np.zeros((len(ordered), k))
     sums[some] = np.add.reduceat(z, starts[some], axis=0)  # reduceat cannot sum an empty segment
-    return z - np.repeat(sums / np.maximum(ns, 1)[:, None], ns, axis=0), starts, ns, sums
+    means = sums / np.maximum(ns, 1)[:, None]
+    parts, i = [], 0
+    while i < len(ordered):  # blocks of whole steps, at least one step each
+        j = max(i + 1, int(np.searchsorted(starts, starts[i] + BLOCK_ROWS, side="right")))
+        j = min(j, len(ordered))
+        a, b = int(starts[i]), int(starts[j - 1] + ns[j - 1])
+        zc = z[a:b] - np.repeat(means[i:j], ns[i:j], axis=0)
+        parts.append(per_step(zc, starts[i:j] - a, ns[i:j]))
+        i = j
+    return sums, parts
 
 
 def step_sums(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's feature sums and sums of squared deviations from its mean (the diagonal of
     ``step_scatter``, without the k x k products), for all steps at once."""
+    def squares(zc, starts, ns):
+        out = np.zeros((len(ns), zc.shape[1]))
+        out[ns > 0] = np.add.reduceat(zc * zc, starts[ns > 0], axis=0) if len(zc) else 0.0
+        return out
+
     k = ordered[0].z.shape[1]
-    c = _centred(ordered)
-    if c is None:
-        return np.zeros((len(ordered), k)), np.zeros((len(ordered), k))
-    zc, starts, ns, sums = c
-    squares = np.zeros_like(sums)
-    squares[ns > 0] = np.add.reduceat(zc * zc, starts[ns > 0], axis=0)
-    return sums, squares
+    sums, parts = _step_blocks(ordered, squares)
+    return sums, np.concatenate(parts) if parts else np.zeros((0, k))
 
 
 def step_scatter(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's scatter sum_i (z_i - mean)(z_i - mean)^T (zero for a step of one rollout)
     and feature sums, for all steps at once (``segment_scatter`` of the centred rollouts)."""
     k = ordered[0].z.shape[1]
-    c = _centred(ordered)
-    if c is None:
-        return np.zeros((len(ordered), k, k)), np.zeros((len(ordered), k))
-    zc, starts, ns, sums = c
-    return segment_scatter(zc, starts, np.where(ns >= 2, ns, 0)), sums
+    sums, parts = _step_blocks(ordered, lambda zc, starts, ns: segment_scatter(zc, starts, np.where(ns >= 2, ns, 0)))
+    return (np.concatenate(parts) if parts else np.zeros((0, k, k))), sums
 
 
 def _window_sum(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """``values[lo[i]:hi[i]].sum(axis=0)`` for every i, added in index order."""
+    """``values[lo[i]:hi[i]].sum(axis=0)`` for every i, added in index order: offset d adds
+    ``values[lo + d]`` to every window still inside, as slices wherever consecutive windows
+    read consecutive values (the middle of a run of steps), gathered elsewhere."""
     out = np.zeros((len(lo),) + values.shape[1:], dtype=values.dtype)
     for d in range(int((hi - lo).max(initial=0))):
-        inside = lo + d < hi
-        out[inside] += values[lo[inside] + d]
+        rows = np.flatnonzero(lo + d < hi)
+        src = lo[rows] + d
+        # runs in which both the window and the value it adds advance by one
+        breaks = np.flatnonzero((np.diff(rows) != 1) | (np.diff(src) != 1)) + 1
+        starts, ends = np.r_[0, breaks], np.r_[breaks, len(rows)]
+        long = ends - starts >= 8
+        for a, b in zip(starts[long].tolist(), ends[long].tolist()):
+            out[rows[a]:rows[b - 1] + 1] += values[src[a]:src[b - 1] + 1]
+        short = np.concatenate([np.arange(a, b) for a, b in zip(starts[~long].tolist(), ends[~long].tolist())] or
+                               [np.zeros(0, np.int64)])
+        out[rows[short]] += values[src[short]]
     return out
 
 
@@ -311,7 +393,6 @@ def _local(samples: Sequence[StepSample]) -> MetricG:
     steps = np.array([s.step for s in ordered])
     lo = np.searchsorted(steps, steps - LOCAL_HALF_WIDTH, side="left")
     hi = np.searchsorted(steps, steps + LOCAL_HALF_WIDTH, side="right")
-    by_step = {}
     ns = np.array([x.n for x in ordered])
     dofs = np.where(ns >= 2, ns - 1, 0)
     scat, sums = step_scatter(ordered)
@@ -323,14 +404,8 @@ def _local(samples: Sequence[StepSample]) -> MetricG:
     w_n = _window_sum(ns, lo, hi)
     cs = _window_sum(scat, lo, hi) / w_dof[:, None, None]
     ms = _window_sum(sums, lo, hi) / np.maximum(w_n, 1)[:, None]
-    sets = _active_sets(cs, ms, names)
-    for i, s in enumerate(ordered):
-        c, n = cs[i], int(w_n[i])
-        active, excluded = sets[i]
-        by_step[s.step] = MetricG(matrix=c, names=names, method="covariance_bound", n=n, damping=0.0,
-                                  damping_stable=True, h2={a: 1.0 for a in active}, active=active,
-                                  excluded=excluded, reading=f"covariance bound pooled over steps {s.step} +- "
-                                                             f"{LOCAL_HALF_WIDTH}")
+    by_step = StepMetrics(steps.tolist(), cs, _active_sets(cs, ms, names), w_n.tolist(), names,
+                          lambda t: f"covariance bound pooled over steps {t} +- {LOCAL_HALF_WIDTH}")
     c_pool, mean, n, _ = _pooled(ns, scat, sums)
     active, excluded = _active_set(c_pool, mean, names)
     return MetricG(matrix=c_pool, names=names, method="covariance_bound", n=n, damping=0.0, damping_stable=True,
@@ -342,16 +417,13 @@ def _local(samples: Sequence[StepSample]) -> MetricG:
 
 def _per_step(samples: Sequence[StepSample]) -> MetricG:
     names = samples[0].names
-    by_step = {}
     for s in samples:
         if s.n < 2:
             raise ValueError(f"step {s.step} has {s.n} rollout: a per-step covariance needs at least 2")
     cs = np.stack([np.atleast_2d(np.cov(s.z, rowvar=False, ddof=1)) for s in samples])
     sets = _active_sets(cs, np.stack([s.z.mean(axis=0) for s in samples]), names)
-    for s, c, (active, excluded) in zip(samples, cs, sets):
-        by_step[s.step] = MetricG(matrix=c, names=names, method="covariance_bound", n=s.n, damping=0.0,
-                                  damping_stable=True, h2={a: 1.0 for a in active}, active=active, excluded=excluded,
-                                  reading=f"covariance bound at step {s.step}")
+    by_step = StepMetrics([s.step for s in samples], cs, sets, [s.n for s in samples], names,
+                          lambda t: f"covariance bound at step {t}")
     c_pool, mean, n, _ = pooled_covariance(samples)
     active, excluded = _active_set(c_pool, mean, names)
     return MetricG(matrix=c_pool, names=names, method="covariance_bound", n=n, damping=0.0, damping_stable=True,
@@ -376,7 +448,6 @@ def within_group_metric(ledgers) -> MetricG:
     if not ledgers:
         raise ValueError("within_group_metric needs at least one paired ledger")
     names = ledgers[0].names
-    by_step: dict[int, MetricG] = {}
     cs, ns = [], []
     for lg in ledgers:
         size = np.bincount(lg.codes, minlength=lg.n_groups).astype(float)
@@ -385,15 +456,14 @@ def within_group_metric(ledgers) -> MetricG:
         zc = lg.z - means[lg.codes]
         cs.append(zc.T @ zc / max(len(zc) - lg.n_groups, 1))
         ns.append(len(zc))
-    sets = _active_sets(np.stack(cs), np.stack([lg.z.mean(axis=0) for lg in ledgers]), names)
-    for lg, c, n_rows, (active, excluded) in zip(ledgers, cs, ns, sets):
-        by_step[lg.step_pair[0]] = MetricG(
-            matrix=c, names=names, method="covariance_bound", n=n_rows, damping=0.0, damping_stable=True,
-            h2={a: 1.0 for a in active}, active=active, excluded=excluded,
-            reading=f"within-group covariance of step {lg.step_pair[1]}'s rollouts")
+    cs = np.stack(cs)
+    sets = _active_sets(cs, np.stack([lg.z.mean(axis=0) for lg in ledgers]), names)
+    sample_of = {lg.step_pair[0]: lg.step_pair[1] for lg in ledgers}
+    by_step = StepMetrics([lg.step_pair[0] for lg in ledgers], cs, sets, ns, names,
+                          lambda t: f"within-group covariance of step {sample_of[t]}'s rollouts")
     first = by_step[ledgers[0].step_pair[0]]
     return MetricG(matrix=first.matrix, names=names, method="covariance_bound",
-                   n=sum(m.n for m in by_step.values()), damping=0.0, damping_stable=True, h2=first.h2,
+                   n=sum(ns), damping=0.0, damping_stable=True, h2=first.h2,
                    active=first.active, excluded=first.excluded, scope="per_step", by_step=by_step,
                    reading="covariance bound, within prompt groups, per step: the step t -> t+1 is priced with the "
                            "within-group covariance of step t+1's rollouts (G_t <= E_x Cov(z | x)); the exact "

@@ -39,18 +39,29 @@ class MetricOut(_M):
     reading: str
 
 
-class KlMinOut(_M):
-    step_pair: tuple[int, int]
-    kl_min: float = Field(description="nats per sequence: 1/2 dz^T G^-1 dz")
-    noise_floor: float = Field(description="nats per sequence: 1/2 tr(G^-1 Sigma_dz)")
-    clears_noise_floor: bool = Field(description="KL_min > floor + 2 null SD (a per-row test, no multiplicity control)")
-    p_value: float = Field(description="of dz = 0 (unpaired: Hotelling T^2; paired: F-test of r on z within groups)")
-    resolved: bool = Field(description="rejected by Benjamini-Hochberg at q = 0.05 across the book's rows")
-    leading_feature: str | None
-    shares: dict[str, float] = Field(description="nats per sequence, by feature; sums to kl_min")
-    shares_inexact: bool = Field(False, description="the share sum misses kl_min by more than 1e-6 relative "
-                                                    "(G ill-conditioned: see condition)")
-    condition: float = Field(1.0, description="condition number of the active correlation matrix of G")
+class KlMinRows(_M):
+    """Every step pair's KL_min row, as columns: entry i of every list belongs to
+    ``step_pair[i]`` (one list per quantity and feature: 10,000 step pairs are a few lists, not
+    10,000 objects)."""
+
+    step_pair: list[tuple[int, int]]
+    kl_min: list[float] = Field(description="nats per sequence: 1/2 dz^T G^-1 dz")
+    noise_floor: list[float] = Field(description="nats per sequence: 1/2 tr(G^-1 Sigma_dz)")
+    clears_noise_floor: list[bool] = Field(description="KL_min > floor + 2 null SD (a per-row test, no "
+                                                       "multiplicity control)")
+    p_value: list[float] = Field(description="of dz = 0 (unpaired: Hotelling T^2; paired: F-test of r on z "
+                                             "within groups)")
+    resolved: list[bool] = Field(description="rejected by Benjamini-Hochberg at q = 0.05 across the book's rows")
+    leading_feature: list[str | None]
+    shares: dict[str, list[float | None]] = Field(description="nats per sequence, by feature (null where the "
+                                                              "feature is not priced at that step pair); a row's "
+                                                              "shares sum to its kl_min")
+    shares_inexact: list[bool] = Field(description="the share sum misses kl_min by more than 1e-6 relative "
+                                                   "(G ill-conditioned: see condition)")
+    condition: list[float] = Field(description="condition number of the active correlation matrix of G")
+
+    def __len__(self) -> int:
+        return len(self.step_pair)
 
 
 class EfficiencyOut(_M):
@@ -85,7 +96,7 @@ class FeatureMeans(_M):
 class CostSection(_M):
     features: list[FeatureOut]
     metric: MetricOut
-    kl_min: list[KlMinOut]
+    kl_min: KlMinRows
     efficiency: list[EfficiencyOut]
     feature_means: FeatureMeans
     summary: dict[str, float | int | str | list[float] | None] = Field(description=(
@@ -103,25 +114,26 @@ def _gaps(pairs: list[tuple[int, int]]) -> list[float]:
 def cost_figures(c: CostSection) -> list[FigureOut]:
     figs = []
     x_label = "step t (pair t → t+1)"
-    if c.kl_min:
-        pairs = [tuple(r.step_pair) for r in c.kl_min]
+    k = c.kl_min
+    if len(k):
+        pairs = [tuple(p) for p in k.step_pair]
         x = [float(p[0]) for p in pairs]
-        res = [r for r in c.kl_min if r.resolved]
+        res = [i for i, r in enumerate(k.resolved) if r]
         figs.append(FigureOut(id="kl-min", x_label=x_label, caption=(
             "KL_min per step pair, with its noise floor (nats per sequence, log scale)."), panels=[Panel(
                 y_label="nats per sequence", log_y=True, series=[
-                    Series(label="KL_min", x=x, y=[r.kl_min for r in c.kl_min], gaps=_gaps(pairs), color="#1f5fa8"),
-                    Series(label="noise floor ½ tr(G⁻¹Σ_Δz)", x=x, y=[r.noise_floor for r in c.kl_min],
+                    Series(label="KL_min", x=x, y=k.kl_min, gaps=_gaps(pairs), color="#1f5fa8"),
+                    Series(label="noise floor ½ tr(G⁻¹Σ_Δz)", x=x, y=k.noise_floor,
                            style="dashed", gaps=_gaps(pairs), color="#c0392b"),
-                    Series(label="resolved (BH, q = 0.05)", x=[float(r.step_pair[0]) for r in res],
-                           y=[r.kl_min for r in res], style="points", color="#1f5fa8")])]))
+                    Series(label="resolved (BH, q = 0.05)", x=[x[i] for i in res],
+                           y=[k.kl_min[i] for i in res], style="points", color="#1f5fa8")])]))
         names = [f.name for f in c.features if f.status == "priced"]
-        if names and any(r.shares.get(n, 0.0) > 0 for r in c.kl_min for n in names):
+        shares = {n: [v or 0.0 for v in k.shares.get(n, [])] for n in names}
+        if any(v > 0 for n in names for v in shares[n]):
             figs.append(FigureOut(id="shares", x_label=x_label, caption=(
                 "Exact Shapley shares of KL_min by feature, stacked (nats per sequence)."), panels=[Panel(
                     y_label="share of KL_min (nats per sequence)",
-                    series=[Series(label=n, x=x, y=[r.shares.get(n, 0.0) for r in c.kl_min], style="stack")
-                            for n in names])]))
+                    series=[Series(label=n, x=x, y=shares[n], style="stack") for n in names])]))
     rows = [r for r in c.efficiency if r.efficiency_debiased is not None]
     if rows:
         pairs = [tuple(r.step_pair) for r in rows]
@@ -163,21 +175,16 @@ def cost_section(ctx: RunContext) -> BookResult:
         return _result([rollouts_refusal(run, [])], None, spec)
     samples = ctx.samples
     priced = ctx.priced
-    formed = [] if priced.book is None else priced.book.kl_min.rows
     extra = not_formed_refusals(run, priced)
     if priced.book is None:
         return _result(extra or [rollouts_refusal(run, samples)], None, spec)
     book: CostBook = priced.book
     g = priced.metric
     docs, units = features.docs(), features.units()
-    excluded = {n: why for sub in [g, *g.by_step.values()] for n, why in sub.excluded.items()}
+    excluded = {n: why for ex in [g.excluded, *map(g.excluded_of, g.by_step)] for n, why in ex.items()}
     feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
              for n in g.names]
-    kl_rows = [KlMinOut(step_pair=r.step_pair, kl_min=r.kl_min, noise_floor=r.noise_floor,
-                        clears_noise_floor=r.clears_noise_floor, p_value=r.p_value, resolved=r.resolved,
-                        leading_feature=r.leading_feature, shares=r.shares, shares_inexact=r.shares_inexact,
-                        condition=r.condition)
-               for r in formed]
+    kl_rows, totals = _kl_min_rows(book.kl_min.columns, g.names)
     eff = [EfficiencyOut(step_pair=r.step_pair, steps=r.steps, status=r.status, kl_min=r.kl_min, kl_spent=r.kl_spent,
                          efficiency=r.efficiency, efficiency_null=r.efficiency_null,
                          efficiency_debiased=r.efficiency_debiased, interval=r.interval, p_value=r.p_value,
@@ -191,7 +198,6 @@ def cost_section(ctx: RunContext) -> BookResult:
     means = FeatureMeans(step=[s.step for s in samples], n=[s.n for s in samples],
                          mean=dict(zip(samples[0].names, (sums / ns).T.tolist())),
                          se=dict(zip(samples[0].names, se.T.tolist())))
-    totals = {a: sum(r.shares.get(a, 0.0) for r in formed) for a in g.names}
     counts = book.counts()
     counts["refused"] += sum(len(r.subject.step_pairs) for r in extra)
     eta_median, eta_interval = book.headline()
@@ -202,15 +208,15 @@ def cost_section(ctx: RunContext) -> BookResult:
         "rows_nothing_priced": counts["nothing_priced"],
         "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
         "false_discoveries_expected": book.false_discoveries_expected,
-        "step_pairs": len(formed),
+        "step_pairs": len(kl_rows),
         "kl_min_rows": len(kl_rows),
-        "kl_min_resolved": sum(r.resolved for r in kl_rows),
-        "median_kl_min": float(np.median([r.kl_min for r in kl_rows])) if kl_rows else None,
-        "median_noise_floor": float(np.median([r.noise_floor for r in kl_rows])) if kl_rows else None,
+        "kl_min_resolved": sum(kl_rows.resolved),
+        "median_kl_min": float(np.median(kl_rows.kl_min)) if len(kl_rows) else None,
+        "median_noise_floor": float(np.median(kl_rows.noise_floor)) if len(kl_rows) else None,
     }
     top = max(totals, key=totals.get) if totals and max(totals.values()) > 0 else None
     still = None
-    if book.refusals and kl_rows:
+    if book.refusals and len(kl_rows):
         still = render_template("report/cost_still_works.j2", {
             "n": len(kl_rows), "resolved": summary["kl_min_resolved"], "top": top,
             "top_share": (totals[top] / sum(totals.values())) if top else None})
@@ -221,6 +227,25 @@ def cost_section(ctx: RunContext) -> BookResult:
         kl_min=kl_rows, efficiency=eff, feature_means=means, summary=summary, still_works=still,
     )
     return _result([*extra, *book.refusals], section, spec)
+
+
+def _kl_min_rows(cols, names: tuple[str, ...]) -> tuple[KlMinRows, dict[str, float]]:
+    """The KL_min rows of the book's columns, and each feature's share summed over them."""
+    if cols is None:
+        return KlMinRows(step_pair=[], kl_min=[], noise_floor=[], clears_noise_floor=[], p_value=[], resolved=[],
+                         leading_feature=[], shares={n: [] for n in names}, shares_inexact=[], condition=[]), \
+            {n: 0.0 for n in names}
+    lead = [None, *names]  # leading index -1 -> None
+    shares = np.where(cols.priced, cols.shares, np.nan)
+    rows = KlMinRows.model_construct(  # every value is made here, from arrays of its type
+        step_pair=[tuple(p) for p in cols.step_pair.tolist()], kl_min=cols.kl_min.tolist(),
+        noise_floor=cols.noise_floor.tolist(), clears_noise_floor=cols.clears_noise_floor.tolist(),
+        p_value=cols.p_value.tolist(), resolved=cols.resolved.tolist(),
+        leading_feature=[lead[i + 1] for i in cols.leading.tolist()],
+        shares={n: [None if v != v else v for v in shares[:, j].tolist()] for j, n in enumerate(names)},
+        shares_inexact=cols.shares_inexact.tolist(), condition=cols.condition.tolist())
+    totals = {n: sum(col) for n, col in zip(names, cols.shares.T.tolist())}  # in row order, as the rows added
+    return rows, totals
 
 
 def not_formed_refusals(run, priced) -> list[Refusal]:
@@ -245,7 +270,7 @@ def not_formed_refusals(run, priced) -> list[Refusal]:
 
 
 def _result(refusals: list[Refusal], section: CostSection | None, spec) -> BookResult:
-    has_numbers = section is not None and bool(section.kl_min or section.efficiency)
+    has_numbers = section is not None and bool(len(section.kl_min) or section.efficiency)
     resolved = section is not None and bool(section.summary.get("rows_resolved"))
     status = status_of(has_numbers, refusals, resolved)
     s = section.summary if section else {}
@@ -254,8 +279,9 @@ def _result(refusals: list[Refusal], section: CostSection | None, spec) -> BookR
     card = None
     if section is not None:
         priced = [f.name for f in section.features if f.status == "priced"]
-        res = [r for r in section.kl_min if r.resolved]
-        totals = {n: sum(r.shares.get(n, 0.0) for r in res) for n in priced}
+        k = section.kl_min
+        res = [i for i, r in enumerate(k.resolved) if r]
+        totals = {n: sum(k.shares[n][i] or 0.0 for i in res) for n in priced}
         total = sum(totals.values())
         lead = sorted(((v / total, n) for n, v in totals.items() if v > 0), reverse=True)[:2] if total > 0 else []
         card = render_template("report/books/cost.card.j2", {"s": s, "lead": lead, "status": status}).strip() or None

@@ -12,7 +12,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -38,10 +38,70 @@ class StepSample:
     # set only when ``groups`` are already codes 0..n_groups-1 in order of first appearance
     # (``steps_from_run`` codes them once for all steps), so nothing has to code them again
     n_groups: int | None = None
+    # the stack of every step's rows this sample's arrays are views into (``steps_from_run``),
+    # and its place there: ``stacked`` hands consecutive samples back without a copy
+    stack: StepStack | None = field(default=None, repr=False)
+    index: int = field(default=-1, repr=False)
 
     @property
     def n(self) -> int:
         return self.z.shape[0]
+
+
+@dataclass(frozen=True, eq=False)
+class StepStack:
+    """The rows of every step ``steps_from_run`` read, stacked in step order (read-only). Sample i
+    holds views of rows ``starts[i]:starts[i] + ns[i]``; ``views`` keeps the very array objects
+    it was given, so ``stacked`` can tell a sample still holding them from one given others."""
+
+    arrays: dict[str, np.ndarray]  # sample attribute -> its rows for every step, stacked
+    starts: np.ndarray  # (P,) first row of each step
+    ns: np.ndarray  # (P,) rows of each step
+    views: dict[str, list]  # sample attribute -> each sample's array (None where it has none)
+
+
+def stacked(samples: Sequence[StepSample], attr: str = "z") -> np.ndarray:
+    """``np.concatenate`` of the samples' ``attr`` arrays (rows in sample order). Consecutive
+    samples of one ``StepStack`` that still hold the stack's arrays get a read-only view of
+    it, no copy: at 640,000 rollouts a copy of z costs as much as the arithmetic on it."""
+    if samples:
+        st, i0 = samples[0].stack, samples[0].index
+        views = st.views.get(attr) if st is not None else None
+        end = i0 + len(samples)
+        if views is not None and i0 >= 0 and end <= len(views) and all(
+                s.stack is st and getattr(s, attr) is views[i0 + j] and views[i0 + j] is not None
+                for j, s in enumerate(samples)):
+            return st.arrays[attr][int(st.starts[i0]):int(st.starts[end - 1] + st.ns[end - 1])]
+    return np.concatenate([np.asarray(getattr(s, attr)) for s in samples])
+
+
+def unit_ids(samples: Sequence[StepSample], groups_from: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """Each rollout's independent unit, numbered across ``samples`` (in sample order, each
+    sample's units in order): its prompt group where the sample has at least ``groups_from``
+    groups, else the rollout itself (and always the rollout in a sample without groups).
+    Returns the ids and each sample's number of units. Samples of one ``StepStack`` with coded
+    groups take one vectorised pass; others one array operation per sample."""
+    ns = np.fromiter((s.n for s in samples), np.int64, len(samples))
+    if samples and all(s.n_groups is not None for s in samples):
+        codes = stacked(samples, "groups")
+        gs = np.fromiter((s.n_groups for s in samples), np.int64, len(samples))
+        as_rows = gs < groups_from
+        units = np.where(as_rows, ns, gs)
+        offsets = np.r_[0, np.cumsum(units)[:-1]]
+        if as_rows.any():
+            starts = np.r_[0, np.cumsum(ns)[:-1]]
+            local = np.arange(len(codes)) - np.repeat(starts, ns)
+            codes = np.where(np.repeat(as_rows, ns), local, codes)
+        return codes + np.repeat(offsets, ns), units
+    ids, units, offset = [], [], 0
+    for s in samples:
+        codes, g = sample_codes(s) if s.groups is not None else (None, 0)
+        if codes is None or g < groups_from:
+            codes, g = np.arange(s.n), s.n
+        ids.append(codes + offset)
+        offset += g
+        units.append(g)
+    return (np.concatenate(ids) if ids else np.zeros(0, np.int64)), np.array(units, dtype=np.int64)
 
 
 @dataclass(frozen=True, eq=False)
@@ -114,6 +174,19 @@ def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
     return all_step_moments([s])[s.step]
 
 
+def group_sums(values: np.ndarray, uid: np.ndarray, total: int) -> np.ndarray:
+    """The sums of ``values`` (N, k) by id (``uid``: N ids in 0..total-1), as one bincount per
+    column gives them. Ids that run in equal consecutive blocks (every group of m rollouts
+    together, as TRL writes them) are summed as a (total, m, k) reshape instead: the same
+    additions in the same order, without k passes over the ids."""
+    m = len(uid) // total if total else 0
+    if values.ndim == 2 and m and m * total == len(uid) and (uid.reshape(total, m) == np.arange(total)[:, None]).all():
+        return values.reshape(total, m, values.shape[1]).sum(axis=1)
+    if values.ndim == 1:
+        return np.bincount(uid, weights=values, minlength=total)
+    return np.stack([np.bincount(uid, weights=values[:, j], minlength=total) for j in range(values.shape[1])], axis=1)
+
+
 def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarray, np.ndarray, int]]:
     """``step_moments`` of every sample in one segmented pass (no Python per step): the
     rollouts of all steps stacked, group sums by one bincount per feature over global group
@@ -121,34 +194,30 @@ def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarra
     group) summed by segment. Same definitions, same numbers to rounding."""
     if not samples:
         return {}
-    k = samples[0].z.shape[1]
-    z = np.concatenate([s.z for s in samples])
-    ns = np.array([s.n for s in samples])
+    means, covs, units = _moments(samples)
+    return {s.step: (m, c, g) for s, m, c, g in zip(samples, means, covs, units.tolist())}
+
+
+def _moments(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``all_step_moments`` as arrays: means (P, k), covariances (P, k, k), units (P,)."""
+    z = stacked(samples)
+    k = z.shape[1]
+    ns = np.fromiter((s.n for s in samples), np.int64, len(samples))
     # units: each step's groups where it has two or more, else each rollout
-    unit_ids, offset, n_units = [], 0, []
-    for s in samples:
-        codes, g = sample_codes(s) if s.groups is not None else (None, 0)
-        if codes is None or g < 2:
-            codes, g = np.arange(s.n), s.n
-        unit_ids.append(codes + offset)
-        offset += g
-        n_units.append(g)
-    uid = np.concatenate(unit_ids)
+    uid, n_units = unit_ids(samples, groups_from=2)
+    offset = int(n_units.sum())
     size = np.bincount(uid, minlength=offset).astype(float)
-    um = np.stack([np.bincount(uid, weights=z[:, j], minlength=offset) for j in range(k)], axis=1) / size[:, None]
-    n_units = np.array(n_units)
+    um = group_sums(z, uid, offset) / size[:, None]
     step_of_unit = np.repeat(np.arange(len(samples)), n_units)
     ustart = np.concatenate([[0], np.cumsum(n_units)[:-1]])
     rstart = np.concatenate([[0], np.cumsum(ns)[:-1]])
     means = np.add.reduceat(z, rstart, axis=0) / ns[:, None]
     unit_mean = np.add.reduceat(um, ustart, axis=0) / n_units[:, None]
     scatter = segment_scatter(um - unit_mean[step_of_unit], ustart, n_units)
-    out = {}
-    for i, s in enumerate(samples):
-        g = int(n_units[i])
-        cov = scatter[i] / (g - 1) / g if g > 1 else np.full((k, k), np.nan)
-        out[s.step] = (means[i], cov, g)
-    return out
+    g = n_units.astype(float)[:, None, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        covs = np.where(g > 1, scatter / (g - 1) / g, np.nan)
+    return means, covs, n_units
 
 
 def segment_scatter(dev: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -156,6 +225,10 @@ def segment_scatter(dev: np.ndarray, starts: np.ndarray, lengths: np.ndarray) ->
     ``dev`` (zero for an empty segment): segments of one length stacked, one batched matrix
     product per length (an outer product per row, summed, held rows x k x k floats)."""
     k = dev.shape[1]
+    if len(starts) and len(dev) == len(starts) * int(lengths[0]) and (lengths == lengths[0]).all() and \
+            (starts == np.arange(len(starts)) * int(lengths[0])).all():  # one length, in order: a reshape
+        block = dev.reshape(len(starts), int(lengths[0]), k)
+        return block.transpose(0, 2, 1) @ block
     out = np.zeros((len(starts), k, k))
     for length in np.unique(lengths[lengths > 0]).tolist():
         which = np.flatnonzero(lengths == length)
@@ -210,6 +283,7 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
     zs, step_parts, col_parts = [], [], {c: [] for c in extra}
     labels: dict[str, dict] = {}  # group ids and prompts -> integers, the same across row groups
+    nulls: set[str] = set()  # float columns with a null somewhere: only they can be absent at a step
     tables = (t for t in run.iter_rollouts([*dict.fromkeys([*wanted, *extra])], window) if t.num_rows)
 
     def compute(table: pa.Table) -> np.ndarray:
@@ -225,6 +299,7 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
             elif col.null_count == 0:
                 col_parts[c].append(col.to_numpy(zero_copy_only=False).astype(float))
             else:  # partly null (e.g. logp_prev of the first step): NaN marks the gaps
+                nulls.add(c)
                 col_parts[c].append(col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
     if not zs:
         return []
@@ -241,14 +316,21 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     if "group_id" in cols:  # labels -> codes in order of first appearance, per step
         cols["group_id"], n_groups = segment_codes(starts, len(steps), cols["group_id"])
     # a float column that is null on every row of a step is absent at that step
-    absent = {c: np.logical_and.reduceat(np.isnan(v), starts) for c, v in cols.items() if v.dtype.kind == "f"}
-    present = [(c, OPTIONAL_COLUMNS[c]) for c in OPTIONAL_COLUMNS if c in cols]
-    out = []
-    for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
-        kw = {attr: cols[c][a:b] for c, attr in present if c not in absent or not absent[c][i]}
-        out.append(StepSample(int(steps[a]), features.names, z[a:b], n_groups=None if n_groups is None
-                              else int(n_groups[i]), **kw))
-    return out
+    absent = {c: np.logical_and.reduceat(np.isnan(v), starts) for c, v in cols.items()
+              if v.dtype.kind == "f" and c in nulls}
+    arrays = {"z": z, **{OPTIONAL_COLUMNS[c]: v for c, v in cols.items()}}
+    for a in arrays.values():
+        a.flags.writeable = False  # shared by every sample and by ``stacked``
+    bounds = list(zip(starts.tolist(), ends.tolist()))
+    views = {attr: [None if c in absent and absent[c][i] else v[a:b] for i, (a, b) in enumerate(bounds)]
+             for attr, c, v in [("z", None, z), *[(OPTIONAL_COLUMNS[c], c, v) for c, v in cols.items()]]}
+    stack = StepStack(arrays=arrays, starts=starts, ns=ends - starts, views=views)
+    present = [OPTIONAL_COLUMNS[c] for c in OPTIONAL_COLUMNS if c in cols]
+    g = [None] * len(bounds) if n_groups is None else n_groups.tolist()
+    zs = views["z"]
+    return [StepSample(int(steps[a]), features.names, zs[i], n_groups=g[i], stack=stack, index=i,
+                       **{attr: views[attr][i] for attr in present if views[attr][i] is not None})
+            for i, (a, _) in enumerate(bounds)]
 
 
 FEATURE_THREADS = min(4, os.cpu_count() or 1)
@@ -319,34 +401,56 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
             raise ValueError(f"step {s.step} is in basis {s.names}, step {samples[0].step} in {names}: "
                              "samples must share one feature basis")
     by_step = {s.step: s for s in samples}
-    # each step's moments once (it sits in two pairs), all in one segmented pass
-    moments = all_step_moments([s for s in samples if s.n >= 2])
-
-    def moments_of(x: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
-        return moments[x.step]
-
-    formed = []
-    for t in sorted(by_step):
-        if t + 1 not in by_step:
-            continue
-        pre, post = by_step[t], by_step[t + 1]
-        for side in (pre, post):
+    pairs = [t for t in sorted(by_step) if t + 1 in by_step]
+    for t in pairs:
+        for side in (by_step[t], by_step[t + 1]):
             if side.n < 2:
                 raise ValueError(f"step {side.step} has {side.n} rollout(s); a ledger needs at least 2 per step "
                                  "to estimate the standard error of dz")
-        matched = matched_by_prompt(pre, post)
-        if matched is not None:
-            dz, cov, units = matched
-        else:
-            m_pre, v_pre, u_pre = moments_of(pre)
-            m_post, v_post, u_post = moments_of(post)
-            dz, cov, units = m_post - m_pre, v_pre + v_post, u_pre + u_post
-        formed.append((t, pre, post, dz, cov, units, matched is not None))
-    if not formed:
+    if not pairs:
         return []
-    # every pair's standard errors at once: the diagonals of the stacked covariances
-    covs = np.stack([cov for _, _, _, _, cov, _, _ in formed])
-    ses = np.sqrt(np.clip(np.diagonal(covs, axis1=1, axis2=2), 0, None))
-    return [Ledger(step_pair=(t, t + 1), names=names, delta_z=dz, se=se, cov_delta=cov, n_pre=pre.n, n_post=post.n,
-                   learning_rate=None if eta_by_step is None else eta_by_step.get(t), units=units, matched=matched)
-            for (t, pre, post, dz, cov, units, matched), se in zip(formed, ses)]
+    # each step's moments once (it sits in two pairs), all in one segmented pass; every pair's
+    # dz and covariance by stacked arithmetic, then the pairs matched by prompt replace theirs
+    two = [s for s in samples if s.n >= 2]
+    means, covs, units = _moments(two)
+    pos = {s.step: i for i, s in enumerate(two)}
+    pre = np.array([pos[t] for t in pairs])
+    post = np.array([pos[t + 1] for t in pairs])
+    dz, cov, n_units = means[post] - means[pre], covs[pre] + covs[post], units[pre] + units[post]
+    matched = np.zeros(len(pairs), dtype=bool)
+    for q in np.flatnonzero(_may_match(two, pre, post)).tolist():
+        m = matched_by_prompt(two[pre[q]], two[post[q]])
+        if m is not None:
+            dz[q], cov[q], n_units[q] = m
+            matched[q] = True
+    ses = np.sqrt(np.clip(np.diagonal(cov, axis1=1, axis2=2), 0, None))
+    lrs = eta_by_step or {}
+    return [Ledger(step_pair=(t, t + 1), names=names, delta_z=dz[q], se=ses[q], cov_delta=cov[q],
+                   n_pre=by_step[t].n, n_post=by_step[t + 1].n,
+                   learning_rate=None if eta_by_step is None else lrs.get(t), units=u, matched=mt)
+            for q, (t, u, mt) in enumerate(zip(pairs, n_units.tolist(), matched.tolist()))]
+
+
+def _may_match(samples: Sequence[StepSample], pre: np.ndarray, post: np.ndarray) -> np.ndarray:
+    """Which pairs (samples[pre[q]], samples[post[q]]) share at least ``MATCH_MIN_PROMPTS``
+    prompts (the test ``matched_by_prompt`` starts with), for every pair at once where the
+    samples' prompts are integer ids (a record's are) and each pair's steps are neighbours in
+    ``samples``; else True, and ``matched_by_prompt`` decides."""
+    if any(s.prompts is None for s in samples):
+        maybe = np.array([samples[a].prompts is not None and samples[b].prompts is not None
+                          for a, b in zip(pre.tolist(), post.tolist())], dtype=bool)
+        return maybe if not maybe.any() else maybe & _may_match_ids(samples, pre, post, maybe)
+    return _may_match_ids(samples, pre, post, np.ones(len(pre), dtype=bool))
+
+
+def _may_match_ids(samples, pre, post, which) -> np.ndarray:
+    if any(s.prompts is None or s.prompts.dtype.kind not in "iu" for s in samples) or not (post == pre + 1).all():
+        return which
+    ns = np.fromiter((s.n for s in samples), np.int64, len(samples))
+    ids = stacked(samples, "prompts").astype(np.int64) + 1  # null prompts (-1) are a label too
+    width = int(ids.max(initial=0)) + 1
+    keys = np.unique(np.repeat(np.arange(len(samples), dtype=np.int64), ns) * width + ids)  # (sample, prompt), once
+    row = keys // width
+    also_before = np.isin(keys - width, keys) & (row >= 1)  # the same prompt in the previous sample
+    shared = np.bincount(row[also_before] - 1, minlength=len(samples))
+    return which & (shared[pre] >= MATCH_MIN_PROMPTS)
