@@ -13,7 +13,7 @@ D_t. A book that needs another's result asks the context for it (``ctx.result("c
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,12 +56,14 @@ class RunContext:
     """One record, read once, for every book of a report."""
 
     def __init__(self, run, features, *, ledger: str = "auto", window: int | str = 1,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, collectors: Sequence = ()):
         self.run = run
         self.features = features
         self.ledger = ledger
         self.window = window
         self.progress = progress or (lambda _msg: None)
+        self.collectors = list(collectors)  # fed by the pass that reads the samples (RowCollector)
+        self.collected = False
         self._cache: dict[str, Any] = {}
         self._results: dict[str, BookResult] = {}
         self.specs: dict[str, BookSpec] = {}
@@ -79,7 +81,9 @@ class RunContext:
             if not self.run.n_rollouts:
                 return []
             self.progress("reading rollouts and computing features")
-            return steps_from_run(self.run, self.features, window=whole_run(self.run))
+            out = steps_from_run(self.run, self.features, window=whole_run(self.run), collectors=self.collectors)
+            self.collected = True
+            return out
         return self.cached("samples", make)
 
     @property

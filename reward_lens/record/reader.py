@@ -294,12 +294,15 @@ class Run:
             meta = pf.metadata
             step_idx = pf.schema_arrow.get_field_index("step")
             batches: list[list[int]] = []
+            inside: set[int] = set()  # row groups whose every step is in the window: no filter to apply
             rows = 0
             for rg in range(meta.num_row_groups):
                 stats = meta.row_group(rg).column(step_idx).statistics
                 if window is not None and stats is not None and stats.has_min_max:
                     if stats.max < window.start or stats.min > window.stop:
                         continue
+                    if window.start <= stats.min and stats.max <= window.stop:
+                        inside.add(rg)
                 if wanted is not None and stats is not None and stats.has_min_max:
                     i = np.searchsorted(wanted, stats.min)
                     if i == len(wanted) or wanted[i] > stats.max:  # no wanted step in [min, max]
@@ -312,7 +315,7 @@ class Run:
                 rows += n
             for batch in batches:
                 table = self._read(pf, name, cols, batch)
-                if window is not None:
+                if window is not None and not inside.issuperset(batch):
                     s = table.column("step")
                     table = table.filter(pc.and_(pc.greater_equal(s, window.start), pc.less_equal(s, window.stop)))
                 if wanted is not None:

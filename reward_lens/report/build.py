@@ -6,6 +6,7 @@ into feature vectors and dropped, so memory holds n x k floats, never every comp
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -15,7 +16,7 @@ from reward_lens.measure.books import RunContext
 from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.record.reader import Run, Window
-from reward_lens.report.curves import training_curves
+from reward_lens.report.curves import RolloutCurves, training_curves
 from reward_lens.record.errors import RecordError
 from reward_lens.report.model import (
     BasisFeature,
@@ -92,53 +93,68 @@ BROWSER_PER_STEP = 4
 BROWSER_TEXT_MAX = 600
 
 
-def _browser(run: Run, features: FeatureBasis, context: dict) -> list[BrowserRow]:
-    """A spread of rollouts for the HTML browser: up to BROWSER_PER_STEP rollouts of up to
-    BROWSER_STEPS steps spread over the run, with their features in the report's basis."""
-    if not run.n_rollouts:
-        return []
-    steps = np.unique(run.rollout_steps)
-    chosen = set(steps[np.unique(np.linspace(0, len(steps) - 1, min(BROWSER_STEPS, len(steps))).astype(int))].tolist())
-    available = set(run.rollout_columns())
-    cols = [c for c in ("prompt", "completion", "reward", "advantage") if c in available]
-    cols += [c for c in features.columns if c in available and c not in cols]
-    taken: dict[int, int] = {}
-    out = []
-    for table in run.iter_rollouts(cols, steps=sorted(chosen)):  # only the chosen steps' rows
+class BrowserRows:
+    """A spread of rollouts for the HTML browser: up to BROWSER_PER_STEP rollouts (the first, in
+    record order) of up to BROWSER_STEPS steps spread over the run, with their features in the
+    report's basis. A ``RowCollector``: fed by the pass that computes the samples' features, or
+    by a pass of its own over the chosen steps' row groups (``read``)."""
+
+    def __init__(self, run: Run, features: FeatureBasis, context: dict):
+        self.features, self.context = features, context
+        available = set(run.rollout_columns()) if run.n_rollouts else set()
+        cols = [c for c in ("prompt", "completion", "reward", "advantage") if c in available]
+        self.columns = tuple(cols + [c for c in features.columns if c in available and c not in cols])
+        steps = np.unique(run.rollout_steps) if run.n_rollouts else np.zeros(0, np.int64)
+        picks = np.unique(np.linspace(0, len(steps) - 1, min(BROWSER_STEPS, len(steps))).astype(int))
+        self.chosen = np.sort(steps[picks]) if len(steps) else steps
+        self.taken = np.zeros(len(self.chosen), dtype=np.int64)  # rows kept so far, by chosen step
+        self.rows: list[BrowserRow] = []
+
+    def take(self, table, z: np.ndarray) -> None:
         s = table.column("step").to_numpy()
+        chosen = np.isin(s, self.chosen)
+        if not chosen.any():
+            return
         # each row's rank among its step's rows (stable: in record order), after those kept before
         order = np.argsort(s, kind="stable")
         ss = s[order]
         starts = np.flatnonzero(np.r_[True, ss[1:] != ss[:-1]])
         rank = np.empty(len(s), dtype=np.int64)
         rank[order] = np.arange(len(s)) - np.repeat(starts, np.diff(np.r_[starts, len(s)]))
-        before = np.array([taken.get(v, 0) for v in s.tolist()], dtype=np.int64)
-        ok = rank + before < BROWSER_PER_STEP
-        keep = np.flatnonzero(ok).tolist()
-        for v, c in zip(*np.unique(s[ok], return_counts=True)):
-            taken[int(v)] = taken.get(int(v), 0) + int(c)
-        if not keep:
-            continue
-        sub = table.take(keep)
-        try:
-            z = features.compute(sub, context=context)
-        except RecordError:
-            z = np.full((sub.num_rows, len(features.names)), np.nan)
-        rows = sub.to_pylist()
-        for row, zi in zip(rows, z):
-            out.append(BrowserRow(step=row["step"], prompt=_capped(row.get("prompt") or "", BROWSER_TEXT_MAX),
-                                  completion=_capped(row.get("completion") or "", BROWSER_TEXT_MAX),
-                                  reward=row.get("reward"), advantage=row.get("advantage"),
-                                  features={n: float(v) for n, v in zip(features.names, zi) if np.isfinite(v)}))
-    return out
+        where = np.minimum(np.searchsorted(self.chosen, s), len(self.chosen) - 1)  # exact for chosen rows
+        keep = np.flatnonzero(chosen & (rank + self.taken[where] < BROWSER_PER_STEP))
+        np.add.at(self.taken, where[keep], 1)
+        if not len(keep):
+            return
+        names = self.features.names
+        for row, zi in zip(table.select([c for c in ("step", *self.columns) if c in table.column_names])
+                           .take(keep).to_pylist(), z[keep].tolist()):
+            self.rows.append(BrowserRow(step=row["step"], prompt=_capped(row.get("prompt") or "", BROWSER_TEXT_MAX),
+                                        completion=_capped(row.get("completion") or "", BROWSER_TEXT_MAX),
+                                        reward=row.get("reward"), advantage=row.get("advantage"),
+                                        features={n: v for n, v in zip(names, zi) if math.isfinite(v)}))
+
+    def read(self, run: Run) -> None:
+        """A pass of its own: only the row groups of the chosen steps."""
+        if not run.n_rollouts:
+            return
+        for table in run.iter_rollouts(self.columns, steps=self.chosen.tolist()):
+            try:
+                z = self.features.compute(table, context=self.context)
+            except RecordError:
+                z = np.full((table.num_rows, len(self.features.names)), np.nan)
+            self.take(table, z)
 
 
 def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "auto",
                  window: int | str = 1, features: FeatureBasis | None = None) -> Report:
     """Every book of ``run`` (one per spec in specs/books/, in their ``report.order``),
     computed in the feature basis ``features`` (default: specs/features/surface.yaml)."""
+    from reward_lens.measure.ledger.price import feature_context
+
     features = features if features is not None else SurfaceFeatures()
-    ctx = RunContext(run, features, ledger=ledger, window=window, progress=progress)
+    browser, curves = BrowserRows(run, features, feature_context(run)), RolloutCurves(run)
+    ctx = RunContext(run, features, ledger=ledger, window=window, progress=progress, collectors=[browser, curves])
     ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
     books, card_order = [], {}
     for spec in sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id)):
@@ -151,11 +167,11 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
                              figures=res.figures))
     basis = BasisOut(id=features.basis_id, name=features.label, source=features.source,
                      features=[BasisFeature(**d) for d in features.describe()])
-    from reward_lens.measure.ledger.price import feature_context
-
+    if not ctx.collected:  # no book read the samples: the browser and the curves read for themselves
+        browser.read(run)
+        curves.read(run)
     return Report(generator=f"reward-lens {__version__}", run=_summary(run), basis=basis, books=books,
-                  samples=_samples(run), curves=training_curves(run),
-                  browser=_browser(run, features, feature_context(run)),
+                  samples=_samples(run), curves=training_curves(run, curves.panels()), browser=browser.rows,
                   card=summary_card(sorted(books, key=lambda b: card_order[b.id])))
 
 

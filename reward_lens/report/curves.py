@@ -26,61 +26,87 @@ def _per_step(steps: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
     return uniq, np.bincount(codes, weights=values) / np.bincount(codes)
 
 
-def rollout_curves(run: Run) -> list[Panel]:
-    cols = [c for c in ("reward", "rewards", "num_tokens", "completion_ids") if c in run.rollout_columns()]
-    if not run.n_rollouts or not cols:
-        return []
-    want = [c for c in cols if c != "completion_ids" or "num_tokens" not in cols]
-    steps, reward, length, funcs = [], [], [], {}
-    for t in run.iter_rollouts(want):
+class RolloutCurves:
+    """Mean reward (total and each reward function's) and completion length per step, from the
+    rollouts. A ``RowCollector``: fed by the pass that computes the samples' features, or by a
+    pass of its own (``read``)."""
+
+    def __init__(self, run: Run):
+        cols = [c for c in ("reward", "rewards", "num_tokens", "completion_ids") if c in run.rollout_columns()]
+        self.columns = tuple(c for c in cols if c != "completion_ids" or "num_tokens" not in cols)
+        self.steps: list[np.ndarray] = []
+        self.reward: list[np.ndarray] = []
+        self.length: list[np.ndarray] = []
+        self.funcs: dict[str, tuple[list, list]] = {}
+
+    def take(self, t: pa.Table, z=None) -> None:
         st = t.column("step").to_numpy()
-        steps.append(st)
-        if "reward" in t.column_names:
-            reward.append(t.column("reward").cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
-        if "num_tokens" in t.column_names:
-            length.append(t.column("num_tokens").cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
-        elif "completion_ids" in t.column_names:
-            length.append(pc.list_value_length(t.column("completion_ids")).cast(pa.float64()).fill_null(np.nan)
-                          .to_numpy(zero_copy_only=False))
-        if "rewards" in t.column_names:
+        self.steps.append(st)
+        if "reward" in self.columns:
+            self.reward.append(t.column("reward").cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
+        if "num_tokens" in self.columns:
+            self.length.append(t.column("num_tokens").cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
+        elif "completion_ids" in self.columns:
+            self.length.append(pc.list_value_length(t.column("completion_ids")).cast(pa.float64()).fill_null(np.nan)
+                               .to_numpy(zero_copy_only=False))
+        if "rewards" in self.columns:
             m = t.column("rewards").combine_chunks()
             lens = np.diff(np.asarray(m.offsets))
             vals = m.items.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
             rep = np.repeat(st, lens)
             for k in m.keys.unique().to_pylist():  # a handful of reward functions: one vectorised compare each
                 sel = pc.equal(m.keys, k).to_numpy(zero_copy_only=False)
-                funcs.setdefault(k, ([], []))
-                funcs[k][0].append(rep[sel])
-                funcs[k][1].append(vals[sel])
-    steps_all = np.concatenate(steps)
-    panels = []
-    if reward:
-        r = np.concatenate(reward)
-        ok = np.isfinite(r)
-        series = []
-        if ok.any():
-            x, y = _per_step(steps_all[ok], r[ok])
-            series.append(Series(label="reward (total)", x=x.tolist(), y=y.tolist()))
-        for k, (s, v) in sorted(funcs.items()):
-            s, v = np.concatenate(s), np.concatenate(v)
-            ok = np.isfinite(v)
+                self.funcs.setdefault(k, ([], []))
+                self.funcs[k][0].append(rep[sel])
+                self.funcs[k][1].append(vals[sel])
+
+    def read(self, run: Run) -> None:
+        """A pass of its own over the rollouts."""
+        if run.n_rollouts and self.columns:
+            for t in run.iter_rollouts(self.columns):
+                self.take(t)
+
+    def panels(self) -> list[Panel]:
+        if not self.steps or not self.columns:
+            return []
+        steps_all = np.concatenate(self.steps)
+        panels = []
+        if self.reward:
+            r = np.concatenate(self.reward)
+            ok = np.isfinite(r)
+            series = []
             if ok.any():
-                x, y = _per_step(s[ok], v[ok])
-                series.append(Series(label=f"reward `{k}`", x=x.tolist(), y=y.tolist(), style="dashed"))
-        if series:
-            panels.append(Panel(title="mean reward per step", y_label="reward units", series=series))
-    if length:
-        n = np.concatenate(length)
-        ok = np.isfinite(n)
-        if ok.any():
-            x, y = _per_step(steps_all[ok], n[ok])
-            panels.append(Panel(title="mean completion length", y_label="tokens", series=[Series(x=x.tolist(),
-                                                                                                 y=y.tolist())]))
-    return panels
+                x, y = _per_step(steps_all[ok], r[ok])
+                series.append(Series(label="reward (total)", x=x.tolist(), y=y.tolist()))
+            for k, (s, v) in sorted(self.funcs.items()):
+                s, v = np.concatenate(s), np.concatenate(v)
+                ok = np.isfinite(v)
+                if ok.any():
+                    x, y = _per_step(s[ok], v[ok])
+                    series.append(Series(label=f"reward `{k}`", x=x.tolist(), y=y.tolist(), style="dashed"))
+            if series:
+                panels.append(Panel(title="mean reward per step", y_label="reward units", series=series))
+        if self.length:
+            n = np.concatenate(self.length)
+            ok = np.isfinite(n)
+            if ok.any():
+                x, y = _per_step(steps_all[ok], n[ok])
+                panels.append(Panel(title="mean completion length", y_label="tokens", series=[Series(x=x.tolist(),
+                                                                                                     y=y.tolist())]))
+        return panels
 
 
-def training_curves(run: Run) -> list[FigureOut]:
-    panels = rollout_curves(run)
+def rollout_curves(run: Run) -> list[Panel]:
+    """The rollout curves of ``run`` by a pass of their own."""
+    curves = RolloutCurves(run)
+    curves.read(run)
+    return curves.panels()
+
+
+def training_curves(run: Run, rollout_panels: list[Panel] | None = None) -> list[FigureOut]:
+    """The training curves of ``run``: ``rollout_panels`` where they were collected already
+    (``RolloutCurves``), else read here, then the telemetry's."""
+    panels = list(rollout_panels) if rollout_panels is not None else rollout_curves(run)
     for fields, title, unit, log in TELEMETRY:
         series = []
         for f in fields:

@@ -314,10 +314,16 @@ def test_the_browser_keeps_the_first_rollouts_of_each_chosen_step_in_record_orde
     from reward_lens.record import reader
     from reward_lens.report import build
 
+    from reward_lens.measure.ledger.price import steps_from_run
+
     run = open_run(PAIRED)
     monkeypatch.setattr(reader, "ROWS_PER_READ", 20)  # a step's rows span several reads
     monkeypatch.setattr(build, "BROWSER_STEPS", 7)
-    rows = build._browser(run, SurfaceFeatures(), feature_context(run))
+    features = SurfaceFeatures()
+    alone = build.BrowserRows(run, features, feature_context(run))
+    alone.read(run)  # a pass of its own over the chosen steps' row groups
+    fed = build.BrowserRows(run, features, feature_context(run))
+    samples = {s.step: s for s in steps_from_run(run, features, collectors=[fed])}  # the report's one pass
     # the rule written plainly: over every rollout in record order, the first BROWSER_PER_STEP
     # of each chosen step (steps spread over the run)
     steps = np.unique(run.rollout_steps)
@@ -327,8 +333,12 @@ def test_the_browser_keeps_the_first_rollouts_of_each_chosen_step_in_record_orde
     for s, text in zip(table.column("step").to_pylist(), table.column("completion").to_pylist()):
         if s in chosen and taken.get(s, 0) < build.BROWSER_PER_STEP:
             taken[s] = taken.get(s, 0) + 1
-            want.append((s, text[:build.BROWSER_TEXT_MAX]))
-    assert [(r.step, r.completion[:build.BROWSER_TEXT_MAX]) for r in rows] == want and len(want) == 7 * 4
+            want.append((s, text[:build.BROWSER_TEXT_MAX], taken[s] - 1))
+    for rows in (alone.rows, fed.rows):
+        assert [(r.step, r.completion[:build.BROWSER_TEXT_MAX]) for r in rows] == [w[:2] for w in want]
+        assert len(want) == 7 * 4
+        for r, (s, _, i) in zip(rows, want):  # the features the books priced, row for row
+            assert r.features == dict(zip(features.names, samples[s].z[i].tolist()))
 
 
 def test_per_step_numbers_are_columns_aligned_with_their_steps():

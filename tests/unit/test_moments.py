@@ -114,6 +114,32 @@ def test_group_codes_and_segment_codes_agree_with_first_appearance_written_plain
             assert codes[a:a + n].tolist() == want == got.tolist() and g == g_want == g_got
     # a label -1 after a 0 is not already a code (the fast path once took it for one)
     assert group_codes(np.array([0, -1, 0, 1]))[0].tolist() == [0, 1, 0, 2]
+    # a record's layout: every step's groups are new ids in order of first appearance (the
+    # labels less the step's smallest are the codes); and near misses of it, which are not
+    for _ in range(200):
+        lens = rng.integers(1, 12, size=rng.integers(1, 8))
+        starts = np.r_[0, np.cumsum(lens)[:-1]]
+        labels, top = [], 0
+        for n in lens:
+            local = [0]
+            for _ in range(n - 1):
+                local.append(int(rng.integers(0, max(local) + 2)))
+            labels += [top + c for c in local]
+            top += max(local) + 1
+        labels = np.array(labels)
+        variants = [labels]
+        if len(lens) > 1:
+            repeat = labels.copy()
+            repeat[starts[1]] = labels[0]  # step 1 starts with a group of step 0
+            variants.append(repeat)
+            swapped = labels.copy()
+            swapped[starts[-1]:] = swapped[starts[-1]:][::-1]  # the last step's ids not in first-appearance order
+            variants.append(swapped)
+        for lab in variants:
+            codes, counts = segment_codes(starts, int(lens.sum()), lab)
+            for a, n, g in zip(starts, lens, counts):
+                want, g_want = plain(lab[a:a + n])
+                assert codes[a:a + n].tolist() == want and g == g_want
 
 
 def test_step_scatter_and_window_sums_agree_with_the_definitions_written_plainly():
@@ -271,3 +297,27 @@ def test_ledgers_match_by_prompt_exactly_where_two_prompts_are_shared():
             np.testing.assert_allclose(lg.delta_z, m[0], rtol=1e-12)
             assert lg.units == m[2]
     assert 0 < sum(lg.matched for lg in ledgers) < len(ledgers)
+
+
+def test_labels_read_in_many_parts_get_one_id_each_in_order_of_first_appearance(monkeypatch):
+    """Group ids and prompts are read as integer ids, encoded part by part: with reads that
+    split steps, every label still has one id over the whole record (first appearance order),
+    and each step's groups are coded as the definition codes the raw labels."""
+    from reward_lens.measure.ledger import price
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.record import reader
+    from reward_lens.record.reader import open_run
+
+    run = open_run(Path(__file__).parents[1] / "fixtures" / "grpo_run" / "paired")
+    monkeypatch.setattr(reader, "ROWS_PER_READ", 40)  # reads of 40 rows: steps of 64 straddle them
+    samples = price.steps_from_run(run, SurfaceFeatures())
+    raw = run.read_rollouts(["group_id", "prompt"])
+    steps = raw.column("step").to_numpy()
+    first: dict = {}
+    want_prompts = np.array([first.setdefault(v, len(first)) for v in raw.column("prompt").to_pylist()])
+    got_prompts = np.concatenate([s.prompts for s in samples])
+    assert np.array_equal(got_prompts, want_prompts)
+    labels = np.array(raw.column("group_id").to_pylist(), dtype=object)
+    for s in samples:
+        codes, g = price.group_codes(labels[steps == s.step])
+        assert np.array_equal(s.groups, codes) and s.n_groups == g

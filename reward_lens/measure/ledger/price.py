@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -152,6 +153,9 @@ def segment_codes(starts: np.ndarray, n: int, labels: np.ndarray) -> tuple[np.nd
     """``group_codes`` within each segment of rows [starts[i], starts[i+1]) of ``labels``
     (integers), for all segments at once: the codes, and each segment's number of groups."""
     seg = np.repeat(np.arange(len(starts)), np.diff(np.r_[starts, n]))
+    fast = _codes_by_offset(starts, seg, labels)
+    if fast is not None:
+        return fast
     lab = np.unique(labels, return_inverse=True)[1].reshape(-1).astype(np.int64)
     key = seg.astype(np.int64) * (int(lab.max(initial=0)) + 1) + lab
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
@@ -160,6 +164,25 @@ def segment_codes(starts: np.ndarray, n: int, labels: np.ndarray) -> tuple[np.nd
     counts = np.bincount(seg[first], minlength=len(starts))         # so ranks run segment by segment
     offsets = np.r_[0, np.cumsum(counts)[:-1]]
     return rank[inverse.reshape(-1)] - offsets[seg], counts
+
+
+def _codes_by_offset(starts: np.ndarray, seg: np.ndarray, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``segment_codes`` where each segment's labels are new integers in order of first
+    appearance (a record's group ids: a step's groups are its own, numbered as they appear):
+    the codes are the labels less the segment's smallest, which is checked -- every segment's
+    codes start at 0 and their running maximum grows by at most 1 -- else None."""
+    labels = np.asarray(labels)
+    if labels.dtype.kind not in "iu" or not len(labels) or labels.min() < 0 or \
+            (np.diff(np.r_[starts, len(labels)]) < 1).any():  # an empty segment has no smallest label
+        return None
+    codes = labels - np.minimum.reduceat(labels, starts)[seg]
+    counts = np.maximum.reduceat(codes, starts) + 1
+    # laid end to end (segment i's codes offset by the groups before it), all segments' codes
+    # are first-appearance codes exactly when each segment's are
+    joined = codes + np.r_[0, np.cumsum(counts)[:-1]][seg]
+    if codes[starts].any() or (np.diff(np.maximum.accumulate(joined)) > 1).any():
+        return None
+    return codes.astype(np.int64, copy=False), counts.astype(np.int64)
 
 
 def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
@@ -271,31 +294,47 @@ OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": 
                     "logp_prev": "logp_prev", "kl_prev": "kl_prev", "logp_prev_step": "logp_prev_step"}
 
 
-def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = None) -> list[StepSample]:
+class RowCollector(Protocol):
+    """Something else a report takes from the rollouts (a browser's rows, curves), fed by the
+    same pass that computes the features instead of a pass of its own: ``take`` gets every
+    table read, in record order, with its rows' features."""
+
+    columns: tuple[str, ...]  # the columns it reads, where the record has them
+
+    def take(self, table: pa.Table, z: np.ndarray) -> None: ...
+
+
+def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = None, *,
+                   collectors: Sequence[RowCollector] = ()) -> list[StepSample]:
     """One StepSample per step in ``window``, reading only the columns the features need
-    (plus rewards, advantages, groups and log-probabilities where the record has them)."""
+    (plus rewards, advantages, groups and log-probabilities where the record has them, and
+    the columns ``collectors`` read, which are handed every table as it is read)."""
     window = window or whole_run(run)
     available = set(run.rollout_columns())
     extra = [c for c in OPTIONAL_COLUMNS if c in available]
+    also = [c for col in collectors for c in col.columns if c in available]
     context = feature_context(run)
     wanted = [c for c in features.columns if c in available or c not in ("completion_ids", "num_tokens")]
     if {"completion_ids", "num_tokens"} & set(features.columns) and not {"completion_ids", "num_tokens"} & set(wanted):
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
     zs, step_parts, col_parts = [], [], {c: [] for c in extra}
-    labels: dict[str, dict] = {}  # group ids and prompts -> integers, the same across row groups
     nulls: set[str] = set()  # float columns with a null somewhere: only they can be absent at a step
-    tables = (t for t in run.iter_rollouts([*dict.fromkeys([*wanted, *extra])], window) if t.num_rows)
+    tables = (t for t in run.iter_rollouts([*dict.fromkeys([*wanted, *extra, *also])], window) if t.num_rows)
+    label_columns = [c for c in extra if c in LABEL_COLUMNS]
 
-    def compute(table: pa.Table) -> np.ndarray:
-        return features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
+    def compute(table: pa.Table) -> tuple[np.ndarray, dict]:
+        z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
+        return z, {c: pc.dictionary_encode(table.column(c).combine_chunks()) for c in label_columns}
 
-    for table, z in in_threads(tables, compute):
+    for table, (z, encoded) in in_threads(tables, compute):
+        for col in collectors:
+            col.take(table, z)
         zs.append(z)
         step_parts.append(table.column("step").to_numpy())
         for c in extra:
             col = table.column(c)
-            if c in ("group_id", "prompt"):
-                col_parts[c].append(_label_ids(col, labels.setdefault(c, {})))
+            if c in encoded:
+                col_parts[c].append(encoded[c])
             elif col.null_count == 0:
                 col_parts[c].append(col.to_numpy(zero_copy_only=False).astype(float))
             else:  # partly null (e.g. logp_prev of the first step): NaN marks the gaps
@@ -306,7 +345,7 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     # every step's rows at once, in step order (a writer's row groups are; a stable sort if not)
     steps = np.concatenate(step_parts)
     z = np.vstack(zs) if len(zs) > 1 else zs[0]
-    cols = {c: np.concatenate(v) for c, v in col_parts.items()}
+    cols = {c: _label_ids(v) if c in LABEL_COLUMNS else np.concatenate(v) for c, v in col_parts.items()}
     if len(steps) > 1 and (np.diff(steps) < 0).any():
         order = np.argsort(steps, kind="stable")
         steps, z, cols = steps[order], z[order], {c: v[order] for c, v in cols.items()}
@@ -363,15 +402,25 @@ def in_threads(items: Iterator, fn: Callable, workers: int | None = None) -> Ite
                 fut.cancel()
 
 
-def _label_ids(col, ids: dict) -> np.ndarray:
-    """Integer ids for a column of labels (group ids, prompts), through Arrow's dictionary
-    encoding: Python sees each distinct label once, never each row. ``ids`` maps labels to
-    integers and is shared across row groups, so equal labels get equal ids; null is -1."""
-    enc = pc.dictionary_encode(col)
-    enc = enc.combine_chunks() if isinstance(enc, pa.ChunkedArray) else enc
-    table = np.array([ids.setdefault(v, len(ids)) for v in enc.dictionary.to_pylist()] + [-1], dtype=np.int64)
-    idx = enc.indices.fill_null(len(enc.dictionary)).to_numpy(zero_copy_only=False)
-    return table[idx]
+# Columns of labels, read as integer ids: equal labels get equal ids over the whole read.
+LABEL_COLUMNS = ("group_id", "prompt")
+
+
+def _label_ids(parts: Sequence[pa.DictionaryArray]) -> np.ndarray:
+    """Integer ids for a column of labels (group ids, prompts) read in parts, each part
+    dictionary-encoded by Arrow: the parts' dictionaries laid end to end and encoded once more
+    give every distinct label of the read one id, in order of first appearance (each part's
+    dictionary is in its own order of first appearance, and the parts are in row order). Null
+    is -1. No Python object per row or per label."""
+    dicts = [p.dictionary if p.dictionary.type == parts[0].dictionary.type else p.dictionary.cast(parts[0].dictionary.type)
+             for p in parts]
+    ids = pc.dictionary_encode(pa.concat_arrays(dicts)).indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    out, offset = [], 0
+    for p, d in zip(parts, dicts):
+        table = np.r_[ids[offset:offset + len(d)], -1]
+        out.append(table[p.indices.fill_null(len(d)).to_numpy(zero_copy_only=False)])
+        offset += len(d)
+    return np.concatenate(out)
 
 
 def feature_context(run: Run) -> dict[str, object]:
