@@ -73,12 +73,12 @@ def main() -> None:
     print(f"k={k}, {pairs} step pairs, threads: {wall:.1f} s ({wall / pairs * 1e3:.0f} ms/pair), peak RSS "
           f"{peak / 1024:.0f} MiB (+{(peak - before) / 1024:.0f} MiB over the process before), "
           f"all shares >= 0: {bool((shares >= 0).all())}")
-    saved, shapley_module.PARALLEL_MIN_FEATURES = shapley_module.PARALLEL_MIN_FEATURES, k + 1
+    saved, shapley_module.THREADS = shapley_module.THREADS, 1
     sub = 40
     t = time.perf_counter()
     one = shapley_shares(dz[:sub], g)
     wall1 = (time.perf_counter() - t) / sub
-    shapley_module.PARALLEL_MIN_FEATURES = saved
+    shapley_module.THREADS = saved
     assert np.array_equal(one, shares[:sub])
     # the floor: per step pair, k passes over 2^k float64 values, strided (bit i as an axis, as
     # the Shapley sum needs) and, stricter, contiguous (pure memory bandwidth)

@@ -253,6 +253,13 @@ class Run:
         """The step of every rollout row, in file order (non-decreasing)."""
         return np.concatenate([self._read(pf, name, ["step"]).column("step").to_numpy() for name, pf in self._segments])
 
+    @cached_property
+    def rollout_step_values(self) -> np.ndarray:
+        """The distinct steps that have rollouts, ascending (``np.unique(rollout_steps)``, which
+        is sorted once opened: the steps are checked non-decreasing)."""
+        steps = self.rollout_steps
+        return steps[np.r_[True, steps[1:] != steps[:-1]]] if len(steps) else steps
+
     def _validate_rollout_steps(self) -> None:
         path = self.path / self._segments[0][0]
         steps = self.rollout_steps
@@ -331,9 +338,15 @@ class Run:
 
     # ------------------------------------------------------------------ presence
     def fields(self) -> dict[str, Presence]:
-        """Which record fields are present, and on how many steps: the resolver's input."""
+        """Which record fields are present, and on how many steps: the resolver's input (worked
+        out once per opened record; each call gets its own dict)."""
+        if "_fields" not in self.__dict__:
+            self.__dict__["_fields"] = self._presence()
+        return dict(self.__dict__["_fields"])
+
+    def _presence(self) -> dict[str, Presence]:
         tel_steps = self.steps
-        all_steps = np.union1d(tel_steps, np.unique(self.rollout_steps))
+        all_steps = np.union1d(tel_steps, self.rollout_step_values)
         n = len(all_steps)
         out: dict[str, Presence] = {}
         for name, spec in self._fields_spec.by_source("telemetry").items():
@@ -342,7 +355,7 @@ class Run:
             count = self.telemetry.num_rows - self.telemetry.column(spec.column).null_count
             if count:
                 out[name] = Presence(int(count), n)
-        roll_steps = np.unique(self.rollout_steps)
+        roll_steps = self.rollout_step_values
         for name, spec in self._fields_spec.by_source("rollouts").items():
             if spec.column not in self.rollout_columns() or not len(roll_steps):
                 continue

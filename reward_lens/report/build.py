@@ -38,8 +38,8 @@ SAMPLES_PER_END = 6
 
 def _summary(run: Run) -> RunSummary:
     spec = load_fields()
-    steps = np.union1d(run.steps, np.unique(run.rollout_steps))
-    roll_steps, counts = np.unique(run.rollout_steps, return_counts=True)
+    steps = np.union1d(run.steps, run.rollout_step_values)
+    counts = np.diff(np.r_[np.searchsorted(run.rollout_steps, run.rollout_step_values), len(run.rollout_steps)])
     fields = [FieldPresence(field=name, unit=spec.fields[name].unit, steps_present=p.count, steps_total=p.of)
               for name, p in sorted(run.fields().items())]
     m = run.manifest
@@ -104,7 +104,7 @@ class BrowserRows:
         available = set(run.rollout_columns()) if run.n_rollouts else set()
         cols = [c for c in ("prompt", "completion", "reward", "advantage") if c in available]
         self.columns = tuple(cols + [c for c in features.columns if c in available and c not in cols])
-        steps = np.unique(run.rollout_steps) if run.n_rollouts else np.zeros(0, np.int64)
+        steps = run.rollout_step_values if run.n_rollouts else np.zeros(0, np.int64)
         picks = np.unique(np.linspace(0, len(steps) - 1, min(BROWSER_STEPS, len(steps))).astype(int))
         self.chosen = np.sort(steps[picks]) if len(steps) else steps
         self.taken = np.zeros(len(self.chosen), dtype=np.int64)  # rows kept so far, by chosen step

@@ -5,6 +5,7 @@ traceback, never exit 3 (which is for reward-lens's own bugs)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -151,8 +152,11 @@ def test_rows_state_the_conditioning_of_g_and_flag_share_sums_that_miss():
                          damping_stable=True, h2={}, active=("a", "b"))
         lg = Ledger((0, 1), ("a", "b"), dz, np.ones(2), np.eye(2) * 1e-3, 50, 50)
         (row,) = kl_min_series([lg], metric).rows
-        c = g / np.sqrt(np.outer(np.diag(g), np.diag(g)))
-        assert row.condition == pytest.approx(np.linalg.cond(c), rel=1e-6)
+        # the correlation is r = (1 + eps^2)^(-1/2), condition (1 + r) / (1 - r), with 1 - r worked
+        # without cancellation; rounding the correlation matrix to float64 alone moves 1 - r by
+        # ~eps_64 / (1 - r), 2e-6 relative at eps = 1e-5
+        one_minus_r = -math.expm1(-0.5 * math.log1p(eps ** 2))
+        assert row.condition == pytest.approx((2 - one_minus_r) / one_minus_r, rel=1e-5)
         miss = abs(sum(shapley_shares(dz, g)) - row.kl_min) / row.kl_min
         assert row.shares_inexact == (miss > 1e-6)
         rows.append(row)

@@ -34,9 +34,16 @@ def test_threads_change_nothing(monkeypatch):
     g = a @ a.T + np.eye(k)
     dz = rng.normal(size=(9, k))
     monkeypatch.setattr(shapley, "CHUNK_FLOATS", 1 << 14)  # several chunks, so several threads
+    monkeypatch.setattr(shapley, "THREADS", 3)
     threaded = shapley.shapley_shares(dz, g)
-    monkeypatch.setattr(shapley, "PARALLEL_MIN_FEATURES", k + 1)
+    monkeypatch.setattr(shapley, "THREADS", 1)
     assert np.array_equal(threaded, shapley.shapley_shares(dz, g))
+    # below PARALLEL_MIN_FEATURES, many step pairs in several chunks go to threads too
+    few = 6
+    many_dz = rng.normal(size=(400, few))
+    one = shapley.shapley_shares(many_dz, g[:few, :few])
+    monkeypatch.setattr(shapley, "THREADS", 3)
+    assert np.array_equal(one, shapley.shapley_shares(many_dz, g[:few, :few]))
     small = 8  # the definition at a size it can afford
     np.testing.assert_allclose(shapley.shapley_shares(dz[0, :small], g[:small, :small]),
                                _by_definition(dz[0, :small], g[:small, :small]), rtol=1e-10, atol=1e-14)

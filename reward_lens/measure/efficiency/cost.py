@@ -268,54 +268,61 @@ def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
     columns; pairs that share an active set are computed together (one vectorised Shapley
     sweep, and the noise floors and Hotelling tests as batched matrix operations)."""
     names, n_pairs, k = g.names, len(ledgers), len(g.names)
-    groups: dict[tuple[str, ...], list[tuple[int, Ledger, int]]] = {}  # by active set: (row, ledger, step t)
-    for p, lg in enumerate(ledgers):
-        groups.setdefault(g.active_of(lg.step_pair[0]), []).append((p, lg, lg.step_pair[0]))
+    ts = [lg.step_pair[0] for lg in ledgers]
+    dz_all = np.stack([lg.delta_z for lg in ledgers]) if ledgers else np.zeros((0, k))
+    se_all = np.stack([lg.se for lg in ledgers]) if ledgers else np.zeros((0, k))
+    cov_all = np.stack([lg.cov_delta for lg in ledgers]) if ledgers else np.zeros((0, k, k))
+    g_all = g.matrices_of(ts) if ledgers else np.zeros((0, k, k))
+    units_all = np.array([lg.units or lg.n_pre + lg.n_post for lg in ledgers], dtype=np.int64)
+    paired = np.array([isinstance(lg, PairedLedger) for lg in ledgers], dtype=bool)
+    groups: dict[tuple[str, ...], list[int]] = {}  # rows by the active set of their step
+    for p, t in enumerate(ts):
+        groups.setdefault(g.active_of(t), []).append(p)
     col = {"kl_min": np.zeros(n_pairs), "noise_floor": np.zeros(n_pairs), "noise_sd": np.zeros(n_pairs),
            "clears_noise_floor": np.zeros(n_pairs, bool), "shares_inexact": np.zeros(n_pairs, bool),
            "condition": np.ones(n_pairs), "leading": np.full(n_pairs, -1), "leading_delta": np.full(n_pairs, np.nan),
            "leading_se": np.full(n_pairs, np.nan), "priced": np.zeros((n_pairs, k), bool),
            "shares": np.zeros((n_pairs, k)), "excluded": np.zeros((n_pairs, k), bool)}
+    by_excluded: dict[tuple[str, ...], list[int]] = {}  # rows by the features their step excludes
+    for p, t in enumerate(ts):
+        by_excluded.setdefault(tuple(g.excluded_of(t)), []).append(p)
+    for key, rows in by_excluded.items():
+        col["excluded"][np.ix_(rows, [names.index(n) for n in key])] = True
     pvals = np.ones(n_pairs)
-    excluded_of: dict[tuple[str, ...], np.ndarray] = {}
-    for active, items in groups.items():
+    for active, members in groups.items():
         idx = active_index(names, active)
-        rows = np.array([p for p, _, _ in items])
-        for p, _, t in items:
-            key = tuple(g.excluded_of(t))
-            if key not in excluded_of:
-                excluded_of[key] = np.isin(np.arange(k), [names.index(n) for n in key])
-            col["excluded"][p] = excluded_of[key]
+        rows = np.array(members)
         if not len(idx):  # nothing varies at this step: no movement can be priced
             pvals[rows] = np.nan  # not a test: left out of Benjamini-Hochberg
             continue
-        dz = np.stack([lg.delta_z for _, lg, _ in items])[:, idx]
-        se = np.stack([lg.se for _, lg, _ in items])[:, idx]
-        gaa = np.stack([g.matrix_of(t) for _, _, t in items])[:, idx][:, :, idx]
-        cov = np.stack([lg.cov_delta for _, lg, _ in items])[:, idx][:, :, idx]
-        units = np.array([lg.units or lg.n_pre + lg.n_post for _, lg, _ in items])
+        items = [ledgers[p] for p in members]
+        dz = dz_all[rows][:, idx]
+        se = se_all[rows][:, idx]
+        gaa = g_all[rows][:, idx][:, :, idx]
+        cov = cov_all[rows][:, idx][:, :, idx]
+        units = units_all[rows]
         kl = np.atleast_1d(quad_kl_min(dz, gaa))
         shares = np.atleast_2d(shapley_shares(dz, gaa))
         m = np.linalg.inv(gaa) @ cov
         floor = 0.5 * np.trace(m, axis1=1, axis2=2)
         noise_sd = np.sqrt(np.clip(0.5 * np.einsum("pij,pji->p", m, m), 0.0, None))  # 0.5 tr(M M)
         sd = np.sqrt(np.einsum("pii->pi", gaa))
-        conds = np.linalg.cond(gaa / (sd[:, :, None] * sd[:, None, :]))
+        ev = np.linalg.eigvalsh(gaa / (sd[:, :, None] * sd[:, None, :]))  # a correlation matrix: symmetric
+        conds = np.abs(ev).max(axis=1) / np.abs(ev).min(axis=1)  # the 2-norm condition number, as cond()
         lead = np.argmax(shares, axis=1)
-        unpaired = [q for q, (_, lg, _) in enumerate(items) if not isinstance(lg, PairedLedger)]
+        unpaired = np.flatnonzero(~paired[rows])
         p_of = np.ones(len(items))
         p_of[unpaired] = _eta.hotelling_p_many(dz[unpaired], cov[unpaired], units[unpaired],
-                                               np.array([items[q][1].matched for q in unpaired], dtype=bool))
+                                               np.array([items[q].matched for q in unpaired], dtype=bool))
         layouts: dict[tuple[int, bytes], list[int]] = {}  # paired samples that share a group layout: one F-test batch
-        for q, (_, lg, _) in enumerate(items):
-            if isinstance(lg, PairedLedger):
-                layouts.setdefault((lg.n_groups, np.asarray(lg.codes).tobytes()), []).append(q)
-        for members in layouts.values():
-            lg0 = items[members[0]][1]
-            _, p_paired, _ = _eta.within_group_r2_tests(np.stack([items[q][1].z[:, idx] for q in members]),
-                                                        np.stack([items[q][1].log_ratio for q in members]),
+        for q in np.flatnonzero(paired[rows]).tolist():
+            layouts.setdefault((items[q].n_groups, np.asarray(items[q].codes).tobytes()), []).append(q)
+        for same in layouts.values():
+            lg0 = items[same[0]]
+            _, p_paired, _ = _eta.within_group_r2_tests(np.stack([items[q].z[:, idx] for q in same]),
+                                                        np.stack([items[q].log_ratio for q in same]),
                                                         lg0.codes, lg0.n_groups)
-            p_of[members] = p_paired
+            p_of[same] = p_paired
         pvals[rows] = p_of
         has_lead = kl > 0
         q_lead = np.arange(len(items))
@@ -338,7 +345,7 @@ def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
         p_value=np.where(np.isnan(pvals), 1.0, pvals), resolved=resolved,
         n_pre=np.array([lg.n_pre for lg in ledgers], dtype=np.int64),
         n_post=np.array([lg.n_post for lg in ledgers], dtype=np.int64),
-        delta_z=np.stack([lg.delta_z for lg in ledgers]) if ledgers else np.zeros((0, k)),
+        delta_z=dz_all,
         kind=tuple(lg.kind for lg in ledgers), **col)
 
 
@@ -405,7 +412,7 @@ def rollouts_context(*, run_label: str, steps_with_rollouts: int | None, steps: 
 def rollouts_refusal(run: Run, samples: Sequence[Any]) -> Refusal:
     """RECORD_INCOMPLETE when no two consecutive steps both have rollouts (no ledger at all)."""
     ctx = rollouts_context(run_label=_short(run.run_id), steps_with_rollouts=len(samples),
-                           steps=int(len(np.union1d(run.steps, np.unique(run.rollout_steps)))),
+                           steps=int(len(np.union1d(run.steps, run.rollout_step_values))),
                            logging_steps=run.manifest.logging_steps, framework=run.manifest.framework.name)
     return make_refusal("RECORD_INCOMPLETE", load_book(BOOK_ID), _subject(run.run_id, []), ctx)
 

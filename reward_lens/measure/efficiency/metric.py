@@ -92,6 +92,12 @@ class MetricG:
     def matrix_of(self, t: int) -> np.ndarray:
         return self.by_step.matrix(t) if isinstance(self.by_step, StepMetrics) else self.for_step(t).matrix
 
+    def matrices_of(self, steps: Sequence[int]) -> np.ndarray:
+        """``matrix_of`` of each step, stacked (n, k, k)."""
+        if isinstance(self.by_step, StepMetrics):
+            return self.by_step.matrices[[self.by_step.position[t] for t in steps]]
+        return np.stack([self.matrix_of(t) for t in steps])
+
     @property
     def active_index(self) -> np.ndarray:
         return active_index(self.names, self.active)

@@ -19,8 +19,8 @@ copy of v, no masks or gathers. Every term v(S + i) - v(S) is a non-negative Sch
 negative share can only be rounding (of order k eps v(N)) and is set to zero. Work is
 sum_b 2^b (k-b)^2 ~ 6 * 2^k per step pair for the sweep plus 2k 2^k for the sum; memory at stage b is 2^b (k-b)^2 floats per step pair, and step pairs
 are processed in chunks that keep it under ``CHUNK_FLOATS``, split over threads from
-``PARALLEL_MIN_FEATURES`` on (numpy releases the GIL inside each array operation; the result
-does not depend on the split). Everything is vectorised across subsets and step pairs: no
+``PARALLEL_MIN_FEATURES`` on or when there are several chunks (numpy releases the GIL inside
+each array operation; the result does not depend on the split). Everything is vectorised across subsets and step pairs: no
 linear solve per subset.
 """
 
@@ -35,8 +35,10 @@ import numpy as np
 
 # Exact enumeration up to 20 features: 2^19 subsets per target, ~10^8 flops per step pair.
 EXACT_MAX_FEATURES = 20
-# Floats per chunk of step pairs at the widest stage (x8 bytes, plus temporaries ~3x).
-CHUNK_FLOATS = 1 << 22
+# Floats per chunk of step pairs at the widest stage (x8 bytes, plus temporaries ~3x): 2 MB, so
+# that a chunk's stages stay in cache (10,000 step pairs at k = 7: 96 ms in one 4M-float chunk,
+# 69 ms in chunks of 256K, bench/shapley.py).
+CHUNK_FLOATS = 1 << 18
 
 
 class ShapleyLimitError(ValueError):
@@ -79,9 +81,12 @@ def _weights(k: int) -> np.ndarray:
     return np.array([factorial(s) * factorial(k - s - 1) / factorial(k) for s in range(k)])
 
 
-# Step pairs are split over threads from this many features on: numpy releases the GIL inside
-# each array operation, and from here on the operations are large enough for that to pay.
+# Chunks of step pairs go to threads from this many features on, or whenever there are several
+# chunks (many step pairs): numpy releases the GIL inside each array operation, and either way
+# the operations are large enough for that to pay (10,000 step pairs at k = 7: 69 -> 39 ms).
 PARALLEL_MIN_FEATURES = 14
+# At most this many threads (1: every chunk on the calling thread).
+THREADS = os.cpu_count() or 1
 
 
 @lru_cache(maxsize=4)
@@ -157,7 +162,7 @@ def shapley_shares(delta_z: np.ndarray, g: np.ndarray) -> np.ndarray:
     widest = max((2 ** b) * (k - b) ** 2 for b in range(k))
     step = max(1, CHUNK_FLOATS // widest)
     starts = range(0, p, step)
-    workers = min(len(starts), os.cpu_count() or 1) if k >= PARALLEL_MIN_FEATURES else 1
+    workers = min(len(starts), THREADS) if k >= PARALLEL_MIN_FEATURES or len(starts) > 1 else 1
 
     def chunk(a: int) -> np.ndarray:
         return _shares_chunk(dz[a:a + step], np.ascontiguousarray(gg[a:a + step]))

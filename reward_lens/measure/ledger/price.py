@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import pyarrow as pa
@@ -44,8 +45,8 @@ class StepSample:
     stack: StepStack | None = field(default=None, repr=False)
     index: int = field(default=-1, repr=False)
 
-    @property
-    def n(self) -> int:
+    @cached_property
+    def n(self) -> int:  # read per step by every book: worked out once
         return self.z.shape[0]
 
 
