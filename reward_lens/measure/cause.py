@@ -31,7 +31,7 @@ from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, group_sums, stacked, unit_ids
+from reward_lens.measure.ledger.price import Ledger, StepSample, blocks, group_sums, stacked, unit_ids
 from reward_lens_spec import Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -92,7 +92,11 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     size = np.bincount(uid, minlength=total).astype(float)
     gm = group_sums(z, uid, total) / size[:, None]
     am = np.bincount(uid, weights=a, minlength=total) / size
-    prod = (z - gm[uid]) * (a - am[uid])[:, None]
+    m = blocks(uid, total)
+    if m:  # groups in equal consecutive blocks: centred by broadcasting, not by gathering every row's means
+        prod = ((z.reshape(total, m, k) - gm[:, None, :]) * (a.reshape(total, m) - am[:, None])[:, :, None]).reshape(-1, k)
+    else:
+        prod = (z - gm[uid]) * (a - am[uid])[:, None]
     u = group_sums(prod, uid, total)  # (groups, k)
     s_all = np.add.reduceat(u, offsets, axis=0) / ns[:, None]
     step_of_group = np.repeat(np.arange(len(samples)), gs)
@@ -162,7 +166,7 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
         else:
             got = _split(np.stack([kept[i][0].delta_z for i in members])[:, idx],
                          np.stack([kept[i][2] for i in members])[:, idx],
-                         np.stack([metric.matrix_of(kept[i][0].step_pair[0]) for i in members])[:, idx][:, :, idx])
+                         metric.matrices_of([kept[i][0].step_pair[0] for i in members])[:, idx][:, :, idx])
         for i, v in zip(members, got):
             splits[i] = v
     pairs = [tuple(lg.step_pair) for lg, _, _, _ in kept]

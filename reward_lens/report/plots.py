@@ -10,10 +10,11 @@ Determinism: the same data gives byte-identical SVG (coordinates are written wit
 decimal); element ids are prefixed with the figure's id so several figures can live in one
 HTML page without colliding. Text is kept as text.
 
-Size: a line of more than ``MAX_POINTS`` points is reduced to the minimum and maximum of each
-of ``MAX_POINTS / 2`` bins (in x order), so every spike stays visible and a plot costs
-O(width), not O(steps); points likewise, bands and intervals to each bin's envelope, stacks
-to each bin's mean. A log-scaled panel draws only positive values (no spikes at zero).
+Size: a line of more points than its panel is wide in pixels, twice over (at most
+``MAX_POINTS``), is reduced to the minimum and maximum of each of that many bins (in x order):
+one bin per pixel column at most, so every spike stays visible and a plot costs O(width), not
+O(steps); points likewise, bands and intervals to each bin's envelope, stacks to each bin's
+mean. A log-scaled panel draws only positive values (no spikes at zero).
 """
 
 from __future__ import annotations
@@ -214,33 +215,39 @@ def _text(x: float, y: float, s: str, size: float, anchor: str = "middle", rotat
     return f"<text {attrs}>{escape(s)}</text>"
 
 
-def _prepared(s: Series, log: bool) -> dict[str, np.ndarray]:
-    """A series' arrays after gaps, log masking and the reduction to at most MAX_POINTS."""
+def points_for(width: float) -> int:
+    """Points a series in a panel ``width`` px wide is drawn with at most: a minimum and a
+    maximum for each pixel column, and never more than ``MAX_POINTS``."""
+    return int(min(MAX_POINTS, 2 * math.ceil(width)))
+
+
+def _prepared(s: Series, log: bool, max_points: int = MAX_POINTS) -> dict[str, np.ndarray]:
+    """A series' arrays after gaps, log masking and the reduction to at most ``max_points``."""
     if s.style in ("line", "dashed"):
         x, y = _broken(s)
         if log:
             y = np.where(y > 0, y, np.nan)
-        x, y = reduce_minmax(x, y)
+        x, y = reduce_minmax(x, y, max_points)
         return {"x": x, "y": y}
     x = np.asarray(s.x, float)
     if s.style in ("band", "interval"):
         lo, hi = np.asarray(s.lo, float), np.asarray(s.hi, float)
-        if len(x) > MAX_POINTS:  # each bin's envelope: its lowest lo and highest hi
-            b = _bin_of(len(x))
+        if len(x) > max_points:  # each bin's envelope: its lowest lo and highest hi
+            b = _bin_of(len(x), max_points)
             x, lo, hi = _per_bin(x, b, np.min), _per_bin(lo, b, np.nanmin), _per_bin(hi, b, np.nanmax)
         return {"x": x, "lo": lo, "hi": hi}
     y = np.asarray(s.y, float)
     if log:
         y = np.where(y > 0, y, np.nan)
-    x, y = reduce_minmax(x, y)
+    x, y = reduce_minmax(x, y, max_points)
     return {"x": x, "y": y}
 
 
-def _stacked(stacks: list[Series]) -> tuple[np.ndarray, np.ndarray]:
+def _stacked(stacks: list[Series], max_points: int = MAX_POINTS) -> tuple[np.ndarray, np.ndarray]:
     x = np.asarray(stacks[0].x, float)
     ys = np.array([st.y for st in stacks], float)
-    if len(x) > MAX_POINTS:  # each bin's mean, so the stack keeps its totals' shape
-        b = _bin_of(len(x))
+    if len(x) > max_points:  # each bin's mean, so the stack keeps its totals' shape
+        b = _bin_of(len(x), max_points)
         x = _per_bin(x, b, np.min)
         ys = np.array([_per_bin(row, b, np.mean) for row in ys])
     return x, np.vstack([np.zeros(len(x)), np.cumsum(np.nan_to_num(ys), axis=0)])
@@ -251,10 +258,11 @@ def _panel(out: list[str], panel: Panel, fid: str, j: int, box: tuple[float, flo
     x0, y0, w, h = box
     stacks = [s for s in panel.series if s.style == "stack"]
     others = [s for s in panel.series if s.style != "stack"]
-    data = [(s, _prepared(s, panel.log_y)) for s in others]
+    most = points_for(w)
+    data = [(s, _prepared(s, panel.log_y, most)) for s in others]
     xs = [d["x"] for _, d in data] + [np.asarray(s.x, float) for s in stacks] + [[v for v, _ in panel.v_lines]]
     ys = [d[key] for _, d in data for key in ("y", "lo", "hi") if key in d]
-    stack_x, cum = _stacked(stacks) if stacks else (None, None)
+    stack_x, cum = _stacked(stacks, most) if stacks else (None, None)
     if cum is not None:
         ys.append(cum)
     sx = _Scale(*_limits(xs, False, []), x0, x0 + w)

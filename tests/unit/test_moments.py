@@ -321,3 +321,26 @@ def test_labels_read_in_many_parts_get_one_id_each_in_order_of_first_appearance(
     for s in samples:
         codes, g = price.group_codes(labels[steps == s.step])
         assert np.array_equal(s.groups, codes) and s.n_groups == g
+
+
+def test_selection_differentials_of_groups_in_blocks_equal_the_definition():
+    """TRL's layout (every step's prompt groups of m rollouts one after another) takes the
+    broadcast path; it gives the definition's numbers, and those of the same steps with their
+    rows shuffled (the gathering path)."""
+    from reward_lens.measure.cause import selection_differentials
+
+    rng = np.random.default_rng(6)
+    samples, shuffled = [], []
+    for t in range(12):
+        g, m = int(rng.integers(2, 5)), 4
+        z, a = rng.normal(size=(g * m, 2)) * [1, 30], rng.normal(size=g * m)
+        groups = np.repeat(np.arange(g), m)
+        samples.append(StepSample(t, ("a", "b"), z, advantages=a, groups=groups, n_groups=g))
+        order = rng.permutation(g * m)
+        shuffled.append(StepSample(t, ("a", "b"), z[order], advantages=a[order], groups=groups[order].astype(str)))
+    together, apart = selection_differentials(samples), selection_differentials(shuffled)
+    for x in samples:
+        s, se = _selection_by_definition(x)
+        np.testing.assert_allclose(together[x.step][0], s, rtol=1e-10, atol=1e-13)
+        np.testing.assert_allclose(together[x.step][1], se, rtol=1e-8, atol=1e-13)
+        np.testing.assert_allclose(together[x.step][0], apart[x.step][0], rtol=1e-10, atol=1e-13)

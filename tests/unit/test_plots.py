@@ -3,6 +3,7 @@ escaping, and the reduction of long series."""
 
 from __future__ import annotations
 
+import math
 import re
 import xml.etree.ElementTree as ET
 
@@ -83,3 +84,27 @@ def test_long_series_of_every_style_are_drawn_in_bounded_size():
         if "a" not in d:  # not dots: every vertex is a coordinate pair
             assert len(re.findall(r"[-\d.]+,[-\d.]+", d)) <= 2 * MAX_POINTS + 2
     assert len(svg) < 1_000_000
+
+
+def test_a_panel_draws_a_min_and_a_max_per_pixel_column_and_keeps_every_spike():
+    """In a grid of three columns a panel is ~170 px wide: a 50,000-point line is drawn with at
+    most two points per pixel column, and a one-point spike is among them."""
+    from reward_lens.report.plots import GAP_COLS, MARGIN_LEFT, MARGIN_RIGHT, WIDTH, points_for
+
+    n = 50_000
+    rng = np.random.default_rng(2)
+    y = rng.normal(size=n) * 0.1
+    y[31_337] = 25.0  # one spike
+    panels = [Panel(y_label="y", series=[Series(x=np.arange(n, dtype=float).tolist(), y=y.tolist())])
+              for _ in range(3)]
+    svg = render_figure(FigureOut(id="grid", caption="c", x_label="x", columns=3, panels=panels))
+    axes_w = (WIDTH - MARGIN_LEFT - MARGIN_RIGHT - GAP_COLS * 2) / 3
+    assert points_for(axes_w) == 2 * math.ceil(axes_w) < MAX_POINTS
+    root = ET.fromstring(svg)
+    lines = [p.get("d") for p in root.iter(SVG_NS + "path") if p.get("stroke-width") == "1.1"]
+    assert len(lines) == 3
+    for d in lines:
+        pts = [tuple(map(float, m)) for m in re.findall(r"([-\d.]+),([-\d.]+)", d)]
+        assert len(pts) <= points_for(axes_w)
+        ys = sorted(py for _, py in pts)  # SVG y grows downwards: the spike is the one point far above the rest
+        assert ys[1] - ys[0] > 0.9 * (ys[-1] - ys[0])

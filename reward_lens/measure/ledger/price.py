@@ -198,13 +198,21 @@ def step_moments(s: StepSample) -> tuple[np.ndarray, np.ndarray, int]:
     return all_step_moments([s])[s.step]
 
 
+def blocks(uid: np.ndarray, total: int) -> int | None:
+    """m when the ids run in equal consecutive blocks, 0 0 .. 0 1 1 .. 1 ..., m of each of
+    0..total-1 (every prompt group of m rollouts together, as TRL writes them), else None."""
+    m = len(uid) // total if total else 0
+    if m and m * total == len(uid) and (uid.reshape(total, m) == np.arange(total)[:, None]).all():
+        return m
+    return None
+
+
 def group_sums(values: np.ndarray, uid: np.ndarray, total: int) -> np.ndarray:
     """The sums of ``values`` (N, k) by id (``uid``: N ids in 0..total-1), as one bincount per
-    column gives them. Ids that run in equal consecutive blocks (every group of m rollouts
-    together, as TRL writes them) are summed as a (total, m, k) reshape instead: the same
-    additions in the same order, without k passes over the ids."""
-    m = len(uid) // total if total else 0
-    if values.ndim == 2 and m and m * total == len(uid) and (uid.reshape(total, m) == np.arange(total)[:, None]).all():
+    column gives them. Ids in equal consecutive ``blocks`` are summed as a (total, m, k)
+    reshape instead: the same additions in the same order, without k passes over the ids."""
+    m = blocks(uid, total) if values.ndim == 2 else None
+    if m:
         return values.reshape(total, m, values.shape[1]).sum(axis=1)
     if values.ndim == 1:
         return np.bincount(uid, weights=values, minlength=total)
