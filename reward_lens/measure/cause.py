@@ -76,6 +76,10 @@ def selection_differential(sample: StepSample) -> tuple[np.ndarray, np.ndarray]:
     return selection_differentials([sample])[sample.step]
 
 
+# Rows centred at a time where groups lie in blocks: the block's products stay in cache.
+GROUP_BLOCK_ROWS = 1 << 15
+
+
 def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     """``selection_differential`` of every sample in one segmented pass (no Python per step):
     group means and the per-group sums of zc * ac by bincount over global group ids, each
@@ -93,11 +97,18 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     gm = group_sums(z, uid, total) / size[:, None]
     am = np.bincount(uid, weights=a, minlength=total) / size
     m = blocks(uid, total)
-    if m:  # groups in equal consecutive blocks: centred by broadcasting, not by gathering every row's means
-        prod = ((z.reshape(total, m, k) - gm[:, None, :]) * (a.reshape(total, m) - am[:, None])[:, :, None]).reshape(-1, k)
+
+    def products(lo: int, hi: int) -> np.ndarray:  # (z - zbar_g)(A - Abar_g) of groups lo..hi-1, (hi - lo, m, k)
+        return (z3[lo:hi] - gm[lo:hi, None, :]) * (a2[lo:hi] - am[lo:hi, None])[:, :, None]
+
+    if m:  # groups in equal consecutive blocks: centred by broadcasting, a block of groups at a time
+        z3, a2 = z.reshape(total, m, k), a.reshape(total, m)
+        step = max(1, GROUP_BLOCK_ROWS // m)
+        u = np.concatenate([products(lo, min(total, lo + step)).sum(axis=1) for lo in range(0, total, step)])
+        prod = None  # formed whole only if a step of one group needs it below
     else:
         prod = (z - gm[uid]) * (a - am[uid])[:, None]
-    u = group_sums(prod, uid, total)  # (groups, k)
+        u = group_sums(prod, uid, total)  # (groups, k)
     s_all = np.add.reduceat(u, offsets, axis=0) / ns[:, None]
     step_of_group = np.repeat(np.arange(len(samples)), gs)
     resid = u - size[:, None] * s_all[step_of_group]
@@ -105,6 +116,8 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
         var_groups = gs[:, None] / (gs[:, None] - 1) * np.add.reduceat(resid ** 2, offsets, axis=0) / ns[:, None] ** 2
         var_rows = None
         if (gs < 2).any():  # a step of one prompt group: its rollouts' products are the units
+            if prod is None:
+                prod = products(0, total).reshape(-1, k)
             rstart = np.concatenate([[0], np.cumsum(ns)[:-1]])
             p1 = np.add.reduceat(prod, rstart, axis=0)
             p2 = np.add.reduceat(prod ** 2, rstart, axis=0)

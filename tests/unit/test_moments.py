@@ -332,7 +332,7 @@ def test_selection_differentials_of_groups_in_blocks_equal_the_definition():
     rng = np.random.default_rng(6)
     samples, shuffled = [], []
     for t in range(12):
-        g, m = int(rng.integers(2, 5)), 4
+        g, m = int(rng.integers(1, 5)), 4  # some steps of one group: their rollouts are the units
         z, a = rng.normal(size=(g * m, 2)) * [1, 30], rng.normal(size=g * m)
         groups = np.repeat(np.arange(g), m)
         samples.append(StepSample(t, ("a", "b"), z, advantages=a, groups=groups, n_groups=g))
