@@ -15,8 +15,10 @@ Exit codes (all subcommands):
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 EXIT_OK, EXIT_REFUSED, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
@@ -39,6 +41,20 @@ class Progress:
         if self.on:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
+
+
+@contextmanager
+def _fewer_collections():
+    """Cyclic garbage collection every 100,000 new objects instead of Python's 700, for one
+    command: a report makes some hundreds of thousands of short-lived objects (rows, cells,
+    lists of floats) and almost no cycles, and at 10,000 steps the default thresholds spent
+    0.2 s in ~490 collections walking them (0.04 s in 5 with these)."""
+    before = gc.get_threshold()
+    gc.set_threshold(100_000, 50, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
 
 
 def _visible(text: str) -> str:
@@ -357,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     from reward_lens_spec import SpecError
 
     try:
-        return args.func(args)
+        with _fewer_collections():
+            return args.func(args)
     except (RecordError, SpecError, ValueError, FileNotFoundError, OSError) as exc:
         if args.debug:
             raise
