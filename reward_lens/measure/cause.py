@@ -122,16 +122,12 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
             p1 = np.add.reduceat(prod, rstart, axis=0)
             p2 = np.add.reduceat(prod ** 2, rstart, axis=0)
             var_rows = (p2 - p1 ** 2 / ns[:, None]) / (ns[:, None] - 1) / ns[:, None]
-    out = {}
-    for i, x in enumerate(samples):
-        if gs[i] >= 2:
-            se = np.sqrt(var_groups[i])
-        elif ns[i] >= 3:  # one prompt group: its rollouts are the units
-            se = np.sqrt(np.clip(var_rows[i], 0, None))
-        else:
-            se = np.full(k, np.nan)
-        out[x.step] = (s_all[i], se)
-    return out
+    se = np.full((len(samples), k), np.nan)
+    se[gs >= 2] = np.sqrt(var_groups[gs >= 2])
+    one = (gs < 2) & (ns >= 3)  # one prompt group: its rollouts are the units
+    if one.any():
+        se[one] = np.sqrt(np.clip(var_rows[one], 0, None))
+    return {x.step: (a, b) for x, a, b in zip(samples, s_all, se)}
 
 
 def _split(dz: np.ndarray, s: np.ndarray, g: np.ndarray) -> list[tuple[float | None, float, float]]:

@@ -115,7 +115,7 @@ def effect_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], unit
     k = len(names)
     if ledgers:  # every step pair at once
         dz = np.stack([lg.delta_z for lg in ledgers])
-        se = np.sqrt(np.clip(np.stack([np.diag(lg.cov_delta) for lg in ledgers]), 0, None))
+        se = np.stack([lg.se for lg in ledgers])  # sqrt of the clipped diagonal of each ledger's cov_delta
         groups = np.array([getattr(lg, "n_groups", 0) for lg in ledgers])[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             t = np.where(se > 0, dz / se, 0.0)

@@ -63,8 +63,10 @@ def md_cells(values: dict, names: list[str], digits: int = 3) -> str:
 # few lists) names its columns and their formats in its template, and these render every row
 # at once -- the same cells a loop over rows writes, without a template loop per row.
 def fmt_all(values, digits: int = 4) -> list[str]:
-    """``fmt`` of every value of a column."""
-    return [fmt(v, digits) for v in values]
+    """``fmt`` of every value of a column (floats, nearly all of them, formatted inline)."""
+    g, e = f".{digits}g", f".{digits - 1}e"
+    return [("0" if x == 0 else format(x, e if -1e-3 < x < 1e-3 or not -1e5 < x < 1e5 else g))
+            if x.__class__ is float else fmt(x, digits) for x in values]
 
 
 def text_all(values) -> list[str]:
@@ -87,11 +89,20 @@ def md_rows(columns: list[list[str]]) -> str:
     return "".join(f"| {' | '.join(cells)} |\n" for cells in zip(*columns))
 
 
+def _escape_all(cells: list[str]) -> list[str]:
+    """HTML-escape every cell of a column: the column joined by NUL (which escaping leaves as
+    it is), escaped in one call and split again; cell by cell if a cell holds a NUL."""
+    joined = "\x00".join(cells)
+    if joined.count("\x00") != max(len(cells) - 1, 0):
+        return [str(escape(v)) for v in cells]
+    return str(escape(joined)).split("\x00") if cells else []
+
+
 def html_rows(columns: list[list[str]], classes: list[str]) -> Markup:
     """HTML table rows, one per entry of the columns: every cell escaped, ``classes[j]`` the
     class of column j's cells (empty: none)."""
     opens = [f'<td class="{c}">' if c else "<td>" for c in classes]
-    escaped = [[str(escape(v)) for v in col] for col in columns]
+    escaped = [_escape_all(col) for col in columns]
     return Markup("".join("<tr>" + "".join(o + v + "</td>" for o, v in zip(opens, cells)) + "</tr>\n"
                           for cells in zip(*escaped)))
 
