@@ -31,7 +31,7 @@ from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, blocks, group_sums, stacked, unit_ids
+from reward_lens.measure.ledger.price import Ledger, StepSample, blocks, group_sums, ledger_arrays, stacked, unit_ids
 from reward_lens_spec import Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -86,6 +86,14 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     step's sums by segment. Same definitions, same numbers to rounding."""
     if not samples:
         return {}
+    s_all, se = _selection_arrays(samples)
+    return {x.step: (a, b) for x, a, b in zip(samples, s_all, se)}
+
+
+def _selection_arrays(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
+    """``selection_differentials`` as arrays (P, k): s and its SE, row i for samples[i]."""
+    if not samples:
+        return np.zeros((0, 0)), np.zeros((0, 0))
     k = samples[0].z.shape[1]
     z = stacked(samples)
     a = np.asarray(stacked(samples, "advantages"), dtype=float)
@@ -127,7 +135,7 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     one = (gs < 2) & (ns >= 3)  # one prompt group: its rollouts are the units
     if one.any():
         se[one] = np.sqrt(np.clip(var_rows[one], 0, None))
-    return {x.step: (a, b) for x, a, b in zip(samples, s_all, se)}
+    return s_all, se
 
 
 def _split(dz: np.ndarray, s: np.ndarray, g: np.ndarray) -> list[tuple[float | None, float, float]]:
@@ -153,35 +161,40 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
     KL_min rows); the cosine and the split are summarised over those only (all when None)."""
     by_step = {s.step: s for s in samples if s.advantages is not None and s.groups is not None}
     names = list(metric.names)
-    wanted = [by_step[lg.step_pair[0]] for lg in ledgers if lg.step_pair[0] in by_step]
-    differentials = selection_differentials(list({x.step: x for x in wanted}.values()))
-    kept = []  # (ledger, its step's active set, s, se)
-    for lg in ledgers:
-        t = lg.step_pair[0]
-        if t not in by_step:
+    arrays = ledger_arrays(ledgers) if ledgers else None
+    ts = arrays.step_pairs[:, 0].tolist() if arrays is not None else []
+    sel = list({t: by_step[t] for t in ts if t in by_step}.values())  # each step once, in ledger order
+    s_of, se_of = _selection_arrays(sel)
+    row_of = {x.step: i for i, x in enumerate(sel)}
+    kept, rows, actives = [], [], []  # the ledgers priced: their place, their step's differential and active set
+    for q, t in enumerate(ts):
+        if t not in row_of:
             continue
         try:
-            kept.append((lg, metric.active_of(t), *differentials[t]))
+            actives.append(metric.active_of(t))
         except KeyError:
             continue
+        kept.append(q)
+        rows.append(row_of[t])
+    kept = np.array(kept, dtype=np.int64)
+    dz = arrays.delta_z[kept] if arrays is not None else np.zeros((0, len(names)))
+    s_all = s_of[rows] if rows else np.zeros((0, len(names)))
+    se_all = se_of[rows] if rows else np.zeros((0, len(names)))
+    mats = metric.matrices_of([ts[q] for q in kept.tolist()]) if len(kept) else None
     splits: list = [None] * len(kept)
     by_active: dict[tuple[str, ...], list[int]] = {}
-    for i, (_, active, _, _) in enumerate(kept):
+    for i, active in enumerate(actives):
         by_active.setdefault(active, []).append(i)
     for active, members in by_active.items():  # pairs priced in one active set: one batched solve
         idx = active_index(metric.names, active)
         if not len(idx):
             got = [(None, 0.0, 0.0)] * len(members)
         else:
-            got = _split(np.stack([kept[i][0].delta_z for i in members])[:, idx],
-                         np.stack([kept[i][2] for i in members])[:, idx],
-                         metric.matrices_of([kept[i][0].step_pair[0] for i in members])[:, idx][:, :, idx])
+            got = _split(dz[members][:, idx], s_all[members][:, idx], mats[members][:, idx][:, :, idx])
         for i, v in zip(members, got):
             splits[i] = v
-    pairs = [tuple(lg.step_pair) for lg, _, _, _ in kept]
+    pairs = [tuple(p) for p in arrays.step_pairs[kept].tolist()] if len(kept) else []
     cos, kl, along = (list(v) for v in zip(*splits)) if splits else ([], [], [])
-    s_all = np.stack([s for _, _, s, _ in kept]) if kept else np.zeros((0, len(names)))
-    se_all = np.stack([se for _, _, _, se in kept]) if kept else np.zeros((0, len(names)))
     resolved = [resolved_pairs is None or pair in resolved_pairs for pair in pairs]
     rows = CauseRows(step_pair=pairs, selection=dict(zip(names, s_all.T.tolist())),
                      se=dict(zip(names, se_all.T.tolist())), cosine=cos, kl_quad=kl, kl_along=along,

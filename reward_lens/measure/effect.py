@@ -25,7 +25,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, sample_codes
+from reward_lens.measure.ledger.price import Ledger, StepSample, ledger_arrays, sample_codes
 from reward_lens_spec.render import render_template
 
 
@@ -114,9 +114,10 @@ def effect_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], unit
     names = list(ledgers[0].names if ledgers else samples[0].names)
     k = len(names)
     if ledgers:  # every step pair at once
-        dz = np.stack([lg.delta_z for lg in ledgers])
-        se = np.stack([lg.se for lg in ledgers])  # sqrt of the clipped diagonal of each ledger's cov_delta
-        groups = np.array([getattr(lg, "n_groups", 0) for lg in ledgers])[:, None]
+        arrays = ledger_arrays(ledgers)
+        dz, se = arrays.delta_z, arrays.se  # se: sqrt of the clipped diagonal of each ledger's cov_delta
+        groups = (np.zeros(len(ledgers), dtype=np.int64) if arrays.kind == "unpaired" else
+                  np.array([getattr(lg, "n_groups", 0) for lg in ledgers]))[:, None]
         with np.errstate(divide="ignore", invalid="ignore"):
             t = np.where(se > 0, dz / se, 0.0)
             p = 2 * np.where(groups > 1, special.stdtr(np.maximum(groups - 1, 1), -np.abs(t)), special.ndtr(-np.abs(t)))
@@ -128,7 +129,8 @@ def effect_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], unit
     def columns(a: np.ndarray) -> dict[str, list]:
         return dict(zip(names, a.T.tolist()))
 
-    rows = EffectRows(step_pair=[tuple(lg.step_pair) for lg in ledgers], delta_z=columns(dz), se=columns(se),
+    pairs = [tuple(p) for p in ledger_arrays(ledgers).step_pairs.tolist()] if ledgers else []
+    rows = EffectRows(step_pair=pairs, delta_z=columns(dz), se=columns(se),
                       t=columns(t), p=columns(p), moved=columns(rejected))
     dr, first, last = drift(samples, names, units)
     counts = dict(zip(names, rejected.sum(axis=0).tolist()))

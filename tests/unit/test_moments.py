@@ -344,3 +344,30 @@ def test_selection_differentials_of_groups_in_blocks_equal_the_definition():
         np.testing.assert_allclose(together[x.step][0], s, rtol=1e-10, atol=1e-13)
         np.testing.assert_allclose(together[x.step][1], se, rtol=1e-8, atol=1e-13)
         np.testing.assert_allclose(together[x.step][0], apart[x.step][0], rtol=1e-10, atol=1e-13)
+
+
+def test_a_ledger_series_is_a_sequence_of_ledgers_and_its_arrays():
+    """ledger_series holds its ledgers as arrays: each item is the Ledger of those arrays' row,
+    from either end; a subset keeps its rows; stacking the items gives the same arrays."""
+    from reward_lens.measure.ledger.price import LedgerSeries, ledger_arrays, ledger_series
+
+    rng = np.random.default_rng(9)
+    samples = [StepSample(t, ("a", "b"), rng.normal(size=(10, 2)), groups=np.repeat([0, 1], 5)) for t in range(7)]
+    series = ledger_series(samples, eta_by_step={t: 0.1 * t for t in range(7)})
+    assert isinstance(series, LedgerSeries) and len(series) == 6
+    a = series.arrays
+    for q, lg in enumerate(series):
+        assert series[q - 6] is lg and lg.step_pair == (q, q + 1) and lg.learning_rate == pytest.approx(0.1 * q)
+        assert np.array_equal(lg.delta_z, a.delta_z[q]) and np.array_equal(lg.cov_delta, a.cov_delta[q])
+        assert (lg.n_pre, lg.n_post, lg.units, lg.matched) == (10, 10, 4, False)
+    with pytest.raises(IndexError):
+        series[6]
+    assert [lg.step_pair for lg in series[1:3]] == [(1, 2), (2, 3)]
+    part = series.where(np.array([True, False, True, False, False, True]))
+    assert [lg.step_pair for lg in part] == [(0, 1), (2, 3), (5, 6)]
+    assert np.array_equal(part.arrays.delta_z, a.delta_z[[0, 2, 5]])
+    from_list = ledger_arrays(list(series))
+    for name in ("step_pairs", "delta_z", "se", "cov_delta", "n_pre", "n_post", "units", "matched"):
+        assert np.array_equal(getattr(from_list, name), getattr(a, name))
+    assert from_list.learning_rate == a.learning_rate and from_list.kind == a.kind == "unpaired"
+    assert len(ledger_series([])) == 0 and len(ledger_series(samples[:1])) == 0

@@ -30,7 +30,7 @@ from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.efficiency.shapley import EXACT_MAX_FEATURES, kl_min as quad_kl_min, shapley_shares
 from reward_lens.measure.ledger.paired import PairedLedger
-from reward_lens.measure.ledger.price import Ledger
+from reward_lens.measure.ledger.price import Ledger, LedgerSeries, ledger_arrays
 from reward_lens.record.reader import Run
 from reward_lens_spec import Presence, Refusal, Subject, load_book, make_refusal, resolve
 
@@ -250,7 +250,10 @@ def _subject(run_id: str | None, pairs: Sequence[tuple[int, int]]) -> Subject:
 
 
 def _basis_refusal(ledgers: Sequence[Ledger], g: MetricG, run_id: str | None) -> Refusal | None:
-    bad = [lg for lg in ledgers if lg.names != g.names]
+    if isinstance(ledgers, LedgerSeries):  # one basis for all its ledgers
+        bad = ledgers if ledgers.arrays.names != g.names and len(ledgers) else []
+    else:
+        bad = [lg for lg in ledgers if lg.names != g.names]
     if not bad:
         return None
     a, b = bad[0].names, g.names
@@ -268,13 +271,13 @@ def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
     columns; pairs that share an active set are computed together (one vectorised Shapley
     sweep, and the noise floors and Hotelling tests as batched matrix operations)."""
     names, n_pairs, k = g.names, len(ledgers), len(g.names)
-    ts = [lg.step_pair[0] for lg in ledgers]
-    dz_all = np.stack([lg.delta_z for lg in ledgers]) if ledgers else np.zeros((0, k))
-    se_all = np.stack([lg.se for lg in ledgers]) if ledgers else np.zeros((0, k))
-    cov_all = np.stack([lg.cov_delta for lg in ledgers]) if ledgers else np.zeros((0, k, k))
+    arrays = ledger_arrays(ledgers)
+    ts = arrays.step_pairs[:, 0].tolist()
+    dz_all, se_all, cov_all = arrays.delta_z, arrays.se, arrays.cov_delta
     g_all = g.matrices_of(ts) if ledgers else np.zeros((0, k, k))
-    units_all = np.array([lg.units or lg.n_pre + lg.n_post for lg in ledgers], dtype=np.int64)
-    paired = np.array([isinstance(lg, PairedLedger) for lg in ledgers], dtype=bool)
+    units_all = np.where(arrays.units > 0, arrays.units, arrays.n_pre + arrays.n_post)
+    paired = (np.zeros(n_pairs, dtype=bool) if arrays.kind == "unpaired" else
+              np.array([isinstance(lg, PairedLedger) for lg in ledgers], dtype=bool))
     groups: dict[tuple[str, ...], list[int]] = {}  # rows by the active set of their step
     for p, t in enumerate(ts):
         groups.setdefault(g.active_of(t), []).append(p)
@@ -295,7 +298,6 @@ def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
         if not len(idx):  # nothing varies at this step: no movement can be priced
             pvals[rows] = np.nan  # not a test: left out of Benjamini-Hochberg
             continue
-        items = [ledgers[p] for p in members]
         dz = dz_all[rows][:, idx]
         se = se_all[rows][:, idx]
         gaa = g_all[rows][:, idx][:, :, idx]
@@ -311,21 +313,22 @@ def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
         conds = np.abs(ev).max(axis=1) / np.abs(ev).min(axis=1)  # the 2-norm condition number, as cond()
         lead = np.argmax(shares, axis=1)
         unpaired = np.flatnonzero(~paired[rows])
-        p_of = np.ones(len(items))
+        p_of = np.ones(len(rows))
         p_of[unpaired] = _eta.hotelling_p_many(dz[unpaired], cov[unpaired], units[unpaired],
-                                               np.array([items[q].matched for q in unpaired], dtype=bool))
+                                               arrays.matched[rows][unpaired])
         layouts: dict[tuple[int, bytes], list[int]] = {}  # paired samples that share a group layout: one F-test batch
         for q in np.flatnonzero(paired[rows]).tolist():
-            layouts.setdefault((items[q].n_groups, np.asarray(items[q].codes).tobytes()), []).append(q)
+            lg = ledgers[members[q]]
+            layouts.setdefault((lg.n_groups, np.asarray(lg.codes).tobytes()), []).append(q)
         for same in layouts.values():
-            lg0 = items[same[0]]
-            _, p_paired, _ = _eta.within_group_r2_tests(np.stack([items[q].z[:, idx] for q in same]),
-                                                        np.stack([items[q].log_ratio for q in same]),
-                                                        lg0.codes, lg0.n_groups)
+            lgs = [ledgers[members[q]] for q in same]
+            _, p_paired, _ = _eta.within_group_r2_tests(np.stack([lg.z[:, idx] for lg in lgs]),
+                                                        np.stack([lg.log_ratio for lg in lgs]),
+                                                        lgs[0].codes, lgs[0].n_groups)
             p_of[same] = p_paired
         pvals[rows] = p_of
         has_lead = kl > 0
-        q_lead = np.arange(len(items))
+        q_lead = np.arange(len(rows))
         col["kl_min"][rows] = kl
         col["noise_floor"][rows] = floor
         col["noise_sd"][rows] = noise_sd
@@ -341,12 +344,9 @@ def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
     resolved = np.zeros(n_pairs, dtype=bool)
     resolved[priced] = _eta.benjamini_hochberg(pvals[priced])
     return KlMinColumns(
-        names=names, step_pair=np.array([lg.step_pair for lg in ledgers], dtype=np.int64).reshape(n_pairs, 2),
-        p_value=np.where(np.isnan(pvals), 1.0, pvals), resolved=resolved,
-        n_pre=np.array([lg.n_pre for lg in ledgers], dtype=np.int64),
-        n_post=np.array([lg.n_post for lg in ledgers], dtype=np.int64),
-        delta_z=dz_all,
-        kind=tuple(lg.kind for lg in ledgers), **col)
+        names=names, step_pair=arrays.step_pairs, p_value=np.where(np.isnan(pvals), 1.0, pvals), resolved=resolved,
+        n_pre=arrays.n_pre, n_post=arrays.n_post, delta_z=dz_all,
+        kind=(arrays.kind,) * n_pairs if arrays.kind != "mixed" else tuple(lg.kind for lg in ledgers), **col)
 
 
 def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None = None) -> KlMinSeries:
@@ -368,7 +368,8 @@ def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None =
                            {"what": "exact Shapley shares", "limit": EXACT_MAX_FEATURES, "k": widest,
                             "run": _short(run_id)})
         return KlMinSeries(None, (ref,), g)
-    missing = [lg.step_pair for lg in ledgers if g.scope == "per_step" and lg.step_pair[0] not in g.by_step]
+    missing = [tuple(p) for p in ledger_arrays(ledgers).step_pairs.tolist()
+               if g.scope == "per_step" and p[0] not in g.by_step] if ledgers else []
     if missing:
         raise ValueError(f"the per-step metric has no estimate for the steps of pairs {missing[:5]}: build the "
                          "metric from the same StepSample list as the ledgers")
@@ -490,7 +491,7 @@ def cost_series(
     """
     run_id = run_.run_id if run_ is not None else None
     book = load_book(BOOK_ID)
-    kinds = {lg.kind for lg in ledgers}
+    kinds = {"unpaired"} if isinstance(ledgers, LedgerSeries) and len(ledgers) else {lg.kind for lg in ledgers}
     if len(kinds) > 1:
         raise ValueError("cost_series takes the ledgers of one ledger kind, not a mix of paired and unpaired")
     kind = kinds.pop() if kinds else "unpaired"
@@ -500,9 +501,10 @@ def cost_series(
     denoms, unit_refusal = _denominators(ledgers, run_, kl_spent, kl_spent_unit)
     if unit_refusal is not None:
         return CostBook((), (unit_refusal,), series, run_id, ledger=kind, window=window)
-    lg_by_pair = {lg.step_pair: lg for lg in ledgers}
+    pairs = [tuple(p) for p in ledger_arrays(ledgers).step_pairs.tolist()]
+    place = {pair: q for q, pair in enumerate(pairs)}
     refusals: list[Refusal] = []
-    missing = [lg.step_pair for lg in ledgers if kind == "unpaired" and lg.step_pair[0] not in denoms]
+    missing = [pair for pair in pairs if kind == "unpaired" and pair[0] not in denoms]
     if missing:
         n_steps = len(run_.steps) if run_ is not None else len(ledgers)
         resolution = resolve(book, _supplied(run_, kl_spent, n_steps),
@@ -516,14 +518,14 @@ def cost_series(
     paired_est: dict[tuple[int, int], _eta.EtaEstimate] = {}
     if kind == "paired":  # every priced pair's I-projection at once, batched where samples share a layout
         cols = series.columns
-        todo = [(lg_by_pair[(a, b)], active_index(g.names, g.active_of(a)), p) for (a, b), p, priced in
+        todo = [(ledgers[place[(a, b)]], active_index(g.names, g.active_of(a)), p) for (a, b), p, priced in
                 zip(cols.step_pair.tolist(), cols.p_value.tolist(), cols.priced.any(axis=1).tolist())
-                if priced and not lg_by_pair[(a, b)].pareto_k > lg_by_pair[(a, b)].pareto_k_max]
+                if priced and not ledgers[place[(a, b)]].pareto_k > ledgers[place[(a, b)]].pareto_k_max]
         paired_est = {item[0].step_pair: est for item, est in zip(todo, _eta.paired_estimates(todo))}
     # rows only where a denominator can price them (paired ledgers carry their own)
     wanted = [i for i, t in enumerate(series.columns.step_pair[:, 0].tolist()) if kind == "paired" or t in denoms]
     for row in (series[i] for i in wanted):
-        pair, lg = row.step_pair, lg_by_pair[row.step_pair]
+        pair, lg = row.step_pair, ledgers[place[row.step_pair]]
         if kind == "paired":
             span = pair[1] - pair[0]
             source = (f"paired: KL(pi_{{t+1}} || pi_t) on step {pair[1]}'s rollouts, the same sample as KL_min"

@@ -354,23 +354,26 @@ def _step_blocks(ordered: Sequence[StepSample], per_step):
 
 def step_sums(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's feature sums and sums of squared deviations from its mean (the diagonal of
-    ``step_scatter``, without the k x k products), for all steps at once."""
-    def squares(zc, starts, ns):
-        out = np.zeros((len(ns), zc.shape[1]))
-        out[ns > 0] = np.add.reduceat(zc * zc, starts[ns > 0], axis=0) if len(zc) else 0.0
-        return out
-
-    k = ordered[0].z.shape[1]
-    sums, parts = _step_blocks(ordered, squares)
-    return sums, np.concatenate(parts) if parts else np.zeros((0, k))
+    ``step_scatter``), for all steps at once."""
+    scat, sums = step_scatter(ordered)
+    return sums, np.diagonal(scat, axis1=1, axis2=2).copy()
 
 
 def step_scatter(ordered: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """Each step's scatter sum_i (z_i - mean)(z_i - mean)^T (zero for a step of one rollout)
-    and feature sums, for all steps at once (``segment_scatter`` of the centred rollouts)."""
+    and feature sums, for all steps at once (``segment_scatter`` of the centred rollouts);
+    worked out once per run of samples of a stack, for the metric and the cost section both
+    (read-only)."""
     k = ordered[0].z.shape[1]
-    sums, parts = _step_blocks(ordered, lambda zc, starts, ns: segment_scatter(zc, starts, np.where(ns >= 2, ns, 0)))
-    return (np.concatenate(parts) if parts else np.zeros((0, k, k))), sums
+
+    def make():
+        sums, parts = _step_blocks(ordered, lambda zc, starts, ns: segment_scatter(zc, starts, np.where(ns >= 2, ns, 0)))
+        scat = np.concatenate(parts) if parts else np.zeros((0, k, k))
+        scat.flags.writeable = sums.flags.writeable = False
+        return scat, sums
+
+    st = ordered[0].stack
+    return st.memo("step_scatter", ordered, make) if st is not None else make()
 
 
 def _window_sum(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from reward_lens.measure.efficiency.cost import CostBook, cost_series
 from reward_lens.measure.efficiency.metric import MetricG, metric_g, within_group_metric
 from reward_lens.measure.ledger.paired import NotFormed, has_paired_sample, paired_ledger_series
@@ -58,5 +60,7 @@ def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[i
                 if pair[0] in steps and pair[1] in steps:
                     why[pair] = NotFormed("one_rollout", t, s.n)
     ok = [s for s in samples if s.n >= 2]
-    ledgers = [lg for lg in ledger_series(ok, eta_by_step=lrs) if lg.step_pair not in why]
+    ledgers = ledger_series(ok, eta_by_step=lrs)
+    if why:  # the pairs named above are refused, not priced
+        ledgers = ledgers.where(np.array([tuple(p) not in why for p in ledgers.arrays.step_pairs.tolist()], dtype=bool))
     return ledgers, why

@@ -60,20 +60,45 @@ class StepStack:
     starts: np.ndarray  # (P,) first row of each step
     ns: np.ndarray  # (P,) rows of each step
     views: dict[str, list]  # sample attribute -> each sample's array (None where it has none)
+    # per-step statistics of a run of its samples, worked out once for every book that asks
+    # (``memo(key, samples, make)``); the arrays are read-only, so they cannot go stale
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def memo(self, key: str, samples: Sequence[StepSample], make: Callable[[], object]):
+        """``make()`` for ``samples`` -- computed once per key for the same run of samples of
+        this stack (``stack_range``); for any other samples, every time."""
+        where = stack_range(samples)
+        if where is None or where[0] is not self:
+            return make()
+        k = (key, where[1], where[2])
+        if k not in self._memo:
+            self._memo[k] = make()
+        return self._memo[k]
+
+
+def stack_range(samples: Sequence[StepSample], attr: str = "z") -> tuple[StepStack, int, int] | None:
+    """The stack and the range of its samples [i0, i1) that ``samples`` are, in order, each
+    still holding the stack's own ``attr`` array; else None."""
+    if not samples:
+        return None
+    st, i0 = samples[0].stack, samples[0].index
+    views = st.views.get(attr) if st is not None else None
+    end = i0 + len(samples)
+    if views is not None and i0 >= 0 and end <= len(views) and all(
+            s.stack is st and getattr(s, attr) is views[i0 + j] and views[i0 + j] is not None
+            for j, s in enumerate(samples)):
+        return st, i0, end
+    return None
 
 
 def stacked(samples: Sequence[StepSample], attr: str = "z") -> np.ndarray:
     """``np.concatenate`` of the samples' ``attr`` arrays (rows in sample order). Consecutive
     samples of one ``StepStack`` that still hold the stack's arrays get a read-only view of
     it, no copy: at 640,000 rollouts a copy of z costs as much as the arithmetic on it."""
-    if samples:
-        st, i0 = samples[0].stack, samples[0].index
-        views = st.views.get(attr) if st is not None else None
-        end = i0 + len(samples)
-        if views is not None and i0 >= 0 and end <= len(views) and all(
-                s.stack is st and getattr(s, attr) is views[i0 + j] and views[i0 + j] is not None
-                for j, s in enumerate(samples)):
-            return st.arrays[attr][int(st.starts[i0]):int(st.starts[end - 1] + st.ns[end - 1])]
+    where = stack_range(samples, attr)
+    if where is not None:
+        st, i0, end = where
+        return st.arrays[attr][int(st.starts[i0]):int(st.starts[end - 1] + st.ns[end - 1])]
     return np.concatenate([np.asarray(getattr(s, attr)) for s in samples])
 
 
@@ -127,6 +152,81 @@ class Ledger:
         """delta_z in units of its standard error (0 where the SE is 0)."""
         with np.errstate(divide="ignore", invalid="ignore"):
             return np.where(self.se > 0, self.delta_z / np.where(self.se > 0, self.se, 1), 0.0)
+
+
+@dataclass(frozen=True, eq=False)
+class LedgerArrays:
+    """The ledgers of many step pairs as stacked arrays, entry q of each for ledger q: what a
+    book pricing 10,000 step pairs reads, instead of 10,000 objects' attributes."""
+
+    names: tuple[str, ...]
+    step_pairs: np.ndarray  # (P, 2) int
+    delta_z: np.ndarray  # (P, k)
+    se: np.ndarray  # (P, k)
+    cov_delta: np.ndarray  # (P, k, k)
+    n_pre: np.ndarray  # (P,) int
+    n_post: np.ndarray  # (P,) int
+    units: np.ndarray  # (P,) int: 0 where unstated (then n_pre + n_post)
+    matched: np.ndarray  # (P,) bool
+    learning_rate: list  # (P,) float or None
+    kind: str = "unpaired"
+
+
+class LedgerSeries(Sequence):
+    """Unpaired ledgers held as ``LedgerArrays`` (``ledger_series`` returns one): item q is a
+    ``Ledger`` made when it is asked for, while a book reads the arrays (``ledger_arrays``)."""
+
+    def __init__(self, arrays: LedgerArrays):
+        self.arrays = arrays
+        self._made: dict[int, Ledger] = {}
+
+    def __len__(self) -> int:
+        return len(self.arrays.step_pairs)
+
+    def __getitem__(self, q):
+        if isinstance(q, slice):
+            return [self[i] for i in range(*q.indices(len(self)))]
+        n = len(self)
+        if not -n <= q < n:
+            raise IndexError(f"ledger {q} of a series of {n}")
+        q %= n
+        if q not in self._made:
+            a = self.arrays
+            self._made[q] = Ledger(step_pair=(int(a.step_pairs[q, 0]), int(a.step_pairs[q, 1])), names=a.names,
+                                   delta_z=a.delta_z[q], se=a.se[q], cov_delta=a.cov_delta[q], n_pre=int(a.n_pre[q]),
+                                   n_post=int(a.n_post[q]), learning_rate=a.learning_rate[q], units=int(a.units[q]),
+                                   matched=bool(a.matched[q]))
+        return self._made[q]
+
+    def __iter__(self) -> Iterator[Ledger]:
+        return (self[q] for q in range(len(self)))
+
+    def where(self, keep: np.ndarray) -> LedgerSeries:
+        """The ledgers where ``keep`` (a boolean mask over them) holds, as a series."""
+        a = self.arrays
+        lr = [v for v, k in zip(a.learning_rate, keep.tolist()) if k]
+        return LedgerSeries(LedgerArrays(a.names, a.step_pairs[keep], a.delta_z[keep], a.se[keep], a.cov_delta[keep],
+                                         a.n_pre[keep], a.n_post[keep], a.units[keep], a.matched[keep], lr, a.kind))
+
+
+def ledger_arrays(ledgers: Sequence[Ledger]) -> LedgerArrays:
+    """The ledgers' numbers as stacked arrays: a ``LedgerSeries``'s own, or stacked from the
+    ledgers (paired ones included: their per-rollout arrays stay on the ledgers)."""
+    if isinstance(ledgers, LedgerSeries):
+        return ledgers.arrays
+    k = len(ledgers[0].names) if ledgers else 0
+    names = ledgers[0].names if ledgers else ()
+    kinds = {lg.kind for lg in ledgers}
+    return LedgerArrays(
+        names=names, step_pairs=np.array([lg.step_pair for lg in ledgers], dtype=np.int64).reshape(len(ledgers), 2),
+        delta_z=np.stack([lg.delta_z for lg in ledgers]) if ledgers else np.zeros((0, k)),
+        se=np.stack([lg.se for lg in ledgers]) if ledgers else np.zeros((0, k)),
+        cov_delta=np.stack([lg.cov_delta for lg in ledgers]) if ledgers else np.zeros((0, k, k)),
+        n_pre=np.array([lg.n_pre for lg in ledgers], dtype=np.int64),
+        n_post=np.array([lg.n_post for lg in ledgers], dtype=np.int64),
+        units=np.array([lg.units for lg in ledgers], dtype=np.int64),
+        matched=np.array([lg.matched for lg in ledgers], dtype=bool),
+        learning_rate=[lg.learning_rate for lg in ledgers], kind=kinds.pop() if len(kinds) == 1 else "mixed")
 
 
 def group_codes(groups) -> tuple[np.ndarray, int]:
@@ -445,15 +545,14 @@ def learning_rates(run: Run, window: Window | None = None) -> dict[int, float]:
     return {s: float(v) for s, v in lrs.items() if window is None or s in window}
 
 
-def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float] | None = None) -> list[Ledger]:
-    """One Ledger per consecutive step pair (t, t+1) present in ``samples``.
+def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float] | None = None) -> LedgerSeries:
+    """One Ledger per consecutive step pair (t, t+1) present in ``samples`` (a sequence of
+    Ledgers, held as arrays: ``LedgerSeries``).
 
     Pairs whose steps are not adjacent (a gap in the record) are not formed: a ledger spans
     exactly one optimizer step. Each side needs at least two rollouts for a standard error.
     """
-    if not samples:
-        return []
-    names = samples[0].names
+    names = samples[0].names if samples else ()
     for s in samples:
         if s.names != names:
             raise ValueError(f"step {s.step} is in basis {s.names}, step {samples[0].step} in {names}: "
@@ -466,7 +565,10 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
                 raise ValueError(f"step {side.step} has {side.n} rollout(s); a ledger needs at least 2 per step "
                                  "to estimate the standard error of dz")
     if not pairs:
-        return []
+        k = len(names)
+        return LedgerSeries(LedgerArrays(names, np.zeros((0, 2), np.int64), np.zeros((0, k)), np.zeros((0, k)),
+                                         np.zeros((0, k, k)), np.zeros(0, np.int64), np.zeros(0, np.int64),
+                                         np.zeros(0, np.int64), np.zeros(0, bool), []))
     # each step's moments once (it sits in two pairs), all in one segmented pass; every pair's
     # dz and covariance by stacked arithmetic, then the pairs matched by prompt replace theirs
     two = [s for s in samples if s.n >= 2]
@@ -483,10 +585,11 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
             matched[q] = True
     ses = np.sqrt(np.clip(np.diagonal(cov, axis1=1, axis2=2), 0, None))
     lrs = eta_by_step or {}
-    return [Ledger(step_pair=(t, t + 1), names=names, delta_z=dz[q], se=ses[q], cov_delta=cov[q],
-                   n_pre=by_step[t].n, n_post=by_step[t + 1].n,
-                   learning_rate=None if eta_by_step is None else lrs.get(t), units=u, matched=mt)
-            for q, (t, u, mt) in enumerate(zip(pairs, n_units.tolist(), matched.tolist()))]
+    return LedgerSeries(LedgerArrays(
+        names=names, step_pairs=np.stack([np.array(pairs), np.array(pairs) + 1], axis=1).astype(np.int64),
+        delta_z=dz, se=ses, cov_delta=cov, n_pre=np.array([by_step[t].n for t in pairs], dtype=np.int64),
+        n_post=np.array([by_step[t + 1].n for t in pairs], dtype=np.int64), units=n_units.astype(np.int64),
+        matched=matched, learning_rate=[None if eta_by_step is None else lrs.get(t) for t in pairs]))
 
 
 def _may_match(samples: Sequence[StepSample], pre: np.ndarray, post: np.ndarray) -> np.ndarray:
