@@ -253,7 +253,7 @@ def cause_section(ctx: RunContext) -> BookResult:
                           [rollouts_refusal(run, samples)])
     cols = priced.book.kl_min.columns if priced.book is not None else None
     resolved = {tuple(p) for p in cols.step_pair[cols.resolved].tolist()} if cols is not None else set()
-    sec = cause_series(list(priced.ledgers), samples, priced.metric, resolved)
+    sec = cause_series(priced.ledgers, samples, priced.metric, resolved)
     status = status_of(bool(sec.rows.step_pair), [], sec.summary["features_selected"] > 0)
     ctxt = {"s": sec.summary, "c": sec, "sel": [x for x in sec.selected if x.selected]}
     headline = render_template("report/books/cause.headline.j2", ctxt).strip()

@@ -165,7 +165,7 @@ def effect_section(ctx: RunContext) -> BookResult:
     if not run.n_rollouts:
         return BookResult("refused", "No rollouts: nothing can be said to have moved.", [rollouts_refusal(run, [])])
     priced = ctx.priced
-    ledgers = list(priced.ledgers) if priced is not None else []
+    ledgers = priced.ledgers if priced is not None else []
     refusals = not_formed_refusals(run, priced) if priced is not None else []
     if not ledgers:
         refusals = refusals or [rollouts_refusal(run, ctx.samples)]

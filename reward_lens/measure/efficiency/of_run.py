@@ -7,6 +7,7 @@ which it used.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ class PricedRun:
     metric: MetricG | None
     ledger: str
     not_formed: dict[tuple[int, int], NotFormed]  # step pairs no ledger could be formed for, and why
-    ledgers: tuple = ()  # the ledgers the book was priced on (the effect and cause books read them)
+    ledgers: Sequence = ()  # the ledgers the book was priced on, as priced (the effect and cause books read them)
 
 
 def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", window: int | str = 1) -> PricedRun:
@@ -46,7 +47,7 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
             return PricedRun(None, None, ledger, why)
         ok = [s for s in samples if s.n >= 2]
         g = metric_g(ok, method="covariance_bound", scope="auto")
-    return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why, tuple(ledgers))
+    return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why, ledgers)
 
 
 def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[int, int], NotFormed]]:

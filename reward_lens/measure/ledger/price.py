@@ -426,7 +426,7 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     wanted = [c for c in features.columns if c in available or c not in ("completion_ids", "num_tokens")]
     if {"completion_ids", "num_tokens"} & set(features.columns) and not {"completion_ids", "num_tokens"} & set(wanted):
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
-    zs, step_parts, col_parts = [], [], {c: [] for c in extra}
+    col_parts: dict[str, list] = {c: [] for c in extra}  # the label columns' encoded reads
     nulls: set[str] = set()  # float columns with a null somewhere: only they can be absent at a step
     tables = (t for t in run.iter_rollouts([*dict.fromkeys([*wanted, *extra, *also])], window) if t.num_rows)
     label_columns = [c for c in extra if c in LABEL_COLUMNS]
@@ -435,26 +435,37 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
         return z, {c: pc.dictionary_encode(table.column(c).combine_chunks()) for c in label_columns}
 
+    # Every step's rows at once, filled in as the reads come in (the main thread would otherwise
+    # wait for the feature threads, and stack 46 MB at the end): as many rows as the window's
+    # steps have in the record.
+    rs = run.rollout_steps
+    bound = int(np.count_nonzero((rs >= window.start) & (rs <= window.stop)))
+    z_all, steps_all = None, np.empty(bound, dtype=np.int64)
+    floats = {c: np.empty(bound) for c in extra if c not in label_columns}
+    filled = 0
     for table, (z, encoded) in in_threads(tables, compute):
         for col in collectors:
             col.take(table, z)
-        zs.append(z)
-        step_parts.append(table.column("step").to_numpy())
+        a, b = filled, filled + table.num_rows
+        if z_all is None:
+            z_all = np.empty((bound, z.shape[1]))
+        z_all[a:b] = z
+        steps_all[a:b] = table.column("step").to_numpy()
         for c in extra:
             col = table.column(c)
             if c in encoded:
                 col_parts[c].append(encoded[c])
             elif col.null_count == 0:
-                col_parts[c].append(col.to_numpy(zero_copy_only=False).astype(float))
+                floats[c][a:b] = col.to_numpy(zero_copy_only=False)
             else:  # partly null (e.g. logp_prev of the first step): NaN marks the gaps
                 nulls.add(c)
-                col_parts[c].append(col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
-    if not zs:
+                floats[c][a:b] = col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
+        filled = b
+    if not filled:
         return []
-    # every step's rows at once, in step order (a writer's row groups are; a stable sort if not)
-    steps = np.concatenate(step_parts)
-    z = np.vstack(zs) if len(zs) > 1 else zs[0]
-    cols = {c: _label_ids(v) if c in LABEL_COLUMNS else np.concatenate(v) for c, v in col_parts.items()}
+    # in step order (a writer's row groups are; a stable sort if not)
+    steps, z = steps_all[:filled], z_all[:filled]
+    cols = {c: _label_ids(col_parts[c]) if c in label_columns else floats[c][:filled] for c in extra}
     if len(steps) > 1 and (np.diff(steps) < 0).any():
         order = np.argsort(steps, kind="stable")
         steps, z, cols = steps[order], z[order], {c: v[order] for c, v in cols.items()}
