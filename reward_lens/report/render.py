@@ -79,6 +79,26 @@ def pairs_all(values) -> list[str]:
     return [f"{a}→{b}" for a, b in values]
 
 
+def fmt_interval_all(values, intervals, digits: int = 4) -> list[str]:
+    """A column of values with their intervals: "v [lo, hi]", or "v" where there is none."""
+    cells = fmt_all(values, digits)
+    return [c if iv is None else f"{c} [{fmt(iv[0], digits)}, {fmt(iv[1], digits)}]" for c, iv in zip(cells, intervals)]
+
+
+def with_note(cells, flags, note: str) -> list[str]:
+    """The cells, with `` note`` after each one whose flag is set."""
+    return [f"{c} {note}" if f else c for c, f in zip(cells, flags)]
+
+
+def md_cell_all(values) -> list[str]:
+    """``md_cell`` of every value of a column of record text."""
+    return [md_cell(v) for v in values]
+
+
+def prefixed(values, prefix: str) -> list[str]:
+    return [prefix + v for v in values]
+
+
 def fmt_columns(columns: dict, names, digits: int = 4) -> list[list[str]]:
     """``fmt_all`` of the columns ``names`` of a mapping of columns, in that order."""
     return [fmt_all(columns[n], digits) for n in names]
@@ -98,13 +118,15 @@ def _escape_all(cells: list[str]) -> list[str]:
     return str(escape(joined)).split("\x00") if cells else []
 
 
-def html_rows(columns: list[list[str]], classes: list[str]) -> Markup:
+def html_rows(columns: list[list[str]], classes: list[str], row_classes: list[str] | None = None) -> Markup:
     """HTML table rows, one per entry of the columns: every cell escaped, ``classes[j]`` the
-    class of column j's cells (empty: none)."""
+    class of column j's cells (empty: none), ``row_classes[i]`` the class of row i."""
     opens = [f'<td class="{c}">' if c else "<td>" for c in classes]
     escaped = [_escape_all(col) for col in columns]
-    return Markup("".join("<tr>" + "".join(o + v + "</td>" for o, v in zip(opens, cells)) + "</tr>\n"
-                          for cells in zip(*escaped)))
+    rows = (f'<tr class="{c}">' for c in _escape_all(row_classes)) if row_classes is not None else \
+        iter(lambda: "<tr>", None)
+    return Markup("".join(r + "".join(o + v + "</td>" for o, v in zip(opens, cells)) + "</tr>\n"
+                          for r, cells in zip(rows, zip(*escaped))))
 
 
 @lru_cache(maxsize=None)
@@ -114,7 +136,8 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
     env.filters.update(md_cell=md_cell, fmt=fmt, md_cells=md_cells, prose_md=markdown_view, visible=visible,
                        fmt_all=fmt_all, text_all=text_all, pairs_all=pairs_all, fmt_columns=fmt_columns,
-                       md_rows=md_rows, html_rows=html_rows,
+                       md_rows=md_rows, html_rows=html_rows, fmt_interval_all=fmt_interval_all, with_note=with_note,
+                       md_cell_all=md_cell_all, prefixed=prefixed,
                        prose_html=lambda t: Markup(html_view(t)), first_sentence=first_sentence,
                        rest_after_first=lambda t: t[len(first_sentence(t)):].strip())
     return env

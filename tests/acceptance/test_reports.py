@@ -73,7 +73,7 @@ def test_report_json_round_trips_and_the_schema_file_is_current():
     report = Report.model_validate_json(path.read_text())
     (cost,) = [b for b in report.books if b.id == "cost"]
     assert report.schema_version == "5.0" and cost.status == "partial"
-    assert len(cost.typed().kl_min) == 199 and cost.typed().efficiency == []
+    assert len(cost.typed().kl_min) == 199 and len(cost.typed().efficiency) == 0
     schema = json.loads((REPO / "reports" / "report.schema.json").read_text())
     assert schema == json.loads(json.dumps(Report.model_json_schema()))
 
@@ -163,7 +163,7 @@ def test_exit_codes(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert "cost_series: computed" in r.stdout
     data = json.loads((tmp_path / "d" / "report.json").read_text())
-    assert len(next(b for b in data["books"] if b["id"] == "cost")["data"]["efficiency"]) == 5
+    assert len(next(b for b in data["books"] if b["id"] == "cost")["data"]["efficiency"]["step_pair"]) == 5
     # 1 under --fail-on violated: a D_t far too small for the movement.
     rec2 = tiny_record(tmp_path / "small", steps, kl_to_previous={s: 1e-9 for s in range(6)})
     r = _cli("report", str(rec2), "--out", str(tmp_path / "e"), "--quiet", "--fail-on", "violated")

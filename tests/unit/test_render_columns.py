@@ -28,3 +28,26 @@ def test_whole_columns_are_escaped_as_each_cell_is():
     html = html_rows([["1→2", "3→4"], ["<i>", "ok"]], ["", "num"])
     assert html == '<tr><td>1→2</td><td class="num">&lt;i&gt;</td></tr>\n<tr><td>3→4</td><td class="num">ok</td></tr>\n'
     assert md_rows([["1→2", "3→4"], ["a", "b"]]) == "| 1→2 | a |\n| 3→4 | b |\n"
+
+
+def test_interval_and_note_columns_and_row_classes():
+    from reward_lens.report.render import fmt_interval_all, prefixed, with_note
+
+    assert fmt_interval_all([0.5, None, 0.25], [(0.1, 0.9), None, None]) == ["0.5 [0.1, 0.9]", "—", "0.25"]
+    assert with_note(["a", "b"], [False, True], "(note)") == ["a", "b (note)"]
+    html = html_rows([["x", "y"]], [""], prefixed(["resolved", "<u>"], "row-"))
+    assert html == '<tr class="row-resolved"><td>x</td></tr>\n<tr class="row-&lt;u&gt;"><td>y</td></tr>\n'
+
+
+def test_the_efficiency_columns_refuse_an_eta_outside_the_unit_interval():
+    import pytest
+    from pydantic import ValidationError
+
+    from reward_lens.measure.efficiency.section import EfficiencyRows
+
+    row = dict(step_pair=[(0, 1)], steps=[1], status=["resolved"], kl_min=[1.0], kl_spent=[2.0], efficiency=[0.5],
+               efficiency_null=[0.1], efficiency_debiased=[0.44], interval=[(0.3, 0.6)], p_value=[0.01],
+               source=["record"], resolved=[True], d_t_checks=[{}], d_t_disagrees=[False])
+    assert len(EfficiencyRows(**row)) == 1
+    with pytest.raises(ValidationError):
+        EfficiencyRows(**{**row, "efficiency": [1.2]})

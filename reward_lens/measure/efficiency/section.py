@@ -6,7 +6,7 @@ names ``cost_section`` (builder) and ``CostSection`` (model) under ``report:``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -64,23 +64,29 @@ class KlMinRows(_M):
         return len(self.step_pair)
 
 
-class EfficiencyOut(_M):
-    step_pair: tuple[int, int] = Field(description="first and last step of the row (a window when steps > 1)")
-    steps: int = Field(description="step pairs the row prices (its window)")
-    status: Literal["resolved", "unresolved", "nothing_priced"]
-    kl_min: float = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
-    kl_spent: float = Field(description="D_t, nats per sequence: the denominator of this eta")
-    efficiency: float | None = Field(ge=0.0, le=1.0, description="KL_min / D_t, dimensionless; null when nothing "
-                                                                 "was priced")
-    efficiency_null: float | None = Field(description="what noise alone gives eta in expectation")
-    efficiency_debiased: float | None = Field(description="(eta - null) / (1 - null); may be below 0")
-    interval: tuple[float, float] | None = Field(description="95 % interval of efficiency_debiased")
-    p_value: float | None
-    source: str
-    resolved: bool
-    d_t_checks: dict[str, tuple[float, float | None]] = Field(
-        default_factory=dict, description="D_t by source (nats per sequence, SE): same_sample, token_kl, record")
-    d_t_disagrees: bool = Field(False, description="token_kl and record differ by more than 3 combined SEs")
+class EfficiencyRows(_M):
+    """Every row of the efficiency table (a step pair, or a window when steps > 1), as columns:
+    entry i of every list belongs to ``step_pair[i]``."""
+
+    step_pair: list[tuple[int, int]] = Field(description="first and last step of the row (a window when steps > 1)")
+    steps: list[int] = Field(description="step pairs the row prices (its window)")
+    status: list[Literal["resolved", "unresolved", "nothing_priced"]]
+    kl_min: list[float] = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
+    kl_spent: list[float] = Field(description="D_t, nats per sequence: the denominator of this eta")
+    efficiency: list[Annotated[float, Field(ge=0.0, le=1.0)] | None] = Field(
+        description="KL_min / D_t, dimensionless, in [0, 1] (validated); null when nothing was priced")
+    efficiency_null: list[float | None] = Field(description="what noise alone gives eta in expectation")
+    efficiency_debiased: list[float | None] = Field(description="(eta - null) / (1 - null); may be below 0")
+    interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased")
+    p_value: list[float | None]
+    source: list[str]
+    resolved: list[bool]
+    d_t_checks: list[dict[str, tuple[float, float | None]]] = Field(
+        description="D_t by source (nats per sequence, SE): same_sample, token_kl, record")
+    d_t_disagrees: list[bool] = Field(description="token_kl and record differ by more than 3 combined SEs")
+
+    def __len__(self) -> int:
+        return len(self.step_pair)
 
 
 class FeatureMeans(_M):
@@ -97,7 +103,7 @@ class CostSection(_M):
     features: list[FeatureOut]
     metric: MetricOut
     kl_min: KlMinRows
-    efficiency: list[EfficiencyOut]
+    efficiency: EfficiencyRows
     feature_means: FeatureMeans
     summary: dict[str, float | int | str | list[float] | None] = Field(description=(
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
@@ -134,14 +140,15 @@ def cost_figures(c: CostSection) -> list[FigureOut]:
                 "Exact Shapley shares of KL_min by feature, stacked (nats per sequence)."), panels=[Panel(
                     y_label="share of KL_min (nats per sequence)",
                     series=[Series(label=n, x=x, y=shares[n], style="stack") for n in names])]))
-    rows = [r for r in c.efficiency if r.efficiency_debiased is not None]
+    e = c.efficiency
+    rows = [i for i, v in enumerate(e.efficiency_debiased) if v is not None]
     if rows:
-        pairs = [tuple(r.step_pair) for r in rows]
+        pairs = [tuple(e.step_pair[i]) for i in rows]
         x = [float(p[0]) for p in pairs]
-        y = [r.efficiency_debiased for r in rows]
-        lo = [r.interval[0] if r.interval else v for r, v in zip(rows, y)]
-        hi = [r.interval[1] if r.interval else v for r, v in zip(rows, y)]
-        res = [r.status == "resolved" for r in rows]
+        y = [e.efficiency_debiased[i] for i in rows]
+        lo = [e.interval[i][0] if e.interval[i] else v for i, v in zip(rows, y)]
+        hi = [e.interval[i][1] if e.interval[i] else v for i, v in zip(rows, y)]
+        res = [e.status[i] == "resolved" for i in rows]
         figs.append(FigureOut(id="efficiency", x_label=x_label, caption=(
             "Debiased efficiency per row with its 95 % interval: filled points are resolved, hollow points "
             "unresolved; lines are not drawn across refused rows."), panels=[Panel(
@@ -185,12 +192,14 @@ def cost_section(ctx: RunContext) -> BookResult:
     feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
              for n in g.names]
     kl_rows, totals = _kl_min_rows(book.kl_min.columns, g.names)
-    eff = [EfficiencyOut(step_pair=r.step_pair, steps=r.steps, status=r.status, kl_min=r.kl_min, kl_spent=r.kl_spent,
-                         efficiency=r.efficiency, efficiency_null=r.efficiency_null,
-                         efficiency_debiased=r.efficiency_debiased, interval=r.interval, p_value=r.p_value,
-                         source=r.kl_spent_source, resolved=r.resolved, d_t_checks=r.d_t_checks,
-                         d_t_disagrees=r.d_t_disagrees)
-           for r in book.rows]
+    rows = book.rows
+    eff = EfficiencyRows(  # one list per quantity (validated: a few lists, not one model per row)
+        step_pair=[r.step_pair for r in rows], steps=[r.steps for r in rows], status=[r.status for r in rows],
+        kl_min=[r.kl_min for r in rows], kl_spent=[r.kl_spent for r in rows], efficiency=[r.efficiency for r in rows],
+        efficiency_null=[r.efficiency_null for r in rows], efficiency_debiased=[r.efficiency_debiased for r in rows],
+        interval=[r.interval for r in rows], p_value=[r.p_value for r in rows],
+        source=[r.kl_spent_source for r in rows], resolved=[r.resolved for r in rows],
+        d_t_checks=[r.d_t_checks for r in rows], d_t_disagrees=[r.d_t_disagrees for r in rows])
     sums, squares = step_sums(samples)  # each step's mean and standard error, all steps at once
     ns = np.array([s.n for s in samples], dtype=float)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -270,7 +279,7 @@ def not_formed_refusals(run, priced) -> list[Refusal]:
 
 
 def _result(refusals: list[Refusal], section: CostSection | None, spec) -> BookResult:
-    has_numbers = section is not None and bool(len(section.kl_min) or section.efficiency)
+    has_numbers = section is not None and bool(len(section.kl_min) or len(section.efficiency))
     resolved = section is not None and bool(section.summary.get("rows_resolved"))
     status = status_of(has_numbers, refusals, resolved)
     s = section.summary if section else {}
