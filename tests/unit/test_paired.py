@@ -77,7 +77,10 @@ def test_i_projections_solves_many_samples_in_one_batch_each_as_the_primal_solve
     weights = np.vstack([np.ones((1, n_groups)), 1.0 - np.eye(n_groups)])
     together = iproj.i_projections(z, r, codes, n_groups, weights)
     monkeypatch.setattr(iproj, "BATCH_FLOATS", 2 * len(weights) * n_groups * m * k)  # two samples a batch
-    split = iproj.i_projections(z, r, codes, n_groups, weights)
+    split = iproj.i_projections(z, r, codes, n_groups, weights)  # three batches, on threads
+    monkeypatch.setattr(iproj, "THREADS", 1)
+    one = iproj.i_projections(z, r, codes, n_groups, weights)
+    assert all(np.array_equal(a.kl_min, b.kl_min) and np.array_equal(a.lam, b.lam) for a, b in zip(split, one))
     for p in range(5):
         for b, w in enumerate(weights):
             keep = np.repeat(w > 0, m)  # a jackknife replicate: the sample without one group
@@ -445,3 +448,25 @@ def test_a_series_of_many_group_layouts_prices_each_step_as_its_definition_does(
         if d_rb is not None:
             assert (lg.d_rb, lg.d_rb_se) == pytest.approx((d_rb, d_rb_se), rel=1e-12)
         np.testing.assert_array_equal(lg.pareto_k, pareto_khat(-lg.log_ratio))
+
+
+def test_the_within_group_metric_of_many_layouts_is_each_samples_within_group_covariance():
+    """Ledgers in groups of equal blocks (TRL's layout), interleaved, and of unequal sizes, in one
+    series: each step's G is sum_g sum_i (z_i - zbar_g)(z_i - zbar_g)^T / (n - G) of its own
+    sample, worked out here group by group."""
+    rng = np.random.default_rng(17)
+    ledgers = []
+    for step in range(1, 10):
+        s = _sample(step, rng, n_groups=4, m=6)
+        groups = s.groups
+        if step % 3 == 1:
+            groups = rng.permutation(groups)  # interleaved
+        elif step % 3 == 2:
+            groups = groups.copy()
+            groups[:3] = groups[6]  # unequal sizes
+        ledgers.append(paired_ledger(StepSample(step, s.names, s.z, groups=groups, logp=s.logp, logp_prev=s.logp_prev)))
+    g = within_group_metric(ledgers)
+    for lg in ledgers:
+        zc = np.vstack([lg.z[lg.codes == c] - lg.z[lg.codes == c].mean(axis=0) for c in range(lg.n_groups)])
+        want = zc.T @ zc / (len(lg.z) - lg.n_groups)
+        np.testing.assert_allclose(g.for_step(lg.step_pair[0]).matrix, want, rtol=1e-12, atol=1e-15)

@@ -513,7 +513,7 @@ def cost_series(
                                      run_denominator_context(run_, len(missing), len(ledgers), resolution, bool(kl_spent))))
     estimates: list[_eta.EtaEstimate] = []
     heavy: list[dict[str, Any]] = []  # paired step pairs whose weights are too heavy-tailed: one refusal
-    meta: dict[tuple[int, int], tuple[KlMinRow, str, dict]] = {}
+    meta: dict[tuple[int, int], tuple[int, str, dict]] = {}  # row, D_t's source, D_t checks
     nothing: list[CostRow] = []
     paired_est: dict[tuple[int, int], _eta.EtaEstimate] = {}
     if kind == "paired":  # every priced pair's I-projection at once, batched where samples share a layout
@@ -522,10 +522,15 @@ def cost_series(
                 zip(cols.step_pair.tolist(), cols.p_value.tolist(), cols.priced.any(axis=1).tolist())
                 if priced and not ledgers[place[(a, b)]].pareto_k > ledgers[place[(a, b)]].pareto_k_max]
         paired_est = {item[0].step_pair: est for item, est in zip(todo, _eta.paired_estimates(todo))}
-    # rows only where a denominator can price them (paired ledgers carry their own)
-    wanted = [i for i, t in enumerate(series.columns.step_pair[:, 0].tolist()) if kind == "paired" or t in denoms]
-    for row in (series[i] for i in wanted):
-        pair, lg = row.step_pair, ledgers[place[row.step_pair]]
+    # rows only where a denominator can price them (paired ledgers carry their own); a row is
+    # made (series[i]) only to name a violation, the rest is read from the columns
+    cols = series.columns
+    kl_of, floor_of, p_of = cols.kl_min.tolist(), cols.noise_floor.tolist(), cols.p_value.tolist()
+    priced_any = cols.priced.any(axis=1).tolist()
+    wanted = [i for i, pair in enumerate(pairs) if kind == "paired" or pair[0] in denoms]
+    for i in wanted:
+        pair = pairs[i]
+        lg = ledgers[place[pair]]
         if kind == "paired":
             span = pair[1] - pair[0]
             source = (f"paired: KL(pi_{{t+1}} || pi_t) on step {pair[1]}'s rollouts, the same sample as KL_min"
@@ -533,11 +538,9 @@ def cost_series(
                       f"paired over the {span} steps between generations (rollouts reused across steps): "
                       f"KL(pi_{pair[1]} || pi_{pair[0]}) on step {pair[1]}'s rollouts, the same sample as KL_min")
             d_t = lg.d_hat
-        elif pair[0] in denoms:
-            d_t, source = denoms[pair[0]]
         else:
-            continue  # named in the RECORD_INCOMPLETE refusal above
-        if row.nothing_priced:
+            d_t, source = denoms[pair[0]]
+        if not priced_any[i]:
             nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind))
             continue
         idx = active_index(g.names, g.active_of(pair[0]))
@@ -547,17 +550,17 @@ def cost_series(
                               "n": lg.n_post})
                 continue
             est = paired_est[pair]
-            violation = _envelope(row, lg, est.d_t, kl_min=est.kl_min)
+            violation = _envelope(series[i], lg, est.d_t, kl_min=est.kl_min) if _outside(est.kl_min, est.d_t) else None
         else:
-            violation = _envelope(row, lg, d_t)
+            violation = _envelope(series[i], lg, d_t) if _outside(kl_of[i], d_t) else None
             est = None if violation else _eta.unpaired_estimate(
-                lg, g.matrix_of(pair[0])[np.ix_(idx, idx)], idx, row.kl_min, row.noise_floor, d_t, row.p_value)
+                lg, g.matrix_of(pair[0])[np.ix_(idx, idx)], idx, kl_of[i], floor_of[i], d_t, p_of[i])
         if violation is not None:
             refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pair]),
                                          {**violation, "run": _short(run_id), "source": source}))
             continue
         estimates.append(est)
-        meta[pair] = (row, source, _d_t_checks(lg, est, run_, pair))
+        meta[pair] = (i, source, _d_t_checks(lg, est, run_, pair))
     if heavy:
         refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [tuple(h["step_pair"]) for h in heavy]),
                                      {"premise": "heavy_tails", "pairs": heavy, "run": _short(run_id),
@@ -566,16 +569,20 @@ def cost_series(
     decided = _eta.benjamini_hochberg([e.p_value for e in priced])
     rows: list[CostRow] = list(nothing)
     ordered = list(meta.values())  # in the order of ``estimates``, which ``windows`` keeps
+    names = cols.names
+    share_rows = cols.shares.tolist()
+    priced_rows = cols.priced.tolist()
     i = 0
     for est, rej in zip(priced, decided):
         members = []  # the step pairs this window covers: the next ones, in order (linear, not a scan)
-        while i < len(ordered) and ordered[i][0].step_pair[1] <= est.step_pair[1]:
+        while i < len(ordered) and pairs[ordered[i][0]][1] <= est.step_pair[1]:
             members.append(ordered[i])
             i += 1
         shares: dict[str, float] = {}
-        for m in members:
-            for f, v in m[0].shares.items():
-                shares[f] = shares.get(f, 0.0) + v
+        for m in members:  # each row's shares of the features it priced, as the row holds them
+            for f, v, on in zip(names, share_rows[m[0]], priced_rows[m[0]]):
+                if on:
+                    shares[f] = shares.get(f, 0.0) + v
         checks = members[0][2] if len(members) == 1 else {}
         rows.append(CostRow(
             step_pair=est.step_pair, kl_min=est.kl_min, kl_spent=est.d_t, efficiency=est.eta,
@@ -620,9 +627,17 @@ def _disagree(checks: dict[str, tuple[float, float | None]]) -> bool:
     return abs(v1 - v0) > D_T_DISAGREE_Z * math.sqrt(s0 ** 2 + s1 ** 2)
 
 
+def _outside(kl_min: float, d_t: float) -> bool:
+    """Whether eta = KL_min / D_t would leave [0, 1] (or not be a number): ``_envelope`` then
+    names the premise that failed."""
+    return not math.isfinite(d_t) or d_t <= 0 or not (0.0 <= kl_min / d_t <= 1.0)
+
+
 def _envelope(row: KlMinRow, lg: Ledger, d_t: float, kl_min: float | None = None) -> dict[str, Any] | None:
     """None when eta = KL_min / D_t is inside [0, 1]; else the failed premise, with numbers.
     ``kl_min`` replaces the row's quadratic form (the paired ledger's exact value)."""
+    if not _outside(row.kl_min if kl_min is None else kl_min, d_t):
+        return None
     base = {"step_pair": list(row.step_pair), "kl_min": row.kl_min if kl_min is None else kl_min, "d_t": d_t,
             "noise_floor": row.noise_floor, "clears_noise_floor": row.clears_noise_floor,
             "leading_feature": row.leading_feature, "leading_delta": row.leading_delta,

@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import StepSample, segment_scatter, stacked
+from reward_lens.measure.ledger.price import StepSample, blocks, group_sums, segment_scatter, stacked
 
 # Relative SD below which a feature counts as constant: 1e-12 of max(1, |mean|), i.e. at
 # float64 round-off, so that only genuinely constant features are excluded.
@@ -457,16 +457,26 @@ def within_group_metric(ledgers) -> MetricG:
     if not ledgers:
         raise ValueError("within_group_metric needs at least one paired ledger")
     names = ledgers[0].names
-    cs, ns = [], []
-    for lg in ledgers:
-        size = np.bincount(lg.codes, minlength=lg.n_groups).astype(float)
-        means = np.stack([np.bincount(lg.codes, weights=lg.z[:, j], minlength=lg.n_groups) for j in
-                          range(lg.z.shape[1])], axis=1) / size[:, None]
-        zc = lg.z - means[lg.codes]
-        cs.append(zc.T @ zc / max(len(zc) - lg.n_groups, 1))
-        ns.append(len(zc))
-    cs = np.stack(cs)
-    sets = _active_sets(cs, np.stack([lg.z.mean(axis=0) for lg in ledgers]), names)
+    k = len(names)
+    cs, mean_z = np.empty((len(ledgers), k, k)), np.empty((len(ledgers), k))
+    ns = [len(lg.z) for lg in ledgers]
+    layouts: dict[tuple[int, bytes], list[int]] = {}  # ledgers whose samples share a group layout
+    for q, lg in enumerate(ledgers):
+        layouts.setdefault((lg.n_groups, np.asarray(lg.codes).tobytes()), []).append(q)
+    for members in layouts.values():
+        lg0 = ledgers[members[0]]
+        codes, g = np.asarray(lg0.codes), lg0.n_groups
+        z = np.stack([ledgers[q].z for q in members])  # (L, n, k)
+        m = blocks(codes, g)
+        if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them
+            means = z.reshape(len(members), g, m, k).sum(axis=2) / m
+        else:
+            size = np.bincount(codes, minlength=g).astype(float)
+            means = np.stack([group_sums(zq, codes, g) for zq in z]) / size[:, None]
+        zc = z - means[:, codes]
+        cs[members] = zc.transpose(0, 2, 1) @ zc / max(len(codes) - g, 1)
+        mean_z[members] = z.mean(axis=1)
+    sets = _active_sets(cs, mean_z, names)
     sample_of = {lg.step_pair[0]: lg.step_pair[1] for lg in ledgers}
     by_step = StepMetrics([lg.step_pair[0] for lg in ledgers], cs, sets, ns, names,
                           lambda t: f"within-group covariance of step {sample_of[t]}'s rollouts")
