@@ -347,6 +347,16 @@ def test_pareto_khats_fits_each_row_as_if_alone():
     assert np.isnan(pareto_khats(rng.normal(size=(3, 20)))).all()  # tail of fewer than 5 points
 
 
+def test_pareto_khats_in_blocks_on_threads_are_the_whole_batch_bit_for_bit(monkeypatch):
+    from reward_lens.measure.ledger import paired
+
+    lw = np.random.default_rng(8).normal(size=(50, 64)) * np.linspace(0.01, 3.0, 50)[:, None]
+    whole = paired.pareto_khats(lw)
+    monkeypatch.setattr(paired, "KHAT_BLOCK_FLOATS", 3 * 88 * 12)  # blocks of 3 rows
+    monkeypatch.setattr(paired, "KHAT_THREADS", 3)
+    assert np.array_equal(paired.pareto_khats(lw), whole)
+
+
 def test_adaptive_windows_merge_until_the_combined_p_value_resolves():
     from reward_lens.measure.efficiency.eta import FDR_Q, fisher_combined
 

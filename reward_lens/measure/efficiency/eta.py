@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
@@ -92,14 +93,23 @@ class EtaEstimate:
 
     def interval(self) -> tuple[float, float]:
         """95 % interval of eta_debiased: t quantile with the SE's degrees of freedom."""
-        q = float(special.stdtrit(self.dof, 0.975)) if np.isfinite(self.dof) else 1.959963984540054
+        q = _t975(self.dof)
         e, se = self.eta_debiased, self.se
         return (e - q * se, e + q * se)
+
+
+@lru_cache(maxsize=256)
+def _t975(dof: float) -> float:
+    """The 97.5 % quantile of Student's t with ``dof`` degrees of freedom (normal for infinite):
+    a book's rows share a few dof values, so each is worked out once."""
+    return float(special.stdtrit(dof, 0.975)) if np.isfinite(dof) else 1.959963984540054
 
 
 def _debias(kl, d, null):
     """(KL_min - null) / (D - null): eta with the null expectation taken out, in eta units
     ((eta - nu) / (1 - nu), nu = null / D)."""
+    if kl.__class__ is float and d.__class__ is float and null.__class__ is float and d - null != 0:
+        return (kl - null) / (d - null)  # one row's numbers: the same division, without numpy's machinery
     kl, d, null = np.asarray(kl, float), np.asarray(d, float), np.asarray(null, float)
     with np.errstate(divide="ignore", invalid="ignore"):
         out = (kl - null) / (d - null)
