@@ -426,10 +426,10 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     wanted = [c for c in features.columns if c in available or c not in ("completion_ids", "num_tokens")]
     if {"completion_ids", "num_tokens"} & set(features.columns) and not {"completion_ids", "num_tokens"} & set(wanted):
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
-    col_parts: dict[str, list] = {c: [] for c in extra}  # the label columns' encoded reads
     nulls: set[str] = set()  # float columns with a null somewhere: only they can be absent at a step
     tables = (t for t in run.iter_rollouts([*dict.fromkeys([*wanted, *extra, *also])], window) if t.num_rows)
     label_columns = [c for c in extra if c in LABEL_COLUMNS]
+    col_parts: dict[str, list] = {c: [] for c in label_columns}  # each read's dictionary-encoded labels
 
     def compute(table: pa.Table) -> tuple[np.ndarray, dict]:
         z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
