@@ -333,7 +333,6 @@ def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarra
 def _moments(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``all_step_moments`` as arrays: means (P, k), covariances (P, k, k), units (P,)."""
     z = stacked(samples)
-    k = z.shape[1]
     ns = np.fromiter((s.n for s in samples), np.int64, len(samples))
     # units: each step's groups where it has two or more, else each rollout
     uid, n_units = unit_ids(samples, groups_from=2)
