@@ -240,13 +240,13 @@ def cost_table(path: Path = DEST) -> str:
     k = book.typed().kl_min  # the rows as columns
     features = book.typed().features
     resolved = [i for i, r in enumerate(k.resolved) if r]
-    total = sum(k.kl_min[i] for i in resolved)
+    total, by_feature = k.resolved_totals()
     units = {f.name: f.unit for f in features}
     lines = [f"cost book: {book.headline}", "",
              f"| feature | unit | share of KL_min over the {len(resolved)} resolved step pairs | "
              "step pairs it leads |", "|---|---|---|---|"]
     for f in features:
-        share = sum(k.shares[f.name][i] or 0.0 for i in resolved)
+        share = by_feature.get(f.name, 0.0)
         leads = sum(k.leading_feature[i] == f.name for i in resolved)
         lines.append(f"| `{f.name}` | {units[f.name]} | {share / total:.0%} | {leads} |" if total > 0 else
                      f"| `{f.name}` | {units[f.name]} | — | {leads} |")

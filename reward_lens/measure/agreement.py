@@ -90,11 +90,9 @@ def agreement_section(ctx: RunContext) -> BookResult:
                  if cause.data is not None and cause.data.selected else None)
     shares = None
     if cost.data is not None:
-        k = cost.data.kl_min
-        res = [i for i, r in enumerate(k.resolved) if r]
-        total = sum(k.kl_min[i] for i in res)
+        total, by_feature = cost.data.kl_min.resolved_totals()
         if total > 0:
-            shares = {n: sum(k.shares[n][i] or 0.0 for i in res) / total if n in k.shares else 0.0 for n in names}
+            shares = {n: by_feature.get(n, 0.0) / total for n in names}
     sec = agreement_table(names, units, shares, drift, selection)
     refusals = [r for b in (effect, cause) if b.data is None for r in b.refusals]
     if drift is None or selection is None:

@@ -340,10 +340,9 @@ class Run:
     def fields(self) -> dict[str, Presence]:
         """Which record fields are present, and on how many steps: the resolver's input (worked
         out once per opened record; each call gets its own dict)."""
-        if "_fields" not in self.__dict__:
-            self.__dict__["_fields"] = self._presence()
-        return dict(self.__dict__["_fields"])
+        return dict(self._presence)
 
+    @cached_property
     def _presence(self) -> dict[str, Presence]:
         tel_steps = self.steps
         all_steps = np.union1d(tel_steps, self.rollout_step_values)

@@ -96,17 +96,10 @@ class RolloutCurves:
         return panels
 
 
-def rollout_curves(run: Run) -> list[Panel]:
-    """The rollout curves of ``run`` by a pass of their own."""
-    curves = RolloutCurves(run)
-    curves.read(run)
-    return curves.panels()
-
-
-def training_curves(run: Run, rollout_panels: list[Panel] | None = None) -> list[FigureOut]:
-    """The training curves of ``run``: ``rollout_panels`` where they were collected already
-    (``RolloutCurves``), else read here, then the telemetry's."""
-    panels = list(rollout_panels) if rollout_panels is not None else rollout_curves(run)
+def training_curves(run: Run, rollout_panels: list[Panel]) -> list[FigureOut]:
+    """The training curves of ``run``: the rollouts' panels (``RolloutCurves.panels``), then the
+    telemetry's."""
+    panels = list(rollout_panels)
     for fields, title, unit, log in TELEMETRY:
         series = []
         for f in fields:

@@ -53,12 +53,6 @@ def fmt(x, digits: int = 4) -> str:
     return f"{x:.{digits - 1}e}" if ax < 1e-3 or ax >= 1e5 else f"{x:.{digits}g}"
 
 
-def md_cells(values: dict, names: list[str], digits: int = 3) -> str:
-    """`` v |`` for each of ``names`` (``fmt`` of ``values.get(name)``): the tail of a Markdown
-    table row, one filter call per row instead of one lookup and one ``fmt`` per cell."""
-    return "".join(f" {fmt(values.get(n), digits)} |" for n in names)
-
-
 # Whole columns into table rows: a book that keeps its rows as columns (10,000 step pairs are a
 # few lists) names its columns and their formats in its template, and these render every row
 # at once -- the same cells a loop over rows writes, without a template loop per row.
@@ -134,7 +128,7 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
                              bytecode_cache=compiled_templates("html" if autoescape else "text"),
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters.update(md_cell=md_cell, fmt=fmt, md_cells=md_cells, prose_md=markdown_view, visible=visible,
+    env.filters.update(md_cell=md_cell, fmt=fmt, prose_md=markdown_view, visible=visible,
                        fmt_all=fmt_all, text_all=text_all, pairs_all=pairs_all, fmt_columns=fmt_columns,
                        md_rows=md_rows, html_rows=html_rows, fmt_interval_all=fmt_interval_all, with_note=with_note,
                        md_cell_all=md_cell_all, prefixed=prefixed,

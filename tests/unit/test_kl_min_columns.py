@@ -60,3 +60,6 @@ def test_the_report_columns_are_the_rows():
         assert cols.leading_feature[i] == row.leading_feature
         assert {n: v[i] for n, v in cols.shares.items() if v[i] is not None} == row.shares
     assert totals == {n: sum(r.shares.get(n, 0.0) for r in series.rows) for n in g.names}
+    res = [r for r in series.rows if r.resolved]
+    assert res and cols.resolved_totals() == (sum(r.kl_min for r in res),
+                                             {n: sum(r.shares.get(n, 0.0) for r in res) for n in g.names})

@@ -71,9 +71,9 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
 
 # Replicates solved together in one batch of ``i_projections``: the Hessian's deviations hold
 # replicates x n x k floats, so a batch is capped at this many of them (2 MiB: a batch's arrays
-# stay in cache; 2,000 step pairs x 9 replicates took 0.45 s in 32 MiB batches, 0.36 s in
-# these). Batches go to threads (numpy releases the GIL inside each array operation; each
-# replicate's arithmetic does not depend on the batch it is in).
+# stay in cache). Batches go to threads (numpy releases the GIL inside each array operation;
+# each replicate's arithmetic does not depend on the batch it is in). 2,000 step pairs x 9
+# replicates: 1.9-2.4x less time than in 32 MiB batches on one thread (bench/blocks.py).
 BATCH_FLOATS = 250_000
 THREADS = os.cpu_count() or 1
 

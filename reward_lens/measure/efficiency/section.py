@@ -63,6 +63,13 @@ class KlMinRows(_M):
     def __len__(self) -> int:
         return len(self.step_pair)
 
+    def resolved_totals(self) -> tuple[float, dict[str, float]]:
+        """KL_min summed over the resolved rows, and each feature's share of it (nats per
+        sequence), added in row order: what the card, the agreement book and the task table
+        read off the cost book."""
+        res = [i for i, r in enumerate(self.resolved) if r]
+        return sum(self.kl_min[i] for i in res), {n: sum(v[i] or 0.0 for i in res) for n, v in self.shares.items()}
+
 
 class EfficiencyRows(_M):
     """Every row of the efficiency table (a step pair, or a window when steps > 1), as columns:
@@ -288,9 +295,8 @@ def _result(refusals: list[Refusal], section: CostSection | None, spec) -> BookR
     card = None
     if section is not None:
         priced = [f.name for f in section.features if f.status == "priced"]
-        k = section.kl_min
-        res = [i for i, r in enumerate(k.resolved) if r]
-        totals = {n: sum(k.shares[n][i] or 0.0 for i in res) for n in priced}
+        _, by_feature = section.kl_min.resolved_totals()
+        totals = {n: by_feature.get(n, 0.0) for n in priced}
         total = sum(totals.values())
         lead = sorted(((v / total, n) for n, v in totals.items() if v > 0), reverse=True)[:2] if total > 0 else []
         card = render_template("report/books/cost.card.j2", {"s": s, "lead": lead, "status": status}).strip() or None

@@ -36,8 +36,8 @@ import numpy as np
 # Exact enumeration up to 20 features: 2^19 subsets per target, ~10^8 flops per step pair.
 EXACT_MAX_FEATURES = 20
 # Floats per chunk of step pairs at the widest stage (x8 bytes, plus temporaries ~3x): 2 MB, so
-# that a chunk's stages stay in cache (10,000 step pairs at k = 7: 96 ms in one 4M-float chunk,
-# 69 ms in chunks of 256K, bench/shapley.py).
+# that a chunk's stages stay in cache (with the threads below, 10,000 step pairs at k = 7 take
+# 1.6-2.1x less than in one 4M-float chunk on one thread: bench/blocks.py).
 CHUNK_FLOATS = 1 << 18
 
 
@@ -83,7 +83,7 @@ def _weights(k: int) -> np.ndarray:
 
 # Chunks of step pairs go to threads from this many features on, or whenever there are several
 # chunks (many step pairs): numpy releases the GIL inside each array operation, and either way
-# the operations are large enough for that to pay (10,000 step pairs at k = 7: 69 -> 39 ms).
+# the operations are large enough for that to pay.
 PARALLEL_MIN_FEATURES = 14
 # At most this many threads (1: every chunk on the calling thread).
 THREADS = os.cpu_count() or 1
