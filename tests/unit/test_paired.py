@@ -225,8 +225,9 @@ def _sample(step, rng, r_scale=0.1, n_groups=8, m=8, heavy=False):
     r = r_scale * (z[:, 0] + 0.3 * rng.normal(size=len(codes)))
     if heavy:
         r = r_scale * rng.standard_cauchy(len(codes)) * 30
+    # the token KL along each sample: about r^2 / 2 to second order, never negative
     return StepSample(step, ("f1", "f2"), z, groups=np.array([f"{step}:{c}" for c in codes]), logp=r,
-                      logp_prev=np.zeros(len(r)))
+                      logp_prev=np.zeros(len(r)), kl_prev=0.5 * r ** 2 + 1e-4)
 
 
 def test_heavy_tailed_weights_refuse_the_step_pair_with_the_numbers():
@@ -238,7 +239,7 @@ def test_heavy_tailed_weights_refuse_the_step_pair_with_the_numbers():
     (ref,) = book.refusals
     assert ref.code == "ENVELOPE_VIOLATED" and ref.context["premise"] == "heavy_tails"
     assert [tuple(p) for p in ref.subject.step_pairs] == [(1, 2)]
-    assert "too heavy-tailed" in ref.detail and "1->2 k-hat" in ref.detail and f"{ledgers[1].pareto_k:.3g}"[:3] in ref.detail
+    assert "too large for its samples" in ref.detail and "1->2 k-hat" in ref.detail and f"{ledgers[1].pareto_k:.3g}"[:3] in ref.detail
 
 
 def test_windows_are_ratios_of_sums_and_gaps_start_a_new_window():
@@ -454,10 +455,11 @@ def test_a_series_of_many_group_layouts_prices_each_step_as_its_definition_does(
         np.testing.assert_allclose(lg.se, np.sqrt(np.diag(cov)), rtol=1e-9)
         assert lg.d_hat == pytest.approx(d_hat, rel=1e-10)
         assert lg.dropped_rollouts == (1 if lg.step_pair[1] % 5 == 0 else 0)
-        assert (lg.d_rb is None) == (d_rb is None)
+        assert (lg.d_t is None) == (d_rb is None)
         if d_rb is not None:
-            assert (lg.d_rb, lg.d_rb_se) == pytest.approx((d_rb, d_rb_se), rel=1e-12)
-        np.testing.assert_array_equal(lg.pareto_k, pareto_khat(-lg.log_ratio))
+            assert (lg.d_t, lg.d_t_se) == pytest.approx((d_rb, d_rb_se), rel=1e-12)
+        # the weights towards pi_t are 1 / (m e^r): the same tail shape as e^{-r}
+        assert lg.pareto_k == pytest.approx(pareto_khat(-lg.log_ratio), rel=1e-12, nan_ok=True)
 
 
 def test_the_within_group_metric_of_many_layouts_is_each_samples_within_group_covariance():
@@ -480,3 +482,66 @@ def test_the_within_group_metric_of_many_layouts_is_each_samples_within_group_co
         zc = np.vstack([lg.z[lg.codes == c] - lg.z[lg.codes == c].mean(axis=0) for c in range(lg.n_groups)])
         want = zc.T @ zc / (len(lg.z) - lg.n_groups)
         np.testing.assert_allclose(g.for_step(lg.step_pair[0]).matrix, want, rtol=1e-12, atol=1e-15)
+
+
+def _two_sided_by_loops(s, ho):
+    """The two-sided ledger by its definition, group by group in plain loops, from the
+    probabilities themselves (not the log-ratio): every row of a group is a draw from the
+    mixture n_a pi_t + n_b pi_{t+1}; q(y) prop. to pi_{t+1}(y) / mixture, p(y) prop. to pi_t(y) /
+    mixture, each normalised within the group; dz_g = E_q[z] - E_p[z], D_g = E_q[kl]."""
+    dz_g, d_g = [], []
+    for g in sorted(set(s.groups.tolist())):
+        a, b = ho.groups == g, s.groups == g
+        lp1 = np.r_[s.logp[b], ho.logp[a]]  # log pi_{t+1}
+        lp0 = np.r_[s.logp_prev[b], ho.logp_prev[a]]  # log pi_t
+        z = np.vstack([s.z[b], ho.z[a]])
+        kl = np.r_[s.kl_prev[b], ho.kl_prev[a]]
+        mix = a.sum() * np.exp(lp0) + b.sum() * np.exp(lp1)
+        q = np.exp(lp1) / mix
+        p = np.exp(lp0) / mix
+        q, p = q / q.sum(), p / p.sum()
+        dz_g.append((q[:, None] * z).sum(0) - (p[:, None] * z).sum(0))
+        d_g.append((q * kl).sum())
+    dz_g = np.array(dz_g)
+    return dz_g.mean(0), np.cov(dz_g, rowvar=False, ddof=1) / len(dz_g), float(np.mean(d_g))
+
+
+def test_held_out_samples_of_pi_t_combine_by_the_balance_heuristic():
+    """Rollouts of pi_{t+1} and held-out completions of pi_t of the same prompts, scored under
+    both: the ledger equals the balance-heuristic definition worked out group by group, each
+    weight is at most 1/n of its side, and the held-out rows are the ones the ledger marks."""
+    from reward_lens.measure.ledger.paired import mis_log_weights
+
+    rng = np.random.default_rng(41)
+    n_groups, m, h = 5, 8, 3
+    s = _sample(4, rng, r_scale=0.5, n_groups=n_groups, m=m)
+    s = StepSample(4, s.names, s.z, groups=np.repeat(np.arange(n_groups), m), logp=s.logp - 3.0,
+                   logp_prev=s.logp_prev - 3.0 + 0.2 * rng.normal(size=s.n), kl_prev=s.kl_prev, n_groups=n_groups)
+    zh = rng.normal(size=(n_groups * h, 2)) + 0.5
+    lp0 = -3.0 + 0.3 * rng.normal(size=len(zh))
+    ho = StepSample(4, s.names, zh, groups=np.repeat(np.arange(n_groups), h), logp=lp0 + 0.4 * zh[:, 0],
+                    logp_prev=lp0, kl_prev=np.abs(rng.normal(size=len(zh))) * 0.1, n_groups=n_groups)
+    lg = paired_ledger(s, heldout=ho)
+    assert lg.n_heldout == n_groups * h and lg.sides == "two-sided"
+    dz, cov, d_t = _two_sided_by_loops(s, ho)
+    np.testing.assert_allclose(lg.delta_z, dz, rtol=1e-10)
+    np.testing.assert_allclose(lg.cov_delta, cov, rtol=1e-9)
+    assert lg.d_t == pytest.approx(d_t, rel=1e-12)
+    _, _, lwq, lwp = mis_log_weights(lg.log_ratio, lg.heldout, lg.codes, lg.n_groups)
+    assert (np.exp(lwq) <= 1 / m + 1e-12).all() and (np.exp(lwp) <= 1 / h + 1e-12).all()
+    # a held-out sample of another step's policy is not combined
+    bad = StepSample(4, s.names, zh, groups=ho.groups, logp=ho.logp, logp_prev=ho.logp_prev, kl_prev=ho.kl_prev,
+                     logp_prev_step=np.full(len(zh), 1.0), n_groups=n_groups)
+    assert paired_ledger(s, heldout=bad).reason == "heldout_unscored"
+
+
+def test_two_sided_ledger_without_held_out_rows_is_the_one_sided_one():
+    """n_a = 0: the balance heuristic is uniform on pi_{t+1}'s rollouts and prop. to
+    pi_t / pi_{t+1} towards pi_t, so the two-sided code path gives the one-sided ledger."""
+    rng = np.random.default_rng(43)
+    s = _sample(3, rng, r_scale=0.3)
+    empty = StepSample(3, s.names, np.zeros((0, 2)), groups=np.zeros(0, dtype=np.int64), logp=np.zeros(0),
+                       logp_prev=np.zeros(0), kl_prev=np.zeros(0), n_groups=0)
+    one, two = paired_ledger(s), paired_ledger(s, heldout=empty)
+    np.testing.assert_array_equal(one.delta_z, two.delta_z)
+    assert one.d_t == two.d_t and two.heldout is None

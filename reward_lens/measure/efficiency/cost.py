@@ -29,7 +29,7 @@ import numpy as np
 from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.efficiency.shapley import EXACT_MAX_FEATURES, kl_min as quad_kl_min, shapley_shares
-from reward_lens.measure.ledger.paired import PairedLedger
+from reward_lens.measure.ledger.paired import MIN_ESS_PER_GROUP, PairedLedger
 from reward_lens.measure.ledger.price import Ledger, LedgerSeries, ledger_arrays
 from reward_lens.record.reader import Run
 from reward_lens_spec import Presence, Refusal, Subject, load_book, make_refusal, resolve
@@ -132,6 +132,10 @@ class KlMinSeries(Sequence):
     columns: KlMinColumns | None
     refusals: tuple[Refusal, ...]
     metric: MetricG
+    # paired ledgers: each priced step pair's estimate (exact KL_min, its jackknife, D_t), and the
+    # step pairs whose sample fails a premise of the estimate, with the premise
+    estimates: dict = field(default_factory=dict, repr=False)
+    premises: dict = field(default_factory=dict, repr=False)
 
     @cached_property
     def rows(self) -> tuple[KlMinRow, ...]:
@@ -266,10 +270,12 @@ def _basis_refusal(ledgers: Sequence[Ledger], g: MetricG, run_id: str | None) ->
     })
 
 
-def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
+def _columns(ledgers: Sequence[Ledger], g: MetricG, paired_p: dict | None = None) -> KlMinColumns:
     """Rows for every ledger, each priced by the metric of its step (``g.for_step``), as
     columns; pairs that share an active set are computed together (one vectorised Shapley
-    sweep, and the noise floors and Hotelling tests as batched matrix operations)."""
+    sweep, and the noise floors and Hotelling tests as batched matrix operations). ``paired_p``:
+    the p-value of each paired row that was estimated (the jackknife test of its exact KL_min);
+    a paired row without one is left out of the decision (its premise failed)."""
     names, n_pairs, k = g.names, len(ledgers), len(g.names)
     arrays = ledger_arrays(ledgers)
     ts = arrays.step_pairs[:, 0].tolist()
@@ -316,16 +322,8 @@ def _columns(ledgers: Sequence[Ledger], g: MetricG) -> KlMinColumns:
         p_of = np.ones(len(rows))
         p_of[unpaired] = _eta.hotelling_p_many(dz[unpaired], cov[unpaired], units[unpaired],
                                                arrays.matched[rows][unpaired])
-        layouts: dict[tuple[int, bytes], list[int]] = {}  # paired samples that share a group layout: one F-test batch
         for q in np.flatnonzero(paired[rows]).tolist():
-            lg = ledgers[members[q]]
-            layouts.setdefault((lg.n_groups, np.asarray(lg.codes).tobytes()), []).append(q)
-        for same in layouts.values():
-            lgs = [ledgers[members[q]] for q in same]
-            _, p_paired, _ = _eta.within_group_r2_tests(np.stack([lg.z[:, idx] for lg in lgs]),
-                                                        np.stack([lg.log_ratio for lg in lgs]),
-                                                        lgs[0].codes, lgs[0].n_groups)
-            p_of[same] = p_paired
+            p_of[q] = (paired_p or {}).get(tuple(ledgers[members[q]].step_pair), np.nan)
         pvals[rows] = p_of
         has_lead = kl > 0
         q_lead = np.arange(len(rows))
@@ -373,7 +371,30 @@ def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None =
     if missing:
         raise ValueError(f"the per-step metric has no estimate for the steps of pairs {missing[:5]}: build the "
                          "metric from the same StepSample list as the ledgers")
-    return KlMinSeries(_columns(ledgers, g), (), g)
+    estimates, premises = paired_row_estimates(ledgers, g)
+    return KlMinSeries(_columns(ledgers, g, {p: e.p_value for p, e in estimates.items()}), (), g,
+                       estimates=estimates, premises=premises)
+
+
+def paired_row_estimates(ledgers: Sequence[Ledger], g: MetricG
+                         ) -> tuple[dict[tuple[int, int], _eta.EtaEstimate], dict[tuple[int, int], str]]:
+    """The paired ledgers' estimates (``eta.paired_estimates``), for every step pair whose
+    sample holds the premises, has the token-level KL for its denominator and prices at least
+    one feature; and the step pairs whose sample does not, with the premise that failed
+    ("heavy_tails", "low_ess") or "no_token_kl"."""
+    todo, failed = [], {}
+    for lg in ledgers:
+        if not isinstance(lg, PairedLedger):
+            continue
+        pair = tuple(lg.step_pair)
+        premise = lg.premise() or (None if lg.kl is not None else "no_token_kl")
+        if premise:
+            failed[pair] = premise
+            continue
+        idx = active_index(g.names, g.active_of(pair[0]))
+        if len(idx):
+            todo.append((lg, idx))
+    return {tuple(item[0].step_pair): e for item, e in zip(todo, _eta.paired_estimates(todo))}, failed
 
 
 # ---------------------------------------------------------------------------- denominator
@@ -512,32 +533,26 @@ def cost_series(
         refusals.append(make_refusal("RECORD_INCOMPLETE", book, _subject(run_id, missing),
                                      run_denominator_context(run_, len(missing), len(ledgers), resolution, bool(kl_spent))))
     estimates: list[_eta.EtaEstimate] = []
-    heavy: list[dict[str, Any]] = []  # paired step pairs whose weights are too heavy-tailed: one refusal
+    failed: dict[str, list[dict[str, Any]]] = {}  # paired step pairs whose sample fails a premise, by premise
     meta: dict[tuple[int, int], tuple[int, str, dict]] = {}  # row, D_t's source, D_t checks
     nothing: list[CostRow] = []
-    paired_est: dict[tuple[int, int], _eta.EtaEstimate] = {}
-    if kind == "paired":  # every priced pair's I-projection at once, batched where samples share a layout
-        cols = series.columns
-        todo = [(ledgers[place[(a, b)]], active_index(g.names, g.active_of(a)), p) for (a, b), p, priced in
-                zip(cols.step_pair.tolist(), cols.p_value.tolist(), cols.priced.any(axis=1).tolist())
-                if priced and not ledgers[place[(a, b)]].pareto_k > ledgers[place[(a, b)]].pareto_k_max]
-        paired_est = {item[0].step_pair: est for item, est in zip(todo, _eta.paired_estimates(todo))}
     # rows only where a denominator can price them (paired ledgers carry their own); a row is
     # made (series[i]) only to name a violation, the rest is read from the columns
     cols = series.columns
     kl_of, floor_of, p_of = cols.kl_min.tolist(), cols.noise_floor.tolist(), cols.p_value.tolist()
     priced_any = cols.priced.any(axis=1).tolist()
     wanted = [i for i, pair in enumerate(pairs) if kind == "paired" or pair[0] in denoms]
+    d_t_se = run_.telemetry_column("kl_to_previous_se") if run_ is not None and kind == "unpaired" else {}
     for i in wanted:
         pair = pairs[i]
         lg = ledgers[place[pair]]
         if kind == "paired":
-            span = pair[1] - pair[0]
-            source = (f"paired: KL(pi_{{t+1}} || pi_t) on step {pair[1]}'s rollouts, the same sample as KL_min"
-                      if span == 1 else
-                      f"paired over the {span} steps between generations (rollouts reused across steps): "
-                      f"KL(pi_{pair[1]} || pi_{pair[0]}) on step {pair[1]}'s rollouts, the same sample as KL_min")
-            d_t = lg.d_hat
+            source = _paired_source(lg)
+            premise = series.premises.get(pair)
+            if premise is not None:
+                failed.setdefault(premise, []).append(_premise_numbers(lg))
+                continue
+            d_t = lg.d_t
         else:
             d_t, source = denoms[pair[0]]
         if not priced_any[i]:
@@ -545,26 +560,28 @@ def cost_series(
             continue
         idx = active_index(g.names, g.active_of(pair[0]))
         if kind == "paired":
-            if lg.pareto_k > lg.pareto_k_max:
-                heavy.append({"step_pair": list(pair), "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max,
-                              "n": lg.n_post})
-                continue
-            est = paired_est[pair]
-            violation = _envelope(series[i], lg, est.d_t, kl_min=est.kl_min) if _outside(est.kl_min, est.d_t) else None
+            est = series.estimates[pair]
+            violation = _paired_envelope(series[i], lg, est)
         else:
             violation = _envelope(series[i], lg, d_t) if _outside(kl_of[i], d_t) else None
             est = None if violation else _eta.unpaired_estimate(
-                lg, g.matrix_of(pair[0])[np.ix_(idx, idx)], idx, kl_of[i], floor_of[i], d_t, p_of[i])
+                lg, g.matrix_of(pair[0])[np.ix_(idx, idx)], idx, kl_of[i], floor_of[i], d_t, p_of[i],
+                d_t_se.get(pair[0]) if source.startswith("record") else None)
         if violation is not None:
             refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pair]),
                                          {**violation, "run": _short(run_id), "source": source}))
             continue
         estimates.append(est)
         meta[pair] = (i, source, _d_t_checks(lg, est, run_, pair))
-    if heavy:
-        refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [tuple(h["step_pair"]) for h in heavy]),
-                                     {"premise": "heavy_tails", "pairs": heavy, "run": _short(run_id),
-                                      "step_pair": heavy[0]["step_pair"]}))
+    for premise, items in failed.items():
+        subject = _subject(run_id, [tuple(h["step_pair"]) for h in items])
+        if premise == "no_token_kl":
+            refusals.append(make_refusal("RECORD_INCOMPLETE", book, subject, {
+                "requirement": "token_kl", "run": _short(run_id), "n_pairs": len(items), "pairs": items}))
+        else:
+            refusals.append(make_refusal("ENVELOPE_VIOLATED", book, subject, {
+                "premise": premise, "pairs": items, "run": _short(run_id), "step_pair": items[0]["step_pair"],
+                "min_ess": MIN_ESS_PER_GROUP}))
     priced = _eta.windows(estimates, window)
     decided = _eta.benjamini_hochberg([e.p_value for e in priced])
     rows: list[CostRow] = list(nothing)
@@ -595,6 +612,41 @@ def cost_series(
                     _estimates={e.step_pair: e for e in priced})
 
 
+def _paired_source(lg: PairedLedger) -> str:
+    """Where a paired row's D_t comes from, in words."""
+    span = lg.step_pair[1] - lg.step_pair[0]
+    what = (f"step {lg.step_pair[1]}'s rollouts" + (f" and {lg.n_heldout} held-out completions of pi_t"
+                                                       if lg.n_heldout else ""))
+    window = "" if span == 1 else f" (the {span} steps between generations: rollouts reused across steps)"
+    return f"token-level KL(pi_{{t+1}} || pi_t) along {what}{window}, independent of the step"
+
+
+def _premise_numbers(lg: PairedLedger) -> dict[str, Any]:
+    """What a premise refusal of a paired row shows: its k-hat and effective sample sizes."""
+    return {"step_pair": list(lg.step_pair), "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max,
+            "n": int(len(lg.codes)), "groups": lg.n_groups, "ess_pi_t": lg.ess[0], "ess_pi_t1": lg.ess[1],
+            "sides": lg.sides}
+
+
+def _paired_envelope(row: KlMinRow, lg: PairedLedger, est: _eta.EtaEstimate) -> dict[str, Any] | None:
+    """None unless the paired row's KL_min exceeds its D_t beyond noise (``eta.ENVELOPE_Z``
+    standard errors of the difference), or its D_t is not a positive number."""
+    d_t = est.d_t
+    base = {"step_pair": list(row.step_pair), "kl_min": est.kl_min_debiased, "d_t": d_t, "noise_floor": est.null_kl,
+            "clears_noise_floor": row.clears_noise_floor, "leading_feature": row.leading_feature,
+            "leading_delta": row.leading_delta, "leading_se": row.leading_se, "leading_t": row.leading_t,
+            "n_pre": lg.n_pre, "n_post": lg.n_post, "max_abs_t": float(np.max(np.abs(lg.t))) if len(lg.t) else 0.0}
+    if not math.isfinite(d_t):
+        return {**base, "premise": "nonfinite_denominator", "ratio": None}
+    if d_t <= 0:
+        return {**base, "premise": "nonpositive_denominator", "ratio": None}
+    z = est.excess_z
+    if z > _eta.ENVELOPE_Z:
+        return {**base, "premise": "kl_min_above_d_t", "ratio": est.eta_debiased, "excess_z": z,
+                "envelope_z": _eta.ENVELOPE_Z}
+    return None
+
+
 # Two estimates of D_t disagree when they differ by more than this many combined SEs.
 D_T_DISAGREE_Z = 3.0
 
@@ -604,9 +656,7 @@ def _d_t_checks(lg: Ledger, est: _eta.EtaEstimate, run: Run | None, pair: tuple[
     """D_t from each source beside the one eta uses: (nats per sequence, SE or None)."""
     if not isinstance(lg, PairedLedger):
         return {}
-    out = {"same_sample": (est.d_t, float(math.sqrt(est.cov[1, 1])))}
-    if lg.d_rb is not None:
-        out["token_kl"] = (lg.d_rb, lg.d_rb_se)
+    out = {"token_kl": (est.d_t, float(math.sqrt(est.cov[1, 1]))), "same_sample_plugin": (lg.d_hat, None)}
     if run is not None and run.manifest.telemetry_per_step and pair[1] - pair[0] == 1:
         rec = run.telemetry_column("kl_to_previous").get(pair[0])
         if rec is not None:
@@ -615,10 +665,10 @@ def _d_t_checks(lg: Ledger, est: _eta.EtaEstimate, run: Run | None, pair: tuple[
 
 
 def _disagree(checks: dict[str, tuple[float, float | None]]) -> bool:
-    """The record's D_t and the token-level KL along the independent sample's prefixes are
-    both unbiased for D_t; they disagree beyond D_T_DISAGREE_Z combined SEs. (The same-sample
-    plug-in that eta divides by is left out: with m rollouts per group it reads about
-    (m-1)/m of D_t, a bias its KL_min shares, so eta is unaffected.)"""
+    """The record's D_t and the token-level KL along the independent sample are both unbiased
+    for D_t when the record's is independent of the step too (a tap since schema 6); they
+    disagree beyond D_T_DISAGREE_Z combined SEs. (The same-sample plug-in is left out: it
+    misses the tail of r that the sample does not hold, and reads low.)"""
     if "token_kl" not in checks or "record" not in checks:
         return False
     (v0, s0), (v1, s1) = checks["token_kl"], checks["record"]

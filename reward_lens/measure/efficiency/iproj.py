@@ -1,11 +1,13 @@
 """KL_min exactly: the I-projection of a weighted sample onto a feature-mean constraint.
 
-The paired ledger prices step t on rollouts y ~ pi_{t+1}, grouped by prompt. On that sample
-pi_{t+1} is the uniform distribution u_g of each group and pi_t is the self-normalised
-reweighting p_g(i) prop. to pi_t(y_i) / pi_{t+1}(y_i). The exact minimum divergence that the
-observed feature movement required is
+The paired ledger prices step t on samples independent of its update, grouped by prompt:
+step t+1's rollouts and, where recorded, held-out completions of pi_t. On that sample pi_{t+1}
+is the self-normalised weighting q_g of each group and pi_t the weighting p_g (multiple
+importance sampling, ``paired.mis_log_weights``; with rollouts alone q_g is uniform and p_g(i)
+prop. to pi_t(y_i) / pi_{t+1}(y_i)). The exact minimum divergence that the observed feature
+movement required is
 
-    KL_min = min_q  mean_g KL(q_g || p_g)   subject to   mean_g E_{q_g}[z] = mean_g E_{u_g}[z],
+    KL_min = min_q'  mean_g KL(q'_g || p_g)   subject to   mean_g E_{q'_g}[z] = mean_g E_{q_g}[z],
 
 an exponential tilting of p. Its convex dual (Csiszar 1975; Kullback 1959, ch. 3) is
 
@@ -14,8 +16,8 @@ an exponential tilting of p. Its convex dual (Csiszar 1975; Kullback 1959, ch. 3
 solved here by damped Newton (gradient E_q[z] - target, Hessian the within-group
 covariance of z under q). Two properties make this the book's exact number:
 
-* ``u`` is feasible, so KL_min <= mean_g KL(u_g || p_g) = D_hat, the same sample's estimate of
-  D_t. The ratio eta = KL_min / D_hat is therefore <= 1 by construction, at any step size.
+* ``q`` is feasible, so KL_min <= mean_g KL(q_g || p_g) = D_hat, the same sample's plug-in
+  estimate of D_t (biased low: the book's denominator is the token-level D_t instead).
 * The dual value at *any* lambda is a lower bound on KL_min (weak duality), and the search
   starts at lambda = 0 (value 0) and never accepts a step that lowers the value, so the
   returned number lies in [0, KL_min] <= D_hat even if the iteration stops early.
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reward_lens.measure.ledger.paired import group_log_weights
+from reward_lens.measure.ledger.paired import mis_log_weights
 
 # Newton stops when the constraint is met to this many within-group standard deviations
 # (the features are standardised first): far below any sampling error of dz.
@@ -49,24 +51,26 @@ MAX_ITER = 100
 @dataclass(frozen=True)
 class Projection:
     kl_min: np.ndarray  # (B,) nats: the dual value (a certified lower bound on the minimum)
-    d_hat: np.ndarray  # (B,) nats: mean_g KL(u_g || p_g), the same sample's D_t
+    d_hat: np.ndarray  # (B,) nats: mean_g KL(q_g || p_g), the same sample's plug-in D_t
     converged: np.ndarray  # (B,) bool
     lam: np.ndarray  # (B, k) the tilt, in standardised feature units
 
 
 def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_groups: int,
-                 group_weights: np.ndarray | None = None) -> Projection:
-    """KL_min and D_hat on a sample drawn from pi_{t+1}.
+                 group_weights: np.ndarray | None = None, heldout: np.ndarray | None = None) -> Projection:
+    """KL_min and D_hat on a sample independent of the step.
 
     ``z`` (n, k): features (active ones only; any affine rescaling gives the same answer);
     ``log_ratio`` (n,): r_i = log pi_{t+1}(y_i) - log pi_t(y_i); ``codes`` (n,): group of each
-    rollout; ``group_weights`` (B, G): weight of each group in each replicate (a jackknife's
-    resampling counts), default one replicate with every group weighted equally.
+    row; ``group_weights`` (B, G): weight of each group in each replicate (a jackknife's
+    resampling counts), default one replicate with every group weighted equally; ``heldout``
+    (n,): True for rows drawn from pi_t (None: every row drawn from pi_{t+1}).
     """
     order = np.argsort(codes, kind="stable")  # groups contiguous: segment sums by reduceat
     z = np.asarray(z, dtype=np.float64)[order]
     r = np.asarray(log_ratio, dtype=np.float64)[order]
-    return i_projections(z[None], r[None], np.asarray(codes)[order], n_groups, group_weights)[0]
+    side = None if heldout is None else np.asarray(heldout, dtype=bool)[order]
+    return i_projections(z[None], r[None], np.asarray(codes)[order], n_groups, group_weights, side)[0]
 
 
 # Replicates solved together in one batch of ``i_projections``: the Hessian's deviations hold
@@ -79,13 +83,13 @@ THREADS = os.cpu_count() or 1
 
 
 def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_groups: int,
-                  group_weights: np.ndarray | None = None) -> list[Projection]:
+                  group_weights: np.ndarray | None = None, heldout: np.ndarray | None = None) -> list[Projection]:
     """``i_projection`` of P samples that share one group layout, solved as one batch (the
     same damped Newton, each replicate of each sample with its own step and backtracking).
 
     ``z`` (P, n, k) and ``log_ratio`` (P, n): the samples, rows ordered so that ``codes`` (n,),
     shared by all of them, is non-decreasing (groups contiguous); ``group_weights`` (B, G) as
-    in ``i_projection``, the same replicates for every sample."""
+    in ``i_projection``, the same replicates for every sample; ``heldout`` (n,) as there, shared."""
     z = np.asarray(z, dtype=np.float64)
     r = np.asarray(log_ratio, dtype=np.float64)
     codes = np.asarray(codes)
@@ -96,16 +100,17 @@ def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_gro
     c = c / c.sum(axis=1, keepdims=True)
     size = np.bincount(codes, minlength=n_groups).astype(np.float64)
     starts = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
-    # Standardise by the within-group SD: the I-projection is invariant, Newton is not.
-    zc = z - (np.add.reduceat(z, starts, axis=1) / size[:, None])[:, codes]
-    sd = np.sqrt((zc ** 2).sum(axis=1) / max(n - n_groups, 1))  # (P, k)
+    log_q, logp, _, _ = mis_log_weights(r, heldout, codes, n_groups)  # (P, n) each
+    q = np.exp(log_q)
+    # Centre each group on its target mean E_q[z] (the pooled constraint is then 0), and
+    # standardise by the within-group SD: the I-projection is invariant, Newton is not.
+    target = np.add.reduceat(q[:, :, None] * z, starts, axis=1)  # (P, G, k)
+    zc = z - target[:, codes]
+    dev = z - (np.add.reduceat(z, starts, axis=1) / size[:, None])[:, codes]
+    sd = np.sqrt((dev ** 2).sum(axis=1) / max(n - n_groups, 1))  # (P, k)
     zs = zc / np.where(sd > 0, sd, 1.0)[:, None, :]
-    logps, d_hats = [], []
-    for p in range(n_pairs):
-        logp, d_g = group_log_weights(r[p], codes, n_groups)
-        logps.append(logp)
-        d_hats.append(c @ d_g)
-    logp = np.array(logps).reshape(n_pairs, n)
+    d_g = np.add.reduceat(q * (log_q - logp), starts, axis=1)  # (P, G) KL(q_g || p_g)
+    d_hats = d_g @ c.T  # (P, B)
     per_batch = max(1, BATCH_FLOATS // max(1, len(c) * n * k))
     los = list(range(0, n_pairs, per_batch))
 
