@@ -29,6 +29,7 @@ from reward_lens.record.errors import RecordError
 from reward_lens.record.schema import (
     FORMAT_VERSION,
     MANIFEST_FILE,
+    HELDOUT_FILE,
     ROLLOUTS_FILE,
     TELEMETRY_FILE,
     RunManifest,
@@ -86,18 +87,22 @@ def table_source(table: pa.Table, default: str | Path) -> str:
     return meta[SOURCE_KEY].decode() if SOURCE_KEY in meta else str(default)
 
 
-_SEGMENT = re.compile(r"^rollouts-(\d{5})\.parquet$")
+_SEGMENT = {"rollouts": re.compile(r"^rollouts-(\d{5})\.parquet$"),
+            "heldout": re.compile(r"^heldout-(\d{5})\.parquet$")}
+_WHOLE = {"rollouts": ROLLOUTS_FILE, "heldout": HELDOUT_FILE}
 
 
-def rollout_segments(manifest: RunManifest, root: Path | None = None) -> list[str]:
+def rollout_segments(manifest: RunManifest, root: Path | None = None, kind: str = "rollouts") -> list[str]:
     """The rollout files of a record in step order: ``rollouts.parquet`` for a record
-    written at once, or ``rollouts-00001.parquet``, ... for one streamed while training."""
-    segments = sorted(n for n in manifest.files if _SEGMENT.match(n))
-    if ROLLOUTS_FILE in manifest.files:
+    written at once, or ``rollouts-00001.parquet``, ... for one streamed while training.
+    ``kind="heldout"``: the held-out completions' files, named alike (none in most records)."""
+    segments = sorted(n for n in manifest.files if _SEGMENT[kind].match(n))
+    whole = _WHOLE[kind]
+    if whole in manifest.files:
         if segments:
-            raise RecordError((root or Path(".")) / MANIFEST_FILE, f"lists both `{ROLLOUTS_FILE}` and {len(segments)} rollout segment(s) "
-                              f"({segments[0]}, ...): a record has one or the other", field="files")
-        return [ROLLOUTS_FILE]
+            raise RecordError((root or Path(".")) / MANIFEST_FILE, f"lists both `{whole}` and {len(segments)} {kind} "
+                              f"segment(s) ({segments[0]}, ...): a record has one or the other", field="files")
+        return [whole]
     return segments
 
 
@@ -156,15 +161,31 @@ class Run:
         self.telemetry_name = telemetry_file(manifest, root)
         self._telemetry_file = self._open_parquet(self.telemetry_name, "telemetry")
         self._segments = [(name, self._open_parquet(name, "rollouts")) for name in rollout_segments(manifest, root)]
-        for name, pf in [(self.telemetry_name, self._telemetry_file), *self._segments]:
+        self._heldout_segments = [(name, self._open_parquet(name, "rollouts"))
+                                  for name in rollout_segments(manifest, root, "heldout")]
+        for name, pf in [(self.telemetry_name, self._telemetry_file), *self._segments, *self._heldout_segments]:
             rows = manifest.files[name].rows
             if rows is not None and pf.metadata.num_rows != rows:
                 raise RecordError(root / name, f"has {pf.metadata.num_rows} rows but manifest.json records {rows}",
                                   field="rows")
-        names = self._segments[0][1].schema_arrow.names
-        for name, pf in self._segments[1:]:
-            if pf.schema_arrow.names != names:
-                raise RecordError(root / name, f"has columns {pf.schema_arrow.names}, the first segment {names}")
+        for segments in (self._segments, self._heldout_segments):
+            names = segments[0][1].schema_arrow.names if segments else []
+            for name, pf in segments[1:]:
+                if pf.schema_arrow.names != names:
+                    raise RecordError(root / name, f"has columns {pf.schema_arrow.names}, the first segment {names}")
+
+    def heldout(self) -> Run | None:
+        """The record's held-out completions of pi_t, as a run whose rollouts they are (the same
+        telemetry and manifest), or None when the record has none: every rollout reader
+        (``iter_rollouts``, ``steps_from_run``) reads them through this view, never mixed in."""
+        if not self._heldout_segments:
+            return None
+        view = object.__new__(type(self))
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_telemetry_columns")
+                              and k not in ("rollout_steps", "rollout_step_values", "_presence")})
+        view._segments, view._heldout_segments = self._heldout_segments, []
+        view._validate_rollout_steps()
+        return view
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r}, {self.short_id})"
@@ -371,6 +392,11 @@ class Run:
                     out[name] = Presence(len(steps_with), n)
         if self.manifest.optimizer:
             out["optimizer"] = Presence(n, n)
+        if self._heldout_segments:
+            ho = np.concatenate([self._read(pf, name, ["step"]).column("step").to_numpy()
+                                 for name, pf in self._heldout_segments])
+            if len(ho):
+                out["heldout"] = Presence(len(np.unique(ho)), n)
         if self.manifest.checkpoints:
             ck = {c.step for c in self.manifest.checkpoints}
             out["checkpoints"] = Presence(len(ck), n)

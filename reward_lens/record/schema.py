@@ -21,6 +21,10 @@ from reward_lens_spec import load_fields
 FORMAT_VERSION = 1
 TELEMETRY_FILE = "telemetry.parquet"
 ROLLOUTS_FILE = "rollouts.parquet"
+# Held-out completions of pi_t (the tap's ``heldout``): never in the loss, scored under pi_t and
+# pi_{t+1} after the step, rows of the rollouts schema filed under the step whose prompts they
+# answer (t+1), kept apart from the rollouts so that nothing reading rollouts ever mixes them in.
+HELDOUT_FILE = "heldout.parquet"
 MANIFEST_FILE = "manifest.json"
 _TELEMETRY_VERSIONED = re.compile(r"^telemetry-(\d{5})\.parquet$")
 

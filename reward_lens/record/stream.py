@@ -61,6 +61,7 @@ class RecordStream:
                           notes=list(notes or []))
         self._telemetry: dict[int, OptimizerTelemetry] = {}
         self._pending: list[Rollout] = []
+        self._pending_heldout: list[Rollout] = []
         self._files: dict[str, FileEntry] = {}
         self._checkpoints: list[CheckpointEntry] = []
         self._segment = 0
@@ -76,6 +77,11 @@ class RecordStream:
     def add_rollouts(self, rows: list[Rollout]) -> None:
         self._pending.extend(rows)
 
+    def add_heldout(self, rows: list[Rollout]) -> None:
+        """Held-out completions of pi_t (never in the loss), filed under the step whose prompts
+        they answer; written to ``heldout-NNNNN.parquet`` segments beside the rollouts."""
+        self._pending_heldout.extend(rows)
+
     def add_note(self, note: str) -> None:
         if note not in self._base["notes"]:
             self._base["notes"].append(note)
@@ -87,15 +93,16 @@ class RecordStream:
         self._checkpoints.append(CheckpointEntry(step=step, path=rel, files=entries))
 
     def flush(self) -> RunManifest:
-        if self._pending:
-            self._segment += 1
-            name = f"rollouts-{self._segment:05d}.parquet"
-            table = _rollouts_table(self._pending)
-            tmp = self.path / f".{name}.tmp"
-            pq.write_table(table, tmp, compression="zstd")
-            _replace(tmp, self.path / name)
-            self._files[name] = _file_entry(self.path / name, table.num_rows)
-            self._pending = []
+        for kind, pending in (("rollouts", self._pending), ("heldout", self._pending_heldout)):
+            if pending:
+                self._segment += 1
+                name = f"{kind}-{self._segment:05d}.parquet"
+                table = _rollouts_table(pending)
+                tmp = self.path / f".{name}.tmp"
+                pq.write_table(table, tmp, compression="zstd")
+                _replace(tmp, self.path / name)
+                self._files[name] = _file_entry(self.path / name, table.num_rows)
+        self._pending, self._pending_heldout = [], []
         tel = _telemetry_table(self._telemetry.values())
         previous = [n for n in self._files if telemetry_name(n)]
         name = f"telemetry-{self.flushes + 1:05d}.parquet"

@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from reward_lens import __version__
 from reward_lens.record.errors import RecordError
 from reward_lens.record.schema import (
+    HELDOUT_FILE,
     MANIFEST_FILE,
     ROLLOUTS_FILE,
     TELEMETRY_FILE,
@@ -174,11 +175,13 @@ def write_run(
     notes: Iterable[str] = (),
     checkpoints: Mapping[int, str | Path] | None = None,
     overwrite: bool = False,
+    heldout: Iterable[Rollout] | pa.Table | None = None,
 ) -> RunManifest:
     """Write a record directory at ``path`` and return its manifest.
 
     ``checkpoints`` maps a step to a directory (safetensors + config + tokenizer files) that
-    is copied into ``checkpoints/step-<step>/``.
+    is copied into ``checkpoints/step-<step>/``. ``heldout``: held-out completions of pi_t
+    (rows of the rollouts schema), written to ``heldout.parquet``.
     """
     dest = Path(path)
     recover_swap(dest)
@@ -198,6 +201,10 @@ def write_run(
             TELEMETRY_FILE: _file_entry(tmp / TELEMETRY_FILE, tel.num_rows),
             ROLLOUTS_FILE: _file_entry(tmp / ROLLOUTS_FILE, rol.num_rows),
         }
+        if heldout is not None:
+            ho = _rollouts_table(heldout)
+            pq.write_table(ho, tmp / HELDOUT_FILE, compression="zstd", row_group_size=ROLLOUT_ROW_GROUP)
+            files[HELDOUT_FILE] = _file_entry(tmp / HELDOUT_FILE, ho.num_rows)
         ckpts = []
         for step, src in sorted((checkpoints or {}).items()):
             rel = f"checkpoints/step-{int(step)}"

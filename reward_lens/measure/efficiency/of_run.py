@@ -1,8 +1,9 @@
 """The cost book of a record, end to end: which ledger, which metric, which window.
 
 ``ledger="auto"`` uses the paired ledger where the record has independent scored rollouts
-(``logp_prev`` on the rollouts of at least one step), else the unpaired one; the book says
-which it used.
+(``logp_prev`` on the rollouts of at least one step) -- with the held-out completions of pi_t
+as its second side where the record has them -- else the unpaired one; the book says which it
+used.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
     if ledger == "auto":
         ledger = "paired" if any(has_paired_sample(s) for s in samples) else "unpaired"
     if ledger == "paired":
-        ledgers, why = paired_ledger_series(samples, lrs)
+        ledgers, why = paired_ledger_series(samples, lrs, {s.step: s.heldout for s in samples if s.heldout is not None})
         if not ledgers:
             return PricedRun(None, None, ledger, why)
         g = within_group_metric(ledgers)

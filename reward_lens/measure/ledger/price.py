@@ -8,6 +8,8 @@ the learning rate of step t. Ledgers are the cost book's input.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -44,6 +46,9 @@ class StepSample:
     # and its place there: ``stacked`` hands consecutive samples back without a copy
     stack: StepStack | None = field(default=None, repr=False)
     index: int = field(default=-1, repr=False)
+    # held-out completions of the previous policy for this step's prompts (never in the loss),
+    # their groups coded as this sample's: the paired ledger's second side (``steps_from_run``)
+    heldout: StepSample | None = field(default=None, repr=False)
 
     @cached_property
     def n(self) -> int:  # read per step by every book: worked out once
@@ -413,11 +418,14 @@ class RowCollector(Protocol):
 
 
 def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = None, *,
-                   collectors: Sequence[RowCollector] = ()) -> list[StepSample]:
+                   collectors: Sequence[RowCollector] = (), heldout: bool = True) -> list[StepSample]:
     """One StepSample per step in ``window``, reading only the columns the features need
     (plus rewards, advantages, groups and log-probabilities where the record has them, and
-    the columns ``collectors`` read, which are handed every table as it is read)."""
+    the columns ``collectors`` read, which are handed every rollouts table as it is read).
+    Where the record holds held-out completions (and ``heldout``), each step's are read in the
+    same pass and hang off its sample as ``sample.heldout``, their groups coded as the sample's."""
     window = window or whole_run(run)
+    ho_run = run.heldout() if heldout else None
     available = set(run.rollout_columns())
     extra = [c for c in OPTIONAL_COLUMNS if c in available]
     also = [c for col in collectors for c in col.columns if c in available]
@@ -426,11 +434,19 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     if {"completion_ids", "num_tokens"} & set(features.columns) and not {"completion_ids", "num_tokens"} & set(wanted):
         wanted.append("num_tokens")  # neither is there: the feature names the column it lacks
     nulls: set[str] = set()  # float columns with a null somewhere: only they can be absent at a step
-    tables = (t for t in run.iter_rollouts([*dict.fromkeys([*wanted, *extra, *also])], window) if t.num_rows)
+    columns = [*dict.fromkeys([*wanted, *extra, *also])]
+    tables = ((t, False) for t in run.iter_rollouts(columns, window) if t.num_rows)
+    if ho_run is not None:
+        if set(ho_run.rollout_columns()) >= set(wanted) | set(extra):
+            ho_cols = [*dict.fromkeys([*wanted, *extra])]
+            tables = itertools.chain(tables, ((t, True) for t in ho_run.iter_rollouts(ho_cols, window) if t.num_rows))
+        else:
+            ho_run = None  # held-out rows without the columns the rollouts have: not a side to combine
     label_columns = [c for c in extra if c in LABEL_COLUMNS]
     col_parts: dict[str, list] = {c: [] for c in label_columns}  # each read's dictionary-encoded labels
 
-    def compute(table: pa.Table) -> tuple[np.ndarray, dict]:
+    def compute(item: tuple[pa.Table, bool]) -> tuple[np.ndarray, dict]:
+        table = item[0]
         z = features.compute(table, source=table_source(table, run.path / "rollouts.parquet"), context=context)
         return z, {c: pc.dictionary_encode(table.column(c).combine_chunks()) for c in label_columns}
 
@@ -439,17 +455,23 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     # steps have in the record.
     rs = run.rollout_steps
     bound = int(np.count_nonzero((rs >= window.start) & (rs <= window.stop)))
+    if ho_run is not None:
+        hs = ho_run.rollout_steps
+        bound += int(np.count_nonzero((hs >= window.start) & (hs <= window.stop)))
     z_all, steps_all = None, np.empty(bound, dtype=np.int64)
+    side_all = np.zeros(bound, dtype=bool)
     floats = {c: np.empty(bound) for c in extra if c not in label_columns}
     filled = 0
-    for table, (z, encoded) in in_threads(tables, compute):
-        for col in collectors:
-            col.take(table, z)
+    for (table, is_heldout), (z, encoded) in in_threads(tables, compute):
+        if not is_heldout:
+            for col in collectors:
+                col.take(table, z)
         a, b = filled, filled + table.num_rows
         if z_all is None:
             z_all = np.empty((bound, z.shape[1]))
         z_all[a:b] = z
         steps_all[a:b] = table.column("step").to_numpy()
+        side_all[a:b] = is_heldout
         for c in extra:
             col = table.column(c)
             if c in encoded:
@@ -460,19 +482,40 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
                 nulls.add(c)
                 floats[c][a:b] = col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
         filled = b
-    if not filled:
+    if not filled or not (~side_all[:filled]).any():
         return []
-    # in step order (a writer's row groups are; a stable sort if not)
-    steps, z = steps_all[:filled], z_all[:filled]
+    # in step order (a writer's row groups are; a stable sort if not): each step's held-out rows,
+    # read after every rollout, stay after its rollouts
+    steps, z, side = steps_all[:filled], z_all[:filled], side_all[:filled]
     cols = {c: _label_ids(col_parts[c]) if c in label_columns else floats[c][:filled] for c in extra}
     if len(steps) > 1 and (np.diff(steps) < 0).any():
         order = np.argsort(steps, kind="stable")
-        steps, z, cols = steps[order], z[order], {c: v[order] for c, v in cols.items()}
+        steps, z, side, cols = steps[order], z[order], side[order], {c: v[order] for c, v in cols.items()}
+    if "group_id" in cols and side.any():
+        # groups coded per step over both sides at once (rollouts first, so their codes are the
+        # ones a read of the rollouts alone gives), then the sides split apart
+        starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+        cols["group_id"] = segment_codes(starts, len(steps), cols["group_id"])[0]
+        main = _samples(steps[~side], z[~side], {c: v[~side] for c, v in cols.items()}, nulls, features.names,
+                        coded=True)
+        held = {s.step: s for s in _samples(steps[side], z[side], {c: v[side] for c, v in cols.items()}, nulls,
+                                            features.names, coded=True)}
+        return [dataclasses.replace(s, heldout=held[s.step]) if s.step in held else s for s in main]
+    return _samples(steps, z, cols, nulls, features.names)
+
+
+def _samples(steps: np.ndarray, z: np.ndarray, cols: dict[str, np.ndarray], nulls: set[str], names: tuple[str, ...],
+             coded: bool = False) -> list[StepSample]:
+    """StepSamples of rows sorted by step: views of one read-only ``StepStack``. ``coded``: the
+    group ids are already codes per step (else they are labels, coded here)."""
     starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
     ends = np.r_[starts[1:], len(steps)]
     n_groups = None
     if "group_id" in cols:  # labels -> codes in order of first appearance, per step
-        cols["group_id"], n_groups = segment_codes(starts, len(steps), cols["group_id"])
+        if coded:
+            n_groups = np.maximum.reduceat(cols["group_id"], starts) + 1
+        else:
+            cols["group_id"], n_groups = segment_codes(starts, len(steps), cols["group_id"])
     # a float column that is null on every row of a step is absent at that step
     absent = {c: np.logical_and.reduceat(np.isnan(v), starts) for c, v in cols.items()
               if v.dtype.kind == "f" and c in nulls}
@@ -486,7 +529,7 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     present = [OPTIONAL_COLUMNS[c] for c in OPTIONAL_COLUMNS if c in cols]
     g = [None] * len(bounds) if n_groups is None else n_groups.tolist()
     zs = views["z"]
-    return [StepSample(int(steps[a]), features.names, zs[i], n_groups=g[i], stack=stack, index=i,
+    return [StepSample(int(steps[a]), names, zs[i], n_groups=g[i], stack=stack, index=i,
                        **{attr: views[attr][i] for attr in present if views[attr][i] is not None})
             for i, (a, _) in enumerate(bounds)]
 
