@@ -346,10 +346,7 @@ def _audit(path: Path, framework: str | None, with_tap: bool) -> tuple[AuditOut,
         section = cfg.get(tap.section, {})
         if section is not None and not isinstance(section, dict):
             raise RecordError(path, f"`{tap.section}:` must be a mapping of the tap's arguments", field=tap.section)
-        unknown = sorted(set(section or {}) - {k.split(".", 1)[1] for k in tap.defaults})
-        if unknown:
-            raise RecordError(path, f"`{tap.section}` has unknown tap argument(s) {unknown}; the tap takes "
-                              f"{sorted(k.split('.', 1)[1] for k in tap.defaults)}", field=tap.section)
+        _check_tap_section(path, tap.section, section or {})
     pr = project(spec, cfg, path, tap)
     optimizer, _ = _get(cfg, "optim", spec.defaults)
     beta, _ = _get(cfg, "beta", spec.defaults)
@@ -360,6 +357,24 @@ def _audit(path: Path, framework: str | None, with_tap: bool) -> tuple[AuditOut,
     out = AuditOut(source=str(path), kind="config", framework=framework, with_tap=tap is not None,
                    subject=subject, statements=pr.statements, fields=_coverage(pr), books=books)
     return out, pr, None
+
+
+def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None:
+    """The `reward_lens:` section against the tap's own settings model (reward_lens/taps/settings.py):
+    the audit accepts exactly what ``RewardLensTap.attach`` runs with, and names the key otherwise."""
+    from pydantic import ValidationError
+
+    from reward_lens.taps.settings import TapSettings, settings_error
+
+    try:
+        TapSettings(**values)
+    except ValidationError as exc:
+        if any(e["type"] == "extra_forbidden" for e in exc.errors()):
+            unknown = sorted(set(values) - set(TapSettings.model_fields))
+            raise RecordError(path, f"`{section}` has unknown tap argument(s) {unknown}; the tap takes "
+                              f"{sorted(TapSettings.model_fields)}", field=section) from None
+        raise RecordError(path, f"`{section}.{settings_error(exc)}`: RewardLensTap.attach would raise on it",
+                          field=section) from None
 
 
 def _coverage(pr: Projection) -> dict[str, FieldCoverage]:

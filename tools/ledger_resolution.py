@@ -5,8 +5,8 @@
 prints, for the paired and the unpaired ledger, the share of the record's step pairs that lie
 in a row (a step pair, or a window of W) which Benjamini-Hochberg at q = 0.05 resolves --
 refused step pairs count in the total -- and the headline eta (median over resolved rows,
-debiased, 95 % interval); then the in-sample bias the paired ledger avoids (``in_sample_bias``). The
-README's table is this script's output; a test re-runs it.
+debiased, 95 % interval). The README's table is this script's output; a test re-runs it. (The
+in-sample bias the paired ledger avoids is measured against the truth by ``tools/truth.py``.)
 """
 
 from __future__ import annotations
@@ -36,35 +36,6 @@ def resolution(record: str | Path, windows=(1, 4, 8)) -> dict[str, dict[int, dic
             out[ledger][w] = {"resolved": sum(r.steps for r in book.resolved_rows),
                               "total": len(book.kl_min.rows) + len(priced.not_formed), "eta": med, "interval": ci}
     return out
-
-
-def in_sample_bias(record: str | Path) -> dict[str, float]:
-    """Medians over the record's step pairs of 1/2 Var_within(r) / D_t and of the features'
-    within-group R^2 of r, on the rollouts each step trained on (r = logp_post - logp_pre,
-    in-sample) and on the next step's independent rollouts (r = logp_pre - logp_prev). D_t is
-    the token-level KL along the independent rollouts (``kl_prev``). Features that are nearly
-    constant (n_lines, n_words) are left out of the regression."""
-    import numpy as np
-
-    from reward_lens.measure.efficiency.eta import within_group_r2_test
-    from reward_lens.measure.ledger.features import SurfaceFeatures
-    from reward_lens.measure.ledger.price import group_codes, steps_from_run
-    from reward_lens.record.reader import open_run
-
-    run = open_run(record)
-    samples = steps_from_run(run, SurfaceFeatures())
-    tab = run.read_rollouts(["logp_post"])
-    post, steps = tab.column("logp_post").to_numpy(), tab.column("step").to_numpy()
-    cols = [0, 3, 4, 5, 6, 7, 8]
-    out: dict[str, list[float]] = {"half_var_in": [], "half_var_ind": [], "r2_in": [], "r2_ind": []}
-    for a, b in zip(samples[:-1], samples[1:]):
-        d_t = float(np.mean(b.kl_prev))
-        for smp, r, tag in ((a, post[steps == a.step] - a.logp, "in"), (b, b.logp - b.logp_prev, "ind")):
-            codes, g = group_codes(smp.groups)
-            means = np.bincount(codes, weights=r) / np.bincount(codes)
-            out[f"half_var_{tag}"].append(0.5 * np.mean((r - means[codes]) ** 2) / d_t)
-            out[f"r2_{tag}"].append(within_group_r2_test(smp.z[:, cols], r, codes, g)[0])
-    return {k: float(np.median(v)) for k, v in out.items()}
 
 
 def table(record: str | Path, res: dict | None = None) -> str:

@@ -22,7 +22,7 @@ What it does:
    ``<answer>digits</answer>``, 0.5 for tags with anything around them, else 0): 100 steps of 64
    rollouts (8 prompts x 8 generations, each step new prompts), AdamW at a constant 5e-4,
    beta 0, temperature 1, max completion length 24, ``logging_steps=1``; recorded by
-   ``RewardLensTap`` (rollout estimator, paired scoring).
+   ``RewardLensTap`` (its defaults: D_t from the next generation and 4 held-out completions per prompt).
 
 What moves (``--summary``): correctness rises from about 0.55 to 0.71 and the exact format from
 0.94 to 0.98, while completions that start over after ``</answer>`` (and so miss EOS) fall; the
@@ -180,7 +180,7 @@ def grpo(workdir: Path, record: Path, steps: int) -> None:
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # TRL's per-step metric dicts; the record has what matters
-    RewardLensTap.attach(trainer, record, estimator="rollout", flush_every=10, save_initial_checkpoint=True,
+    RewardLensTap.attach(trainer, record, flush_every=10, save_initial_checkpoint=True,
                          overwrite=True, model_description=(
                              "tiny Qwen3 (hidden 64, 2 layers, 260-token byte vocabulary), pretrained in code on "
                              "synthetic arithmetic (tools/make_task_record.py)"))

@@ -180,43 +180,56 @@ class Pool:
     kl: dict[str, "object"] = field(default_factory=dict)
 
 
-def _score(pre, post, tok, basis, rewards, prompt: dict, n: int, cap: int, seed: int, policy):
-    """n completions of one prompt from ``policy`` (pre or post), scored under both."""
+def _score_many(pre, post, tok, basis, rewards, prompts: list[dict], n: int, cap: int, seed: int, policy):
+    """``n`` completions of every prompt from ``policy`` (pre or post; all prompts in one batch),
+    each scored under both policies in float64, with its features. Returns per sample: the
+    prompt's index, z, log pi_t, log pi_{t+1}, and the summed token KL(pi_{t+1} || pi_t)."""
     import numpy as np
     import pyarrow as pa
     import torch
 
     from reward_lens.measure.whitebox.kl import summed_kl_and_logps
-    from reward_lens.measure.whitebox.policy import sample
+    from reward_lens.measure.whitebox.policy import sample_prompts
 
-    pids = prompt["prompt_ids"]
-    seqs = sample(policy, pids, n, cap, tok.eos_token_id, tok.pad_token_id, seed)
-    ids, mask = seqs.ids, seqs.completion_mask
-    with torch.no_grad():
-        new = post(input_ids=ids).logits[:, :-1]
-        old = pre(input_ids=ids).logits[:, :-1]
-    kl, lp_old, lp_new = summed_kl_and_logps(new, old, ids[:, 1:], mask[:, 1:])
-    comp_ids = [ids[i, len(pids):][mask[i, len(pids):]].tolist() for i in range(len(ids))]
-    texts = [tok.decode(c, skip_special_tokens=True) for c in comp_ids]
-    extra = {k: [v] * n for k, v in prompt.items() if k not in ("prompt_ids", "prompt")}
+    gen = torch.Generator().manual_seed(seed)
+    comp = sample_prompts(policy, [p["prompt_ids"] for p in prompts], n, cap, tok.eos_token_id, tok.pad_token_id, gen)
+    rows = [(g, p) for g, p in enumerate(prompts) for _ in range(n)]
+    kl, lp_old, lp_new = np.zeros(len(rows)), np.zeros(len(rows)), np.zeros(len(rows))
+    for a in range(0, len(rows), 512):
+        part = range(a, min(len(rows), a + 512))
+        pw = max(len(rows[i][1]["prompt_ids"]) for i in part)
+        cw = max(max(len(comp[i]) for i in part), 1)
+        ids = torch.full((len(part), pw + cw), tok.pad_token_id, dtype=torch.long)
+        att = torch.zeros_like(ids)
+        mask = torch.zeros((len(part), cw), dtype=torch.bool)
+        for j, i in enumerate(part):
+            pid, c = rows[i][1]["prompt_ids"], comp[i]
+            ids[j, pw - len(pid):pw] = torch.tensor(pid)
+            ids[j, pw:pw + len(c)] = torch.tensor(c, dtype=torch.long)
+            att[j, pw - len(pid):pw + len(c)] = 1
+            mask[j, :len(c)] = True
+        with torch.no_grad():
+            new = post(input_ids=ids, attention_mask=att).logits[:, pw - 1:-1]
+            old = pre(input_ids=ids, attention_mask=att).logits[:, pw - 1:-1]
+        k, lo, ln = summed_kl_and_logps(new, old, ids[:, pw:], mask)
+        kl[a:a + len(part)], lp_old[a:a + len(part)], lp_new[a:a + len(part)] = k, lo, ln
+    texts = tok.batch_decode(comp, skip_special_tokens=True)
     per_fn = {}
     for fn in rewards:
-        per_fn[fn.__name__] = [float(x) for x in fn(prompts=[prompt.get("prompt", "")] * n, completions=texts,
-                                                    completion_ids=comp_ids, **extra)]
+        extra = {k: [p[k] for _, p in rows] for k in rows[0][1] if k not in ("prompt_ids", "prompt")}
+        per_fn[fn.__name__] = [float(x) for x in fn(prompts=[p.get("prompt", "") for _, p in rows], completions=texts,
+                                                    completion_ids=comp, **extra)]
     table = pa.table({
-        "completion": texts, "completion_ids": pa.array(comp_ids, pa.list_(pa.int64())),
-        "num_tokens": [len(c) for c in comp_ids],
-        "rewards": pa.array([list({k: v[i] for k, v in per_fn.items()}.items()) for i in range(n)],
-                            pa.map_(pa.string(), pa.float64())),
-        "reward": [sum(v[i] for v in per_fn.values()) for i in range(n)]})
+        "completion": texts, "completion_ids": pa.array(comp, pa.list_(pa.int64())),
+        "num_tokens": [len(c) for c in comp],
+        "rewards": pa.array([list({k: v[i] for k, v in per_fn.items()}.items()) for i in range(len(rows))],
+                            pa.map_(pa.string(), pa.float64()))})
     z = basis.compute(table, context={"eos_token_id": tok.eos_token_id, "max_completion_length": cap})
-    return z, np.asarray(lp_old), np.asarray(lp_new), np.asarray(kl)
+    return np.array([g for g, _ in rows]), z, lp_old, lp_new, kl
 
 
 def pools(trained: Trained, n: int, pairs=None, progress=print) -> dict[tuple[int, int], Pool]:
     """The oracle's samples of every step pair (or ``pairs``), ``n`` per prompt and policy."""
-    import numpy as np
-
     tok, build, rewards, _, basis = _setup(trained.regime)
     pre, post = build(), build()
     pre.eval()
@@ -230,15 +243,10 @@ def pools(trained: Trained, n: int, pairs=None, progress=print) -> dict[tuple[in
         post.load_state_dict(trained.params[t1])
         pool = Pool((t, t1), tuple(basis.names))
         for side, policy in (("a", pre), ("b", post)):
-            parts = []
-            for g, prompt in enumerate(trained.prompts[t1]):
-                seed = 7_000_003 * t + 1009 * g + (0 if side == "a" else 500_009)
-                parts.append((g, *_score(pre, post, tok, basis, rewards, prompt, n, trained.regime.cap, seed, policy)))
-            pool.groups[side] = np.concatenate([np.full(len(p[1]), p[0]) for p in parts])
-            pool.z[side] = np.vstack([p[1] for p in parts])
-            pool.logp_t[side] = np.concatenate([p[2] for p in parts])
-            pool.logp_t1[side] = np.concatenate([p[3] for p in parts])
-            pool.kl[side] = np.concatenate([p[4] for p in parts])
+            seed = 7_000_003 * t + (0 if side == "a" else 500_009)
+            g, z, lo, ln, kl = _score_many(pre, post, tok, basis, rewards, trained.prompts[t1], n,
+                                           trained.regime.cap, seed, policy)
+            pool.groups[side], pool.z[side], pool.logp_t[side], pool.logp_t1[side], pool.kl[side] = g, z, lo, ln, kl
         out[(t, t1)] = pool
     progress(f"oracle: {len(pairs)} step pairs x {2 * n} samples per prompt in {time.monotonic() - t0:.0f} s")
     return out
@@ -272,27 +280,388 @@ def load_pools(path: Path) -> dict:
     return dict(sorted(out.items()))
 
 
+# ------------------------------------------------------------------------------------ the truth
+@dataclass
+class PairTruth:
+    """The oracle's numbers for one step pair, computed here from its own samples (not by the
+    package's estimators): plain code for the balance heuristic, scipy for the I-projection."""
+
+    step_pair: tuple[int, int]
+    dz: "object"  # (k,) E_{pi_{t+1}}[z] - E_{pi_t}[z], mean over prompts
+    dz_se: "object"  # (k,) its sampling error (within prompts: the oracle's own noise)
+    d_t: float  # token-level KL along the samples, nats per sequence
+    d_t_se: float
+    kl_min: float  # the I-projection on both samples combined, nats per sequence
+
+    @property
+    def eta(self) -> float:
+        return self.kl_min / self.d_t
+
+
+def _balance(lp0, lp1, side_a, groups):
+    """Per row: the balance-heuristic weights towards pi_{t+1} (q) and pi_t (p), normalised
+    within each prompt group, written out from the log-probabilities."""
+    import numpy as np
+
+    q, p = np.empty(len(lp0)), np.empty(len(lp0))
+    for g in np.unique(groups):
+        s = groups == g
+        n_a, n_b = int((side_a & s).sum()), int((~side_a & s).sum())
+        m = np.maximum(lp0[s], lp1[s])
+        mix = n_a * np.exp(lp0[s] - m) + n_b * np.exp(lp1[s] - m)
+        qs, ps = np.exp(lp1[s] - m) / mix, np.exp(lp0[s] - m) / mix
+        q[s], p[s] = qs / qs.sum(), ps / ps.sum()
+    return q, p
+
+
+def _iproj_scipy(z, lq, lp, groups) -> float:
+    """KL_min = max_lambda sum over groups of [lambda . E_q z - log E_p exp(lambda . z)] / G, by BFGS."""
+    import numpy as np
+    from scipy import optimize
+    from scipy.special import logsumexp
+
+    gs = np.unique(groups)
+    idx = [np.flatnonzero(groups == g) for g in gs]
+    q, p = np.exp(lq), np.exp(lp)
+    mu = np.stack([(q[i, None] * z[i]).sum(0) for i in idx])
+    sd = z.std(axis=0)
+    keep = sd > 1e-12
+    zs = z[:, keep] / sd[keep]
+    mu = mu[:, keep] / sd[keep]
+    if not keep.any():
+        return 0.0
+
+    def f(lam):
+        return -np.mean([lam @ mu[j] - logsumexp(lp[i] + zs[i] @ lam) for j, i in enumerate(idx)])
+
+    def grad(lam):
+        out = np.zeros_like(lam)
+        for j, i in enumerate(idx):
+            a = lp[i] + zs[i] @ lam
+            w = np.exp(a - logsumexp(a))
+            out -= mu[j] - w @ zs[i]
+        return out / len(idx)
+
+    res = optimize.minimize(f, np.zeros(int(keep.sum())), jac=grad, method="BFGS", options={"gtol": 1e-10})
+    return max(0.0, -float(res.fun))
+
+
+def oracle_truth(pool: Pool) -> PairTruth:
+    import numpy as np
+
+    side = np.r_[np.ones(len(pool.groups["a"]), bool), np.zeros(len(pool.groups["b"]), bool)]
+    groups = np.r_[pool.groups["a"], pool.groups["b"]]
+    z = np.vstack([pool.z["a"], pool.z["b"]])
+    lp0 = np.r_[pool.logp_t["a"], pool.logp_t["b"]]
+    lp1 = np.r_[pool.logp_t1["a"], pool.logp_t1["b"]]
+    kl = np.r_[pool.kl["a"], pool.kl["b"]]
+    q, p = _balance(lp0, lp1, side, groups)
+    gs = np.unique(groups)
+    dz_g, var_g, d_g, dvar_g = [], [], [], []
+    for g in gs:
+        s = groups == g
+        mu_b, mu_a = q[s] @ z[s], p[s] @ z[s]
+        dz_g.append(mu_b - mu_a)
+        d = q[s] @ kl[s]
+        d_g.append(d)
+        # the influence of each sample on the group's estimates, its variance summed side by side
+        psi = q[s, None] * (z[s] - mu_b) - p[s, None] * (z[s] - mu_a)
+        phi = q[s] * (kl[s] - d)
+        v, vd = 0.0, 0.0
+        for side_rows in (side[s], ~side[s]):
+            nn = int(side_rows.sum())
+            if nn > 1:
+                v = v + ((psi[side_rows] - psi[side_rows].mean(0)) ** 2).sum(0) * nn / (nn - 1)
+                vd += float(((phi[side_rows] - phi[side_rows].mean()) ** 2).sum()) * nn / (nn - 1)
+        var_g.append(v)
+        dvar_g.append(vd)
+    G = len(gs)
+    with np.errstate(divide="ignore"):
+        lq, lp = np.log(q), np.log(p)
+    return PairTruth(pool.step_pair, np.mean(dz_g, axis=0), np.sqrt(np.sum(var_g, axis=0)) / G,
+                     float(np.mean(d_g)), float(np.sqrt(np.sum(dvar_g)) / G),
+                     _iproj_scipy(z, np.where(q > 0, lq, -np.inf), np.where(p > 0, lp, -np.inf), groups))
+
+
+# ------------------------------------------------------------------------------------ the checks
+# A reported dz is within reach of the truth when it lies within this many combined standard
+# errors (the record's and the oracle's) of it.
+CELL_Z = 3.0
+D_T_BAND = (0.8, 1.25)
+# A step pair whose true eta is below this is, for the features, a step that bought nothing:
+# resolving it is a false discovery.
+NULL_ETA = 0.02
+
+
+@dataclass
+class Cell:
+    step_pair: tuple[int, int]
+    feature: str
+    status: str  # "reported" | a refusal's premise or reason
+    estimate: float | None = None
+    se: float | None = None
+    truth: float = float("nan")
+    truth_se: float = float("nan")
+
+    @property
+    def within(self) -> bool:
+        import math
+
+        return abs(self.estimate - self.truth) <= CELL_Z * math.sqrt(self.se ** 2 + self.truth_se ** 2)
+
+
+@dataclass
+class RegimeResult:
+    regime: str
+    pairs: list[tuple[int, int]]
+    truths: dict
+    cells: list[Cell]
+    d_t: dict  # pair -> (record's kl_to_previous or None, in-sample token KL, truth, truth SE)
+    eta_rows: list  # (pair, status, eta_debiased, interval, truth eta)
+    eta_run: tuple | None  # (estimate, (lo, hi), truth over the priced pairs)
+    replicates: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+    # ---- summaries
+    def reported(self) -> list[Cell]:
+        return [c for c in self.cells if c.status == "reported"]
+
+    def refused(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c in self.cells:
+            if c.status != "reported":
+                out[c.status] = out.get(c.status, 0) + 1
+        return out
+
+    def d_t_within(self, which: int = 0) -> tuple[int, int]:
+        rows = [v for v in self.d_t.values() if v[which] is not None]
+        ok = sum(D_T_BAND[0] <= v[which] / v[2] <= D_T_BAND[1] for v in rows)
+        return ok, len(rows)
+
+    def eta_coverage(self) -> tuple[int, int]:
+        rows = [r for r in self.eta_rows if r[3] is not None]
+        return sum(r[3][0] <= r[4] <= r[3][1] for r in rows), len(rows)
+
+    def resolved_bias(self) -> float | None:
+        import numpy as np
+
+        diffs = [r[2] - r[4] for r in self.eta_rows if r[1] == "resolved"]
+        return float(np.median(diffs)) if diffs else None
+
+
+def _in_sample_d_t(trained: Trained, run, pair: tuple[int, int]) -> float:
+    """What the earlier tap's "rollout" estimator recorded as D_t: the token KL(pi_{t+1} || pi_t)
+    summed along the rollouts step t trained on (their prefixes drawn from pi_t), averaged."""
+    import numpy as np
+    import torch
+
+    from reward_lens.measure.whitebox.kl import summed_kl_and_logps
+
+    tok, build, *_ = _setup(trained.regime)
+    pre, post = build(), build()
+    pre.load_state_dict(trained.params[pair[0]])
+    post.load_state_dict(trained.params[pair[1]])
+    pre.eval()
+    post.eval()
+    rows = [x for x in run.read_rollouts(["prompt", "completion_ids"]).to_pylist() if x["step"] == pair[0]]
+    per = []
+    for x in rows:
+        pid = tok(x["prompt"], add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([pid + x["completion_ids"]])
+        mask = torch.zeros((1, len(x["completion_ids"])), dtype=torch.bool)
+        mask[:] = True
+        with torch.no_grad():
+            new = post(input_ids=ids).logits[:, len(pid) - 1:-1]
+            old = pre(input_ids=ids).logits[:, len(pid) - 1:-1]
+        per.append(float(summed_kl_and_logps(new, old, ids[:, len(pid):], mask)[0][0]))
+    return float(np.mean(per))
+
+
+def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) -> RegimeResult:
+    """The record's numbers (what ``reward-lens report`` reads) against the oracle's, pair by
+    pair and cell by cell; and, by replicates drawn from the oracle's samples, the estimator's
+    bias and real spread."""
+    import numpy as np
+
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    t0 = time.monotonic()
+    *_, basis = _setup(trained.regime)
+    run = open_run(trained.record)
+    samples = steps_from_run(run, basis)
+    priced = price_run(run, samples, ledger="paired")
+    book = priced.book
+    ledgers = {tuple(lg.step_pair): lg for lg in priced.ledgers}
+    premises = dict(book.kl_min.premises) if book is not None else {}
+    rows = {r.step_pair: r for r in book.rows} if book is not None else {}
+    d_rec = run.telemetry_column("kl_to_previous")
+    names = list(basis.names)
+    truths = {pair: oracle_truth(pool) for pair, pool in pools_.items()}
+    cells, d_t, eta_rows = [], {}, []
+    for pair, truth in truths.items():
+        lg = ledgers.get(pair)
+        why = (priced.not_formed[pair].reason if pair in priced.not_formed else premises.get(pair)
+               or (None if lg is not None else "not formed"))
+        for j, n in enumerate(names):
+            if why is not None:
+                cells.append(Cell(pair, n, why, truth=float(truth.dz[j]), truth_se=float(truth.dz_se[j])))
+            elif not lg.se[j] > 0:
+                cells.append(Cell(pair, n, "constant in every group", truth=float(truth.dz[j]),
+                                  truth_se=float(truth.dz_se[j])))
+            else:
+                cells.append(Cell(pair, n, "reported", float(lg.delta_z[j]), float(lg.se[j]), float(truth.dz[j]),
+                                  float(truth.dz_se[j])))
+        d_t[pair] = (d_rec.get(pair[0]), _in_sample_d_t(trained, run, pair), truth.d_t, truth.d_t_se)
+        r = rows.get(pair)
+        if r is not None and r.efficiency_debiased is not None:
+            eta_rows.append((pair, r.status, r.efficiency_debiased, r.interval, truth.eta))
+    eta_run = None
+    run_est = book.run_level() if book is not None else None
+    if run_est is not None:
+        checked = [r[0] for r in eta_rows]
+        truth_run = sum(truths[p].kl_min for p in checked) / sum(truths[p].d_t for p in checked)
+        eta_run = (run_est.eta_debiased, run_est.interval(), truth_run)
+    result = RegimeResult(trained.regime.name, list(truths), truths, cells, d_t, eta_rows, eta_run)
+    result.seconds["check"] = time.monotonic() - t0
+    if replicates:
+        result.replicates = _replicates(pools_, truths, names, replicates)
+    progress(f"{trained.regime.name}: checked in {time.monotonic() - t0:.0f} s")
+    return result
+
+
+def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8, hs=(0, 4)) -> dict:
+    """The record's sampling redrawn ``r`` times from the oracle's samples (m rollouts of
+    pi_{t+1} and h held-out completions of pi_t per prompt), through the package's ledger: per
+    h, the cells whose mean estimate is biased beyond 3 standard errors of that mean (with
+    the oracle's own error), the median |bias| / SD, and the median of the real SD over the
+    reported SE."""
+    import numpy as np
+
+    from reward_lens.measure.ledger.paired import paired_ledger
+    from reward_lens.measure.ledger.price import StepSample
+
+    rng = np.random.default_rng(0)
+    out = {}
+    for h in hs:
+        biased = total = 0
+        ratios, sd_se = [], []
+        for pair, pool in pools_.items():
+            truth = truths[pair]
+            est, ses = [], []
+            for _ in range(r):
+                sb, sa = [], []
+                for g in np.unique(pool.groups["b"]):
+                    sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), m, replace=False))
+                    sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
+                ib, ia = np.concatenate(sb), np.concatenate(sa)
+                roll = StepSample(pair[1], tuple(names), pool.z["b"][ib], groups=pool.groups["b"][ib],
+                                  logp=pool.logp_t1["b"][ib], logp_prev=pool.logp_t["b"][ib], kl_prev=pool.kl["b"][ib])
+                held = StepSample(pair[1], tuple(names), pool.z["a"][ia], groups=pool.groups["a"][ia],
+                                  logp=pool.logp_t1["a"][ia], logp_prev=pool.logp_t["a"][ia], kl_prev=pool.kl["a"][ia])
+                lg = paired_ledger(roll, heldout=held if h else None)
+                if hasattr(lg, "delta_z"):
+                    est.append(lg.delta_z)
+                    ses.append(lg.se)
+            if len(est) < 2:
+                continue
+            est, ses = np.array(est), np.array(ses)
+            for j in range(len(names)):
+                sd = est[:, j].std(ddof=1)
+                if not sd > 0:
+                    continue
+                total += 1
+                bias = est[:, j].mean() - truth.dz[j]
+                biased += abs(bias) > 3 * np.sqrt(sd ** 2 / len(est) + truth.dz_se[j] ** 2)
+                ratios.append(abs(bias) / sd)
+                pos = ses[:, j] > 0
+                if pos.any():
+                    sd_se.append(sd / np.sqrt(np.mean(ses[pos, j] ** 2)))
+        out[h] = {"cells": total, "biased": int(biased), "median_bias_over_sd": float(np.median(ratios)),
+                  "median_sd_over_se": float(np.median(sd_se)), "replicates": r}
+    return out
+
+
+def summary_lines(res: RegimeResult) -> list[str]:
+    """What the harness prints for one regime (and the README quotes)."""
+    import numpy as np
+
+    rep = res.reported()
+    within = sum(c.within for c in rep)
+    d_new, n_new = res.d_t_within(0)
+    d_old, n_old = res.d_t_within(1)
+    cov, n_cov = res.eta_coverage()
+    lines = [f"{res.regime}: {len(res.pairs)} step pairs, {len(res.cells)} (pair, feature) cells",
+             f"  D_t (record kl_to_previous) within [{D_T_BAND[0]}, {D_T_BAND[1]}]x the truth: {d_new} of {n_new} pairs; "
+             f"the in-sample estimate it replaced: {d_old} of {n_old} (ratio "
+             f"{min(v[1] / v[2] for v in res.d_t.values()):.2f}-{max(v[1] / v[2] for v in res.d_t.values()):.2f})",
+             f"  dz cells reported as a number: {len(rep)}, within {CELL_Z:g} SE of the truth: {within} "
+             f"({100 * within / max(len(rep), 1):.1f} %); refused by name: "
+             + (", ".join(f"{n} {k}" for k, n in sorted(res.refused().items())) or "none")]
+    if n_cov:
+        resolved = [r for r in res.eta_rows if r[1] == "resolved"]
+        null = [r for r in res.eta_rows if r[4] < NULL_ETA]
+        lines.append(f"  eta: per-pair 95 % intervals cover the truth on {cov} of {n_cov} priced pairs "
+                     f"({100 * cov / n_cov:.0f} %); {len(resolved)} rows resolved, median (eta - truth) over them "
+                     + (f"{res.resolved_bias():+.3f}" if resolved else "(none)")
+                     + f"; of the {len(null)} pairs whose true eta is below {NULL_ETA:g}, "
+                     f"{sum(r[1] == 'resolved' for r in null)} resolved")
+    if res.eta_run is not None:
+        e, (lo, hi), t = res.eta_run
+        lines.append(f"  run-level eta {e:.3f} [{lo:.3f}, {hi:.3f}] against the truth {t:.3f}: "
+                     f"{'covers' if lo <= t <= hi else 'MISSES'}")
+    for h, s in sorted(res.replicates.items()):
+        lines.append(f"  replicates (8 rollouts{f' + {h} held-out' if h else ''} per prompt, {s['replicates']} each): "
+                     f"{s['biased']} of {s['cells']} cells biased beyond 3 SE; median |bias|/SD "
+                     f"{s['median_bias_over_sd']:.2f}; median real SD / reported SE {s['median_sd_over_se']:.2f}")
+    oracle = np.median([t.d_t_se / t.d_t for t in res.truths.values()])
+    lines.append(f"  oracle's own error: median relative SE of D_t {oracle:.3f}")
+    return lines
+
+
+def run_regime(name: str, work: Path, n: int = 256, replicates: int = 20, progress=print,
+               cache: bool = False) -> RegimeResult:
+    """Train, draw the oracle's samples, check. ``cache``: keep the trained run and the samples
+    in ``work`` and reuse them when they are there (for working on the estimators)."""
+    import torch
+
+    regime = REGIMES[name]
+    t0 = time.monotonic()
+    if cache and (work / "pools.npz").exists():
+        saved = torch.load(work / "trained.pt")
+        trained = Trained(regime, work / "record", saved["params"], saved["prompts"])
+        ps = load_pools(work / "pools.npz")
+        t1 = t2 = time.monotonic()
+    else:
+        trained = train(regime, work)
+        progress(f"{name}: trained {regime.steps} steps with the tap in {trained.seconds:.0f} s")
+        t1 = time.monotonic()
+        ps = pools(trained, n, progress=progress)
+        t2 = time.monotonic()
+        if cache:
+            torch.save({"params": trained.params, "prompts": trained.prompts}, work / "trained.pt")
+            save_pools(ps, work / "pools.npz")
+    res = check(trained, ps, replicates=replicates, progress=progress)
+    res.seconds.update(train=t1 - t0, oracle=t2 - t1, total=time.monotonic() - t0)
+    return res
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--regime", choices=sorted(REGIMES), action="append")
-    ap.add_argument("--cache", type=Path, help="keep the trained runs and the oracle's samples here")
     ap.add_argument("--n", type=int, default=256, help="oracle samples per prompt and policy")
+    ap.add_argument("--replicates", type=int, default=20)
+    ap.add_argument("--cache", type=Path, help="keep (and reuse) the trained runs and the oracle's samples here")
     args = ap.parse_args(argv)
-    import torch
-
     for name in args.regime or sorted(REGIMES):
-        regime = REGIMES[name]
         with tempfile.TemporaryDirectory() as tmp:
             work = args.cache / name if args.cache else Path(tmp)
             work.mkdir(parents=True, exist_ok=True)
-            if (work / "pools.npz").exists():
-                print(f"{name}: cached")
-                continue
-            trained = train(regime, work)
-            print(f"{name}: trained {regime.steps} steps in {trained.seconds:.0f} s")
-            torch.save({"params": trained.params, "prompts": trained.prompts}, work / "trained.pt")
-            ps = pools(trained, args.n)
-            save_pools(ps, work / "pools.npz")
+            res = run_regime(name, work, args.n, args.replicates, cache=args.cache is not None)
+            print("\n".join(summary_lines(res)))
+            print(f"  ({res.seconds['total']:.0f} s: training {res.seconds['train']:.0f}, oracle "
+                  f"{res.seconds['oracle']:.0f}, checks {res.seconds['check']:.0f})", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,9 @@ from reward_lens.record.errors import RecordError
 from reward_lens.record.schema import (
     FORMAT_VERSION,
     MANIFEST_FILE,
+    D_T_FIELDS,
     HELDOUT_FILE,
+    IN_SAMPLE_ESTIMATORS,
     ROLLOUTS_FILE,
     TELEMETRY_FILE,
     RunManifest,
@@ -239,16 +241,28 @@ class Run:
 
     def telemetry_column(self, field: str) -> Mapping[int, float | str]:
         """``{step: value}`` for the steps where ``field`` is present (absent steps are left out).
-        Read once per field and shared, read-only: a caller may look up one step per row."""
+        Read once per field and shared, read-only: a caller may look up one step per row.
+        D_t (``kl_to_previous`` and its SE) is left out at steps whose estimator is in-sample
+        (``in_sample_d_t_steps``): no book reads a D_t measured on the rollouts the step trained on."""
         cache = self.__dict__.setdefault("_telemetry_columns", {})
         if field not in cache:
             if field not in self.telemetry.column_names:
                 cache[field] = MappingProxyType({})
             else:
                 values = self.telemetry.column(field).to_pylist()
+                skip = self.in_sample_d_t_steps if field in D_T_FIELDS else frozenset()
                 cache[field] = MappingProxyType({int(s): v for s, v in zip(self.steps.tolist(), values)
-                                                 if v is not None})
+                                                 if v is not None and int(s) not in skip})
         return cache[field]
+
+    @cached_property
+    def in_sample_d_t_steps(self) -> frozenset[int]:
+        """The steps whose recorded ``kl_to_previous`` was estimated in-sample (an earlier tap's
+        ``rollout`` estimator): kept in the file, never read as D_t."""
+        if "kl_to_previous_estimator" not in self.telemetry.column_names:
+            return frozenset()
+        est = self.telemetry.column("kl_to_previous_estimator").to_pylist()
+        return frozenset(int(s) for s, e in zip(self.steps.tolist(), est) if e in IN_SAMPLE_ESTIMATORS)
 
     def _validate_telemetry(self) -> None:
         path = self.path / self.telemetry_name
@@ -373,6 +387,8 @@ class Run:
             if name == "step" or spec.column not in self.telemetry.column_names:
                 continue
             count = self.telemetry.num_rows - self.telemetry.column(spec.column).null_count
+            if spec.column in D_T_FIELDS:
+                count = len(self.telemetry_column(spec.column))
             if count:
                 out[name] = Presence(int(count), n)
         roll_steps = self.rollout_step_values

@@ -29,6 +29,14 @@ MANIFEST_FILE = "manifest.json"
 _TELEMETRY_VERSIONED = re.compile(r"^telemetry-(\d{5})\.parquet$")
 
 
+# Estimators of kl_to_previous that read along the rollouts the step trained on (taps before
+# schema 6): in-sample, inflated by the update (0.36-11x the truth on the task recipe). The
+# reader keeps their values in the file but never hands them out as D_t.
+IN_SAMPLE_ESTIMATORS = frozenset({"rollout", "rollout_stale", "rollout_teacher_forced"})
+# The telemetry fields that are D_t or describe it, withheld at in-sample steps.
+D_T_FIELDS = ("kl_to_previous", "kl_to_previous_se")
+
+
 def telemetry_name(name: str) -> bool:
     """``telemetry.parquet`` (a record written at once) or ``telemetry-NNNNN.parquet`` (the
     one a streamed record's manifest lists)."""
@@ -50,6 +58,7 @@ class OptimizerTelemetry(BaseModel):
     kl_to_previous_estimator: str | None = Field(None, description="which estimator produced kl_to_previous")
     kl_to_previous_se: float | None = Field(None, description="nats_per_sequence: standard error of kl_to_previous")
     kl_to_ref: float | None = Field(None, description="nats_per_token: KL to the reference model")
+    entropy: float | None = Field(None, description="nats_per_token: pi_t's token entropy along its own rollouts")
     ppo_kl: float | None = Field(None, description="nats_per_token: in-loop k1 KL(pi_old || pi_theta)")
     beta: float | None = Field(None, description="dimensionless: KL-to-reference coefficient")
 

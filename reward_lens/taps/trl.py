@@ -8,81 +8,82 @@ One line in a GRPO script::
     RewardLensTap.attach(trainer, "runs/my-run")  # <- the tap
     trainer.train()
 
-``attach`` adds a ``TrainerCallback`` and wraps three methods *of this trainer instance*
-(no class is patched): ``_generate_and_score_completions`` (to see every rollout as
-generated: exact token ids, per-function rewards, advantages), ``compute_loss`` (to see
-which rollouts each micro-batch used, so the record is right under gradient accumulation
-and TRL's shuffling) and ``_get_grad_norm`` (what ``clip_grad_norm_`` returned).
+``attach`` adds a ``TrainerCallback`` and wraps four methods *of this trainer instance* (no
+class is patched): ``_generate_and_score_completions`` (to see every rollout as generated:
+exact token ids, per-function rewards, advantages, and to score it), ``compute_loss`` (to see
+which rollouts each micro-batch used, so the record is right under gradient accumulation and
+TRL's shuffling), ``_get_grad_norm`` (what ``clip_grad_norm_`` returned) and ``log``.
 
-Per optimizer step t (pi_t -> pi_{t+1}) it records: the learning rate the optimizer used,
+Per optimizer step t (pi_t -> pi_{t+1}) it records the learning rate the optimizer used,
 ``grad_norm_unclipped`` (the clip function's return value), ``grad_norm`` (the norm of the
 gradient actually applied, measured after clipping), ``max_grad_norm``, ``update_norm``
 (||theta_{t+1} - theta_t||, measured around ``optimizer.step()``), ``beta``, ``kl_to_ref``
-when TRL computes it (per-token mean; recorded only with ``logging_steps=1``, where TRL's
-value is per-step), and ``kl_to_previous`` = D_t in nats per sequence with its standard error
-and the estimator that produced it:
+when TRL computes it (per-token mean; recorded only with ``logging_steps=1``), the policy's
+token ``entropy`` along its own rollouts, and ``kl_to_previous`` = D_t in nats per sequence
+with its standard error and the estimator that produced it.
 
-* ``"rollout"`` (default) -- the full-vocabulary token-level KL(pi_{t+1} || pi_t) summed over
-  the completion positions of the step's own rollouts (teacher-forced prefixes from pi_t).
-  Cost: two extra forward passes over the step's rollouts (one per policy), no generation.
-  The prefixes come from pi_t rather than pi_{t+1}; the two expectations differ by a term of
-  third order in the step, so it agrees with the exact estimator for small steps (tested).
-* ``"exact"`` -- sample ``n_exact`` sequences from pi_{t+1} for the step's prompts and sum the
-  token KL to pi_t along them (``reward_lens.measure.whitebox.kl``). Cost: generating
-  ``n_exact`` completions and two forward passes. Off by default.
-* ``"both"`` records the exact one and keeps both in ``tap.estimates`` for comparison.
+D_t is measured on samples independent of the step, never along the rollouts it trained on
+(there the update inflates log pi_{t+1}/pi_t: that estimate read 0.36-11x the truth). The tap
+keeps pi_t's parameters from ``on_pre_optimizer_step`` until the next generation, and when
+step t+1 generates (before any gradient of it):
 
-Per rollout: the exact completion token ids and their count, the total reward and the reward
-of each reward function, the advantage, and log pi_t(y) and log pi_{t+1}(y) (from the
-rollout estimator's forward passes) for the rollouts the step used. ``logp_post`` is
-*in-sample* (the step was computed from these rollouts) and no estimate is built on it.
+* its rollouts y ~ pi_{t+1} are scored under both policies: ``logp_pre`` = log pi_{t+1}(y),
+  ``logp_prev`` = log pi_t(y), and ``kl_prev`` = the full-vocabulary token KL(pi_{t+1} || pi_t)
+  summed along y's prefixes (chain rule: unbiased for D_t, Rao-Blackwellised);
+* with ``heldout=h`` (default 4) it draws h completions per prompt from pi_t itself (pi_t's
+  parameters swapped into the model for the draw, at the trainer's temperature; never in the
+  loss), scores them the same way, and has the trainer's reward functions score them: the
+  second side of the paired ledger (``heldout-*.parquet`` in the record, filed under step t+1).
+  A step that sharpens the policy is then estimated from the side that covers it (the
+  paired ledger's module says why and what was measured);
+* D_t, recorded as step t's ``kl_to_previous`` (estimator ``independent_two_sided``, or
+  ``independent_next`` with ``heldout=0``), is the token KL along both samples combined by
+  multiple importance sampling, its standard error across prompt groups. The last step has no
+  next generation and no D_t.
 
-The paired ledger's input: pi_t's parameters are kept one step longer, and step t+1's
-rollouts (sampled from pi_{t+1} before any gradient touched them) are also scored under
-pi_t (with one generation batch feeding R steps, the next generation's rollouts under the
-policy of the previous generation step, and ``logp_prev_step`` says which): ``logp_prev`` = log pi_t(y) and ``kl_prev`` = the full-vocabulary token KL(pi_{t+1} ||
-pi_t) summed along y's prefixes, whose mean over the step's rollouts is D_t without the
-noise of the sequence log-ratio (chain rule). Cost: one more forward pass over each step's
-rollouts, and a second parameter snapshot in memory (``paired=False`` turns it off).
+Cost per step: two forward passes over the step's rollouts (pi_{t+1}, and pi_t by a functional
+call on the kept parameters) and, with held-out completions, generating h per prompt from pi_t
+and two forward passes over them plus the reward functions; one parameter snapshot in memory
+(|theta| floats of the parameters' dtype: 28 GB for a 7B model in float32).
+``estimator="exact"`` instead samples ``n_exact`` fresh completions from pi_{t+1} for step t's
+prompts right after the step (the rollouts are then scored only with ``paired=True``);
+``estimator=None`` records the optimizer telemetry and the rollouts only.
 
 Log-probabilities are those of the distribution the trainer sampled from: logits divided by
 the trainer's ``temperature`` (as TRL's own loss computes them). ``top_p`` / ``top_k``
 truncation is recorded in the manifest but not applied: TRL's loss does not apply it either,
-and between two truncated distributions the KL can be infinite.
+and between two truncated distributions the KL can be infinite; held-out completions are drawn
+at the temperature alone, from the distribution the log-probabilities describe. Logits are
+computed for ``chunk`` sequences at a time and, where the output layer is a plain linear map,
+from the last hidden states a block of positions at a time (``whitebox.kl.BlockedLogits``); no
+logits are kept.
 
-Memory: pi_t is kept as a parameter snapshot from ``on_pre_optimizer_step`` (after
-clipping, before the step) until the step's estimates are done: |theta| floats of the
-parameters' dtype (4 bytes each in float32; 28 GB for a 7B model: use a smaller policy or
-``estimator=None`` there). Logits are computed for ``chunk`` sequences at a time and, where
-the output layer is a plain linear map, from the last hidden states a block of positions at a
-time (``whitebox.kl.BlockedLogits``: at most 4M float64 logits per block, so the peak does not
-grow with positions x vocabulary); no logits are kept.
-
-Crash safety: the record is flushed every ``flush_every`` steps (new rollout segment,
-rewritten telemetry, then the manifest as the commit point); a run killed mid-way leaves a
-readable record of the steps flushed. ``kl_to_ref`` of the last step arrives in TRL's log
-after that step's flush and is written by the next flush.
+Crash safety: the record is flushed every ``flush_every`` steps (new rollout and held-out
+segments, rewritten telemetry, then the manifest as the commit point); a run killed mid-way
+leaves a readable record of the steps flushed.
 
 With ``num_iterations > 1`` (or ``steps_per_generation > gradient_accumulation_steps``)
-rollouts are reused across steps; they are recorded once, under the step whose policy
-sampled them, and the rollout estimator of a later step is marked ``rollout_stale`` (its
-prefixes come from an older policy).
+rollouts are reused across R steps; they are recorded once, under the step whose policy
+sampled them, and the next generation is scored under the policy of the previous generation
+step (``logp_prev_step``): the paired ledger prices that window of R steps as one row, and no
+per-step D_t is recorded.
 
 Several processes (``accelerate launch`` / ``torchrun``, data-parallel: DDP on CPUs or GPUs).
-Each process generates its slice of the global generation batch (TRL gathers the rewards,
-computes advantages over whole groups and slices them back), and holds a full replica of the
-parameters, so each can score its own rollouts under pi_t and pi_{t+1}. The tap does exactly
-that on every rank, then gathers with the trainer's own process group (accelerate's
-``gather_object``): the per-sequence KLs, so D_t and its standard error are those of the
-global batch, and the finished rollouts, which rank 0 alone writes (crash-safe as above).
-Rollout and group ids are positions in the global batch, as TRL's ``process_slice`` defines
-them. DeepSpeed, FSDP and Megatron shard the parameters, so no rank can evaluate pi_t on its
-own: ``attach`` refuses them.
+Each process generates its slice of the global generation batch and holds a full replica of
+the parameters, so each scores its own rollouts and draws the held-out completions of the
+prompt groups that start in its slice; per-row numbers and finished rows are gathered with the
+trainer's own process group (accelerate's ``gather_object``) and rank 0 alone writes. Rollout
+and group ids are positions in the global batch, as TRL's ``process_slice`` defines them.
+DeepSpeed, FSDP and Megatron shard the parameters, so no rank can evaluate pi_t on its own:
+``attach`` refuses them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -92,26 +93,28 @@ import numpy as np
 import torch
 from transformers import TrainerCallback
 
-from reward_lens.measure.whitebox.kl import BlockedLogits, KlEstimate, WholeLogits, summed_kl_and_logps_blocked
-from reward_lens.measure.whitebox.policy import sample
+from reward_lens.measure.ledger.paired import independent_d_t
+from reward_lens.measure.whitebox.kl import BlockedLogits, KlEstimate, WholeLogits, score_blocked
+from reward_lens.measure.whitebox.policy import sample, sample_prompts
 from reward_lens.record.importers.trl import record_config
 from reward_lens.record.schema import OptimizerTelemetry, Rollout
 from reward_lens.record.stream import RecordStream
+from reward_lens.taps.settings import tap_settings
 
 INDEX_KEY = "_reward_lens_index"
-ESTIMATORS = ("rollout", "exact", "both", None)
 # accelerate's distributed types that shard the parameters across processes
 SHARDED = ("DEEPSPEED", "FSDP", "MEGATRON_LM", "XLA")
 # What the tap adds to the trainer's own logs (W&B, TensorBoard, whatever `report_to` names):
 # means over the optimizer steps since the previous log. eta is not among them: it needs the
 # next step's rollouts and a book-wide noise decision, so it is a report's number, not a log's.
 LOGGED = {"kl_to_previous": "reward_lens/kl_to_previous", "update_norm": "reward_lens/update_norm",
-          "grad_norm": "reward_lens/grad_norm_clipped", "grad_norm_unclipped": "reward_lens/grad_norm_unclipped"}
+          "grad_norm": "reward_lens/grad_norm_clipped", "grad_norm_unclipped": "reward_lens/grad_norm_unclipped",
+          "entropy": "reward_lens/entropy"}
 
 
 @dataclass
 class _Pending:
-    """A generated rollout waiting for its step's estimates before it is written."""
+    """A generated rollout (or held-out completion) waiting for its step to end before it is written."""
 
     step: int
     group: int
@@ -121,9 +124,8 @@ class _Pending:
     completion_ids: torch.Tensor
     reward: float
     rewards: dict[str, float]
-    advantage: float
+    advantage: float | None
     logp_pre: float | None = None
-    logp_post: float | None = None
     logp_prev: float | None = None
     logp_prev_step: int | None = None
     kl_prev: float | None = None
@@ -139,13 +141,16 @@ def _eos_id(trainer) -> int | None:
     return int(eos) if isinstance(eos, int) else None
 
 
+def _noop(*_a, **_kw) -> None:
+    return None
+
+
 class RewardLensTap(TrainerCallback):
-    def __init__(self, trainer, record_dir: str | Path, *, estimator: str | None = "rollout", n_exact: int = 16,
-                 flush_every: int = 10, chunk: int = 16, save_initial_checkpoint: bool = False,
-                 overwrite: bool = False, seed: int = 0, model_description: str | None = None,
-                 paired: bool = True):
-        if estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {ESTIMATORS}, not {estimator!r}")
+    def __init__(self, trainer, record_dir: str | Path, **settings):
+        s = tap_settings(**settings)  # reward_lens/taps/settings.py: the audit validates the same model
+        estimator, heldout, flush_every, paired = s.estimator, s.heldout, s.flush_every, s.paired
+        n_exact, chunk, save_initial_checkpoint, overwrite, seed, model_description = (
+            s.n_exact, s.chunk, s.save_initial_checkpoint, s.overwrite, s.seed, s.model_description)
         acc = trainer.accelerator
         kind = str(getattr(acc, "distributed_type", "NO")).split(".")[-1]
         if kind in SHARDED:
@@ -157,14 +162,16 @@ class RewardLensTap(TrainerCallback):
         self.rank = int(getattr(acc, "process_index", 0) or 0)
         self.trainer = trainer
         self.estimator = estimator
-        self.paired = paired  # keep pi_t one step longer and score step t+1's rollouts under it
+        self.paired = bool(paired) and estimator is not None  # score each generation under the kept previous policy
+        self.heldout = int(heldout) if self.paired else 0
         self.n_exact = n_exact
-        self.flush_every = max(1, int(flush_every))
+        self.flush_every = int(flush_every)
         self.chunk = chunk
         self.save_initial_checkpoint = save_initial_checkpoint
         self.seed = seed
         self.estimates: dict[int, dict[str, KlEstimate]] = {}
         self._pending: dict[int, _Pending] = {}
+        self._pending_heldout: list[_Pending] = []
         self._next_index = 0
         self._used: list[int] = []
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -172,20 +179,25 @@ class RewardLensTap(TrainerCallback):
         self.temperature = float(getattr(trainer, "temperature", None) or getattr(trainer.args, "temperature", 1.0)
                                  or 1.0)
         self._row: dict[str, Any] = {}
+        self._late: dict[int, dict[str, Any]] = {}  # telemetry of earlier steps measured at a later generation
         self._log_acc: dict[str, list[float]] = {}
         self._unclipped: float | None = None
+        self._generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + 7 + self.rank)
         args = trainer.args
         cfg = record_config(args.to_dict())
         import trl
 
         model = trainer.model
         n_params = sum(p.numel() for p in model.parameters())
-        notes = [f"recorded by the reward-lens TRL tap (estimator {estimator}, flush every {self.flush_every} steps)",
-                 f"log-probabilities at the sampling temperature {self.temperature:g}; step t's rollouts are also "
-                 "scored under pi_{t-1} (logp_prev, kl_prev) for the paired ledger"]
+        notes = [f"recorded by the reward-lens TRL tap (estimator {estimator}, held-out {self.heldout} per prompt, "
+                 f"flush every {self.flush_every} steps)",
+                 f"log-probabilities at the sampling temperature {self.temperature:g}"
+                 + ("; step t's rollouts are also scored under pi_{t-1} (logp_prev, kl_prev) for the paired ledger"
+                    if self.paired else "")]
         if (getattr(args, "top_p", 1.0) or 1.0) < 1.0 or (getattr(args, "top_k", 0) or 0) > 0:
             notes.append(f"sampling truncation top_p={getattr(args, 'top_p', None)}, top_k={getattr(args, 'top_k', None)} "
-                         "is not applied to the recorded log-probabilities (as in TRL's loss)")
+                         "is not applied to the recorded log-probabilities (as in TRL's loss), nor to the held-out "
+                         "completions")
         if args.logging_steps != 1:
             notes.append(f"logging_steps={args.logging_steps}: TRL's `kl` is a window mean, so kl_to_ref is not "
                          "recorded")
@@ -214,7 +226,7 @@ class RewardLensTap(TrainerCallback):
         def generate_and_score(inputs, *a, **kw):
             out = gen(inputs, *a, **kw)
             if trainer.model.training:
-                tap._on_generation(out)
+                tap._on_generation(out, inputs)
             return out
 
         def compute_loss(model, inputs, *a, **kw):
@@ -240,7 +252,7 @@ class RewardLensTap(TrainerCallback):
         return tap
 
     # ------------------------------------------------------------------ generation
-    def _on_generation(self, out: dict[str, Any]) -> None:
+    def _on_generation(self, out: dict[str, Any], inputs: list[dict[str, Any]] | None = None) -> None:
         tr = self.trainer
         n = out["completion_ids"].shape[0]
         # TRL's own layout of the global batch: equal slices, rank-major (its process_slice);
@@ -260,16 +272,176 @@ class RewardLensTap(TrainerCallback):
         group = max(1, int(tr.num_generations))
         idx = torch.arange(self._next_index + offset, self._next_index + offset + n)
         self._next_index += total
+        fresh, starts = [], []  # this rank's rollouts, and those that begin a prompt group
         for i in range(n):
             pmask = out["prompt_mask"][i].bool().cpu()
             cmask = out["completion_mask"][i].bool().cpu()
-            self._pending[int(idx[i])] = _Pending(
+            self._pending[int(idx[i])] = p = _Pending(
                 step=t, group=(offset + i) // group, prompt=str(prompts[i]), completion=str(completions[i]),
                 prompt_ids=out["prompt_ids"][i].cpu()[pmask], completion_ids=out["completion_ids"][i].cpu()[cmask],
                 reward=float(np.nansum(rewards[i] * weights)),
                 rewards={nm: float(v) for nm, v in zip(names, rewards[i]) if not math.isnan(v)},
                 advantage=float(out["advantages"][i]))
+            fresh.append(p)
+            if (offset + i) % group == 0:  # a group straddling two ranks is drawn on the first
+                starts.append(i)
         out[INDEX_KEY] = idx.to(out["completion_ids"].device)
+        if self.paired:
+            model = tr.model
+            was = model.training
+            model.eval()
+            try:
+                self._score_generation(t, fresh, starts, inputs)
+            finally:
+                model.train(was)
+
+    def _score_generation(self, t: int, fresh: list[_Pending], starts: list[int],
+                          inputs: list[dict[str, Any]] | None) -> None:
+        """Score step t's new rollouts under pi_t (live) and the kept previous policy, draw and
+        score pi_prev's held-out completions of the same prompts, and record D of the step pair
+        (prev, t) from both (every rank takes part: the numbers are gathered)."""
+        reuse = self._reuse(self.trainer.args)
+        kept = self._prev if self._prev is not None and self._prev[0] == t - reuse else None
+        if kept is None:
+            self._score(fresh, None, t, entropy_of=t)  # the first generation: pi_t's own numbers only
+            return
+        prev_step, params = kept
+        self._score(fresh, params, prev_step, entropy_of=t)
+        held = self._draw_heldout(fresh, starts, params, t, inputs) if self.heldout else []
+        self._score(held, params, prev_step)
+        self._pending_heldout.extend(held)
+        rows = self._gather([(p.group, False, p.logp_pre - p.logp_prev, p.kl_prev) for p in fresh] +
+                            [(p.group, True, p.logp_pre - p.logp_prev, p.kl_prev) for p in held])
+        self._prev = None  # pi_prev has been used by everything that needs it
+        if reuse == 1 and rows:
+            groups = np.array([r[0] for r in rows])
+            labels, codes = np.unique(groups, return_inverse=True)
+            side = np.array([r[1] for r in rows], dtype=bool)
+            mean, se = independent_d_t(np.array([r[2] for r in rows]), side if side.any() else None,
+                                       np.array([r[3] for r in rows]), codes, len(labels))
+            name = "independent_two_sided" if side.any() else "independent_next"
+            self.estimates.setdefault(prev_step, {})[name] = KlEstimate(mean, se, len(rows), (), name)
+            if self.estimator == "independent":
+                self._set_late(prev_step, {"kl_to_previous": mean, "kl_to_previous_se": se if se == se else None,
+                                           "kl_to_previous_estimator": name})
+
+    def _score(self, items: list[_Pending], params: dict[str, torch.Tensor] | None, prev_step: int,
+               entropy_of: int | None = None) -> None:
+        """logp_pre under the live policy and, with ``params``, logp_prev and kl_prev under it, for
+        every item (``chunk`` sequences at a time); with ``entropy_of``, the live policy's mean
+        token entropy along the items becomes that step's ``entropy``."""
+        if not items and self.world == 1:
+            return
+        tok = self.trainer.processing_class
+        pad = getattr(tok, "pad_token_id", None)
+        pad = 0 if pad is None else pad
+        ent = tokens = 0.0
+        with torch.no_grad():
+            for a in range(0, len(items), self.chunk):
+                chunk = items[a:a + self.chunk]
+                ids, att, comp, pw = self._batch([(p.prompt_ids, p.completion_ids) for p in chunk], pad)
+                new = self._forward(None, ids, att).positions(pw - 1, -1)
+                old = self._forward(params, ids, att).positions(pw - 1, -1) if params is not None else None
+                s = score_blocked(new, old, ids[:, pw:], comp)
+                for j, p in enumerate(chunk):
+                    p.logp_pre = float(s.logp_new[j])
+                    if params is not None:
+                        p.logp_prev, p.kl_prev, p.logp_prev_step = float(s.logp_old[j]), float(s.kl[j]), prev_step
+                ent += float(s.entropy_new.sum())
+                tokens += float(comp.sum())
+        if entropy_of is not None:
+            ent, tokens = (sum(x) for x in zip(*self._gather([(ent, tokens)])))
+            if tokens > 0:
+                self._set_late(entropy_of, {"entropy": ent / tokens})
+
+    def _draw_heldout(self, fresh: list[_Pending], starts: list[int], params: dict[str, torch.Tensor], t: int,
+                      inputs: list[dict[str, Any]] | None) -> list[_Pending]:
+        """``heldout`` completions per prompt group starting on this rank (``starts``: the
+        positions of its first rollouts), drawn from the kept policy pi_prev (its parameters
+        swapped into the model for the draw), with the trainer's reward functions' scores.
+        Never in the loss. Every rank draws (in lockstep with the others' gathers)."""
+        tr = self.trainer
+        mine = {fresh[i].group: i for i in starts}
+        if not mine:
+            return []
+        tok = tr.processing_class
+        eos = _eos_id(tr)
+        pad = getattr(tok, "pad_token_id", None)
+        pad = 0 if pad is None else pad
+        cap = int(tr.args.max_completion_length)
+        with self._policy(params):
+            drawn = sample_prompts(tr.model, [fresh[i].prompt_ids.tolist() for i in mine.values()], self.heldout,
+                                   cap, eos, pad, self._generator, temperature=self.temperature)
+        rows, k = [], 0
+        texts = tok.batch_decode(drawn, skip_special_tokens=True) if drawn else []
+        for g, i in mine.items():
+            for _ in range(self.heldout):
+                ids = drawn[k]
+                rows.append(_Pending(step=t, group=g, prompt=fresh[i].prompt, completion=texts[k],
+                                     prompt_ids=fresh[i].prompt_ids, completion_ids=torch.tensor(ids, dtype=torch.long),
+                                     reward=float("nan"), rewards={}, advantage=None))
+                k += 1
+        examples = [inputs[i] if inputs is not None and i < len(inputs) else {}
+                    for i in mine.values() for _ in range(self.heldout)]
+        self._reward(rows, examples)
+        return rows
+
+    def _reward(self, rows: list[_Pending], examples: list[dict[str, Any]]) -> None:
+        """The trainer's reward functions on the held-out completions, as TRL calls them (the
+        dataset row's columns as keyword arguments), on this rank alone: no gather, and no
+        entry in TRL's logged completions or metrics."""
+        tr = self.trainer
+        if not rows:
+            return
+        from trl.data_utils import is_conversational
+
+        prompts = [ex.get("prompt", r.prompt) for ex, r in zip(examples, rows)]
+        conv = is_conversational({"prompt": prompts[0]})
+        completions = [[{"role": "assistant", "content": r.completion}] if conv else r.completion for r in rows]
+        completion_ids = [r.completion_ids.tolist() for r in rows]
+        keys = [k for k in (examples[0] if examples else {}) if k not in ("prompt", "completion", "completion_ids")]
+        kwargs = {k: [ex.get(k) for ex in examples] for k in keys}
+        # ``reward_lens_heldout`` tells a reward function with side effects (a counter, a log) that
+        # these completions are the tap's, not the trainer's
+        kwargs.update(trainer_state=tr.state, log_extra=_noop, log_metric=_noop, reward_lens_heldout=True)
+        values = np.full((len(rows), len(tr.reward_funcs)), np.nan)
+        for j, (fn, proc) in enumerate(zip(tr.reward_funcs, tr.reward_processing_classes)):
+            if isinstance(fn, torch.nn.Module):
+                texts = [p + c for p, c in zip(prompts, completions)] if not conv else None
+                if texts is None:
+                    continue  # a reward model on conversations: its chat template is TRL's business; left unscored
+                enc = proc(text=texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+                dev = next(fn.parameters()).device
+                with torch.inference_mode():
+                    values[:, j] = fn(**{k: v.to(dev) for k, v in enc.items()}).logits[:, 0].float().cpu().numpy()
+                continue
+            call = fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs)
+            if inspect.isawaitable(call):
+                loop = getattr(tr, "async_loop", None)
+                call = (asyncio.run_coroutine_threadsafe(call, loop).result() if loop is not None
+                        else asyncio.run(call))
+            values[:, j] = [np.nan if v is None else float(v) for v in call]
+        weights = tr.reward_weights.detach().cpu().numpy().astype(float)
+        for r, v in zip(rows, values):
+            r.rewards = {nm: float(x) for nm, x in zip(tr.reward_func_names, v) if not math.isnan(x)}
+            r.reward = float(np.nansum(v * weights))
+
+    @contextmanager
+    def _policy(self, params: dict[str, torch.Tensor]):
+        """The model with ``params`` (a kept snapshot) in place of its own parameters, swapped
+        by reference (no copy) and back; in eval mode, without gradients."""
+        named = dict(self.trainer.model.named_parameters())
+        saved = {}
+        try:
+            with torch.no_grad():
+                for name, value in params.items():
+                    saved[name] = named[name].data
+                    named[name].data = value
+            yield self.trainer.model
+        finally:
+            with torch.no_grad():
+                for name, value in saved.items():
+                    named[name].data = value
 
     # ------------------------------------------------------------------ the step
     def _gather(self, items: list) -> list:
@@ -279,6 +451,13 @@ class RewardLensTap(TrainerCallback):
         from accelerate.utils import gather_object
 
         return list(gather_object(list(items)))
+
+    def _set_late(self, step: int, values: dict[str, Any]) -> None:
+        """Telemetry of ``step`` measured after its row was started (D_t at the next generation)."""
+        if self._row and self._row.get("step") == step:
+            self._row.update(values)
+        else:
+            self._late.setdefault(step, {}).update(values)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.save_initial_checkpoint and self.stream is not None:
@@ -294,10 +473,11 @@ class RewardLensTap(TrainerCallback):
         grads = [p.grad for p in params.values() if p.grad is not None]
         applied = float(torch.sqrt(sum((g.detach().double() ** 2).sum() for g in grads))) if grads else 0.0
         opt = self.trainer.optimizer
-        self._row = {"step": state.global_step, "learning_rate": float(opt.param_groups[0]["lr"]),
-                     "grad_norm": applied, "grad_norm_unclipped": self._unclipped,
-                     "max_grad_norm": float(args.max_grad_norm) if args.max_grad_norm else None,
-                     "beta": float(self.trainer.beta)}
+        row = {"step": state.global_step, "learning_rate": float(opt.param_groups[0]["lr"]),
+               "grad_norm": applied, "grad_norm_unclipped": self._unclipped,
+               "max_grad_norm": float(args.max_grad_norm) if args.max_grad_norm else None,
+               "beta": float(self.trainer.beta)}
+        self._row = {**self._late.pop(state.global_step, {}), **row}
         self._snapshot = {n: p.detach().clone() for n, p in params.items()}
 
     def on_optimizer_step(self, args, state, control, **kwargs):
@@ -309,25 +489,19 @@ class RewardLensTap(TrainerCallback):
         self._row["update_norm"] = float(torch.sqrt(sq))
         used = [i for i in dict.fromkeys(self._used) if i in self._pending]
         self._used = []
-        # Under several processes every rank takes part (its slice may be empty), since the
-        # estimates are gathered.
-        if self.estimator is not None and (used or self.world > 1):
+        if self.estimator == "exact" and (used or self.world > 1):
             was = model.training
             model.eval()
             try:
-                est = self._estimate(used, t, snap)
+                est = self._exact(used, t, snap)
             finally:
                 model.train(was)
-            if est:
-                self.estimates[t] = est
-        if t in self.estimates:
-            est = self.estimates[t]
-            primary = est.get("exact") or est.get("rollout") or est.get("rollout_stale")
-            self._row.update(kl_to_previous=primary.mean, kl_to_previous_se=primary.se,
-                             kl_to_previous_estimator=primary.estimator)
-        # pi_t is kept until the next generation's rollouts have been scored under it (the
-        # paired ledger): the next step's, or with reused rollouts the next generation step's.
-        if self.estimator is not None and self.paired and t % self._reuse(args) == 0:
+            if est is not None:
+                self.estimates.setdefault(t, {})["exact"] = est
+                self._row.update(kl_to_previous=est.mean, kl_to_previous_se=est.se,
+                                 kl_to_previous_estimator=est.estimator)
+        # pi_t is kept until the next generation's samples have been scored under it.
+        if self.paired and t % self._reuse(args) == 0:
             self._prev = (t, snap)
         self._snapshot = None
 
@@ -385,96 +559,53 @@ class RewardLensTap(TrainerCallback):
         return ids, att, comp, pw
 
     @torch.no_grad()
-    def _estimate(self, used: list[int], t: int, snap: dict[str, torch.Tensor]) -> dict[str, KlEstimate]:
+    def _exact(self, used: list[int], t: int, snap: dict[str, torch.Tensor]) -> KlEstimate | None:
+        """D_t from ``n_exact`` fresh samples of pi_{t+1} for step t's prompts (the whole batch's:
+        this rank's share, spread over its prompts), the token KL to pi_t summed along each."""
         tok = self.trainer.processing_class
         pad = getattr(tok, "pad_token_id", None)
         pad = 0 if pad is None else pad
-        out: dict[str, KlEstimate] = {}
-        stale = any(self._gather([any(self._pending[i].step != t for i in used)]))
-        # pi_{t-1}, kept from the previous step: scores step t's rollouts for the paired ledger.
-        # With one generation batch feeding R optimizer steps (num_iterations > 1), the
-        # independent sample of the window t-R .. t is the generation at step t, scored under
-        # the policy of the previous generation step, t - R.
-        reuse = self._reuse(self.trainer.args)
-        prev = self._prev[1] if self._prev is not None and self._prev[0] == t - reuse else None
-        if self.estimator in ("rollout", "both"):
-            per: list[float] = []
-            for a in range(0, len(used), self.chunk):
-                chunk = used[a:a + self.chunk]
-                ids, att, comp, pw = self._batch([(self._pending[i].prompt_ids, self._pending[i].completion_ids)
-                                                  for i in chunk], pad)
-                new = self._forward(None, ids, att).positions(pw - 1, -1)
-                old = self._forward(snap, ids, att).positions(pw - 1, -1)
-                kl, lp_old, lp_new = summed_kl_and_logps_blocked(new, old, ids[:, pw:], comp)
-                per.extend(kl.tolist())
-                fresh = [j for j, i in enumerate(chunk) if self._pending[i].step == t]
-                if prev is not None and fresh:
-                    older = self._forward(prev, ids[fresh], att[fresh]).positions(pw - 1, -1)
-                    kl_prev, lp_prev, _ = summed_kl_and_logps_blocked(old.rows(fresh), older, ids[fresh][:, pw:],
-                                                                      comp[fresh])
-                    for q, j in enumerate(fresh):
-                        self._pending[chunk[j]].logp_prev = float(lp_prev[q])
-                        self._pending[chunk[j]].logp_prev_step = t - reuse
-                        self._pending[chunk[j]].kl_prev = float(kl_prev[q])
-                for j in fresh:
-                    i = chunk[j]
-                    self._pending[i].logp_pre = float(lp_old[j])
-                    self._pending[i].logp_post = float(lp_new[j])
-            name = "rollout_stale" if stale else "rollout"
-            per = self._gather(per)
-            if per:
-                out[name] = KlEstimate.of(per, name)
-        if self.estimator in ("exact", "both"):
-            prompts = list(dict.fromkeys(tuple(self._pending[i].prompt_ids.tolist()) for i in used))
-            # n_exact sequences over the whole batch: this rank's share, spread over its prompts
-            share = self.n_exact // self.world + (1 if self.rank < self.n_exact % self.world else 0)
-            per = []
-            eos = getattr(tok, "eos_token_id", None)
-            cap = int(self.trainer.args.max_completion_length)
-            for k, prompt in enumerate(prompts):
-                m = share // len(prompts) + (1 if k < share % len(prompts) else 0)
-                if m == 0:
-                    continue
-                seqs = sample(self.trainer.model, list(prompt), m, cap, eos, pad,
-                              self.seed + 7919 * t + k + 104729 * self.rank, temperature=self.temperature)
-                ids, comp_full = seqs.ids, seqs.completion_mask
-                att = torch.ones_like(ids)
-                new = self._forward(None, ids, att).positions(0, -1)
-                old = self._forward(snap, ids, att).positions(0, -1)
-                kl, _, _ = summed_kl_and_logps_blocked(new, old, ids[:, 1:], comp_full[:, 1:])
-                per.extend(kl.tolist())
-            per = self._gather(per)
-            if len(per) > 1:
-                out["exact"] = KlEstimate.of(per)
-        return out
+        prompts = list(dict.fromkeys(tuple(self._pending[i].prompt_ids.tolist()) for i in used))
+        share = self.n_exact // self.world + (1 if self.rank < self.n_exact % self.world else 0)
+        per = []
+        eos = getattr(tok, "eos_token_id", None)
+        cap = int(self.trainer.args.max_completion_length)
+        for k, prompt in enumerate(prompts):
+            m = share // len(prompts) + (1 if k < share % len(prompts) else 0)
+            if m == 0:
+                continue
+            seqs = sample(self.trainer.model, list(prompt), m, cap, eos, pad,
+                          self.seed + 7919 * t + k + 104729 * self.rank, temperature=self.temperature)
+            ids, comp_full = seqs.ids, seqs.completion_mask
+            att = torch.ones_like(ids)
+            new = self._forward(None, ids, att).positions(0, -1)
+            old = self._forward(snap, ids, att).positions(0, -1)
+            per.extend(score_blocked(new, old, ids[:, 1:], comp_full[:, 1:]).kl.tolist())
+        per = self._gather(per)
+        return KlEstimate.of(per) if len(per) > 1 else None
 
     def _reuse(self, args) -> int:
         """How many optimizer steps use one generation batch."""
         spg = int(getattr(args, "steps_per_generation", None) or args.gradient_accumulation_steps)
         return max(1, int(getattr(args, "num_iterations", 1))) * max(1, spg // max(1, args.gradient_accumulation_steps))
 
-    def _rows(self, ready: list[int]) -> list[Rollout]:
-        rows = []
-        for i in ready:
-            p = self._pending.pop(i)
-            rows.append(Rollout(step=p.step, group_id=f"{p.step}:{p.group}", prompt=p.prompt, completion=p.completion,
-                                completion_ids=p.completion_ids.tolist(), num_tokens=int(len(p.completion_ids)),
-                                reward=p.reward, rewards=p.rewards, advantage=p.advantage, logp_pre=p.logp_pre,
-                                logp_post=p.logp_post, logp_prev=p.logp_prev, logp_prev_step=p.logp_prev_step,
-                                # a sum of KLs is >= 0; max() only removes float64 rounding below 0
-                                kl_prev=None if p.kl_prev is None else max(p.kl_prev, 0.0)))
-        return rows
+    @staticmethod
+    def _rollout(p: _Pending) -> Rollout:
+        return Rollout(step=p.step, group_id=f"{p.step}:{p.group}", prompt=p.prompt, completion=p.completion,
+                       completion_ids=p.completion_ids.tolist(), num_tokens=int(len(p.completion_ids)),
+                       reward=p.reward if p.reward == p.reward else None, rewards=p.rewards or None,
+                       advantage=p.advantage, logp_pre=p.logp_pre, logp_prev=p.logp_prev,
+                       logp_prev_step=p.logp_prev_step,
+                       # a sum of KLs is >= 0; max() only removes float64 rounding below 0
+                       kl_prev=None if p.kl_prev is None else max(p.kl_prev, 0.0))
 
     def on_step_end(self, args, state, control, **kwargs):
         t = state.global_step - 1
         if self._row:
-            row = {k: v for k, v in self._row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
-            if self.stream is not None:  # the same on every rank: DDP averaged the gradients
-                self.stream.set_telemetry(OptimizerTelemetry(**row))
-            for key, name in LOGGED.items():
-                if key in row:
-                    self._log_acc.setdefault(name, []).append(float(row[key]))
+            self._commit_row(self._row)
             self._row = {}
+        for step in sorted(s for s in self._late if s <= t):  # measured after their step ended (D_t)
+            self._commit_row({"step": step, **self._late.pop(step)})
         # A generation batch is written once the last step that uses it has ended.
         reuse = self._reuse(args)
         ready = sorted(i for i, p in self._pending.items() if p.step + reuse - 1 <= t)
@@ -482,13 +613,28 @@ class RewardLensTap(TrainerCallback):
         if (t + 1) % self.flush_every == 0 and self.stream is not None:
             self.stream.flush()
 
+    def _commit_row(self, row: dict[str, Any]) -> None:
+        row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        if self.stream is not None:  # the same on every rank: DDP averaged the gradients
+            self.stream.set_telemetry(OptimizerTelemetry(**row))
+        for key, name in LOGGED.items():
+            if key in row:
+                self._log_acc.setdefault(name, []).append(float(row[key]))
+
     def _write(self, ready: list[int]) -> None:
-        """Rank 0 writes every rank's finished rollouts, in global-batch order."""
-        rows = self._rows(ready) if ready else []
+        """Rank 0 writes every rank's finished rollouts, and the held-out completions drawn so
+        far, in global-batch order."""
+        rows = [self._rollout(self._pending.pop(i)) for i in ready]
+        held = [self._rollout(p) for p in self._pending_heldout]
+        self._pending_heldout = []
         if self.world > 1:
             rows = [r for _, r in sorted(self._gather(list(zip(ready, rows))), key=lambda x: x[0])]
-        if rows and self.stream is not None:
-            self.stream.add_rollouts(rows)
+            held = sorted(self._gather(held), key=lambda r: (r.step, int(r.group_id.split(":")[1])))
+        if self.stream is not None:
+            if rows:
+                self.stream.add_rollouts(rows)
+            if held:
+                self.stream.add_heldout(held)
 
     def _drain_log(self) -> dict[str, float]:
         out = {name: sum(v) / len(v) for name, v in self._log_acc.items() if v}
@@ -503,5 +649,7 @@ class RewardLensTap(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self._write(sorted(self._pending))
+        for step in sorted(s for s in self._late if s < state.global_step):
+            self._commit_row({"step": step, **self._late.pop(step)})
         if self.stream is not None:
             self.stream.flush()

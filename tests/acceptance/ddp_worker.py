@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import make_reference_records as gen  # noqa: E402
 
 
-def main(tmp: Path, steps: int, estimator: str = "rollout", ga: int = 1) -> None:
+def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -29,10 +29,13 @@ def main(tmp: Path, steps: int, estimator: str = "rollout", ga: int = 1) -> None
 
     rank = int(os.environ["RANK"])
     seen = open(tmp / f"seen-{rank}.jsonl", "w")
+    held = open(tmp / f"heldout-{rank}.jsonl", "w")  # the tap's held-out completions, scored by the same function
 
     def lowercase(completions, prompts=None, **kw):
-        seen.write(json.dumps({"prompts": list(prompts), "completions": list(completions)}) + "\n")
-        seen.flush()
+        name = "heldout" if kw.get("reward_lens_heldout") else "seen"
+        (held if name == "heldout" else seen).write(json.dumps({"prompts": list(prompts),
+                                                                "completions": list(completions)}) + "\n")
+        (held if name == "heldout" else seen).flush()
         return gen.lowercase(completions)
 
     tok = gen.build_tokenizer()
@@ -52,6 +55,7 @@ def main(tmp: Path, steps: int, estimator: str = "rollout", ga: int = 1) -> None
     (tmp / f"estimates-{rank}.json").write_text(json.dumps(
         {t: {k: {"mean": e.mean, "se": e.se, "n": e.n} for k, e in est.items()} for t, est in tap.estimates.items()}))
     seen.close()
+    held.close()
     dist.barrier()
     dist.destroy_process_group()
     # gloo's threads can abort the interpreter's teardown ("terminate called without an active
@@ -62,4 +66,4 @@ def main(tmp: Path, steps: int, estimator: str = "rollout", ga: int = 1) -> None
 if __name__ == "__main__":
     # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION]]
     args = sys.argv[1:]
-    main(Path(args[0]), int(args[1]), args[2] if len(args) > 2 else "rollout", int(args[3]) if len(args) > 3 else 1)
+    main(Path(args[0]), int(args[1]), args[2] if len(args) > 2 else "independent", int(args[3]) if len(args) > 3 else 1)

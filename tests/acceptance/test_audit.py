@@ -250,14 +250,24 @@ def test_unknown_tap_argument_is_bad_input(tmp_path):
 
 
 def test_tap_spec_defaults_match_the_tap():
-    import inspect
-
-    from reward_lens.taps.trl import RewardLensTap
+    from reward_lens.taps.settings import TapSettings
     from reward_lens_spec import load_taps
 
-    sig = inspect.signature(RewardLensTap.__init__).parameters
+    defaults = TapSettings()
     for key, value in load_taps()["trl"].defaults.items():
-        assert sig[key.split(".", 1)[1]].default == value, key
+        assert getattr(defaults, key.split(".", 1)[1]) == value, key
+
+
+@pytest.mark.parametrize("section, words", [
+    ({"estimator": "bogus"}, "estimator"), ({"estimator": 42}, "estimator"), ({"flush_every": "ten"}, "flush_every"),
+    ({"flush_every": -5}, "flush_every"), ({"paired": "no"}, "paired"), ({"heldout": 1.5}, "heldout"),
+    ({"estimator": "rollout"}, "retired"), ({"paired": False}, "paired scoring")])
+def test_tap_section_is_checked_against_the_taps_own_settings(tmp_path, section, words):
+    """What the tap would raise on at attach, the audit refuses as bad input naming the key (it
+    used to say "will compute" for `estimator: bogus`)."""
+    p = _write(tmp_path, {**PER_STEP, "reward_lens": section})
+    r = subprocess.run(CLI + ["audit", str(p), "--require", "cost"], capture_output=True, text=True)
+    assert r.returncode == 2 and words in r.stderr and "reward_lens" in r.stderr, r.stderr
 
 
 def test_audit_knows_the_feature_basis(tmp_path):

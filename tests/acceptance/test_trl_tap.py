@@ -1,6 +1,6 @@
-"""The TRL tap on real (tiny) GRPOTrainer runs: what it records, under accumulation,
-beta > 0, reuse across iterations, a kill mid-run, and the agreement of its two D_t
-estimators."""
+"""The TRL tap on real (tiny) GRPOTrainer runs: what it records (checked against TRL's own
+numbers and against the policies recomputed from checkpoints), under accumulation, beta > 0,
+reuse across iterations, a kill mid-run, and the agreement of its two D_t estimators."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import make_reference_records as gen  # noqa: E402
 sys.path.pop(0)
 
 
-def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimator="rollout", n_exact=16,
-           flush_every=2, seed=3, batch=8):
+def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimator="independent", heldout=4, n_exact=16,
+           flush_every=2, seed=3, batch=8, keep=False, prompts=("ab", "cd", "ef", "gh")):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -42,9 +42,21 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
                       bf16=False, report_to="none", use_cpu=True, seed=seed, save_strategy="no", disable_tqdm=True,
                       gradient_accumulation_steps=ga, num_iterations=iterations)
     trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args,
-                          train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}), processing_class=tok)
-    tap = RewardLensTap.attach(trainer, tmp / "rec", estimator=estimator, n_exact=n_exact, flush_every=flush_every,
-                               save_initial_checkpoint=True)
+                          train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=tok)
+    tap = RewardLensTap.attach(trainer, tmp / "rec", estimator=estimator, heldout=heldout, n_exact=n_exact,
+                               flush_every=flush_every, save_initial_checkpoint=True)
+    tap.policies = {}
+    if keep:  # every pi_t, to recompute what the tap measured from the weights alone
+        from transformers import TrainerCallback
+
+        class Keep(TrainerCallback):
+            def on_step_begin(self, args_, state, control, **kw):
+                tap.policies[state.global_step] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+            def on_train_end(self, args_, state, control, **kw):
+                tap.policies[state.global_step] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+        trainer.add_callback(Keep())
     trainer.train()
     tap.log_history = trainer.state.log_history
     return open_run(tmp / "rec"), tap, tok
@@ -53,51 +65,60 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
 def test_the_tap_reports_into_the_trainers_own_logs(plain):
     """reward_lens/* metrics go through Trainer.log, so W&B / TensorBoard / report_to see them."""
     run, tap, _ = plain
-    logged = [h for h in tap.log_history if "reward_lens/kl_to_previous" in h]
+    logged = [h for h in tap.log_history if "reward_lens/update_norm" in h]
     assert len(logged) == len(run.steps)  # logging_steps=1: one per step
     d_t = run.telemetry_column("kl_to_previous")
     upd = run.telemetry_column("update_norm")
     clipped = run.telemetry_column("grad_norm")
     for h in logged:
         t = h["step"] - 1  # transformers logs the 1-based global step after the update
-        assert h["reward_lens/kl_to_previous"] == pytest.approx(d_t[t])
         assert h["reward_lens/update_norm"] == pytest.approx(upd[t])
         assert h["reward_lens/grad_norm_clipped"] == pytest.approx(clipped[t])
+        # the tap's token entropy of pi_t along its rollouts is TRL's own `entropy` of the same batch
+        assert h["reward_lens/entropy"] == pytest.approx(h["entropy"], rel=1e-5)
+        # D_t of step t is measured at step t+1's generation, so it is logged one step later
+        if t >= 1:
+            assert h["reward_lens/kl_to_previous"] == pytest.approx(d_t[t - 1])
+        else:
+            assert "reward_lens/kl_to_previous" not in h
 
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    return _train(tmp_path_factory.mktemp("plain"))
+    return _train(tmp_path_factory.mktemp("plain"), keep=True)
 
 
 def test_telemetry_is_measured_per_step(plain):
     run, tap, _ = plain
     t = run.telemetry.to_pydict()
     assert t["step"] == [0, 1, 2, 3]
-    for f in ("learning_rate", "grad_norm", "grad_norm_unclipped", "max_grad_norm", "update_norm", "kl_to_previous",
-              "kl_to_previous_se", "kl_to_previous_estimator", "beta"):
+    for f in ("learning_rate", "grad_norm", "grad_norm_unclipped", "max_grad_norm", "update_norm", "entropy", "beta"):
         assert all(v is not None for v in t[f]), f
+    # D_t of a step is measured on the next step's generation: the last step has none
+    for f in ("kl_to_previous", "kl_to_previous_se", "kl_to_previous_estimator"):
+        assert all(v is not None for v in t[f][:-1]) and t[f][-1] is None, f
     # The learning rate the optimizer used: TRL's linear schedule from 1e-2 over 4 steps.
     assert t["learning_rate"] == pytest.approx([1e-2 * (1 - s / 4) for s in range(4)])
     # The applied norm is measured after clipping; torch's clip coefficient predicts it.
     for pre, post in zip(t["grad_norm_unclipped"], t["grad_norm"]):
         assert post == pytest.approx(pre * min(1.0, 1.0 / (pre + 1e-6)), rel=1e-5)
-    assert all(u > 0 for u in t["update_norm"]) and set(t["kl_to_previous_estimator"]) == {"rollout"}
-    assert all(k > 0 for k in t["kl_to_previous"])
+    assert all(u > 0 for u in t["update_norm"]) and set(t["kl_to_previous_estimator"][:-1]) == {"independent_two_sided"}
+    assert all(k > 0 for k in t["kl_to_previous"][:-1])
     assert run.manifest.optimizer == "adamw_torch_fused" and run.manifest.framework.name == "trl"
 
 
 def test_rollouts_carry_exact_ids_rewards_and_log_probs(plain):
     run, tap, tok = plain
     r = run.read_rollouts(["prompt", "completion", "completion_ids", "num_tokens", "reward", "rewards",
-                           "advantage", "logp_pre", "logp_post"]).to_pylist()
+                           "advantage", "logp_pre", "logp_post", "logp_prev"]).to_pylist()
     assert len(r) == 32 and [x["step"] for x in r] == [s for s in range(4) for _ in range(8)]
     for x in r:
         assert tok.decode(x["completion_ids"], skip_special_tokens=True) == x["completion"]
         assert x["num_tokens"] == len(x["completion_ids"])
         assert x["reward"] == pytest.approx(gen.lowercase([x["completion"]])[0], rel=1e-6)
         assert dict(x["rewards"]) == {"lowercase": pytest.approx(x["reward"])}
-        assert math.isfinite(x["logp_pre"]) and math.isfinite(x["logp_post"])
+        assert math.isfinite(x["logp_pre"]) and x["logp_post"] is None  # nothing in-sample is recorded
+        assert (x["logp_prev"] is None) == (x["step"] == 0)
     # log pi_0(y) of a step-0 rollout, recomputed independently from the saved checkpoint.
     from transformers import AutoModelForCausalLM
 
@@ -119,10 +140,74 @@ def test_cost_book_from_the_tapped_record_alone(plain):
     run, _, _ = plain
     samples = steps_from_run(run, SurfaceFeatures())
     book = cost_series(ledger_series(samples), metric_g(samples), run_=run)
-    assert "RECORD_INCOMPLETE" not in {r.code for r in book.refusals}
     assert len(book.rows) + sum(len(r.subject.step_pairs) for r in book.refusals) == 3
-    assert all(0 <= r.efficiency <= 1 and r.kl_spent_source.startswith("record kl_to_previous (rollout")
+    assert all(0 <= r.efficiency <= 1 and r.kl_spent_source.startswith("record kl_to_previous (independent")
                for r in book.rows)
+
+
+def test_d_t_and_the_scores_are_the_policies_own(plain):
+    """What the tap measured for the step pair (1, 2), recomputed from pi_1 and pi_2 alone: each
+    rollout of step 2 and each held-out completion filed under it has logp_pre = log pi_2(y),
+    logp_prev = log pi_1(y) and kl_prev = the token KL(pi_2 || pi_1) summed along y; D_1 is their
+    balance-heuristic combination; the held-out completions' rewards are the reward function's."""
+    from transformers import AutoModelForCausalLM
+
+    run, tap, tok = plain
+    m1 = AutoModelForCausalLM.from_pretrained(run.path / run.manifest.checkpoints[0].path).eval()
+    m2 = AutoModelForCausalLM.from_pretrained(run.path / run.manifest.checkpoints[0].path).eval()
+    m1.load_state_dict(tap.policies[1])
+    m2.load_state_dict(tap.policies[2])
+    cols = ["prompt", "completion", "completion_ids", "reward", "advantage", "logp_pre", "logp_prev", "kl_prev",
+            "logp_prev_step"]
+    rows = [(x, False) for x in run.read_rollouts(cols).to_pylist() if x["step"] == 2]
+    held = [x for x in run.heldout().read_rollouts(cols).to_pylist() if x["step"] == 2]
+    assert len(held) == 4 and all(x["advantage"] is None and x["logp_prev_step"] == 1 for x in held)
+    rows += [(x, True) for x in held]
+    q = []
+    for x, is_held in rows:
+        prompt = tok(x["prompt"], add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt + x["completion_ids"]])
+        with torch.no_grad():
+            lp2 = torch.log_softmax(m2(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
+            lp1 = torch.log_softmax(m1(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
+        tgt = ids[0, len(prompt):, None]
+        assert x["logp_pre"] == pytest.approx(lp2.gather(-1, tgt).sum().item(), abs=1e-4)
+        assert x["logp_prev"] == pytest.approx(lp1.gather(-1, tgt).sum().item(), abs=1e-4)
+        assert x["kl_prev"] == pytest.approx((lp2.exp() * (lp2 - lp1)).sum().item(), rel=1e-4, abs=1e-7)
+        if is_held:
+            assert x["reward"] == pytest.approx(gen.lowercase([x["completion"]])[0], rel=1e-6)
+        r = x["logp_pre"] - x["logp_prev"]
+        q.append((1.0 / (4 * math.exp(-r) + 8), x["kl_prev"]))
+    w = np.array([a for a, _ in q])
+    d_1 = float((w / w.sum()) @ np.array([b for _, b in q]))
+    assert run.telemetry_column("kl_to_previous")[1] == pytest.approx(d_1, rel=1e-9)
+
+
+def test_held_out_completions_are_drawn_from_the_previous_policy(plain):
+    """Replaying the tap's draws from pi_{t-1} itself -- the same sampler and seed, the weights
+    recomputed from the kept policies -- gives exactly the held-out completions the record holds
+    at every step; replaying them from pi_t does not."""
+    from transformers import AutoModelForCausalLM
+
+    from reward_lens.measure.whitebox.policy import sample_prompts
+
+    run, tap, tok = plain
+    model = AutoModelForCausalLM.from_pretrained(run.path / run.manifest.checkpoints[0].path).eval()
+    rollouts = run.read_rollouts(["prompt", "group_id"]).to_pylist()
+    held = run.heldout().read_rollouts(["completion_ids"]).to_pylist()
+
+    def replay(offset: int) -> list[list[int]]:
+        gen_ = torch.Generator().manual_seed(0 * 1_000_003 + 7)  # the tap's seed 0, rank 0
+        out = []
+        for t in range(1, 4):
+            model.load_state_dict(tap.policies[t - 1 + offset])
+            prompts = list(dict.fromkeys(x["prompt"] for x in rollouts if x["step"] == t))
+            ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            out += sample_prompts(model, ids, 4, 16, tok.eos_token_id, tok.pad_token_id, gen_)
+        return out
+
+    assert [x["completion_ids"] for x in held] == replay(0)
+    assert [x["completion_ids"] for x in held] != replay(1)
 
 
 def test_beta_and_gradient_accumulation(tmp_path):
@@ -132,19 +217,23 @@ def test_beta_and_gradient_accumulation(tmp_path):
     assert set(run.telemetry_column("beta").values()) == {0.04}
     steps, counts = np.unique(run.rollout_steps, return_counts=True)
     assert steps.tolist() == [0, 1, 2] and set(counts) == {16}  # the whole generation batch, once
-    assert all(tap.estimates[t]["rollout"].n == 16 for t in range(3))  # every micro-batch's rollouts
+    # every micro-batch's rollouts enter the next estimate, with 4 held-out per prompt group
+    assert all(tap.estimates[t]["independent_two_sided"].n == 16 + 2 * 4 for t in range(2))
 
 
 def test_reuse_across_iterations(tmp_path):
+    """One generation feeds two steps: no per-step D_t is recorded (the paired ledger prices the
+    window between generations instead)."""
     run, tap, _ = _train(tmp_path, steps=4, iterations=2)
     assert np.unique(run.rollout_steps).tolist() == [0, 2]  # sampled by pi_0 and pi_2 only
-    est = run.telemetry_column("kl_to_previous_estimator")
-    assert est == {0: "rollout", 1: "rollout_stale", 2: "rollout", 3: "rollout_stale"}
+    assert run.telemetry_column("kl_to_previous") == {}
+    assert np.unique(run.heldout().rollout_steps).tolist() == [2]
 
 
 def test_paired_scoring_with_reused_rollouts_prices_the_window_between_generations(tmp_path):
     """num_iterations = 2: generations at steps 0, 2, 4; each is scored under the policy of the
-    previous generation step, and the paired ledger prices the two-step windows."""
+    previous generation step, with held-out completions of that policy, and the paired ledger
+    prices the two-step windows."""
     from reward_lens.measure.efficiency.of_run import price_run
     from reward_lens.measure.ledger.features import SurfaceFeatures
     from reward_lens.measure.ledger.price import steps_from_run
@@ -155,17 +244,24 @@ def test_paired_scoring_with_reused_rollouts_prices_the_window_between_generatio
     for s, p, ps in zip(t["step"], t["logp_prev"], t["logp_prev_step"]):
         by_step.setdefault(s, set()).add(ps if p is not None else None)
     assert by_step == {0: {None}, 2: {0}, 4: {2}}
-    priced = price_run(run, steps_from_run(run, SurfaceFeatures()), ledger="paired")
+    samples = steps_from_run(run, SurfaceFeatures())
+    assert {s.step: s.heldout.n for s in samples if s.heldout is not None} == {2: 8, 4: 8}
+    priced = price_run(run, samples, ledger="paired")
     assert [r.step_pair for r in priced.book.kl_min.rows] == [(0, 2), (2, 4)]
+    assert all(lg.n_heldout == 8 for lg in priced.ledgers)
     rows = priced.book.rows
     assert all(r.steps == 2 and "between generations" in r.kl_spent_source for r in rows)
     assert all("record" not in r.d_t_checks for r in rows)  # a one-step D_t is not the window's
 
 
 def test_estimators_agree_for_small_steps(tmp_path):
-    _, tap, _ = _train(tmp_path, steps=3, lr=1e-3, estimator="both", n_exact=48)
-    for t, e in tap.estimates.items():
-        a, b = e["exact"], e["rollout"]
+    """The independent estimate (the next generation and held-out completions) and the exact
+    one (fresh samples of pi_{t+1}) measure the same D_t. D_t depends on the prompts (the
+    independent estimate reads the next step's, the exact one step t's), so every step here
+    sees the same prompt."""
+    _, tap, _ = _train(tmp_path, steps=3, lr=1e-3, estimator="exact", n_exact=48, batch=16, prompts=("ab",) * 4)
+    for t in (0, 1):
+        a, b = tap.estimates[t]["exact"], tap.estimates[t]["independent_two_sided"]
         assert a.mean > 0 and b.mean > 0
         assert abs(a.mean - b.mean) <= 3 * math.sqrt(a.se ** 2 + b.se ** 2), (t, a.mean, b.mean)
 
@@ -203,11 +299,18 @@ def test_killed_run_leaves_a_readable_record(tmp_path):
     run.read_rollouts(["completion", "logp_pre"])  # every listed segment reads
 
 
-def test_attach_refuses_unknown_estimators(tmp_path):
+def test_attach_refuses_unknown_estimators_and_bad_settings(tmp_path):
     from reward_lens.taps.trl import RewardLensTap
 
-    with pytest.raises(ValueError, match="estimator must be one of"):
+    with pytest.raises(ValueError, match="estimator: Input should be 'independent' or 'exact'"):
         RewardLensTap(object(), tmp_path / "r", estimator="cheap")
+    with pytest.raises(ValueError, match="'rollout' is retired: it summed the token KL along the rollouts the step"):
+        RewardLensTap(object(), tmp_path / "r", estimator="rollout")
+    for bad in ({"heldout": -1}, {"heldout": 2.5}, {"flush_every": 0}, {"flush_every": "ten"}, {"paired": "no"},
+                {"paired": False}):
+        with pytest.raises(ValueError):
+            RewardLensTap(object(), tmp_path / "r", **bad)
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])

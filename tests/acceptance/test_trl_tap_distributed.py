@@ -64,35 +64,77 @@ def test_every_rollout_of_the_global_batch_is_recorded_once(ddp):
     assert all(x["logp_prev"] is not None for x in rows if x["step"] > 0)  # the paired ledger's input, every rank
 
 
-def test_d_t_is_the_global_estimate(ddp):
-    """D_t recomputed from TRL's own checkpoints over all 16 rollouts of each step equals the
-    record's, and both ranks hold the same gathered estimate (n = 16, not 8)."""
+def _recomputed_d_t(tmp: Path, run, t: int) -> tuple[float, float, int]:
+    """D_t of the step pair (t, t+1) recomputed from TRL's own checkpoints (pi_t, pi_{t+1}): the
+    token KL and the log-ratio of every rollout of step t+1 and every held-out completion filed
+    under it, combined by the balance heuristic (written out here), over the global batch."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp, run = ddp
     tok = AutoTokenizer.from_pretrained(tmp / "init")
+
+    def load(s):
+        path = tmp / "init" if s == 0 else tmp / "out" / f"checkpoint-{s}"
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    pre, post = load(t), load(t + 1)
+    rows = [(x, False) for x in run.read_rollouts(["prompt", "completion_ids", "group_id"]).to_pylist()
+            if x["step"] == t + 1]
+    rows += [(x, True) for x in run.heldout().read_rollouts(["prompt", "completion_ids", "group_id"]).to_pylist()
+             if x["step"] == t + 1]
+    by_group: dict[str, list] = {}
+    for x, held in rows:
+        prompt = tok(x["prompt"], add_special_tokens=False)["input_ids"]
+        ids = torch.tensor([prompt + x["completion_ids"]])
+        with torch.no_grad():
+            lp_new = torch.log_softmax(post(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
+            lp_old = torch.log_softmax(pre(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
+        tgt = ids[0, len(prompt):, None]
+        r = float(lp_new.gather(-1, tgt).sum() - lp_old.gather(-1, tgt).sum())
+        kl = float((lp_new.exp() * (lp_new - lp_old)).sum())
+        by_group.setdefault(x["group_id"], []).append((held, r, kl))
+    per_group = []
+    for items in by_group.values():
+        n_a = sum(h for h, _, _ in items)
+        n_b = len(items) - n_a
+        q = np.array([1.0 / (n_a * np.exp(-r) + n_b) for _, r, _ in items])
+        per_group.append(float((q / q.sum()) @ np.array([k for _, _, k in items])))
+    return float(np.mean(per_group)), float(np.std(per_group, ddof=1) / np.sqrt(len(per_group))), len(rows)
+
+
+def test_d_t_is_the_global_estimate(ddp):
+    """D_t recomputed from TRL's own checkpoints over every rollout of the next step and every
+    held-out completion (both ranks') equals the record's, and both ranks hold the same
+    gathered estimate."""
+    tmp, run = ddp
     d_t = run.telemetry_column("kl_to_previous")
     est = [json.loads((tmp / f"estimates-{r}.json").read_text()) for r in (0, 1)]
     assert est[0] == est[1]
-    rows = run.read_rollouts(["prompt", "completion_ids"]).to_pylist()
+    assert sorted(d_t) == list(range(STEPS - 1))  # the last step has no next generation
+    for t in range(STEPS - 1):
+        mean, se, n = _recomputed_d_t(tmp, run, t)
+        assert n == 16 + 2 * 4 and est[0][str(t)]["independent_two_sided"]["n"] == n  # 2 groups x 4 held-out
+        assert d_t[t] == pytest.approx(mean, rel=1e-4)
+        assert run.telemetry_column("kl_to_previous_se")[t] == pytest.approx(se, rel=1e-3)
 
-    def load(t):
-        path = tmp / "init" if t == 0 else tmp / "out" / f"checkpoint-{t}"
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    for t in range(STEPS):
-        pre, post = load(t), load(t + 1)
-        per = []
-        for x in (r for r in rows if r["step"] == t):
-            prompt = tok(x["prompt"], add_special_tokens=False)["input_ids"]
-            ids = torch.tensor([prompt + x["completion_ids"]])
-            with torch.no_grad():
-                lp_new = torch.log_softmax(post(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
-                lp_old = torch.log_softmax(pre(input_ids=ids).logits[0, :-1].double(), -1)[len(prompt) - 1:]
-            per.append(float((lp_new.exp() * (lp_new - lp_old)).sum()))
-        assert len(per) == 16 and est[0][str(t)]["rollout"]["n"] == 16
-        assert d_t[t] == pytest.approx(np.mean(per), rel=1e-4)
-        assert run.telemetry_column("kl_to_previous_se")[t] == pytest.approx(np.std(per, ddof=1) / 4, rel=1e-3)
+def test_held_out_completions_come_from_both_ranks_and_are_never_trained_on(ddp):
+    """Each prompt group's 4 held-out completions of pi_t are drawn once (on the rank where the
+    group starts), scored by the trainer's reward function, and never reach the loss: the
+    trainer's own reward calls (what it trains on) hold rollouts only."""
+    tmp, run = ddp
+    held = run.heldout().read_rollouts(["group_id", "prompt", "completion", "reward", "advantage",
+                                        "logp_prev_step"]).to_pylist()
+    assert len(held) == (STEPS - 1) * 2 * 4 and {x["step"] for x in held} == set(range(1, STEPS))
+    assert all(x["advantage"] is None and x["logp_prev_step"] == x["step"] - 1 for x in held)
+    assert all(x["reward"] == pytest.approx(gen_lowercase(x["completion"])) for x in held)
+    calls = [[json.loads(line) for line in (tmp / f"heldout-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
+    assert all(len(c) == STEPS - 1 for c in calls)  # both ranks drew, once a step after the first
+    trained = {p for s in _seen(tmp) for p in s}
+    assert not {(x["prompt"], x["completion"]) for x in held} & trained
+
+
+def gen_lowercase(text: str) -> float:
+    return sum(c.isascii() and c.islower() for c in text) / max(len(text), 1)
 
 
 def test_the_record_reads_and_reports_like_a_single_process_one(ddp, tmp_path):
@@ -113,18 +155,19 @@ def test_the_record_reads_and_reports_like_a_single_process_one(ddp, tmp_path):
     assert "paired" in cost["headline"]
 
 
-def test_both_estimators_and_gradient_accumulation_across_processes(tmp_path):
-    """estimator="both" and 2 micro-batches per step on 2 processes: the whole global generation
-    batch (8 per device x 2 micro-batches x 2 processes) is recorded once per step, every
-    micro-batch's rollouts enter the rollout estimate, and the exact one samples n_exact = 16
-    sequences over both ranks together."""
-    tmp, run = _launch(tmp_path, "2", "both", "2")
+def test_exact_estimator_and_gradient_accumulation_across_processes(tmp_path):
+    """estimator="exact" and 2 micro-batches per step on 2 processes: the whole global
+    generation batch (8 per device x 2 micro-batches x 2 processes) is recorded once per step,
+    the exact estimate samples n_exact = 16 sequences over both ranks together, and the
+    independent estimate (paired scoring stays on) covers every rollout of the next step."""
+    tmp, run = _launch(tmp_path, "2", "exact", "2")
     steps, counts = np.unique(run.rollout_steps, return_counts=True)
     assert steps.tolist() == [0, 1] and set(counts) == {32}
     est = [json.loads((tmp / f"estimates-{r}.json").read_text()) for r in (0, 1)]
     assert est[0] == est[1]
     for t in ("0", "1"):
-        assert est[0][t]["rollout"]["n"] == 32 and est[0][t]["exact"]["n"] == 16
+        assert est[0][t]["exact"]["n"] == 16
+    assert est[0]["0"]["independent_two_sided"]["n"] == 32 + 4 * 4
     d_t = run.telemetry_column("kl_to_previous")
     assert [d_t[t] for t in (0, 1)] == [pytest.approx(est[0][t]["exact"]["mean"]) for t in ("0", "1")]
     assert set(run.telemetry_column("kl_to_previous_estimator").values()) == {"exact_post_samples"}

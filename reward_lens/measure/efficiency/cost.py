@@ -212,8 +212,13 @@ class CostBook:
 
     def headline(self) -> tuple[float | None, tuple[float, float] | None]:
         """Median debiased eta over resolved rows only, with its 95 % interval (None when no row
-        is resolved: then the book has no headline number)."""
+        is resolved). Selected on significance, so it leans high: ``run_level`` is the headline."""
         return _eta.headline([self._estimates[r.step_pair] for r in self.resolved_rows])
+
+    def run_level(self) -> _eta.EtaEstimate | None:
+        """The run's efficiency: sum KL_min / sum D_t over every priced row, resolved or not
+        (``eta.run_level``), or None when no row is priced."""
+        return _eta.run_level(sorted(self._estimates.values(), key=lambda e: e.step_pair))
 
     @property
     def false_discoveries_expected(self) -> float:
@@ -412,7 +417,7 @@ def denominator_context(resolution, *, run_label: str, n_missing: int | None, n_
     book (on a record) and the audit (on a logging config, before any run exists)."""
     status = resolution.status("denominator")
     return {
-        "requirement": "denominator", "audit": audit, "run": run_label,
+        "requirement": "denominator", "audit": audit, "run": run_label, "in_sample": 0,
         "n_missing": n_missing, "n_total": n_total, "framework": framework, "optimizer": optimizer,
         "betas": betas, "kl_spent_given": kl_spent_given,
         "alternatives": [{"id": a.id, "describe": a.describe, "missing": list(a.missing), "partial": list(a.partial)}
@@ -442,11 +447,13 @@ def rollouts_refusal(run: Run, samples: Sequence[Any]) -> Refusal:
 def run_denominator_context(run: Run | None, n_missing: int, total: int, resolution,
                             kl_spent_given: bool = False) -> dict[str, Any]:
     """The RECORD_INCOMPLETE context for a run's missing D_t (every book that needs D_t)."""
-    return denominator_context(
+    ctx = denominator_context(
         resolution, run_label=_short(run.run_id if run is not None else None), n_missing=n_missing,
         n_total=total, optimizer=run.manifest.optimizer if run is not None else None,
         betas=sorted(set(run.telemetry_column("beta").values())) if run is not None else [],
         framework=run.manifest.framework.name if run is not None else None, kl_spent_given=kl_spent_given)
+    ctx["in_sample"] = len(run.in_sample_d_t_steps) if run is not None else 0
+    return ctx
 
 
 def _denominators(ledgers: Sequence[Ledger], run: Run | None, kl_spent: Mapping[int, float] | None,

@@ -38,13 +38,14 @@ Never on the rollouts the step trained on: there log pi_{t+1}/pi_t is inflated b
 itself (GRPO raises the log-probability of positive-advantage rollouts), which is why the
 record's ``logp_post`` is never read here.
 
-Premise checks, in each direction used: the raw weights towards pi_t (and, with held-out
-samples, towards pi_{t+1}) must not be too heavy-tailed for self-normalised importance
-sampling -- ``pareto_khat`` fits a generalised Pareto distribution to their upper tail (Vehtari
-et al. 2024, "Pareto smoothed importance sampling", JMLR 25(72)); above min(1 - 1/log10 S,
-0.7) the estimate is unreliable -- and each direction's effective sample size
-(sum_g 1 / sum_i w_i^2) must be at least ``MIN_ESS_PER_GROUP`` per group. A step pair that fails
-either is refused by name in every book that reads its dz.
+Premise checks, in each direction used. One-sided, the weights pi_t / pi_{t+1} are unbounded
+and must not be too heavy-tailed for self-normalised importance sampling: ``pareto_khat`` fits
+a generalised Pareto distribution to their upper tail (Vehtari et al. 2024, "Pareto smoothed
+importance sampling", JMLR 25(72)); above min(1 - 1/log10 S, 0.7) the estimate is unreliable.
+Two-sided, every weight is bounded (at most 1/n of its side), so k-hat does not apply. Either
+way each direction's effective sample size (sum_g 1 / sum_i w_i^2) must be at least
+``MIN_ESS_PER_GROUP`` per group. A step pair that fails is refused by name in every book that
+reads its dz.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class PairedLedger(Ledger):
     d_hat: float = float("nan")  # mean_g KL(q_g || p_g): the same sample's plug-in, nats/seq (>= its KL_min)
     d_t: float | None = None  # D_t = mean_g E_q[kl]: the token-level KL along the sample, nats/seq
     d_t_se: float | None = None  # its standard error (groups as units)
-    pareto_k: float = float("nan")  # PSIS k-hat of the weights, the largest over the directions used
+    pareto_k: float = float("nan")  # PSIS k-hat of the weights pi_t / pi_{t+1} (one-sided; NaN two-sided: bounded)
     pareto_k_max: float = 0.7
     ess: tuple[float, float] = (float("nan"), float("nan"))  # effective sample sizes towards (pi_t, pi_{t+1})
     dropped_rollouts: int = 0  # rollouts in groups of one (no within-group information)
@@ -355,12 +356,11 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     dev = dz_g - dz[:, None, :]
     cov = np.matmul(dev.transpose(0, 2, 1), dev) / (n_groups - 1) / n_groups  # Cov_g(dz_g) / G
     d_hat = ((q * (log_q - log_p)) @ onehot).mean(axis=1)  # (P,) mean_g KL(q_g || p_g)
-    # the importance ratios themselves, pi / mixture density ((n_a pi_t + n_b pi_{t+1}) / n per
-    # group): the weights times the group's size (one-sided: pi_t / pi_{t+1} = e^{-r})
-    log_size = np.log(onehot.sum(axis=0))[codes]
-    khat = pareto_khats(lwp + log_size)
-    if two_sided:
-        khat = np.maximum(khat, pareto_khats(lwq + log_size))
+    # One-sided, the weights pi_t / pi_{t+1} = e^{-r} are unbounded: their tail is the premise.
+    # Two-sided, every balance-heuristic weight is at most 1/n of its side, so the estimates
+    # have finite variance whatever the step and k-hat does not apply (the effective sample
+    # sizes still do); it is NaN there.
+    khat = np.full(len(items), np.nan) if two_sided else pareto_khats(-r)
     ess_p = (1.0 / ((p ** 2) @ onehot)).sum(axis=1)
     ess_q = (1.0 / ((q ** 2) @ onehot)).sum(axis=1)
     out = []
@@ -379,3 +379,18 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             pareto_k=float(khat[j]), pareto_k_max=pareto_threshold(n), ess=(float(ess_p[j]), float(ess_q[j])),
             dropped_rollouts=int(len(prep.keep) - int(prep.keep.sum()))))
     return out
+
+
+def independent_d_t(log_ratio: np.ndarray, heldout: np.ndarray | None, kl: np.ndarray, codes: np.ndarray,
+                    n_groups: int) -> tuple[float, float]:
+    """D_t from rows independent of the step (``PairedLedger.d_t``, one sample): the token KL
+    along each row weighted towards pi_{t+1} (balance heuristic), averaged over groups, and its
+    standard error with the groups as units -- with one group, its rows (the delta-method SE
+    of a self-normalised mean, sqrt(sum q_i^2 (kl_i - D)^2); NaN with one row)."""
+    kl = np.asarray(kl, dtype=np.float64)
+    q = np.exp(mis_log_weights(np.asarray(log_ratio, dtype=np.float64), heldout, codes, n_groups)[0])
+    per_group = np.bincount(codes, weights=q * kl, minlength=n_groups)
+    if n_groups > 1:
+        return float(per_group.mean()), float(per_group.std(ddof=1) / math.sqrt(n_groups))
+    d = float(per_group[0])
+    return d, float(math.sqrt(np.sum(q ** 2 * (kl - d) ** 2))) if len(kl) > 1 else float("nan")

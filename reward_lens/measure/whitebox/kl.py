@@ -105,24 +105,47 @@ class WholeLogits:
 BLOCK_ELEMENTS = 1 << 22
 
 
+@dataclass(frozen=True)
+class Scores:
+    """Per sequence, summed over its scored positions: the token KL(new || old), the
+    log-probabilities of the sequence under old and new, and the entropy of new (nats)."""
+
+    kl: np.ndarray
+    logp_old: np.ndarray
+    logp_new: np.ndarray
+    entropy_new: np.ndarray
+
+
+def score_blocked(new: BlockedLogits | WholeLogits, old: BlockedLogits | WholeLogits | None, targets: torch.Tensor,
+                  mask: torch.Tensor, block_elements: int = BLOCK_ELEMENTS) -> Scores:
+    """``Scores`` over ``BlockedLogits`` (or ``WholeLogits``), a block of positions at a time:
+    peak memory independent of positions x vocabulary beyond one block. ``old`` None: only
+    the new policy's log-probabilities and entropy (the KL and old ones are zeros)."""
+    n, t, v = new.shape
+    step = max(1, block_elements // max(1, n * v))
+    kl, lp_old, lp_new, ent = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+    for a in range(0, t, step):
+        b = min(t, a + step)
+        m = mask[:, a:b].double()
+        ln = torch.log_softmax(new.block(a, b).double(), -1)
+        tgt = targets[:, a:b, None]
+        lp_new += (ln.gather(-1, tgt)[..., 0] * m).sum(-1).numpy()
+        ent += (-(ln.exp() * ln).sum(-1) * m).sum(-1).numpy()
+        if old is not None:
+            lo = torch.log_softmax(old.block(a, b).double(), -1)
+            kl += (_kl(ln, lo) * m).sum(-1).numpy()
+            lp_old += (lo.gather(-1, tgt)[..., 0] * m).sum(-1).numpy()
+    return Scores(kl, lp_old, lp_new, ent)
+
+
 def summed_kl_and_logps_blocked(new: BlockedLogits | WholeLogits, old: BlockedLogits | WholeLogits,
                                 targets: torch.Tensor, mask: torch.Tensor,
                                 block_elements: int = BLOCK_ELEMENTS) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``summed_kl_and_logps`` over ``BlockedLogits`` (or ``WholeLogits``), a block of positions
     at a time: the same sums, with peak memory independent of positions x vocabulary beyond
     one block."""
-    n, t, v = new.shape
-    step = max(1, block_elements // max(1, n * v))
-    kl = np.zeros(n)
-    lp_old = np.zeros(n)
-    lp_new = np.zeros(n)
-    for a in range(0, t, step):
-        b = min(t, a + step)
-        k, lo, ln = summed_kl_and_logps(new.block(a, b), old.block(a, b), targets[:, a:b], mask[:, a:b])
-        kl += k
-        lp_old += lo
-        lp_new += ln
-    return kl, lp_old, lp_new
+    s = score_blocked(new, old, targets, mask, block_elements)
+    return s.kl, s.logp_old, s.logp_new
 
 
 @dataclass(frozen=True)

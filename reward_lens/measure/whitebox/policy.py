@@ -98,3 +98,45 @@ def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_
         past = getattr(out, kw)
         logits = out.logits[:, -1, :]
     return Sequences(ids, mask, len(prompt_ids))
+
+
+@torch.no_grad()
+def sample_prompts(model, prompts: list[list[int]], n: int, max_new_tokens: int, eos_token_id: int | None,
+                   pad_token_id: int, generator: torch.Generator, temperature: float = 1.0) -> list[list[int]]:
+    """``n`` completions of each prompt from the policy, all prompts in one batch (left-padded,
+    with an attention mask): softmax(logits / temperature) sampling in float64, stopping at EOS
+    (kept) or the length cap. Returns the completions' token ids, prompt by prompt, n each.
+    Attention to padding is masked and rotary positions are relative, so each row samples from
+    the same distribution as its prompt alone (``sample``)."""
+    if not prompts or n < 1:
+        return []
+    dev = next(model.parameters()).device
+    width = max(len(p) for p in prompts)
+    rows = [p for p in prompts for _ in range(n)]
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    att = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, p in enumerate(rows):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        att[i, width - len(p):] = 1
+    ids, att = ids.to(dev), att.to(dev)
+    kw = _cache_kw(model)
+    out = model(input_ids=ids, attention_mask=att, use_cache=True)
+    past = getattr(out, kw)
+    logits = out.logits[:, -1, :]
+    done = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+    new: list[torch.Tensor] = []
+    for _ in range(max_new_tokens):
+        probs = torch.softmax(logits.double() / temperature, dim=-1).cpu()
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1).to(dev)
+        nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
+        new.append(torch.where(done, torch.full_like(nxt, -1), nxt))
+        if eos_token_id is not None:
+            done = done | (nxt == eos_token_id)
+        if bool(done.all()):
+            break
+        att = torch.cat([att, torch.ones((len(rows), 1), dtype=att.dtype, device=dev)], dim=1)
+        out = model(input_ids=nxt[:, None], attention_mask=att, use_cache=True, **{kw: past})
+        past = getattr(out, kw)
+        logits = out.logits[:, -1, :]
+    tokens = torch.stack(new, dim=1).cpu() if new else torch.zeros((len(rows), 0), dtype=torch.long)
+    return [[int(t) for t in row if t >= 0] for row in tokens.tolist()]

@@ -1,0 +1,70 @@
+"""The TRL tap's settings: one validated model, read by the tap (``RewardLensTap``) and by the
+audit (a config's ``reward_lens:`` section), so that what the audit accepts is exactly what the
+tap runs with. Torch-free: the audit imports it without the ``trl`` extra."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+
+# Estimators of earlier versions, and why they are gone.
+RETIRED = {"rollout": "it summed the token KL along the rollouts the step trained on, which the update inflates "
+                      "(0.36-11x the truth)",
+           "both": "it recorded the in-sample `rollout` estimate beside `exact`"}
+
+
+class TapSettings(BaseModel):
+    """``RewardLensTap.attach(trainer, DIR, **settings)``: every argument after the record folder."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    estimator: Literal["independent", "exact"] | None = Field(
+        "independent", description="how D_t is measured: along the next generation's rollouts and pi_t's held-out "
+                                   "completions ('independent'), from fresh samples of pi_{t+1} ('exact'), or not at all")
+    heldout: StrictInt = Field(4, ge=0, description="completions per prompt drawn from pi_t and never trained on: the "
+                                                    "paired ledger's second side (0: the next generation alone)")
+    n_exact: StrictInt = Field(16, ge=2, description="sequences the 'exact' estimator samples per step")
+    flush_every: StrictInt = Field(10, ge=1, description="steps between commits of the record")
+    chunk: StrictInt = Field(16, ge=1, description="sequences per forward pass when scoring")
+    save_initial_checkpoint: StrictBool = False
+    overwrite: StrictBool = False
+    seed: StrictInt = 0
+    model_description: str | None = None
+    paired: StrictBool = Field(True, description="score each generation under the previous policy (the paired "
+                                                 "ledger's input)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data):
+        est = data.get("estimator") if isinstance(data, dict) else None
+        if isinstance(est, str) and est in RETIRED:
+            raise ValueError(f"estimator {est!r} is retired: {RETIRED[est]}; the default, 'independent', measures "
+                             "D_t along the next generation's rollouts and pi_t's held-out completions")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.estimator == "independent" and not self.paired:
+            raise ValueError("estimator='independent' measures D_t on the next generation's rollouts scored under "
+                             "the previous policy, which is paired scoring: pass paired=True (the default), or "
+                             "estimator='exact' or None")
+        return self
+
+
+def settings_error(exc: ValidationError) -> str:
+    """One line naming the setting and what is wrong with it."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "settings"
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    shown = "" if isinstance(value, dict) else f" (got {value!r})"
+    return f"{loc}: {msg}{shown}"
+
+
+def tap_settings(**kwargs) -> TapSettings:
+    """Validated settings, or ValueError naming the setting."""
+    try:
+        return TapSettings(**kwargs)
+    except ValidationError as exc:
+        raise ValueError(f"RewardLensTap: {settings_error(exc)}") from None
