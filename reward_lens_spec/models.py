@@ -119,7 +119,6 @@ class BookReport(_Strict):
     md: str
     html: str
     order: int = 0  # place of the section on the page
-    card_order: int = 100  # place of the book's sentence on the summary card
 
 
 class BookSpec(_Strict):

@@ -73,7 +73,22 @@ def _env(root: str) -> jinja2.Environment:
     env.filters["abs"] = abs
     env.filters["capitalize_first"] = lambda s: s[:1].upper() + s[1:]
     env.filters["join_code"] = lambda xs: ", ".join(f"`{x}`" for x in xs)
+    env.filters["num3"] = format_nats
+    env.filters["pct"] = percent
+    env.filters["codes"] = code_list
     return env
+
+
+def percent(x: float | None) -> str:
+    """A fraction as a whole percentage ("78 %"): the one way a share or an efficiency is
+    written in prose."""
+    return "—" if x is None else f"{round(100 * x)} %"
+
+
+def code_list(names) -> str:
+    """Names as code spans in a sentence: `a`, `b` and `c`."""
+    names = [f"`{n}`" for n in names]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def format_nats(x: float) -> str:
@@ -132,13 +147,16 @@ def text_view(text: str, width: int = 90, indent: str = "    ", lead: str = "") 
 
 
 _CODE = re.compile(r"`([^`]+)`")
+# A link to a place on the same page, [words](#anchor): the only link prose may carry.
+_ANCHOR = re.compile(r"\[([^\]`]+)\]\(#([a-z0-9-]+)\)")
 
 
 def html_view(text: str) -> str:
     parts = []
     for para in paragraphs(text):
         escaped = html.escape(para, quote=True)
-        parts.append("<p>" + _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", escaped) + "</p>")
+        escaped = _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", escaped)
+        parts.append("<p>" + _ANCHOR.sub(lambda m: f'<a href="#{m.group(2)}">{m.group(1)}</a>', escaped) + "</p>")
     return "\n".join(parts)
 
 

@@ -2,17 +2,22 @@
 
 For each feature of the basis:
 
-- **share** -- its share of KL_min summed over the step pairs whose KL_min is resolved from
-  noise (the cost book; null when none is);
+- **share** -- its share of KL_min summed over the step pairs whose movement is resolved (the
+  run's decisions: the one place a share is computed; null when none is);
 - **moved?** -- the effect book's run-level drift is resolved (BH over the features);
-- **selected?** -- the cause book's run-level selection differential is resolved (BH over the
-  features): the reward asked for it, in the direction of the sign;
-- **verdict** -- moved and selected in the same direction: *asked for and bought*; moved but not
-  selected: *bought but not asked for (collateral)*; selected but not moved: *asked for, not
-  bought*; neither: *neither*. Moved against the selected direction is *asked for, moved the
-  other way* (a disagreement too).
+- **asked for?** -- the cause book's selection *gradient* is resolved (BH over the features):
+  the reward selected on this feature itself, in the direction of its sign;
+- **selected?** -- the selection *differential* is resolved: the reward selected on it directly
+  or through a feature it correlates with;
+- **verdict** -- moved and asked for in the same direction: *asked for and bought*; in the
+  opposite one: *asked for, moved the other way*; asked for, not moved: *asked for, not
+  bought*; moved with a resolved differential but no direct selection: *carried along* (it
+  moved with what was asked for); moved with neither: *collateral* (the reward-hacking
+  signature in the named basis); none of these: *neither*.
 
-Disagreements (collateral, not bought, the other way) are the headline of this book.
+Disagreements (collateral, not bought, the other way) are the headline of this book. Hand-made
+cases are in tests/unit/test_books.py: a feature that only correlates with the rewarded one is
+carried along, not asked for.
 """
 
 from __future__ import annotations
@@ -25,13 +30,14 @@ from reward_lens.measure.books import BookResult, RunContext
 from reward_lens_spec.render import render_template
 
 AGREE = "asked for and bought"
-COLLATERAL = "bought but not asked for (collateral)"
+CARRIED = "carried along"
+COLLATERAL = "collateral"
 NOT_BOUGHT = "asked for, not bought"
 OTHER_WAY = "asked for, moved the other way"
 NEITHER = "neither"
 DISAGREEMENTS = (COLLATERAL, NOT_BOUGHT, OTHER_WAY)
-SUMMARY_KEYS = {AGREE: "asked_for_and_bought", COLLATERAL: "collateral", NOT_BOUGHT: "asked_for_not_bought",
-                OTHER_WAY: "asked_for_moved_the_other_way", NEITHER: "neither"}
+SUMMARY_KEYS = {AGREE: "asked_for_and_bought", CARRIED: "carried_along", COLLATERAL: "collateral",
+                NOT_BOUGHT: "asked_for_not_bought", OTHER_WAY: "asked_for_moved_the_other_way", NEITHER: "neither"}
 
 
 class _M(BaseModel):
@@ -44,7 +50,9 @@ class FeatureVerdict(_M):
     share: float | None = Field(description="share of KL_min over the resolved step pairs (0..1)")
     moved: bool | None
     drift: float | None
-    selected: bool | None
+    asked: bool | None = Field(None, description="the selection gradient is resolved: the reward asked for it directly")
+    gradient: float | None = Field(None, description="beta, advantage per feature unit")
+    selected: bool | None = Field(description="the selection differential is resolved (directly or indirectly)")
     selection: float | None = Field(description="sum over steps of Cov(z, A) within groups")
     verdict: str | None = Field(description="null when a book it needs is refused")
 
@@ -54,27 +62,32 @@ class AgreementSection(_M):
     summary: dict[str, float | int | str | None]
 
 
-def verdict(moved: bool, drift: float, selected: bool, selection: float) -> str:
-    if moved and selected:
-        return AGREE if (drift > 0) == (selection > 0) else OTHER_WAY
+def verdict(moved: bool, drift: float, asked: bool, gradient: float | None, selected: bool) -> str:
+    """The agreement of one feature: moved (its drift resolved), asked for (its selection
+    gradient resolved, in the direction of the gradient's sign), selected (its differential
+    resolved: directly or through a correlated feature)."""
+    if asked:
+        if not moved:
+            return NOT_BOUGHT
+        return AGREE if (drift > 0) == ((gradient or 0.0) > 0) else OTHER_WAY
     if moved:
-        return COLLATERAL
-    if selected:
-        return NOT_BOUGHT
+        return CARRIED if selected else COLLATERAL
     return NEITHER
 
 
 def agreement_table(features: Sequence[str], units: dict[str, str], shares: dict[str, float] | None,
                     drift: dict[str, tuple[bool, float]] | None,
-                    selection: dict[str, tuple[bool, float]] | None) -> AgreementSection:
-    """``drift`` and ``selection``: feature -> (resolved, value); None when that book is refused."""
+                    selection: dict[str, tuple[bool, float, bool, float | None]] | None) -> AgreementSection:
+    """``drift``: feature -> (resolved, value); ``selection``: feature -> (differential resolved,
+    sum of differentials, gradient resolved, gradient); None when that book is refused."""
     out = []
     for n in features:
         mv = drift.get(n) if drift is not None else None
         sl = selection.get(n) if selection is not None else None
-        v = verdict(mv[0], mv[1], sl[0], sl[1]) if mv is not None and sl is not None else None
+        v = verdict(mv[0], mv[1], sl[2], sl[3], sl[0]) if mv is not None and sl is not None else None
         out.append(FeatureVerdict(feature=n, unit=units.get(n, ""), share=shares.get(n) if shares else None,
                                   moved=mv[0] if mv else None, drift=mv[1] if mv else None,
+                                  asked=sl[2] if sl else None, gradient=sl[3] if sl else None,
                                   selected=sl[0] if sl else None, selection=sl[1] if sl else None, verdict=v))
     summary = {"features": len(out), "disagreements": sum(f.verdict in DISAGREEMENTS for f in out),
                **{key: sum(f.verdict == v for f in out) for v, key in SUMMARY_KEYS.items()}}
@@ -82,26 +95,21 @@ def agreement_table(features: Sequence[str], units: dict[str, str], shares: dict
 
 
 def agreement_section(ctx: RunContext) -> BookResult:
-    effect, cause, cost = ctx.result("effect"), ctx.result("cause"), ctx.result("cost")
+    effect, cause = ctx.result("effect"), ctx.result("cause")
     names = list(ctx.features.names)
     units = ctx.features.units()
     drift = {d.feature: (d.moved, d.drift) for d in effect.data.drift} if effect.data is not None else None
-    selection = ({x.feature: (x.selected, x.total) for x in cause.data.selected}
+    selection = ({x.feature: (x.selected, x.total, x.direct, x.gradient) for x in cause.data.selected}
                  if cause.data is not None and cause.data.selected else None)
-    shares = None
-    if cost.data is not None:
-        total, by_feature = cost.data.kl_min.resolved_totals()
-        if total > 0:
-            shares = {n: by_feature.get(n, 0.0) / total for n in names}
-    sec = agreement_table(names, units, shares, drift, selection)
+    sec = agreement_table(names, units, ctx.decisions.resolved_shares, drift, selection)
     refusals = [r for b in (effect, cause) if b.data is None for r in b.refusals]
     if drift is None or selection is None:
         status = "refused" if drift is None and selection is None else "partial"
     else:  # something to agree on needs something resolved: a move or an ask
-        status = "computed" if any(f.moved or f.selected for f in sec.features) else "unresolved"
+        status = "computed" if any(f.moved or f.asked for f in sec.features) else "unresolved"
     ctxt = {"a": sec, "s": sec.summary, "dis": [f for f in sec.features if f.verdict in DISAGREEMENTS],
-            "agree": [f for f in sec.features if f.verdict == AGREE], "status": status}
+            "agree": [f for f in sec.features if f.verdict == AGREE],
+            "carried": [f for f in sec.features if f.verdict == CARRIED], "status": status}
     headline = render_template("report/books/agreement.headline.j2", ctxt).strip()
-    card = render_template("report/books/agreement.card.j2", ctxt).strip() or None
     # the refusals belong to the books that made them: this one only says it depends on them
-    return BookResult(status, headline, refusals, sec, [], card)
+    return BookResult(status, headline, refusals, sec, [])

@@ -6,8 +6,10 @@ function that builds its section, the model of its data and its templates), one 
 ``report.builder`` with a ``RunContext``; nothing in ``reward_lens/report/`` knows a book.
 
 ``RunContext`` computes what several books read once, on first use: the step samples in the
-report's feature basis, the priced run (ledgers, the metric G, the cost book) and the record's
-D_t. A book that needs another's result asks the context for it (``ctx.result("cost")``).
+report's feature basis, the priced run (ledgers, the metric G, the cost book), and the run's
+decisions (which step pairs are refused, usable, priced, resolved; which features moved:
+``measure.decisions``), which every book, the card and the diff read instead of deciding
+again. A book that needs another's result asks the context for it (``ctx.result("cost")``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ class BookResult:
     refusals: list[Refusal]
     data: BaseModel | None = None
     figures: list[FigureOut] = field(default_factory=list)
-    card: str | None = None  # one or two sentences for the report's summary card
 
 
 def status_of(has_numbers: bool, refusals: list[Refusal], resolved: bool) -> str:
@@ -96,6 +97,13 @@ class RunContext:
             self.progress(f"pricing steps ({self.ledger} ledger)")
             return price_run(self.run, self.samples, ledger=self.ledger, window=self.window)
         return self.cached("priced", make)
+
+    @property
+    def decisions(self):
+        """The run's decisions (``measure.decisions``): made once, read by every book."""
+        from reward_lens.measure.decisions import decide
+
+        return self.cached("decisions", lambda: decide(self.priced, self.features.names))
 
     def result(self, book_id: str) -> BookResult:
         """Another book's result (computed now if it has not been)."""

@@ -1,10 +1,22 @@
-"""The cause book: what the reward asked for, and how much of the movement it explains.
+"""The cause book: what the reward asked for, directly and indirectly, and how much of the
+movement it explains.
 
 The selection differential of step t is ``s_t = Cov_t(z, A)`` within prompt groups: the
 covariance of each feature with the advantage the trainer used, over the rollouts of step t,
 centred in each prompt group (Price's selection differential; to first order a policy-gradient
-step moves the feature means along it). Its standard error counts prompt groups as the
-independent units (ratio-estimator variance over groups).
+step moves the feature means along it). It is non-zero for every feature that merely
+*correlates* with what the reward pays for. Quantitative genetics separates direct from
+indirect selection with the selection *gradient* (Lande & Arnold 1983, "The measurement of
+selection on correlated characters", Evolution 37): beta = P^-1 s, P the within-group covariance
+of the features -- the partial regression of fitness on the features; here fitness is the
+reward, centred within each prompt group (the advantage divides it by a spread that differs
+from group to group, which would lend features the reward does not pay for a partial
+coefficient of their own). The book pools it
+over the run (the within-group regression of A on z over every step's rollouts), with a
+standard error that counts prompt groups as the independent units (cluster-robust sandwich),
+and decides *directly selected* by BH at q = 0.05 over the features; features so collinear
+within groups (|r| > ``COLLINEAR_R``) that their gradients cannot be told apart are tested
+jointly (Wald) and share the decision. Its SE is that of the differential summed over steps.
 
 Against the observed movement ``dz_t`` of the same step (the cost book's ledger) and its metric
 G_t (the cost book's, on its active features), the book reports the G^-1 cosine
@@ -13,8 +25,10 @@ G_t (the cost book's, on its active features), the book reports the G^-1 cosine
 
 and splits ``KL_quad = 1/2 dz^T G^-1 dz`` into the part along s,
 ``(dz^T G^-1 s)^2 / (2 s^T G^-1 s)``, and the collateral rest (both >= 0 by Cauchy-Schwarz;
-they sum to KL_quad exactly). A feature is *selected* over the run when BH at q = 0.05 over the
-features rejects sum_t s_t = 0 (SE: the steps' SEs in quadrature).
+they sum to KL_quad exactly), over the step pairs whose movement is resolved only (the run's
+decisions): a split of an unresolved movement is a split of noise, and is neither drawn nor
+stated. A feature is *selected* (indirectly or directly) over the run when BH at q = 0.05 over
+the features rejects sum_t s_t = 0 (SE: the steps' SEs in quadrature).
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from scipy import special
 
 from reward_lens.measure.books import BookResult, RunContext, status_of
+from reward_lens.measure.efficiency.section import premise_refusals
 from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.efficiency.metric import MetricG, active_index
@@ -57,11 +72,21 @@ class CauseRows(_M):
 
 class SelectedOut(_M):
     feature: str
-    total: float = Field(description="sum over steps of s_t")
+    total: float = Field(description="sum over steps of s_t (the differential)")
     se: float
     t: float
     p: float
-    selected: bool
+    selected: bool = Field(description="the differential is resolved: the reward selected on it, directly or "
+                                       "through a feature it correlates with")
+    gradient: float | None = Field(None, description="beta: the within-group partial regression of the advantage "
+                                                     "on the feature (advantage per feature unit); null when the "
+                                                     "feature is constant within groups")
+    gradient_se: float | None = None
+    gradient_p: float | None = Field(None, description="of beta = 0 (jointly with the features collinear with it)")
+    direct: bool = Field(False, description="BH at q = 0.05 over the features rejects beta = 0: the reward asked "
+                                            "for this feature itself")
+    collinear_with: list[str] = Field(default_factory=list, description="features too collinear within groups "
+                                                                        "to tell apart from this one")
 
 
 class CauseSection(_M):
@@ -138,6 +163,99 @@ def _selection_arrays(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nda
     return s_all, se
 
 
+# Features whose within-group correlation exceeds this in absolute value cannot have their
+# gradients told apart by any realistic sample (the gradient's variance grows as 1/(1 - r^2)):
+# they are tested jointly.
+COLLINEAR_R = 0.95
+# A standardised gradient below this fraction of the response's spread is rounding, not
+# selection (see ``selection_gradient``): 16x float32's relative rounding of a reward.
+ZERO_GRADIENT = 1e-6
+
+
+def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+    """beta, its cluster-robust SE, its p-value and the collinear clusters, pooled over the
+    samples: the least-squares regression of the within-group centred reward (the advantage
+    where the record has no rewards) on the
+    within-group centred features over every rollout, with the prompt groups as clusters
+    (V = (X'X)^-1 (sum_g X_g' e_g e_g' X_g) (X'X)^-1 G / (G - 1)). A feature constant within
+    every group gets NaN; a cluster of collinear features gets the joint Wald p-value of its
+    betas (chi^2 with as many degrees of freedom as members) for each member."""
+    k = samples[0].z.shape[1] if samples else 0
+    nan = np.full(k, np.nan)
+    if not samples:
+        return nan, nan, nan, []
+    z = stacked(samples)
+    # The response is the reward where the record has it: within a group the advantage is the
+    # centred reward divided by the group's spread (GRPO), a scale that differs from group to
+    # group, so a pooled regression on the advantage gives features the reward does not pay for
+    # a partial coefficient of their own; on the centred reward, a reward that is a linear
+    # function of some features gives every other feature none.
+    attr = "rewards" if all(s.rewards is not None for s in samples) else "advantages"
+    a = np.asarray(stacked(samples, attr), dtype=float)
+    uid, gs = unit_ids(samples)
+    total = int(gs.sum())
+    size = np.bincount(uid, minlength=total).astype(float)
+    zc = z - (group_sums(z, uid, total) / size[:, None])[uid]
+    ac = a - (np.bincount(uid, weights=a, minlength=total) / size)[uid]
+    scale = np.sqrt((zc ** 2).mean(axis=0))
+    live = scale > 1e-12 * np.maximum(1.0, np.abs(z).max(axis=0))
+    beta, se, p = nan.copy(), nan.copy(), nan.copy()
+    if not live.any() or total < 3:
+        return beta, se, p, []
+    x = zc[:, live] / scale[live]
+    xtx = x.T @ x
+    inv = np.linalg.pinv(xtx)
+    b = inv @ (x.T @ ac)
+    e = ac - x @ b
+    scores = group_sums(x * e[:, None], uid, total)  # (G, k') per-cluster score sums
+    meat = scores.T @ scores * total / (total - 1)
+    v = inv @ meat @ inv
+    live_idx = np.flatnonzero(live)
+    beta[live] = b / scale[live]
+    se[live] = np.sqrt(np.clip(np.diag(v), 0, None)) / scale[live]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        corr = (x.T @ x) / np.sqrt(np.outer(np.diag(xtx), np.diag(xtx)))
+    clusters = _clusters(np.abs(corr) > COLLINEAR_R)
+    # A reward that is an exact linear function of some features leaves residuals at rounding
+    # level (TRL keeps rewards in float32: relative rounding ~6e-8), where any coefficient,
+    # however close to 0, looks significant: a standardised beta (response units per feature SD)
+    # below ZERO_GRADIENT of the response's spread is 0, not a selection.
+    zero = np.abs(b) <= ZERO_GRADIENT * max(float(np.sqrt((ac ** 2).mean())), 1e-300)
+    for members in clusters:
+        if zero[members].all():
+            p[live_idx[members]] = 1.0
+            continue
+        bm, vm = b[members], v[np.ix_(members, members)]
+        if len(members) == 1:
+            t = bm[0] / np.sqrt(vm[0, 0]) if vm[0, 0] > 0 else 0.0
+            pv = float(2 * special.ndtr(-abs(t))) if vm[0, 0] > 0 else 1.0
+        else:
+            w = float(bm @ np.linalg.pinv(vm) @ bm)
+            pv = float(special.chdtrc(len(members), w))
+        p[live_idx[members]] = pv
+    return beta, se, p, [[int(live_idx[m]) for m in c] for c in clusters if len(c) > 1]
+
+
+def _clusters(adjacent: np.ndarray) -> list[list[int]]:
+    """Connected components of a boolean adjacency matrix, each in index order."""
+    n = len(adjacent)
+    seen = np.zeros(n, dtype=bool)
+    out = []
+    for i in range(n):
+        if seen[i]:
+            continue
+        stack, comp = [i], []
+        seen[i] = True
+        while stack:
+            j = stack.pop()
+            comp.append(j)
+            for nb in np.flatnonzero(adjacent[j] & ~seen):
+                seen[nb] = True
+                stack.append(int(nb))
+        out.append(sorted(comp))
+    return out
+
+
 def _split(dz: np.ndarray, s: np.ndarray, g: np.ndarray) -> list[tuple[float | None, float, float]]:
     """For each of P step pairs (dz, s: (P, k), g: (P, k, k)): the G^-1-cosine of dz and s,
     KL_quad = dz' G^-1 dz / 2, and the part of it along s (at most KL_quad)."""
@@ -207,27 +325,43 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
             tt = np.where(se > 0, tot / se, 0.0)
         p = np.where(se > 0, 2 * special.ndtr(-np.abs(tt)), 1.0)
         rej = benjamini_hochberg(p, FDR_Q)
+        beta, beta_se, beta_p, clusters = selection_gradient(sel)
+        testable = ~np.isnan(beta_p)
+        direct = np.zeros(len(names), dtype=bool)
+        direct[testable] = benjamini_hochberg(beta_p[testable], FDR_Q)
+        partners = {j: [names[m] for m in c if m != j] for c in clusters for j in c}
         selected = [SelectedOut(feature=n, total=float(tot[j]), se=float(se[j]), t=float(tt[j]), p=float(p[j]),
-                                selected=bool(rej[j])) for j, n in enumerate(names)]
+                                selected=bool(rej[j]), gradient=_num(beta[j]), gradient_se=_num(beta_se[j]),
+                                gradient_p=_num(beta_p[j]), direct=bool(direct[j]),
+                                collinear_with=partners.get(j, [])) for j, n in enumerate(names)]
     res = [i for i, r in enumerate(resolved) if r]
     kq = sum(kl[i] for i in res)
     cosines = [cos[i] for i in res if cos[i] is not None]
     summary = {"rows": len(pairs), "rows_resolved": len(res), "features_selected": sum(x.selected for x in selected),
+               "features_direct": sum(x.direct for x in selected),
                "median_cosine": float(np.median(cosines)) if cosines else None,
                "fraction_along": (sum(along[i] for i in res) / kq) if kq > 0 else None}
     return CauseSection(rows=rows, selected=selected, summary=summary)
 
 
+def _num(v: float) -> float | None:
+    return None if v != v else float(v)
+
+
 def cause_figures(c: CauseSection) -> list[FigureOut]:
-    if not c.rows.step_pair:
+    """The split of the movement's required divergence, over the step pairs whose movement is
+    resolved only: an unresolved movement's split is noise and is not drawn."""
+    res = [i for i, r in enumerate(c.rows.resolved) if r]
+    if not res:
         return []
-    x = [float(pair[0]) for pair in c.rows.step_pair]
+    x = [float(c.rows.step_pair[i][0]) for i in res]
     return [FigureOut(id="cause-split", x_label="step t (pair t → t+1)", caption=(
-        "KL_quad = ½ Δzᵀ G⁻¹ Δz split into the part along the reward's selection differential s and the "
-        "collateral rest (nats per sequence, stacked)."), panels=[Panel(
+        "At the step pairs whose movement is resolved: ½ Δzᵀ G⁻¹ Δz split into the part along what the reward "
+        "selected (the differential s) and the rest, collateral (nats per sequence, stacked). Unresolved step "
+        "pairs are left out."), panels=[Panel(
             y_label="nats per sequence", series=[
-                Series(label="along s (asked for)", x=x, y=c.rows.kl_along, style="stack"),
-                Series(label="collateral", x=x, y=c.rows.kl_collateral, style="stack")])])]
+                Series(label="along s (asked for)", x=x, y=[c.rows.kl_along[i] for i in res], style="stack"),
+                Series(label="collateral", x=x, y=[c.rows.kl_collateral[i] for i in res], style="stack")])])]
 
 
 def advantages_refusal(ctx: RunContext, book_id: str = "cause"):
@@ -251,11 +385,16 @@ def cause_section(ctx: RunContext) -> BookResult:
     if priced is None or priced.metric is None or not priced.ledgers:
         return BookResult("refused", "No step pair has a feature movement to compare with.",
                           [rollouts_refusal(run, samples)])
-    cols = priced.book.kl_min.columns if priced.book is not None else None
-    resolved = {tuple(p) for p in cols.step_pair[cols.resolved].tolist()} if cols is not None else set()
-    sec = cause_series(priced.ledgers, samples, priced.metric, resolved)
-    status = status_of(bool(sec.rows.step_pair), [], sec.summary["features_selected"] > 0)
-    ctxt = {"s": sec.summary, "c": sec, "sel": [x for x in sec.selected if x.selected]}
+    d = ctx.decisions
+    usable = set(d.usable)
+    ledgers = [lg for lg in priced.ledgers if tuple(lg.step_pair) in usable]  # refused pairs: no dz to compare
+    if not ledgers:
+        return BookResult("refused", "No step pair's movement can be read, so none can be compared with what the "
+                          "reward asked for.", premise_refusals(run, priced, "cause"))
+    sec = cause_series(ledgers, samples, priced.metric, set(d.resolved))
+    refusals = premise_refusals(run, priced, "cause")
+    status = status_of(bool(sec.rows.step_pair), refusals, sec.summary["features_selected"] > 0)
+    ctxt = {"s": sec.summary, "c": sec, "sel": [x for x in sec.selected if x.selected],
+            "direct": [x for x in sec.selected if x.direct]}
     headline = render_template("report/books/cause.headline.j2", ctxt).strip()
-    card = render_template("report/books/cause.card.j2", ctxt).strip() or None
-    return BookResult(status, headline, [], sec, cause_figures(sec), card)
+    return BookResult(status, headline, refusals, sec, cause_figures(sec))

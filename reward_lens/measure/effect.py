@@ -2,15 +2,18 @@
 
 Per step pair, ``dz_j`` with its standard error and ``t = dz/SE`` from the same ledger the
 cost book priced on (the paired ledger where the record supports it: step t's movement read on
-step t+1's independent rollouts, prompt groups as units, t with G-1 degrees of freedom;
-otherwise two samples of consecutive steps, read as normal). A feature *moved* at a step pair
-when Benjamini-Hochberg at q = 0.05 over every feature x row rejects dz_j = 0.
+samples independent of the step, prompt groups as units, t with G-1 degrees of freedom;
+otherwise two samples of consecutive steps, read as normal). Which step pairs are usable, which
+cells are identified and which moved are the run's decisions (``measure.decisions``), made once:
+a step pair refused by a premise gets no row here and no direction; a feature constant in
+every prompt group of a step pair's sample is "not identified" there (its movement is invisible
+to the sample), never "moved by 0".
 
 Over the run, the drift of each feature is its mean over the last tenth of the steps minus its
 mean over the first tenth (at least one step each), with a standard error that counts prompt
 groups as the independent units where the record has groups (rollouts otherwise), and a
 two-sided normal p-value; *moved over the run* is BH at q = 0.05 over the features. The drift
-is what the agreement book reads.
+is read from the rollouts themselves (no weights), and is what the agreement book reads.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, ledger_arrays, sample_codes
+from reward_lens.measure.decisions import Decisions
+from reward_lens.measure.ledger.price import StepSample, sample_codes
 from reward_lens_spec.render import render_template
 
 
@@ -34,17 +38,26 @@ class _M(BaseModel):
 
 
 class EffectRows(_M):
-    """Every step pair's movement, as columns: ``t[f][i]`` is feature f's t at ``step_pair[i]``
-    (one list per feature and quantity: 10,000 step pairs are 36 lists, not 10,000 objects, and
-    ``pandas.DataFrame(rows["t"])`` reads them as a table)."""
+    """Every usable step pair's movement, as columns: ``t[f][i]`` is feature f's t at
+    ``step_pair[i]`` (one list per feature and quantity: 10,000 step pairs are 36 lists, not
+    10,000 objects, and ``pandas.DataFrame(rows["t"])`` reads them as a table). A cell whose
+    feature is constant in every prompt group of the sample is not identified: null t, p, moved."""
 
     step_pair: list[tuple[int, int]]
     delta_z: dict[str, list[float]] = Field(description="feature units")
     se: dict[str, list[float]]
-    t: dict[str, list[float]]
-    p: dict[str, list[float]]
-    moved: dict[str, list[bool]] = Field(description="BH rejects dz = 0 for the feature at this step pair "
-                                                     "(q over features x rows)")
+    t: dict[str, list[float | None]]
+    p: dict[str, list[float | None]]
+    moved: dict[str, list[bool | None]] = Field(description="BH rejects dz = 0 for the feature at this step pair "
+                                                            "(q over the identified cells); null: not identified")
+
+
+class RefusedPairs(_M):
+    """Step pairs no direction is stated for, by reason (``measure.decisions.REASONS``)."""
+
+    reason: str
+    words: str
+    step_pairs: list[tuple[int, int]]
 
 
 class DriftOut(_M):
@@ -65,6 +78,7 @@ class EffectSection(_M):
     first_steps: list[int]
     last_steps: list[int]
     rows: EffectRows
+    refused: list[RefusedPairs] = Field(default_factory=list)
     drift: list[DriftOut]
     summary: dict[str, float | int | str | None]
 
@@ -107,38 +121,36 @@ def drift(samples: Sequence[StepSample], names: Sequence[str], units: dict[str, 
     return out, [s.step for s in first], [s.step for s in last]
 
 
-def effect_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], units: dict[str, str] | None = None,
-                  ledger: str = "unpaired") -> EffectSection:
-    """What moved: per step pair from ``ledgers``, over the run from ``samples``."""
+def effect_series(decisions: Decisions, samples: Sequence[StepSample], units: dict[str, str] | None = None
+                  ) -> EffectSection:
+    """What moved: per usable step pair from the run's ``decisions``, over the run from ``samples``."""
+    from reward_lens.measure.decisions import REASONS
+
     units = units or {}
-    names = list(ledgers[0].names if ledgers else samples[0].names)
-    k = len(names)
-    if ledgers:  # every step pair at once
-        arrays = ledger_arrays(ledgers)
-        dz, se = arrays.delta_z, arrays.se  # se: sqrt of the clipped diagonal of each ledger's cov_delta
-        groups = (np.zeros(len(ledgers), dtype=np.int64) if arrays.kind == "unpaired" else
-                  np.array([getattr(lg, "n_groups", 0) for lg in ledgers]))[:, None]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.where(se > 0, dz / se, 0.0)
-            p = 2 * np.where(groups > 1, special.stdtr(np.maximum(groups - 1, 1), -np.abs(t)), special.ndtr(-np.abs(t)))
-        p = np.where(se > 0, p, 1.0)  # a feature constant in both samples moved nowhere
-    else:
-        dz = se = t = p = np.zeros((0, k))
-    rejected = benjamini_hochberg(p.ravel(), FDR_Q).reshape(p.shape)
+    d = decisions
+    names = list(d.names)
 
-    def columns(a: np.ndarray) -> dict[str, list]:
-        return dict(zip(names, a.T.tolist()))
+    def columns(a: np.ndarray, mask: np.ndarray | None = None) -> dict[str, list]:
+        if mask is None:
+            return dict(zip(names, a.T.tolist()))
+        return {n: [v if ok else None for v, ok in zip(col, m)] for n, col, m in zip(names, a.T.tolist(), mask.T.tolist())}
 
-    pairs = [tuple(p) for p in ledger_arrays(ledgers).step_pairs.tolist()] if ledgers else []
-    rows = EffectRows(step_pair=pairs, delta_z=columns(dz), se=columns(se),
-                      t=columns(t), p=columns(p), moved=columns(rejected))
+    rows = EffectRows(step_pair=list(d.usable), delta_z=columns(d.delta_z), se=columns(d.se),
+                      t=columns(d.t, d.identified), p=columns(d.p, d.identified),
+                      moved=columns(d.moved, d.identified))
     dr, first, last = drift(samples, names, units)
-    counts = dict(zip(names, rejected.sum(axis=0).tolist()))
-    dr = [d.model_copy(update={"rows_moved": counts[d.feature]}) for d in dr]
-    summary = {"rows": len(ledgers), "rows_with_movement": int(rejected.any(axis=1).sum()),
-               "features_moved": sum(d.moved for d in dr), "features": len(dr),
-               "false_discoveries_expected": FDR_Q * int(rejected.sum())}
-    return EffectSection(ledger=ledger, first_steps=first, last_steps=last, rows=rows, drift=dr, summary=summary)
+    dr = [x.model_copy(update={"rows_moved": d.cells_moved(x.feature)}) for x in dr]
+    refused = [RefusedPairs(reason=why, words=REASONS.get(why, why), step_pairs=pairs)
+               for why, pairs in d.refused_by_reason().items()]
+    counts = d.summary()
+    summary = {"rows": counts["usable"], "rows_refused": counts["refused"], "step_pairs": counts["step_pairs"],
+               "rows_resolved": counts["resolved"],
+               "rows_with_movement": counts["moved"], "cells": counts["cells"],
+               "cells_not_identified": counts["cells"] - counts["cells_identified"],
+               "cells_moved": counts["cells_moved"], "features_moved": sum(x.moved for x in dr), "features": len(dr),
+               "false_discoveries_expected": FDR_Q * counts["cells_moved"]}
+    return EffectSection(ledger=d.ledger, first_steps=first, last_steps=last, rows=rows, refused=refused, drift=dr,
+                         summary=summary)
 
 
 def effect_figures(e: EffectSection) -> list[FigureOut]:
@@ -149,30 +161,32 @@ def effect_figures(e: EffectSection) -> list[FigureOut]:
     for d in e.drift:
         n = d.feature
         t, moved = e.rows.t[n], e.rows.moved[n]
+        seen = [i for i, v in enumerate(t) if v is not None]  # identified cells only: no t of an unseen movement
         panels.append(Panel(title=f"{n} ({d.unit})", y_label="t = Δz / SE", zero_line=True, series=[
-            Series(x=x, y=t, color="#9aa5a0"),
-            Series(x=[xi for xi, m in zip(x, moved) if m], y=[ti for ti, m in zip(t, moved) if m], style="points",
+            Series(x=[x[i] for i in seen], y=[t[i] for i in seen], color="#9aa5a0"),
+            Series(x=[x[i] for i in seen if moved[i]], y=[t[i] for i in seen if moved[i]], style="points",
                    color="#c0392b")]))
     return [FigureOut(id="effect-t", x_label="step t (pair t → t+1)", columns=3, panels=panels, caption=(
         "Each feature's movement per step pair in standard errors (t = Δz/SE); red points moved "
-        "(Benjamini–Hochberg at q = 0.05 over features × step pairs)."))]
+        "(Benjamini–Hochberg at q = 0.05 over the identified cells). Refused step pairs and features "
+        "constant in every prompt group are not drawn."))]
 
 
 def effect_section(ctx: RunContext) -> BookResult:
-    from reward_lens.measure.efficiency.section import not_formed_refusals
+    from reward_lens.measure.efficiency.section import not_formed_refusals, premise_refusals
 
     run = ctx.run
     if not run.n_rollouts:
         return BookResult("refused", "No rollouts: nothing can be said to have moved.", [rollouts_refusal(run, [])])
     priced = ctx.priced
     ledgers = priced.ledgers if priced is not None else []
-    refusals = not_formed_refusals(run, priced) if priced is not None else []
+    refusals = ([*not_formed_refusals(run, priced, "effect"), *premise_refusals(run, priced, "effect")]
+                if priced is not None else [])
     if not ledgers:
         refusals = refusals or [rollouts_refusal(run, ctx.samples)]
         return BookResult("refused", "No step pair has a feature movement.", refusals)
-    sec = effect_series(ledgers, ctx.samples, ctx.features.units(), ledger=priced.ledger)
+    sec = effect_series(ctx.decisions, ctx.samples, ctx.features.units())
     status = status_of(True, refusals, sec.summary["rows_with_movement"] > 0 or sec.summary["features_moved"] > 0)
     moved = sorted((d for d in sec.drift if d.moved), key=lambda d: -abs(d.t))
     headline = render_template("report/books/effect.headline.j2", {"s": sec.summary, "moved": moved, "e": sec})
-    card = render_template("report/books/effect.card.j2", {"s": sec.summary, "moved": moved, "e": sec}) or None
-    return BookResult(status, headline.strip(), refusals, sec, effect_figures(sec), card.strip() if card else None)
+    return BookResult(status, headline.strip(), refusals, sec, effect_figures(sec))

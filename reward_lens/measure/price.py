@@ -180,4 +180,4 @@ def price_section(ctx: RunContext) -> BookResult:
     status = status_of(bool(sec.rows), [], bool(sec.summary["resolved"]))
     ctxt = {"s": sec.summary, "p": sec}
     return BookResult(status, render_template("report/books/price.headline.j2", ctxt).strip(), [], sec,
-                      price_figures(sec), render_template("report/books/price.card.j2", ctxt).strip() or None)
+                      price_figures(sec))

@@ -388,7 +388,13 @@ class Run:
                 continue
             count = self.telemetry.num_rows - self.telemetry.column(spec.column).null_count
             if spec.column in D_T_FIELDS:
-                count = len(self.telemetry_column(spec.column))
+                # D_t belongs to a step pair (t, t+1): the last step has none to carry, so it is
+                # counted over the steps that have a next one
+                last = int(all_steps[-1]) if n else None
+                count = sum(1 for s in self.telemetry_column(spec.column) if s != last)
+                if count:
+                    out[name] = Presence(int(count), max(n - 1, 1))
+                continue
             if count:
                 out[name] = Presence(int(count), n)
         roll_steps = self.rollout_step_values

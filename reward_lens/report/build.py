@@ -18,16 +18,19 @@ from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.record.reader import Run, Window
 from reward_lens.report.curves import RolloutCurves, training_curves
 from reward_lens.record.errors import RecordError
+from reward_lens.measure.figures import FigureOut, Panel, Series
 from reward_lens.report.model import (
     BasisFeature,
     BrowserRow,
     BasisOut,
     BookOut,
     FieldPresence,
+    Glance,
     RefusalOut,
     Report,
     RunSummary,
     SampleRollout,
+    Share,
 )
 from reward_lens_spec import Refusal, load_books, load_fields, load_refusal_codes
 from reward_lens_spec.render import first_sentence, render_template
@@ -156,13 +159,12 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
     browser, curves = BrowserRows(run, features, feature_context(run)), RolloutCurves(run)
     ctx = RunContext(run, features, ledger=ledger, window=window, progress=progress, collectors=[browser, curves])
     ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
-    books, card_order = [], {}
+    books = []
     for spec in sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id)):
-        card_order[spec.id] = spec.report.card_order
         res = ctx.result(spec.id)
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,
                              function=spec.function, status=res.status, headline=res.headline,
-                             refusals=[refusal_out(r) for r in res.refusals], card=res.card,
+                             refusals=[refusal_out(r) for r in res.refusals],
                              data=res.data,
                              figures=res.figures))
     basis = BasisOut(id=features.basis_id, name=features.label, source=features.source,
@@ -170,22 +172,91 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
     if not ctx.collected:  # no book read the samples: the browser and the curves read for themselves
         browser.read(run)
         curves.read(run)
+    at_a_glance = glance(ctx, {b.id: b for b in books}) if run.n_rollouts else None
     return Report(generator=f"reward-lens {__version__}", run=_summary(run), basis=basis, books=books,
                   samples=_samples(run), curves=training_curves(run, curves.panels()), browser=browser.rows,
-                  card=summary_card(sorted(books, key=lambda b: card_order[b.id])))
+                  glance=at_a_glance, card=summary_card(at_a_glance, books),
+                  headline_figure=headline_figure(ctx, {b.id: b for b in books}))
 
 
-def summary_card(books: list[BookOut]) -> list[str]:
-    """Three to five sentences a person can act on: each book's own sentence (in page order),
-    then what could not be computed and the one change that would compute most of it."""
-    lines = [b.card for b in books if b.card][:4]
+def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
+    """The first screen's numbers: the run's decisions, the cost book's run-level ratio, the
+    price book's total and the agreement book's verdicts -- each read once, here."""
+    from reward_lens.measure.decisions import REASONS
+
+    d = ctx.decisions
+    cost = books.get("cost")
+    c = cost.data.summary if cost is not None and cost.data is not None else {}
+    est = sorted(ctx.priced.book._estimates.values(), key=lambda e: e.step_pair) if (
+        ctx.priced is not None and ctx.priced.book is not None) else []
+    price = books.get("price")
+    p = price.data.summary if price is not None and price.data is not None else {}
+    agreement = books.get("agreement")
+    verdicts: dict[str, list[str]] = {}
+    if agreement is not None and agreement.data is not None:
+        for f in agreement.data.features:
+            if f.verdict is not None:
+                verdicts.setdefault(f.verdict, []).append(f.feature)
+    effect = books.get("effect")
+    moved = [x.feature for x in effect.data.drift if x.moved] if effect is not None and effect.data is not None else []
+    shares = sorted((d.resolved_shares or {}).items(), key=lambda kv: -kv[1])
+    interval = c.get("eta_run_interval")
+    return Glance(
+        ledger=d.ledger, features=len(d.names), updates=d.n_pairs, usable=len(d.usable), refused=len(d.refused),
+        refused_reasons=[(REASONS.get(k, k), len(v)) for k, v in d.refused_by_reason().items()],
+        priced=len(d.priced), resolved=len(d.resolved), eta_rows=len(est),
+        d_t_median=float(np.median([e.d_t for e in est])) if est else None,
+        d_t_total=c.get("d_t_total"), kl_min_total=c.get("kl_min_total"), eta_run=c.get("eta_run"),
+        eta_run_interval=tuple(interval) if interval else None,
+        shares=[Share(feature=n, share=v) for n, v in shares if v > 0],
+        reward_change=p.get("total_reward_change"), reward_per_nat=p.get("reward_per_nat"),
+        reward_per_nat_se=p.get("reward_per_nat_se"), reward_resolved=bool(p.get("resolved")), moved=moved,
+        verdicts=verdicts)
+
+
+def summary_card(g: Glance | None, books: list[BookOut]) -> list[str]:
+    """The first screen in sentences (``templates/report/card.j2``, from ``glance`` only), then
+    what could not be computed and the one change that would compute most of it."""
+    lines = [s for s in render_template("report/card.j2", {"g": g}).split("\n\n") if s.strip()] if g else []
     missing = [b for b in books if b.status in ("refused", "partial")]
-    if missing:
+    real = [b for b in missing if any(r.code != "PREMISE_FAILED" for r in b.refusals)]
+    if real:
         remedies: dict[str, list[str]] = {}
-        for b in missing:
+        for b in real:
             for r in b.refusals:
-                remedies.setdefault(first_sentence(r.remedy), []).append(b.id)
+                if r.code != "PREMISE_FAILED":
+                    remedies.setdefault(first_sentence(r.remedy), []).append(b.id)
         best = max(remedies, key=lambda k: len(set(remedies[k]))) if remedies else None
         lines.append(render_template("report/card_missing.j2", {
-            "missing": missing, "remedy": best, "remedy_books": len(set(remedies[best])) if best else 0}))
-    return lines[:5]
+            "missing": real, "remedy": best, "remedy_books": len(set(remedies[best])) if best else 0}))
+    return [" ".join(line.split()) for line in lines]
+
+
+def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | None:
+    """What each update spent and what the named behaviours required, cumulated over the run,
+    beside the reward gained against the run's path length (the price book's frontier)."""
+    priced = ctx.priced if ctx.run.n_rollouts else None
+    est = sorted(priced.book._estimates.values(), key=lambda e: e.step_pair) if (
+        priced is not None and priced.book is not None) else []
+    panels = []
+    if est:
+        x = [float(e.step_pair[1]) for e in est]
+        spent = np.cumsum([e.d_t for e in est]).tolist()
+        required = np.cumsum([e.kl_min_debiased for e in est]).tolist()
+        panels.append(Panel(title="nats spent (Σ D_t, solid) and required (Σ KL_min, dashed)",
+                            y_label="nats per sequence", series=[
+                                Series(label="spent: Σ D_t", x=x, y=spent, color="#1f5fa8"),
+                                Series(label="required: Σ KL_min", x=x, y=required, color="#1f7a4d",
+                                       style="dashed")]))
+    price = books.get("price")
+    if price is not None and price.data is not None and len(price.data.frontier.d) > 1:
+        f = price.data.frontier
+        panels.append(Panel(title="reward gained against the path length Σ√D_t",
+                            y_label="reward change (reward units)", zero_line=True,
+                            series=[Series(label="this run", x=f.d, y=f.reward, color="#b0561f")]))
+    if not panels:
+        return None
+    return FigureOut(id="headline", x_label="left: step; right: cumulative √D_t (root-nats)", columns=len(panels),
+                     panels=panels, caption=(
+                         "Left: what the updates spent and what the named behaviours required, cumulated; the gap "
+                         "went to behaviour the basis does not name. Right: the price book's frontier."))

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, WithJsonSchem
 
 from reward_lens.measure.figures import FigureOut
 
-SCHEMA_VERSION = "5.0"
+SCHEMA_VERSION = "6.0"
 
 
 class _M(BaseModel):
@@ -85,7 +85,6 @@ class BookOut(_M):
         "from noise; partial: numbers and refusals; refused: no numbers"))
     headline: str | None = Field(None, description="one line: what the book says, or why it says nothing")
     refusals: list[RefusalOut]
-    card: str | None = Field(None, description="what this book adds to the report's summary card")
     # A report built from a record holds the section model itself (templates read it, and
     # report.json serialises it, without a dump to dicts: 0.45 s at 10,000 steps); a report
     # read back from report.json holds the dict.
@@ -128,14 +127,49 @@ class BasisOut(_M):
     features: list[BasisFeature]
 
 
+class Share(_M):
+    feature: str
+    share: float = Field(description="fraction of KL_min over the resolved updates (0..1)")
+
+
+class Glance(_M):
+    """The first screen's numbers, taken once from the run's decisions and the books: every
+    sentence of the summary card and every number on the first screen is one of these."""
+
+    ledger: str = Field(description="'paired' | 'unpaired' | 'none'")
+    features: int = Field(description="behaviours in the basis")
+    updates: int = Field(description="step pairs (one optimizer update each) with a ledger or a refusal")
+    usable: int
+    refused: int
+    refused_reasons: list[tuple[str, int]] = Field(description="(reason in words, updates)")
+    priced: int = Field(description="updates whose KL_min is computed")
+    resolved: int = Field(description="updates whose movement is resolved from noise")
+    eta_rows: int = Field(description="updates (or windows) in the run-level efficiency")
+    d_t_median: float | None = Field(description="median D_t over those rows, nats per sequence")
+    d_t_total: float | None = Field(description="sum of D_t over those rows, nats per sequence")
+    kl_min_total: float | None = Field(description="sum of KL_min (debiased) over those rows")
+    eta_run: float | None = Field(description="kl_min_total / d_t_total: the fraction of the divergence the "
+                                              "named behaviours required")
+    eta_run_interval: tuple[float, float] | None
+    shares: list[Share] = Field(description="over the resolved updates, largest first")
+    reward_change: float | None = Field(description="total reward change over the updates with D_t")
+    reward_per_nat: float | None
+    reward_per_nat_se: float | None
+    reward_resolved: bool
+    moved: list[str] = Field(description="behaviours whose drift over the run is resolved")
+    verdicts: dict[str, list[str]] = Field(description="the agreement book's verdict -> behaviours")
+
+
 class Report(_M):
     schema_version: str = SCHEMA_VERSION
     generator: str
     run: RunSummary
     basis: BasisOut
+    glance: Glance | None = Field(None, description="the first screen's numbers (null when no book has any)")
     card: list[str] = Field(default_factory=list, description=(
-        "the summary card: what the run bought, what it spent on collateral, what could not be computed and "
-        "the one change that would compute it"))
+        "the summary card, one sentence per entry, rendered from ``glance``: what each update spent, what the "
+        "named behaviours required, on which, what the reward asked for and got, and what was not read"))
+    headline_figure: FigureOut | None = Field(None, exclude=True)
     curves: list[FigureOut] = Field(default_factory=list, exclude=True)
     browser: list[BrowserRow] = Field(default_factory=list, exclude=True, description=(
         "a spread of rollouts for the HTML rollout browser (at most BROWSER_STEPS steps x BROWSER_PER_STEP)"))

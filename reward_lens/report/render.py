@@ -17,7 +17,8 @@ from pydantic import BaseModel
 
 from reward_lens.report.model import Report
 from reward_lens_spec.paths import templates_dir
-from reward_lens_spec.render import compiled_templates, first_sentence, html_view, markdown_view
+from reward_lens_spec.render import (code_list, compiled_templates, first_sentence, format_nats, html_view,
+                                     markdown_view, percent)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
@@ -56,6 +57,11 @@ def fmt(x, digits: int = 4) -> str:
 # Whole columns into table rows: a book that keeps its rows as columns (10,000 step pairs are a
 # few lists) names its columns and their formats in its template, and these render every row
 # at once -- the same cells a loop over rows writes, without a template loop per row.
+def prose_cell(text: str) -> str:
+    """Prose from the templates (code spans kept) for one GFM table cell: pipes escaped, one line."""
+    return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;")
+
+
 def fmt_all(values, digits: int = 4) -> list[str]:
     """``fmt`` of every value of a column (floats, nearly all of them, formatted inline)."""
     g, e = f".{digits}g", f".{digits - 1}e"
@@ -128,7 +134,8 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
                              bytecode_cache=compiled_templates("html" if autoescape else "text"),
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters.update(md_cell=md_cell, fmt=fmt, prose_md=markdown_view, visible=visible,
+    env.filters.update(md_cell=md_cell, fmt=fmt, prose_md=markdown_view, visible=visible, num3=format_nats,
+                       pct=percent, codes=code_list, prose_cell=prose_cell,
                        fmt_all=fmt_all, text_all=text_all, pairs_all=pairs_all, fmt_columns=fmt_columns,
                        md_rows=md_rows, html_rows=html_rows, fmt_interval_all=fmt_interval_all, with_note=with_note,
                        md_cell_all=md_cell_all, prefixed=prefixed,
@@ -196,8 +203,12 @@ def browser_data(report: Report) -> Markup:
 
 
 def to_html(report: Report) -> str:
+    from reward_lens.report import plots
+
     figs, curves = figures(report)
+    head = report.headline_figure
+    headline_fig = {"caption": head.caption, "svg": Markup(plots.render_figure(head))} if head is not None else None
     script_hash = base64.b64encode(hashlib.sha256(BROWSER_SCRIPT.encode()).digest()).decode()
     return environment(str(templates_dir()), True).get_template("report/report.html.j2").render(
         r=report, figs=figs, curves=curves, browser_json=browser_data(report), browser_script=Markup(BROWSER_SCRIPT),
-        script_hash=script_hash)
+        script_hash=script_hash, headline_fig=headline_fig)

@@ -45,7 +45,8 @@ ROWS = [
      {"framework": "trl"}, "will compute", "paired", {}, None),
     ("tap without an estimator", {**PER_STEP, "reward_lens": {"estimator": None}}, {}, "will refuse", "unpaired",
      {"denominator": "reward_lens.estimator"}, "reward_lens.estimator"),
-    ("tap unpaired", {**PER_STEP, "reward_lens": {"paired": False}}, {}, "will compute", "unpaired", {},
+    ("tap unpaired", {**PER_STEP, "reward_lens": {"paired": False, "estimator": "exact"}}, {}, "will compute",
+     "unpaired", {},
      "reward_lens.paired"),
     ("veRL without dumps", VERL, {}, "will refuse", None,
      {"rollouts": "trainer.rollout_data_dir", "denominator": None}, None),
@@ -289,7 +290,9 @@ def test_audit_knows_the_feature_basis(tmp_path):
     assert tapped == {"correct": "depends", "length_tokens": "supported", "ends_eos": "supported", "fmt": "supported"}
     rec = {f.name: f for f in audit(PAIRED, features=basis).features}
     assert rec["correct"].verdict == "not supported" and "['lowercase']" in rec["correct"].says
-    assert rec["ends_eos"].cause.key == "eos_token_id"  # this record predates recording it
+    assert rec["ends_eos"].verdict == "supported"  # the tap records the EOS token
+    old = {f.name: f for f in audit(LONG, features=basis).features}
+    assert old["ends_eos"].verdict == "not supported"  # an imported record: no token ids, no EOS token
     r = subprocess.run(CLI + ["audit", str(cfg), "--features", str(spec), "--format", "json"], capture_output=True,
                        text=True)
     data = json.loads(r.stdout)

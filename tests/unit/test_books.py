@@ -8,8 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from reward_lens.measure.agreement import AGREE, COLLATERAL, NEITHER, NOT_BOUGHT, OTHER_WAY, agreement_table, verdict
-from reward_lens.measure.cause import cause_series, selection_differential
+from reward_lens.measure.agreement import (AGREE, CARRIED, COLLATERAL, NEITHER, NOT_BOUGHT, OTHER_WAY, agreement_table,
+                                           verdict)
+from reward_lens.measure.cause import cause_series, selection_differential, selection_gradient
+from reward_lens.measure.decisions import decide_from
 from reward_lens.measure.effect import effect_series
 from reward_lens.measure.efficiency import metric_g
 from reward_lens.measure.ledger.price import StepSample, ledger_series
@@ -39,7 +41,7 @@ def _world(steps: int = 12, groups: int = 16, per: int = 8, seed: int = 0) -> li
 
 def test_effect_moves_what_drifts_and_not_what_does_not():
     samples = _world()
-    sec = effect_series(ledger_series(samples), samples, {n: "u" for n in NAMES})
+    sec = effect_series(decide_from(ledger_series(samples), NAMES), samples, {n: "u" for n in NAMES})
     drift = {d.feature: d for d in sec.drift}
     assert drift["collateral"].moved and drift["bought"].moved
     assert not drift["not_bought"].moved and not drift["neither"].moved
@@ -121,21 +123,73 @@ def test_price_by_hand_and_the_frontier_form():
     assert (alpha, beta, r2) == pytest.approx((1.2, 0.4, 1.0))
 
 
-def test_agreement_verdicts_on_the_known_world():
-    samples = _world()
-    effect = effect_series(ledger_series(samples), samples)
+def _verdicts(samples, names):
+    effect = effect_series(decide_from(ledger_series(samples), names), samples)
     cause = cause_series(ledger_series(samples), samples, metric_g(samples, method="covariance_bound"))
-    sec = agreement_table(NAMES, {}, None, {d.feature: (d.moved, d.drift) for d in effect.drift},
-                          {x.feature: (x.selected, x.total) for x in cause.selected})
+    return agreement_table(names, {}, None, {d.feature: (d.moved, d.drift) for d in effect.drift},
+                           {x.feature: (x.selected, x.total, x.direct, x.gradient) for x in cause.selected})
+
+
+def test_agreement_verdicts_on_the_known_world():
+    sec = _verdicts(_world(), NAMES)
     got = {f.feature: f.verdict for f in sec.features}
     assert got == {"collateral": COLLATERAL, "not_bought": NOT_BOUGHT, "bought": AGREE, "neither": NEITHER}
     assert sec.summary["disagreements"] == 2
 
 
+def test_a_behaviour_that_only_correlates_with_the_rewarded_one_is_carried_along():
+    """`echo` is `paid` plus noise and the reward pays for `paid` alone: both drift up, the
+    selection differential of both is resolved, but only `paid` has a selection gradient --
+    `echo` is carried along, not asked for (Lande & Arnold's direct and indirect selection)."""
+    rng = np.random.default_rng(7)
+    names = ("paid", "echo", "noise")
+    samples = []
+    for t in range(12):
+        n, per = 16 * 8, 8
+        paid = rng.normal(size=n) + 0.3 * t
+        z = np.column_stack([paid, paid + 0.6 * rng.normal(size=n), rng.normal(size=n)])
+        codes = np.repeat(np.arange(16), per)
+        r = paid.copy()
+        a = r - (np.bincount(codes, weights=r) / per)[codes]
+        samples.append(StepSample(t, names, z, advantages=a, rewards=r,
+                                  groups=np.array([f"{t}:{g}" for g in codes], dtype=object)))
+    got = {f.feature: f for f in _verdicts(samples, names).features}
+    assert got["paid"].verdict == AGREE and got["paid"].asked
+    assert got["echo"].verdict == CARRIED and got["echo"].selected and not got["echo"].asked
+    assert got["noise"].verdict == NEITHER
+
+
+def test_selection_gradient_by_least_squares_and_its_cluster_robust_se():
+    """beta against numpy's least squares on the within-group centred data, and its SE against
+    the sandwich written out cluster by cluster; a reward that is exactly a feature gives the
+    other features no gradient at all."""
+    rng = np.random.default_rng(11)
+    names = ("a", "b")
+    groups = np.repeat(np.arange(30), 6)
+    z = rng.normal(size=(180, 2))
+    r = 2.0 * z[:, 0] - 0.5 * z[:, 1] + rng.normal(size=180)
+    s = StepSample(0, names, z, rewards=r, advantages=r, groups=groups, n_groups=30)
+    beta, se, p, clusters = selection_gradient([s])
+    zc = z - np.array([z[groups == g].mean(0) for g in groups])
+    rc = r - np.array([r[groups == g].mean() for g in groups])
+    want = np.linalg.lstsq(zc, rc, rcond=None)[0]
+    np.testing.assert_allclose(beta, want, rtol=1e-10)
+    bread = np.linalg.inv(zc.T @ zc)
+    e = rc - zc @ want
+    meat = sum(np.outer(zc[groups == g].T @ e[groups == g], zc[groups == g].T @ e[groups == g]) for g in range(30))
+    np.testing.assert_allclose(se, np.sqrt(np.diag(bread @ meat @ bread) * 30 / 29), rtol=1e-8)
+    assert clusters == [] and (p < 1e-6).all()
+    exact = StepSample(0, names, z, rewards=z[:, 0].copy(), advantages=z[:, 0].copy(), groups=groups, n_groups=30)
+    beta, _, p, _ = selection_gradient([exact])
+    assert beta[0] == pytest.approx(1.0) and p[1] == 1.0
+
+
 def test_moved_against_what_was_asked_is_a_disagreement():
-    assert verdict(True, -1.0, True, +2.0) == OTHER_WAY
-    assert verdict(True, +1.0, True, +2.0) == AGREE
-    assert verdict(True, -1.0, True, -2.0) == AGREE
+    assert verdict(True, -1.0, True, +2.0, True) == OTHER_WAY
+    assert verdict(True, +1.0, True, +2.0, True) == AGREE
+    assert verdict(True, -1.0, True, -2.0, True) == AGREE
+    assert verdict(True, +1.0, False, None, True) == CARRIED
+    assert verdict(True, +1.0, False, None, False) == COLLATERAL
 
 
 def test_a_refused_cause_book_leaves_selected_unknown():

@@ -236,7 +236,7 @@ def test_heavy_tailed_weights_refuse_the_step_pair_with_the_numbers():
     book = cost_series(ledgers, within_group_metric(ledgers))
     assert [r.step_pair for r in book.rows] == [(0, 1)]
     (ref,) = book.refusals
-    assert ref.code == "ENVELOPE_VIOLATED" and ref.context["premise"] == "heavy_tails"
+    assert ref.code == "PREMISE_FAILED" and ref.context["premise"] == "heavy_tails"
     assert [tuple(p) for p in ref.subject.step_pairs] == [(1, 2)]
     assert "too large for its samples" in ref.detail and "1->2 k-hat" in ref.detail and f"{ledgers[1].pareto_k:.3g}"[:3] in ref.detail
 

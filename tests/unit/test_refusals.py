@@ -39,6 +39,20 @@ def trigger_envelope_violated():
     return cost_series(ledgers[:1], g, run_=run, kl_spent={0: 1e-9}).refusals
 
 
+def trigger_premise_failed():
+    """A paired step pair whose importance weights are Cauchy-tailed (one-sided, 64 rollouts)."""
+    from reward_lens.measure.efficiency.metric import within_group_metric
+    from reward_lens.measure.ledger.paired import paired_ledger
+
+    rng = np.random.default_rng(5)
+    codes = np.repeat(np.arange(8), 8)
+    z = rng.normal(size=(64, 2))
+    r = 3.0 * rng.standard_cauchy(64)
+    lg = paired_ledger(StepSample(1, ("f1", "f2"), z, groups=codes, logp=r, logp_prev=np.zeros(64),
+                                  kl_prev=0.5 * r ** 2))
+    return cost_series([lg], within_group_metric([lg])).refusals
+
+
 def trigger_limit_exceeded():
     rng = np.random.default_rng(0)
     k = 21
@@ -60,6 +74,7 @@ FIXTURES = {
     "UNIT_MISMATCH": trigger_unit_mismatch,
     "ENVELOPE_VIOLATED": trigger_envelope_violated,
     "LIMIT_EXCEEDED": trigger_limit_exceeded,
+    "PREMISE_FAILED": trigger_premise_failed,
     "PROXY_REFUSED": trigger_proxy_refused,
 }
 

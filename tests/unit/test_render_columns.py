@@ -39,7 +39,10 @@ def test_interval_and_note_columns_and_row_classes():
     assert html == '<tr class="row-resolved"><td>x</td></tr>\n<tr class="row-&lt;u&gt;"><td>y</td></tr>\n'
 
 
-def test_the_efficiency_columns_refuse_an_eta_outside_the_unit_interval():
+def test_the_efficiency_columns_refuse_a_negative_eta():
+    """An efficiency is a ratio of two divergences: never below 0 (validated). Above 1 is a
+    paired row's noise around an independent D_t (beyond 3 SE it is refused before it gets
+    here), so the model takes it."""
     import pytest
     from pydantic import ValidationError
 
@@ -50,4 +53,5 @@ def test_the_efficiency_columns_refuse_an_eta_outside_the_unit_interval():
                source=["record"], resolved=[True], d_t_checks=[{}], d_t_disagrees=[False])
     assert len(EfficiencyRows(**row)) == 1
     with pytest.raises(ValidationError):
-        EfficiencyRows(**{**row, "efficiency": [1.2]})
+        EfficiencyRows(**{**row, "efficiency": [-0.2]})
+    assert len(EfficiencyRows(**{**row, "efficiency": [1.04]})) == 1

@@ -376,33 +376,40 @@ def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None =
     if missing:
         raise ValueError(f"the per-step metric has no estimate for the steps of pairs {missing[:5]}: build the "
                          "metric from the same StepSample list as the ledgers")
-    estimates, premises = paired_row_estimates(ledgers, g)
-    return KlMinSeries(_columns(ledgers, g, {p: e.p_value for p, e in estimates.items()}), (), g,
-                       estimates=estimates, premises=premises)
+    estimates, premises, p_values = paired_row_estimates(ledgers, g)
+    return KlMinSeries(_columns(ledgers, g, p_values), (), g, estimates=estimates, premises=premises)
 
 
 def paired_row_estimates(ledgers: Sequence[Ledger], g: MetricG
-                         ) -> tuple[dict[tuple[int, int], _eta.EtaEstimate], dict[tuple[int, int], str]]:
-    """The paired ledgers' estimates (``eta.paired_estimates``), for every step pair whose
-    sample holds the premises, has the token-level KL for its denominator and prices at least
-    one feature; and the step pairs whose sample does not, with the premise that failed
-    ("heavy_tails", "low_ess") or "no_token_kl"."""
-    todo, failed = [], {}
+                         ) -> tuple[dict[tuple[int, int], _eta.EtaEstimate], dict[tuple[int, int], str],
+                                    dict[tuple[int, int], float]]:
+    """For the paired ledgers: the step pairs whose sample fails a premise, with the premise
+    ("heavy_tails", "low_ess"); the p-value of every other step pair that prices a feature
+    (``eta.rollout_test``); and, where the sample also has the token-level KL for a
+    denominator, its estimate (``eta.paired_estimates``; "no_token_kl" is listed with the
+    premises, though dz and its test stand)."""
+    todo, failed, p_values = [], {}, {}
     for lg in ledgers:
         if not isinstance(lg, PairedLedger):
             continue
         pair = tuple(lg.step_pair)
-        premise = lg.premise() or (None if lg.kl is not None else "no_token_kl")
+        premise = lg.premise()
         if premise:
             failed[pair] = premise
             continue
         idx = active_index(g.names, g.active_of(pair[0]))
-        if len(idx):
-            todo.append((lg, idx))
-    return {tuple(item[0].step_pair): e for item, e in zip(todo, _eta.paired_estimates(todo))}, failed
+        if not len(idx):
+            continue
+        if lg.kl is None:
+            failed[pair] = "no_token_kl"
+            p_values[pair] = _eta.rollout_test(lg, idx)
+            continue
+        todo.append((lg, idx))
+    estimates = {tuple(item[0].step_pair): e for item, e in zip(todo, _eta.paired_estimates(todo))}
+    p_values.update({pair: e.p_value for pair, e in estimates.items()})
+    return estimates, failed, p_values
 
 
-# ---------------------------------------------------------------------------- denominator
 def _supplied(run: Run | None, kl_spent: Mapping[int, float] | None, n_steps: int) -> dict[str, Presence]:
     sup = dict(run.fields()) if run is not None else {}
     if kl_spent:
@@ -586,9 +593,7 @@ def cost_series(
             refusals.append(make_refusal("RECORD_INCOMPLETE", book, subject, {
                 "requirement": "token_kl", "run": _short(run_id), "n_pairs": len(items), "pairs": items}))
         else:
-            refusals.append(make_refusal("ENVELOPE_VIOLATED", book, subject, {
-                "premise": premise, "pairs": items, "run": _short(run_id), "step_pair": items[0]["step_pair"],
-                "min_ess": MIN_ESS_PER_GROUP}))
+            refusals.append(premise_refusal(book, run_id, premise, items))
     priced = _eta.windows(estimates, window)
     decided = _eta.benjamini_hochberg([e.p_value for e in priced])
     rows: list[CostRow] = list(nothing)
@@ -617,6 +622,14 @@ def cost_series(
     rows.sort(key=lambda r: r.step_pair)
     return CostBook(tuple(rows), tuple(refusals), series, run_id, ledger=kind, window=window,
                     _estimates={e.step_pair: e for e in priced})
+
+
+def premise_refusal(book, run_id: str | None, premise: str, items: list[dict[str, Any]]) -> Refusal:
+    """PREMISE_FAILED for the step pairs whose sample fails ``premise`` (``_premise_numbers`` of
+    each): one refusal per premise, in every book that reads their dz."""
+    return make_refusal("PREMISE_FAILED", book, _subject(run_id, [tuple(h["step_pair"]) for h in items]), {
+        "premise": premise, "pairs": items, "run": _short(run_id), "step_pair": items[0]["step_pair"],
+        "min_ess": MIN_ESS_PER_GROUP})
 
 
 def _paired_source(lg: PairedLedger) -> str:

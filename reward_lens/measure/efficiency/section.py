@@ -80,10 +80,14 @@ class EfficiencyRows(_M):
     status: list[Literal["resolved", "unresolved", "nothing_priced"]]
     kl_min: list[float] = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
     kl_spent: list[float] = Field(description="D_t, nats per sequence: the denominator of this eta")
-    efficiency: list[Annotated[float, Field(ge=0.0, le=1.0)] | None] = Field(
-        description="KL_min / D_t, dimensionless, in [0, 1] (validated); null when nothing was priced")
-    efficiency_null: list[float | None] = Field(description="what noise alone gives eta in expectation")
-    efficiency_debiased: list[float | None] = Field(description="(eta - null) / (1 - null); may be below 0")
+    efficiency: list[Annotated[float, Field(ge=0.0)] | None] = Field(
+        description="KL_min / D_t as the sample gives it, dimensionless, >= 0 (validated); unpaired rows are in "
+                    "[0, 1] (the seed's envelope); paired rows divide by an independent D_t and may exceed 1 by "
+                    "noise (beyond 3 SE they are refused); null when nothing was priced")
+    efficiency_null: list[float | None] = Field(description="what sampling noise added to eta in expectation")
+    efficiency_debiased: list[float | None] = Field(description="eta with that noise taken out (paired: the "
+                                                                "jackknife's; unpaired: the noise floor); may be "
+                                                                "below 0")
     interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased")
     p_value: list[float | None]
     source: list[str]
@@ -114,8 +118,10 @@ class CostSection(_M):
     feature_means: FeatureMeans
     summary: dict[str, float | int | str | list[float] | None] = Field(description=(
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
-        "rows_nothing_priced, eta_median (debiased, resolved rows only; null when none), eta_interval ([lo, hi] or "
-        "null), false_discoveries_expected, and the KL_min half's counts"))
+        "rows_nothing_priced, eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
+        "when none is priced), eta_run_interval ([lo, hi]), kl_min_total and d_t_total (nats over those rows), "
+        "eta_median (debiased, resolved rows only: selected on significance, so it leans high; kept for "
+        "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
 
 
@@ -198,7 +204,7 @@ def cost_section(ctx: RunContext) -> BookResult:
     excluded = {n: why for ex in [g.excluded, *map(g.excluded_of, g.by_step)] for n, why in ex.items()}
     feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
              for n in g.names]
-    kl_rows, totals = _kl_min_rows(book.kl_min.columns, g.names)
+    kl_rows, totals = _kl_min_rows(book.kl_min.columns, g.names, set(ctx.decisions.usable))
     rows = book.rows
     eff = EfficiencyRows(  # one list per quantity (validated: a few lists, not one model per row)
         step_pair=[r.step_pair for r in rows], steps=[r.steps for r in rows], status=[r.status for r in rows],
@@ -217,16 +223,23 @@ def cost_section(ctx: RunContext) -> BookResult:
     counts = book.counts()
     counts["refused"] += sum(len(r.subject.step_pairs) for r in extra)
     eta_median, eta_interval = book.headline()
+    run_est = book.run_level()
+    d = ctx.decisions
     summary = {
         "ledger": book.ledger, "window": str(book.window),
         "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
         "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
         "rows_nothing_priced": counts["nothing_priced"],
+        "eta_run": run_est.eta_debiased if run_est is not None else None,
+        "eta_run_interval": list(run_est.interval()) if run_est is not None else None,
+        "eta_run_rows": len(book._estimates),
+        "kl_min_total": run_est.kl_min_debiased if run_est is not None else None,
+        "d_t_total": run_est.d_t if run_est is not None else None,
         "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
         "false_discoveries_expected": book.false_discoveries_expected,
-        "step_pairs": len(kl_rows),
-        "kl_min_rows": len(kl_rows),
-        "kl_min_resolved": sum(kl_rows.resolved),
+        "step_pairs": d.n_pairs,
+        "kl_min_rows": len(d.priced),
+        "kl_min_resolved": len(d.resolved),
         "median_kl_min": float(np.median(kl_rows.kl_min)) if len(kl_rows) else None,
         "median_noise_floor": float(np.median(kl_rows.noise_floor)) if len(kl_rows) else None,
     }
@@ -245,8 +258,13 @@ def cost_section(ctx: RunContext) -> BookResult:
     return _result([*extra, *book.refusals], section, spec)
 
 
-def _kl_min_rows(cols, names: tuple[str, ...]) -> tuple[KlMinRows, dict[str, float]]:
-    """The KL_min rows of the book's columns, and each feature's share summed over them."""
+def _kl_min_rows(cols, names: tuple[str, ...], usable: set | None = None) -> tuple[KlMinRows, dict[str, float]]:
+    """The KL_min rows of the book's columns -- of the ``usable`` step pairs only: a refused
+    pair's KL_min is not stated -- and each feature's share summed over them."""
+    if cols is not None and usable is not None:
+        keep = np.array([tuple(p) in usable for p in cols.step_pair.tolist()], dtype=bool)
+        if not keep.all():
+            cols = _rows_of(cols, keep)
     if cols is None:
         return KlMinRows(step_pair=[], kl_min=[], noise_floor=[], clears_noise_floor=[], p_value=[], resolved=[],
                          leading_feature=[], shares={n: [] for n in names}, shares_inexact=[], condition=[]), \
@@ -264,7 +282,33 @@ def _kl_min_rows(cols, names: tuple[str, ...]) -> tuple[KlMinRows, dict[str, flo
     return rows, totals
 
 
-def not_formed_refusals(run, priced) -> list[Refusal]:
+def premise_refusals(run, priced, book_id: str) -> list[Refusal]:
+    """PREMISE_FAILED in book ``book_id`` for the step pairs whose sample fails a premise of the
+    estimate (the cost book makes its own), one per premise: the books that read dz say, by
+    name, which step pairs they state nothing about."""
+    from reward_lens.measure.efficiency.cost import _premise_numbers, premise_refusal
+
+    series = priced.book.kl_min if priced is not None and priced.book is not None else None
+    if series is None:
+        return []
+    ledgers = {tuple(lg.step_pair): lg for lg in priced.ledgers}
+    by: dict[str, list] = {}
+    for pair, why in sorted(series.premises.items()):
+        if why != "no_token_kl":
+            by.setdefault(why, []).append(_premise_numbers(ledgers[pair]))
+    return [premise_refusal(load_book(book_id), run.run_id, why, items) for why, items in by.items()]
+
+
+def _rows_of(cols, keep: np.ndarray):
+    """The KL_min columns of the rows where ``keep``."""
+    import dataclasses
+
+    return dataclasses.replace(cols, **{f.name: getattr(cols, f.name)[keep] for f in dataclasses.fields(cols)
+                                        if isinstance(getattr(cols, f.name), np.ndarray)},
+                               kind=tuple(k for k, on in zip(cols.kind, keep.tolist()) if on))
+
+
+def not_formed_refusals(run, priced, book_id: str = "cost") -> list[Refusal]:
     """RECORD_INCOMPLETE for the step pairs no ledger could be formed for, one per reason."""
     by_reason: dict[str, list[tuple[tuple[int, int], object]]] = {}
     for pair, why in sorted(priced.not_formed.items()):
@@ -275,7 +319,7 @@ def not_formed_refusals(run, priced) -> list[Refusal]:
         shown = ", ".join(f"{a}->{b}" for a, b in pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
         steps = [{"step": w.step, "count": w.count} for _, w in items]
         steps = [dict(t) for t in {tuple(d.items()) for d in steps}]  # a step can touch two pairs
-        out.append(make_refusal("RECORD_INCOMPLETE", load_book("cost"), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
+        out.append(make_refusal("RECORD_INCOMPLETE", load_book(book_id), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
                                 {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
                                  "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
                                  "steps": sorted(steps, key=lambda d: d["step"]),
@@ -292,13 +336,5 @@ def _result(refusals: list[Refusal], section: CostSection | None, spec) -> BookR
     s = section.summary if section else {}
     headline = render_template("report/cost_headline.j2", {
         "status": status, "s": s, "codes": sorted({r.code for r in refusals})}).strip()
-    card = None
-    if section is not None:
-        priced = [f.name for f in section.features if f.status == "priced"]
-        _, by_feature = section.kl_min.resolved_totals()
-        totals = {n: by_feature.get(n, 0.0) for n in priced}
-        total = sum(totals.values())
-        lead = sorted(((v / total, n) for n, v in totals.items() if v > 0), reverse=True)[:2] if total > 0 else []
-        card = render_template("report/books/cost.card.j2", {"s": s, "lead": lead, "status": status}).strip() or None
     return BookResult(status=status, headline=headline, refusals=refusals, data=section,
-                      figures=cost_figures(section) if section is not None else [], card=card)
+                      figures=cost_figures(section) if section is not None else [])
