@@ -198,6 +198,7 @@ class Projection:
         self.steps: int | None = None
         self.window = 1
         self.rejected: Cause | None = None
+        self.blocked: dict[str, Cause] = {}  # ledger id -> why it cannot form
 
 
 def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "config",
@@ -230,6 +231,8 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
             v, o = _get(cfg, rej.when.key, d)
             pr.rejected = Cause(key=rej.when.key, value=v, origin=o, says=rej.why)
     logged = None if pr.steps is None else math.ceil(pr.steps / window)
+    if spec.prompt_groups is not None:
+        _prompt_groups(spec.prompt_groups, cfg, d, pr, where)
 
     def presence(kind: str) -> tuple[Presence, str]:
         if kind in ("config", "every_step") or window == 1:
@@ -284,6 +287,49 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
             pr.why_missing.setdefault(f, Cause(key=None, value=None, origin="unset", says=_say("never", why=why)))
         pr.statements.append(Statement(key=None, value=None, origin="unset", says=_say("absent", field=f, why=why)))
     return pr
+
+
+def _record_prompt_groups(run) -> int | None:
+    """The most prompt groups of two or more rollouts any step of the record has (None without
+    group ids): what the paired ledger needs at least two of."""
+    if "group_id" not in run.rollout_columns() or not run.n_rollouts:
+        return None
+    most = 0
+    for table in run.iter_rollouts(["group_id"]):
+        steps = table.column("step").to_numpy()
+        ids = table.column("group_id").to_pylist()
+        per: dict[int, dict] = {}
+        for s, g in zip(steps.tolist(), ids):
+            per.setdefault(s, {}).setdefault(g, 0)
+            per[s][g] += 1
+        most = max([most] + [sum(c >= 2 for c in gs.values()) for gs in per.values()])
+    return most
+
+
+def _prompt_groups(pg, cfg: dict[str, Any], d: dict[str, Any], pr: Projection, where) -> None:
+    """The ledgers that cannot form on one process because a generation batch holds fewer
+    prompt groups than they need (``prompt_groups`` of the framework spec)."""
+    batch, b_origin = _get(cfg, pg.batch, d)
+    steps, s_key, s_origin = None, None, "unset"
+    for key in pg.steps:
+        steps, s_origin = _get(cfg, key, d)
+        if steps is not None:
+            s_key = key
+            break
+    gens, _ = _get(cfg, pg.generations, d)
+    if batch is None or gens is None:
+        return
+    b = whole_number(batch, where, pg.batch, minimum=1)
+    s = whole_number(steps, where, s_key, minimum=1) if steps is not None else 1
+    g = whole_number(gens, where, pg.generations, minimum=1)
+    groups = b * s // g
+    if groups >= pg.minimum:
+        return
+    says = _say("prompt_groups", batch_key=pg.batch, batch=b, steps_key=s_key, steps=s, gen_key=pg.generations,
+                gens=g, groups=groups, why=pg.why)
+    for led in pg.blocks:
+        pr.blocked[led] = Cause(key=pg.batch, value=b, origin=b_origin, says=says)
+    pr.statements.append(Statement(key=pg.batch, value=b, origin=b_origin, says=says))
 
 
 # ---------------------------------------------------------------- loading
@@ -400,6 +446,10 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
         for f in load_fields().fields:
             if f not in pr.supplied:
                 pr.why_missing[f] = Cause(key=f, value=None, origin="record", says=_say("record_lacks", field=f))
+        groups = _record_prompt_groups(run)
+        if groups is not None and groups < 2:  # as --ledger auto: the paired ledger cannot form on any step
+            pr.blocked["paired"] = Cause(key="rollout.group_id", value=groups, origin="record",
+                                         says=_say("record_prompt_groups", groups=groups))
         betas = sorted(set(run.telemetry_column("beta").values()))
         books = _verdicts(pr, subject=run.run_id[:12], audit_words=False,
                           optimizer=run.manifest.optimizer, betas=betas, framework=run.manifest.framework.name)
@@ -449,12 +499,13 @@ def _ledger(book: BookSpec, pr: Projection) -> tuple[str | None, Cause | None]:
     chosen, cause = None, None
     for led in book.ledgers:
         lacking = [f for f in led.fields if not (f in pr.supplied and pr.supplied[f].any)]
-        if not lacking:
+        if not lacking and led.id not in pr.blocked:
             chosen = led.id
             break
         if cause is None:
-            cause = pr.why_missing.get(lacking[0]) or Cause(key=None, value=None, origin="unset",
-                                                             says=_say("not_every_step", field=lacking[0]))
+            cause = pr.blocked.get(led.id) if not lacking else (
+                pr.why_missing.get(lacking[0]) or Cause(key=None, value=None, origin="unset",
+                                                        says=_say("not_every_step", field=lacking[0])))
     if chosen is not None and chosen == book.ledgers[0].id:
         cause = None
     return chosen, cause

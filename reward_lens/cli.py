@@ -1,10 +1,11 @@
 """The ``reward-lens`` command.
 
 Exit codes (all subcommands):
-  0  every book computed a number resolved from noise (audit: every --require'd book will
-     compute)
-  1  some book refused, or resolved nothing from noise, under --fail-on (a normal outcome
-     for an incomplete record or a short run)
+  0  computed: nothing --fail-on counts (by default, no book is refused and the record lacks
+     no input; audit: every book will compute)
+  1  refused: what --fail-on counts happened (a normal outcome for an incomplete record; with
+     --fail-on refused also any refusal, or a book with nothing resolved from noise); audit:
+     a book would refuse, a --require'd book would, or the run will not start
   2  bad input: an unreadable record, config or spec, or an output folder holding files
      reward-lens did not write; one line on stderr names the file and field (the
      traceback only with --debug)
@@ -63,15 +64,42 @@ def _visible(text: str) -> str:
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in str(text))
 
 
+# --fail-on, for report and audit alike: when is the outcome worth exit 1?
+#   incomplete (default) -- a book is refused outright, or a refusal says the record lacks an
+#                           input or the instrument failed (any code but PREMISE_FAILED, which
+#                           is a limit of what some updates' samples can show); a healthy
+#                           tapped run passes, an unresolved book (numbers, none resolved) too;
+#   refused              -- any refusal at all, or any book that is not "computed";
+#   violated             -- only ENVELOPE_VIOLATED;
+#   never.
+FAIL_ON = ("incomplete", "refused", "violated", "never")
+
+
 def _exit_for(report, fail_on: str) -> int:
-    """0 only when every book computed a resolved number; an unresolved book (numbers, none
-    resolved from noise) counts with the refusals."""
     refusals = report.refusals
     if fail_on == "never":
         return EXIT_OK
     if fail_on == "violated":
         return EXIT_REFUSED if any(r.severity == "violated" for r in refusals) else EXIT_OK
+    if fail_on == "incomplete":
+        bad = any(b.status == "refused" for b in report.books) or any(r.code != "PREMISE_FAILED" for r in refusals)
+        return EXIT_REFUSED if bad else EXIT_OK
     return EXIT_REFUSED if refusals or any(b.status != "computed" for b in report.books) else EXIT_OK
+
+
+def _audit_exit(result, fail_on: str, required: set[str]) -> int:
+    """The audit's exit code: 1 when a --require'd book would not compute, when the run will
+    not start (the trainer or the tap refuses the config) unless --fail-on never, and under
+    --fail-on incomplete or refused when any book would refuse."""
+    if any(b.verdict != "will compute" and (b.book in required or b.function in required) for b in result.books):
+        return EXIT_REFUSED
+    if fail_on == "never":
+        return EXIT_OK
+    if any(b.verdict == "will not run" for b in result.books):
+        return EXIT_REFUSED
+    if fail_on in ("incomplete", "refused") and any(b.verdict != "will compute" for b in result.books):
+        return EXIT_REFUSED
+    return EXIT_OK
 
 
 def _window(text: str) -> int | str:
@@ -206,9 +234,7 @@ def cmd_audit(args) -> int:
         _emit(result.model_dump_json())
     else:
         _emit(audit_text(result, verbose=args.verbose))
-    required = set(args.require or [])
-    refused = [b for b in result.books if b.verdict != "will compute" and (b.book in required or b.function in required)]
-    return EXIT_REFUSED if refused else EXIT_OK
+    return _audit_exit(result, args.fail_on, set(args.require or []))
 
 
 def _emit(text: str) -> None:
@@ -306,8 +332,10 @@ def parser() -> argparse.ArgumentParser:
                    "paired); `task` is read in its own basis, examples/features/task.yaml")
     r.add_argument("--out", default="reward-lens-report", help="output directory (default: ./reward-lens-report)")
     r.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
-    r.add_argument("--fail-on", choices=("refused", "violated", "never"), default="refused",
-                   help="exit 1 when any book is refused (default), only on ENVELOPE_VIOLATED, or never")
+    r.add_argument("--fail-on", choices=FAIL_ON, default="incomplete",
+                   help="exit 1 when a book is refused or the record lacks an input (incomplete, the default: a "
+                   "healthy tapped run passes), on any refusal or unresolved book (refused), only on "
+                   "ENVELOPE_VIOLATED (violated), or never")
     r.add_argument("--ledger", default="auto", help="auto (paired where the record has rollouts scored under the "
                    "previous policy, else unpaired), paired, or unpaired")
     r.add_argument("--window", default="1", help="price W consecutive step pairs together (ratio of sums), or "
@@ -325,6 +353,9 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--framework", help="trl or verl, when it cannot be told from the keys")
     a.add_argument("--format", choices=("table", "json"), default="table")
     a.add_argument("--require", action="append", metavar="BOOK", help="exit 1 if this book would refuse")
+    a.add_argument("--fail-on", choices=FAIL_ON, default="incomplete",
+                   help="exit 1 when any book would refuse (incomplete, the default; refused: the same), or never; "
+                   "a run that will not start exits 1 unless never")
     a.add_argument("--with-tap", action="store_true", help="audit the run as recorded with RewardLensTap "
                    "(also implied by a `reward_lens:` section in the config)")
     a.add_argument("--verbose", action="store_true", help="print each refusal's whole detail and remedy")

@@ -186,6 +186,19 @@ class Setting(_Strict):
     about: list[str] = Field(default_factory=list)
 
 
+class PromptGroups(_Strict):
+    """How many prompt groups one generation batch holds, per process, from a config:
+    ``batch`` x the first of ``steps`` that is set, divided by ``generations``. A ledger named
+    in ``blocks`` needs at least ``minimum`` of them."""
+
+    batch: str
+    steps: list[str]
+    generations: str
+    minimum: int = 2
+    blocks: list[str]
+    why: str
+
+
 class FrameworkSpec(_Strict):
     """What a framework's training configuration makes the trainer log (specs/frameworks/)."""
 
@@ -202,6 +215,7 @@ class FrameworkSpec(_Strict):
     rejects: list[Reject] = Field(default_factory=list)
     # Keys whose value the audit states when the config sets them (or the default applies).
     settings: list[Setting] = Field(default_factory=list)
+    prompt_groups: PromptGroups | None = None
     # For a tap: the config section that holds its arguments, and the framework it taps.
     section: str | None = None
     taps: str | None = None

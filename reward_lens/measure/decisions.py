@@ -25,6 +25,7 @@ noise and is never stated as a finding.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -64,6 +65,8 @@ class Decisions:
     resolved: tuple[tuple[int, int], ...]
     kl_min: Mapping[tuple[int, int], float] = field(default_factory=dict)  # priced pair -> KL_min (the quadratic form)
     shares: Mapping[tuple[int, int], Mapping[str, float]] = field(default_factory=dict)  # priced pair -> shares (nats)
+    # --ledger auto fell back to the unpaired ledger: why the paired one could not form, in words
+    fallback: str | None = None
 
     # ---------------------------------------------------------------- counts, made here only
     @property
@@ -109,7 +112,8 @@ class Decisions:
 
     def summary(self) -> dict[str, int | str]:
         """The counts every sentence on the page takes its numbers from."""
-        return {"ledger": self.ledger, "step_pairs": self.n_pairs, "usable": len(self.usable),
+        return {"ledger": self.ledger, "fallback": self.fallback, "step_pairs": self.n_pairs,
+                "usable": len(self.usable),
                 "refused": len(self.refused), "priced": len(self.priced), "resolved": len(self.resolved),
                 "moved": len(self.pairs_moved), "cells": int(self.identified.size),
                 "cells_identified": int(self.identified.sum()), "cells_moved": int(self.moved.sum())}
@@ -120,8 +124,13 @@ def decide(priced_run, names: Sequence[str]) -> Decisions:
     book's KL_min rows (their BH decision) and the step pairs that could not be formed."""
     if priced_run is None:
         return decide_from([], names, ledger="none")
-    return decide_from(priced_run.ledgers, names, ledger=priced_run.ledger, not_formed=priced_run.not_formed,
-                       series=priced_run.book.kl_min if priced_run.book is not None else None)
+    d = decide_from(priced_run.ledgers, names, ledger=priced_run.ledger, not_formed=priced_run.not_formed,
+                    series=priced_run.book.kl_min if priced_run.book is not None else None)
+    fb = priced_run.fallback
+    if fb is None:
+        return d
+    words = f"{REASONS.get(fb.reason, fb.reason)} at every step (step {fb.step} has {fb.count})"
+    return dataclasses.replace(d, fallback=words)
 
 
 def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpaired",

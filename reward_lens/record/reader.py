@@ -398,12 +398,16 @@ class Run:
             if count:
                 out[name] = Presence(int(count), n)
         roll_steps = self.rollout_step_values
+        # With one generation feeding R optimizer steps, rollouts exist on every R-th step by
+        # design: a rollout field present on each generation step is present throughout.
+        r = self.generation_reuse
+        n_roll = -(-n // r) if r > 1 else n
         for name, spec in self._fields_spec.by_source("rollouts").items():
             if spec.column not in self.rollout_columns() or not len(roll_steps):
                 continue
             counts = [_null_count(pf.metadata, spec.column) for _, pf in self._segments]
             if all(c == 0 for c in counts):
-                out[name] = Presence(len(roll_steps), n)
+                out[name] = Presence(min(len(roll_steps), n_roll), n_roll)
             elif any(c is None or c < pf.metadata.num_rows for c, (_, pf) in zip(counts, self._segments)):
                 steps_with = set()
                 for seg, pf in self._segments:
@@ -411,7 +415,11 @@ class Run:
                     valid = pc.is_valid(col.column(spec.column)).to_numpy(zero_copy_only=False)
                     steps_with.update(np.unique(col.column("step").to_numpy()[valid]).tolist())
                 if steps_with:
-                    out[name] = Presence(len(steps_with), n)
+                    # scores under the previous policy belong to a step pair: the first
+                    # generation has no earlier policy to be scored under
+                    first = spec.column in PREVIOUS_POLICY_COLUMNS and int(roll_steps[0]) not in steps_with
+                    of = n_roll - 1 if first and n_roll > 1 else n_roll
+                    out[name] = Presence(min(len(steps_with), of), of)
         if self.manifest.optimizer:
             out["optimizer"] = Presence(n, n)
         if self._heldout_segments:
@@ -424,6 +432,20 @@ class Run:
             out["checkpoints"] = Presence(len(ck), n)
         return out
 
+    @cached_property
+    def generation_reuse(self) -> int:
+        """How many optimizer steps one generation batch feeds, from the trainer config the
+        manifest keeps (TRL: num_iterations x steps_per_generation / gradient_accumulation_steps;
+        1 where it does not say)."""
+        cfg = self.manifest.trainer_config or {}
+        try:
+            iters = int(cfg.get("num_iterations") or 1)
+            ga = int(cfg.get("gradient_accumulation_steps") or 1)
+            spg = int(cfg.get("steps_per_generation") or ga)
+        except (TypeError, ValueError):
+            return 1
+        return max(1, iters) * max(1, spg // max(1, ga))
+
     def verify(self) -> None:
         """Re-hash every data file against the manifest (reads everything; not done on open)."""
         for name, entry in self.manifest.files.items():
@@ -434,6 +456,11 @@ class Run:
                 p = self.path / ck.path / name
                 if not p.is_file() or sha256_file(p) != entry.sha256:
                     raise RecordError(p, "checkpoint file missing or changed since the record was written")
+
+
+# Rollout columns that score a rollout under the policy before its step's: absent on the first
+# generation by design (there is no earlier policy), so counted over the generations after it.
+PREVIOUS_POLICY_COLUMNS = frozenset({"logp_prev", "kl_prev", "logp_prev_step"})
 
 
 def _null_count(meta: pq.FileMetaData, column: str) -> int | None:

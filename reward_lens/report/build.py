@@ -202,7 +202,7 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
     shares = sorted((d.resolved_shares or {}).items(), key=lambda kv: -kv[1])
     interval = c.get("eta_run_interval")
     return Glance(
-        ledger=d.ledger, features=len(d.names), updates=d.n_pairs, usable=len(d.usable), refused=len(d.refused),
+        ledger=d.ledger, ledger_fallback=d.fallback, features=len(d.names), updates=d.n_pairs, usable=len(d.usable), refused=len(d.refused),
         refused_reasons=[(REASONS.get(k, k), len(v)) for k, v in d.refused_by_reason().items()],
         priced=len(d.priced), resolved=len(d.resolved), eta_rows=len(est),
         d_t_median=float(np.median([e.d_t for e in est])) if est else None,

@@ -137,6 +137,8 @@ class Glance(_M):
     sentence of the summary card and every number on the first screen is one of these."""
 
     ledger: str = Field(description="'paired' | 'unpaired' | 'none'")
+    ledger_fallback: str | None = Field(None, description="why the paired ledger could not form, where --ledger "
+                                                          "auto used the unpaired one instead")
     features: int = Field(description="behaviours in the basis")
     updates: int = Field(description="step pairs (one optimizer update each) with a ledger or a refusal")
     usable: int

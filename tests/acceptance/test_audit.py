@@ -39,8 +39,10 @@ ROWS = [
     ("log_completions false", {**PER_STEP, "log_completions": False}, {}, "will refuse", None,
      {"rollouts": "log_completions", "denominator": "reward_lens"}, None),
     ("num_generations 1", {**PER_STEP, "num_generations": 1}, {}, "will not run", None, {}, None),
-    ("trl defaults with the tap", TRL_DEFAULTS, {"framework": "trl", "with_tap": True}, "will compute", "paired",
-     {}, None),
+    # TRL's defaults generate 8 completions per process at a time, 8 per prompt: one prompt group, and
+    # the paired ledger needs two (the report then reads the run with the unpaired one, as here)
+    ("trl defaults with the tap", TRL_DEFAULTS, {"framework": "trl", "with_tap": True}, "will compute", "unpaired",
+     {}, "per_device_train_batch_size"),
     ("tap from a config section", {**TRL_DEFAULTS, "num_generations": 4, "reward_lens": {"flush_every": 25}},
      {"framework": "trl"}, "will compute", "paired", {}, None),
     ("tap without an estimator", {**PER_STEP, "reward_lens": {"estimator": None}}, {}, "will refuse", "unpaired",
@@ -183,9 +185,25 @@ def test_no_number_that_the_config_does_not_give(tmp_path, name, cfg, opts):
     window = cfg.get("logging_steps", 10)
     if steps and steps > 0:
         allowed.add(float(math.ceil(steps / window)))
+    trl = load_frameworks()["trl"]
+    if res.framework == "trl":  # the prompt groups a generation batch holds, and how many the paired ledger needs
+        d = {**trl.defaults, **cfg}
+        allowed |= {float(trl.prompt_groups.minimum),
+                    float(d["per_device_train_batch_size"] * d["gradient_accumulation_steps"] // d["num_generations"])}
     for verbose in (False, True):
         text = audit_text(res, verbose=verbose)
         assert _numbers(text) <= allowed, (verbose, sorted(_numbers(text) - allowed), text)
+
+
+def test_a_run_that_will_not_start_exits_one(tmp_path):
+    """FSDP with the tap: the tap refuses at attach, so every book "will not run" and the audit
+    exits 1 (it exited 0)."""
+    p = _write(tmp_path, {**PER_STEP, "fsdp": "full_shard"})
+    r = subprocess.run(CLI + ["audit", str(p), "--with-tap"], capture_output=True, text=True)
+    assert r.returncode == 1 and "will not run" in r.stdout
+    assert subprocess.run(CLI + ["audit", str(p), "--with-tap", "--fail-on", "never"]).returncode == 0
+    tap = _write(tmp_path, {**PER_STEP, "per_device_train_batch_size": 16, "reward_lens": {}})
+    assert subprocess.run(CLI + ["audit", str(tap)], capture_output=True).returncode == 0  # every book computes
 
 
 def test_json_schema_is_committed_and_output_validates(tmp_path):
@@ -199,7 +217,7 @@ def test_json_schema_is_committed_and_output_validates(tmp_path):
     assert json.loads((REPO / "specs" / "schemas" / "audit.schema.json").read_text()) == json_schema()
     r = subprocess.run(CLI + ["audit", str(CONFIGS / "verl_grpo.yaml"), "--format", "json"], capture_output=True,
                        text=True)
-    assert r.returncode == 0
+    assert r.returncode == 1  # veRL logs no D_t: a book would refuse, so the default --fail-on says 1
     data = json.loads(r.stdout)
     AuditOut.model_validate(data)  # extra keys forbidden: the schema is the whole contract
     assert data["schema_version"] == "1.0"
@@ -211,7 +229,8 @@ def test_cli_arguments_first_collapsed_remedies_and_broken_pipe(tmp_path):
     r = subprocess.run(CLI + ["audit", str(cfg), "--require", "bogus"], capture_output=True, text=True)
     assert r.returncode == 2 and r.stdout == "" and "--require names unknown book(s) ['bogus']" in r.stderr
     r = subprocess.run(CLI + ["audit", str(cfg)], capture_output=True, text=True)
-    assert r.returncode == 0
+    assert r.returncode == 1  # books would refuse: --fail-on incomplete, the default, as in report
+    assert subprocess.run(CLI + ["audit", str(cfg), "--fail-on", "never"], capture_output=True).returncode == 0
     assert "Remedy: Log the completions of every optimizer step.\n" in r.stdout
     assert "In TRL set" not in r.stdout  # the rest is behind --verbose
     v = subprocess.run(CLI + ["audit", str(cfg), "--verbose"], capture_output=True, text=True)

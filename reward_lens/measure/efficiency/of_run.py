@@ -2,8 +2,9 @@
 
 ``ledger="auto"`` uses the paired ledger where the record has independent scored rollouts
 (``logp_prev`` on the rollouts of at least one step) -- with the held-out completions of pi_t
-as its second side where the record has them -- else the unpaired one; the book says which it
-used.
+as its second side where the record has them -- else the unpaired one; and the unpaired one
+too where no paired ledger can form for a structural reason (one prompt group per step, which
+no step escapes: ``fallback`` says so). The book says which it used, and why.
 """
 
 from __future__ import annotations
@@ -29,16 +30,26 @@ class PricedRun:
     ledger: str
     not_formed: dict[tuple[int, int], NotFormed]  # step pairs no ledger could be formed for, and why
     ledgers: Sequence = ()  # the ledgers the book was priced on, as priced (the effect and cause books read them)
+    # --ledger auto: the paired ledger the record seemed to support and why it could not be used
+    # (every step pair refused for one structural reason), when the unpaired one was used instead
+    fallback: NotFormed | None = None
 
 
 def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", window: int | str = 1) -> PricedRun:
     if ledger not in LEDGERS:
         raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {ledger!r}")
     lrs = learning_rates(run)
+    fallback = None
     if ledger == "auto":
         ledger = "paired" if any(has_paired_sample(s) for s in samples) else "unpaired"
+        if ledger == "paired":
+            ledgers, why = paired_ledger_series(samples, lrs, _heldout(samples))
+            reasons = {w.reason for w in why.values()}
+            if not ledgers and reasons <= STRUCTURAL:  # e.g. one prompt group per step: no paired ledger can form
+                fallback = min(why.values(), key=lambda w: w.step)
+                ledger = "unpaired"
     if ledger == "paired":
-        ledgers, why = paired_ledger_series(samples, lrs, {s.step: s.heldout for s in samples if s.heldout is not None})
+        ledgers, why = paired_ledger_series(samples, lrs, _heldout(samples))
         if not ledgers:
             return PricedRun(None, None, ledger, why)
         g = within_group_metric(ledgers)
@@ -48,7 +59,16 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
             return PricedRun(None, None, ledger, why)
         ok = [s for s in samples if s.n >= 2]
         g = metric_g(ok, method="covariance_bound", scope="auto")
-    return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why, ledgers)
+    return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why, ledgers, fallback)
+
+
+# Reasons a paired ledger cannot form that no step of the run escapes (the run's layout, not a
+# step's sample): under --ledger auto the unpaired ledger is used instead, and the book says why.
+STRUCTURAL = frozenset({"few_groups"})
+
+
+def _heldout(samples: list[StepSample]) -> dict[int, StepSample]:
+    return {s.step: s.heldout for s in samples if s.heldout is not None}
 
 
 def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[int, int], NotFormed]]:

@@ -226,7 +226,7 @@ def cost_section(ctx: RunContext) -> BookResult:
     run_est = book.run_level()
     d = ctx.decisions
     summary = {
-        "ledger": book.ledger, "window": str(book.window),
+        "ledger": book.ledger, "window": str(book.window), "ledger_fallback": d.fallback,
         "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
         "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
         "rows_nothing_priced": counts["nothing_priced"],
