@@ -291,10 +291,13 @@ def cmd_publish(args) -> int:
     runs = [open_run(p) for p in args.run_dirs]
     for run in runs:
         run.verify()
-    files = publish(runs, site, progress, ledger=args.ledger, window=window, features=features)
+    files, kept = publish(runs, site, progress, ledger=args.ledger, window=window, features=features,
+                          prune=args.prune)
     progress.done()
     if not args.quiet:
         print(f"wrote {len(files)} files to {args.site} (open {Path(args.site) / 'index.html'})")
+        if kept:
+            print(f"kept {len(kept)} run(s) already on the site ({', '.join(kept)}); --prune drops them")
     return EXIT_OK
 
 
@@ -380,6 +383,8 @@ def parser() -> argparse.ArgumentParser:
                    "examples/features/task.yaml; default: specs/features/surface.yaml)")
     s.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired, for every run")
     s.add_argument("--window", default="1", help="as for report: W step pairs priced together, or 'adaptive'")
+    s.add_argument("--prune", action="store_true", help="drop the runs already on the site that are not published "
+                   "now (they are kept, and listed, by default)")
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_publish)
 

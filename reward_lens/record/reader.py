@@ -54,7 +54,9 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
     expected = content_run_id(manifest)
     if manifest.run_id != expected:
         raise RecordError(root / MANIFEST_FILE, f"run_id {manifest.run_id!r} does not match the content hash "
-                          f"{expected!r}: the manifest was edited or its files were replaced", field="run_id")
+                          f"{expected!r}: the manifest was edited or its files were replaced after the record was "
+                          "written (the run id names that content, so any edit breaks it); restore the manifest "
+                          "as written, or write the record again (the tap, or reward-lens import)", field="run_id")
     if run_id is not None:
         if len(run_id) < 12 or not manifest.run_id.startswith(run_id.rstrip(".")):
             raise RecordError(root / MANIFEST_FILE, f"this record is {manifest.run_id}, not {run_id}", field="run_id")
@@ -121,6 +123,9 @@ def telemetry_file(manifest: RunManifest, root: Path) -> str:
 def _read_manifest(root: Path) -> RunManifest:
     path = root / MANIFEST_FILE
     if not path.is_file():
+        if (root / "trainer_state.json").is_file() or any(root.glob("checkpoint-*/trainer_state.json")):
+            raise RecordError(path, f"missing: this looks like a TRL output directory, not a reward-lens record; "
+                              f"convert it first: reward-lens import trl {root} RECORD_DIR")
         raise RecordError(path, "missing: a record directory needs manifest.json")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

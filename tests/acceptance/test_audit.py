@@ -231,10 +231,16 @@ def test_cli_arguments_first_collapsed_remedies_and_broken_pipe(tmp_path):
     r = subprocess.run(CLI + ["audit", str(cfg)], capture_output=True, text=True)
     assert r.returncode == 1  # books would refuse: --fail-on incomplete, the default, as in report
     assert subprocess.run(CLI + ["audit", str(cfg), "--fail-on", "never"], capture_output=True).returncode == 0
-    assert "Remedy: Log the completions of every optimizer step.\n" in r.stdout
-    assert "In TRL set" not in r.stdout  # the rest is behind --verbose
+    # the first sentence names the key to change, and not one the config already sets: this
+    # config logs completions, but one step in 10
+    assert "Remedy: Set `logging_steps=1` in TRL's config" in " ".join(r.stdout.split())
+    assert "log_completions=True" not in r.stdout.split("Remedy:")[1].split("\n\n")[0]
+    assert "records every generation" not in r.stdout  # the rest is behind --verbose
     v = subprocess.run(CLI + ["audit", str(cfg), "--verbose"], capture_output=True, text=True)
-    assert "In TRL set `log_completions=True`" in v.stdout and len(v.stdout) > len(r.stdout)
+    assert "records every generation" in " ".join(v.stdout.split()) and len(v.stdout) > len(r.stdout)
+    w = subprocess.run(CLI + ["audit", str(_write(tmp_path, {**PER_STEP, "log_completions": False}))],
+                       capture_output=True, text=True)
+    assert "Remedy: Set `log_completions=True` (with `logging_steps=1`) in TRL's config" in " ".join(w.stdout.split())
     r = subprocess.run(CLI + ["audit", str(cfg), "--require", "cost"], capture_output=True, text=True)
     assert r.returncode == 1
     # a reader that closes the pipe early: no error, the exit code kept

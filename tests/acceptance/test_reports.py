@@ -143,7 +143,7 @@ def _cli(*args, cwd=None):
 def test_help_documents_exit_codes():
     out = _cli("report", "--help")
     assert out.returncode == 0
-    for line in ("0  every book computed", "1  some book refused", "2  bad input"):
+    for line in ("0  computed", "1  refused", "2  bad input"):
         assert line in out.stdout
     assert "--fail-on" in out.stdout
 
@@ -171,8 +171,10 @@ def test_exit_codes(tmp_path):
     # 1: numbers, but none resolved from noise, is not "computed" (and says so in one line).
     noise = {s: varied_completions(s, n=40) for s in range(6)}
     rec3 = tiny_record(tmp_path / "noise", noise, kl_to_previous={s: 50.0 for s in range(6)})
-    r = _cli("report", str(rec3), "--out", str(tmp_path / "f"))
+    r = _cli("report", str(rec3), "--out", str(tmp_path / "f"), "--fail-on", "refused")
     assert r.returncode == 1 and "cost_series: unresolved: η is not resolved from noise" in r.stdout
+    # ... which the default, --fail-on incomplete, does not count: the record lacks nothing
+    assert _cli("report", str(rec3), "--out", str(tmp_path / "g"), "--quiet").returncode == 0
 
 
 def test_bad_input_is_one_line_and_exit_two(tmp_path):
@@ -386,3 +388,22 @@ def test_per_step_numbers_are_columns_aligned_with_their_steps():
         assert means["mean"][name] == pytest.approx([mean[s][j] for s in means["step"]], rel=1e-9, abs=1e-12)
         se = [z[step == s, j].std(ddof=1) / np.sqrt((step == s).sum()) for s in means["step"]]
         assert means["se"][name] == pytest.approx(se, rel=1e-6, abs=1e-12)
+
+
+def test_publishing_fewer_runs_keeps_the_others_unless_pruned(tmp_path):
+    """A site that holds runs A and B, published again with A alone: B stays, listed in the
+    index with its numbers (it used to vanish without a word); --prune drops it."""
+    site = tmp_path / "site"
+    assert _cli("publish", str(LONG), str(PAIRED), "--site", str(site), "--quiet").returncode == 0
+    before = sorted(p.name for p in (site / "runs").iterdir())
+    r = _cli("publish", str(PAIRED), "--site", str(site))
+    assert r.returncode == 0 and "kept 1 run(s) already on the site" in r.stdout and "--prune" in r.stdout
+    assert sorted(p.name for p in (site / "runs").iterdir()) == before
+    index = (site / "index.md").read_text()
+    paired = next(n for n in before if n.startswith("paired"))
+    glance = json.loads((site / "runs" / paired / "report.json").read_text())["glance"]
+    # the index states each run's numbers: the paired run's eta, as its own report writes it
+    assert f"{round(100 * glance['eta_run'])} %" in index and f"{glance['resolved']} of {glance['priced']}" in index
+    assert all(n in index for n in before)
+    assert _cli("publish", str(PAIRED), "--site", str(site), "--prune", "--quiet").returncode == 0
+    assert [p.name for p in (site / "runs").iterdir()] == [paired]

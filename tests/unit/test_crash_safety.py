@@ -244,7 +244,7 @@ def test_identical_completions_get_a_report_that_prices_nothing(tmp_path):
     rec = tiny_record(tmp_path / "same", {s: ["same text"] * 6 for s in range(4)}, kl_to_previous={s: 1.0 for s in
                                                                                                     range(4)})
     out = tmp_path / "o"
-    assert cli.main(["report", str(rec), "--out", str(out), "--quiet"]) == cli.EXIT_REFUSED
+    assert cli.main(["report", str(rec), "--out", str(out), "--quiet", "--fail-on", "refused"]) == cli.EXIT_REFUSED
     data = json.loads((out / "report.json").read_text())
     book = next(b for b in data["books"] if b["id"] == "cost")
     assert book["status"] == "unresolved" and book["data"]["summary"]["rows_nothing_priced"] == 3
