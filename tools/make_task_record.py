@@ -24,11 +24,12 @@ What it does:
    beta 0, temperature 1, max completion length 24, ``logging_steps=1``; recorded by
    ``RewardLensTap`` (its defaults: D_t from the next generation and 4 held-out completions per prompt).
 
-What moves (``--summary``): correctness rises from about 0.55 to 0.71 and the exact format from
-0.94 to 0.98, while completions that start over after ``</answer>`` (and so miss EOS) fall; the
-policy does not collapse (correctness stays well inside (0, 1) within steps). A trial with a
-noisier corpus and the rate 1e-3 saw correctness fall from 0.25 to 0.03 over 100 steps: that
-is why this corpus and 5e-4.
+What moves (``--summary`` prints it): the exact format rises and completions that start over
+after ``</answer>`` (and so miss EOS) fall; correctness does *not* rise in this recording (it
+drifts down between the first and the last 20 steps, within noise over the run: the report says
+"asked for, not bought"). The policy does not collapse (correctness stays well inside (0, 1)
+within steps). A trial with a noisier corpus and the rate 1e-3 saw correctness fall from 0.25 to
+0.03 over 100 steps: that is why this corpus and 5e-4.
 
 The basis to read it with is ``examples/features/task.yaml`` (format ok, correct, length in
 tokens, ends with EOS, repetition, and the format reward); ``reward-lens report --example task``
@@ -229,27 +230,22 @@ def summary_table(path: Path = DEST) -> str:
 
 
 def cost_table(path: Path = DEST) -> str:
-    """What the cost book says on the task record, read in the task basis: the headline, and
-    each feature's share of KL_min summed over the step pairs whose KL_min is resolved."""
+    """What the report says on the task record, read in the task basis: the cost book's
+    headline, and each behaviour's share of KL_min over the updates whose movement is resolved
+    (the report's first screen: ``Report.glance``)."""
     from reward_lens.measure.ledger.basis import load_basis
     from reward_lens.record.reader import open_run
     from reward_lens.report import build_report
 
     report = build_report(open_run(path), features=load_basis(BASIS))
     (book,) = [b for b in report.books if b.id == "cost"]
-    k = book.typed().kl_min  # the rows as columns
-    features = book.typed().features
-    resolved = [i for i, r in enumerate(k.resolved) if r]
-    total, by_feature = k.resolved_totals()
-    units = {f.name: f.unit for f in features}
+    g = report.glance
+    shares = {s.feature: s.share for s in g.shares}
+    units = {f.name: f.unit for f in report.basis.features}
     lines = [f"cost book: {book.headline}", "",
-             f"| feature | unit | share of KL_min over the {len(resolved)} resolved step pairs | "
-             "step pairs it leads |", "|---|---|---|---|"]
-    for f in features:
-        share = by_feature.get(f.name, 0.0)
-        leads = sum(k.leading_feature[i] == f.name for i in resolved)
-        lines.append(f"| `{f.name}` | {units[f.name]} | {share / total:.0%} | {leads} |" if total > 0 else
-                     f"| `{f.name}` | {units[f.name]} | — | {leads} |")
+             f"| feature | unit | share of KL_min over the {g.resolved} resolved updates |", "|---|---|---|"]
+    for name in units:
+        lines.append(f"| `{name}` | {units[name]} | {round(100 * shares.get(name, 0.0))} % |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,11 @@
 """The truth harness: every estimate of a tapped run against a truth measured another way.
 
-    python tools/truth.py                       # both regimes (the README's table)
-    python tools/truth.py --regime collapse     # one
+    python tools/truth.py --quote               # both regimes: the lines docs/science.md quotes
+    python tools/truth.py --regime collapse     # one, with timings
     python tools/truth.py --cache /tmp/truth    # keep the trained runs and oracle pools there
+
+About 6 minutes on 2 CPU cores (measured: collapse 3.2 min, moderate 2.9 min, of which the
+oracle's sampling is most); the slow test tests/acceptance/test_truth.py runs it.
 
 Two regimes, each a real TRL ``GRPOTrainer`` run with the reward-lens tap attached and every
 policy pi_t kept:
@@ -60,6 +63,9 @@ class Regime:
     prompts_per_step: int = 8
     generations: int = 8
 
+
+# Oracle samples per prompt and policy the test draws (tests/acceptance/test_truth.py).
+DEFAULT_N = {"moderate": 64, "collapse": 128}
 
 REGIMES = {
     "moderate": Regime("moderate", steps=40, learning_rate=1e-2, seed=31, cap=32),
@@ -416,7 +422,7 @@ class RegimeResult:
     pairs: list[tuple[int, int]]
     truths: dict
     cells: list[Cell]
-    d_t: dict  # pair -> (record's kl_to_previous or None, in-sample token KL, truth, truth SE)
+    d_t: dict  # pair -> (record's kl_to_previous or None, in-sample token KL, truth, truth SE, record's SE)
     eta_rows: list  # (pair, status, eta_debiased, interval, truth eta)
     eta_run: tuple | None  # (estimate, (lo, hi), truth over the priced pairs)
     replicates: dict = field(default_factory=dict)
@@ -497,6 +503,7 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) 
     premises = dict(book.kl_min.premises) if book is not None else {}
     rows = {r.step_pair: r for r in book.rows} if book is not None else {}
     d_rec = run.telemetry_column("kl_to_previous")
+    d_rec_se = run.telemetry_column("kl_to_previous_se")
     names = list(basis.names)
     truths = {pair: oracle_truth(pool) for pair, pool in pools_.items()}
     cells, d_t, eta_rows = [], {}, []
@@ -513,7 +520,8 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) 
             else:
                 cells.append(Cell(pair, n, "reported", float(lg.delta_z[j]), float(lg.se[j]), float(truth.dz[j]),
                                   float(truth.dz_se[j])))
-        d_t[pair] = (d_rec.get(pair[0]), _in_sample_d_t(trained, run, pair), truth.d_t, truth.d_t_se)
+        d_t[pair] = (d_rec.get(pair[0]), _in_sample_d_t(trained, run, pair), truth.d_t, truth.d_t_se,
+                     d_rec_se.get(pair[0], float("nan")))
         r = rows.get(pair)
         if r is not None and r.efficiency_debiased is not None:
             eta_rows.append((pair, r.status, r.efficiency_debiased, r.interval, truth.eta))
@@ -542,10 +550,12 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
     from reward_lens.measure.ledger.paired import paired_ledger
     from reward_lens.measure.ledger.price import StepSample
 
+    from scipy import special
+
     rng = np.random.default_rng(0)
     out = {}
     for h in hs:
-        biased = total = 0
+        biased = total = covered = tried = 0
         ratios, sd_se = [], []
         for pair, pool in pools_.items():
             truth = truths[pair]
@@ -561,9 +571,14 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
                 held = StepSample(pair[1], tuple(names), pool.z["a"][ia], groups=pool.groups["a"][ia],
                                   logp=pool.logp_t1["a"][ia], logp_prev=pool.logp_t["a"][ia], kl_prev=pool.kl["a"][ia])
                 lg = paired_ledger(roll, heldout=held if h else None)
-                if hasattr(lg, "delta_z"):
+                if hasattr(lg, "delta_z") and lg.premise() is None:  # as the books: a failed premise is refused
                     est.append(lg.delta_z)
                     ses.append(lg.se)
+                    q = float(special.stdtrit(lg.n_groups - 1, 0.975))  # the t quantile the effect book uses
+                    seen = lg.se > 0
+                    off = np.abs(lg.delta_z - truth.dz) <= q * np.sqrt(lg.se ** 2 + truth.dz_se ** 2)
+                    covered += int((off & seen).sum())
+                    tried += int(seen.sum())
             if len(est) < 2:
                 continue
             est, ses = np.array(est), np.array(ses)
@@ -579,7 +594,8 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
                 if pos.any():
                     sd_se.append(sd / np.sqrt(np.mean(ses[pos, j] ** 2)))
         out[h] = {"cells": total, "biased": int(biased), "median_bias_over_sd": float(np.median(ratios)),
-                  "median_sd_over_se": float(np.median(sd_se)), "replicates": r}
+                  "median_sd_over_se": float(np.median(sd_se)), "replicates": r,
+                  "coverage": covered / tried if tried else None}
     return out
 
 
@@ -614,7 +630,8 @@ def summary_lines(res: RegimeResult) -> list[str]:
     for h, s in sorted(res.replicates.items()):
         lines.append(f"  replicates (8 rollouts{f' + {h} held-out' if h else ''} per prompt, {s['replicates']} each): "
                      f"{s['biased']} of {s['cells']} cells biased beyond 3 SE; median |bias|/SD "
-                     f"{s['median_bias_over_sd']:.2f}; median real SD / reported SE {s['median_sd_over_se']:.2f}")
+                     f"{s['median_bias_over_sd']:.2f}; median real SD / reported SE {s['median_sd_over_se']:.2f}; "
+                     f"95 % intervals (t, G-1 dof) cover the truth in {100 * s['coverage']:.1f} % of identified cells")
     oracle = np.median([t.d_t_se / t.d_t for t in res.truths.values()])
     lines.append(f"  oracle's own error: median relative SE of D_t {oracle:.3f}")
     return lines
@@ -650,18 +667,23 @@ def run_regime(name: str, work: Path, n: int = 256, replicates: int = 20, progre
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--regime", choices=sorted(REGIMES), action="append")
-    ap.add_argument("--n", type=int, default=256, help="oracle samples per prompt and policy")
+    ap.add_argument("--n", type=int, help="oracle samples per prompt and policy (default: the test's, 64 moderate "
+                    "and 128 collapse)")
+    ap.add_argument("--quote", action="store_true", help="print only the summary lines the docs quote")
     ap.add_argument("--replicates", type=int, default=20)
     ap.add_argument("--cache", type=Path, help="keep (and reuse) the trained runs and the oracle's samples here")
     args = ap.parse_args(argv)
-    for name in args.regime or sorted(REGIMES):
+    for name in args.regime or ["moderate", "collapse"]:
         with tempfile.TemporaryDirectory() as tmp:
             work = args.cache / name if args.cache else Path(tmp)
             work.mkdir(parents=True, exist_ok=True)
-            res = run_regime(name, work, args.n, args.replicates, cache=args.cache is not None)
-            print("\n".join(summary_lines(res)))
-            print(f"  ({res.seconds['total']:.0f} s: training {res.seconds['train']:.0f}, oracle "
-                  f"{res.seconds['oracle']:.0f}, checks {res.seconds['check']:.0f})", flush=True)
+            quiet = (lambda *_: None) if args.quote else print
+            res = run_regime(name, work, args.n or DEFAULT_N[name], args.replicates, progress=quiet,
+                             cache=args.cache is not None)
+            print("\n".join(summary_lines(res)), flush=True)
+            if not args.quote:
+                print(f"  ({res.seconds['total']:.0f} s: training {res.seconds['train']:.0f}, oracle "
+                      f"{res.seconds['oracle']:.0f}, checks {res.seconds['check']:.0f})", flush=True)
 
 
 if __name__ == "__main__":

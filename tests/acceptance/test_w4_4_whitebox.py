@@ -75,10 +75,10 @@ def test_empirical_fisher_factors(results):
 
 @pytest.mark.whitebox
 def test_readme_table_is_what_this_experiment_measures(results):
-    """README's "When the denominator exists" rows are this run's numbers (2 % tolerance)."""
+    """docs/science.md's "When the denominator exists" rows are this run's numbers (2 % tolerance)."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "science.md").read_text()
     for size, r in results.items():
         row = next(line for line in readme.splitlines() if line.startswith(f"| {size:g} | "))
         cells = [c.strip() for c in row.strip("|").split("|")]

@@ -61,5 +61,11 @@ def test_the_report_columns_are_the_rows():
         assert {n: v[i] for n, v in cols.shares.items() if v[i] is not None} == row.shares
     assert totals == {n: sum(r.shares.get(n, 0.0) for r in series.rows) for n in g.names}
     res = [r for r in series.rows if r.resolved]
-    assert res and cols.resolved_totals() == (sum(r.kl_min for r in res),
-                                             {n: sum(r.shares.get(n, 0.0) for r in res) for n in g.names})
+    # the shares the card, the agreement book and the task table state: the run's decisions,
+    # summed over the resolved rows in one place; here summed plainly over the rows
+    from reward_lens.measure.decisions import decide_from
+
+    d = decide_from(ledger_series(samples), g.names, series=series)
+    total = sum(r.kl_min for r in res)
+    assert res and d.resolved_kl_min == pytest.approx(total, rel=1e-12)
+    assert d.resolved_shares == pytest.approx({n: sum(r.shares.get(n, 0.0) for r in res) / total for n in g.names})

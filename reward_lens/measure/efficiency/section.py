@@ -63,13 +63,6 @@ class KlMinRows(_M):
     def __len__(self) -> int:
         return len(self.step_pair)
 
-    def resolved_totals(self) -> tuple[float, dict[str, float]]:
-        """KL_min summed over the resolved rows, and each feature's share of it (nats per
-        sequence), added in row order: what the card, the agreement book and the task table
-        read off the cost book."""
-        res = [i for i, r in enumerate(self.resolved) if r]
-        return sum(self.kl_min[i] for i in res), {n: sum(v[i] or 0.0 for i in res) for n, v in self.shares.items()}
-
 
 class EfficiencyRows(_M):
     """Every row of the efficiency table (a step pair, or a window when steps > 1), as columns:
@@ -227,6 +220,7 @@ def cost_section(ctx: RunContext) -> BookResult:
     d = ctx.decisions
     summary = {
         "ledger": book.ledger, "window": str(book.window), "ledger_fallback": d.fallback,
+        "two_sided": sum(getattr(lg, "n_heldout", 0) > 0 for lg in priced.ledgers),
         "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
         "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
         "rows_nothing_priced": counts["nothing_priced"],
