@@ -44,6 +44,10 @@ class Progress:
             sys.stderr.flush()
 
 
+CALLABLE_NOTE = (" A `callable` feature imports and runs the Python function it names: use only a basis you "
+                 "wrote or trust (a basis is never read from a record or a report).")
+
+
 @contextmanager
 def _fewer_collections():
     """Cyclic garbage collection every 100,000 new objects instead of Python's 700, for one
@@ -252,7 +256,7 @@ def _emit(text: str) -> None:
 
 def cmd_diff(args) -> int:
     from reward_lens.measure.ledger.features import features_from
-    from reward_lens.report.diff import diff_html, diff_json, diff_markdown, diff_reports, load_side
+    from reward_lens.report.diff import diff_html, diff_json, diff_markdown, diff_reports, is_report_dir, load_side
     from reward_lens.report.output import check_owned, replace_dir_atomically
 
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
@@ -260,6 +264,17 @@ def cmd_diff(args) -> int:
     if bad or not formats:
         raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
     out = Path(args.out)
+    sides = [Path(args.run_a), Path(args.run_b)]
+    for side in sides:
+        r_out, r_side = out.resolve(), side.resolve()
+        if r_out == r_side or r_out in r_side.parents or r_side in r_out.parents:
+            raise ValueError(f"--out {out} is {'inside ' if r_side in r_out.parents else ''}the input {side}: "
+                             "the diff would replace what it compares; choose another --out")
+    reports = [str(p) for p in sides if is_report_dir(p)]
+    if args.features is not None and len(reports) == len(sides):
+        raise ValueError(f"--features {args.features} applies to neither input ({', '.join(reports)} are report "
+                         "directories, whose books were computed in the basis each report.json names). Give record "
+                         "directories to read both in this basis")
     check_owned(out, "report")  # before any work
     features = features_from(args.features)
     (a, la), (b, lb) = load_side(Path(args.run_a), features), load_side(Path(args.run_b), features)
@@ -344,7 +359,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--window", default="1", help="price W consecutive step pairs together (ratio of sums), or "
                    "'adaptive': merge until resolved (default 1)")
     r.add_argument("--features", metavar="FILE", help="a feature basis (YAML, e.g. examples/features/task.yaml; "
-                   "default: specs/features/surface.yaml)")
+                   "default: specs/features/surface.yaml)." + CALLABLE_NOTE)
     r.add_argument("--pretty", action="store_true", help="indent report.json (compact by default)")
     r.add_argument("--quiet", action="store_true", help="no progress, no summary")
     r.set_defaults(func=cmd_report)
@@ -363,14 +378,14 @@ def parser() -> argparse.ArgumentParser:
                    "(also implied by a `reward_lens:` section in the config)")
     a.add_argument("--verbose", action="store_true", help="print each refusal's whole detail and remedy")
     a.add_argument("--features", metavar="FILE", help="a feature basis (YAML): say which of its features the "
-                   "logging setup supports")
+                   "logging setup supports." + CALLABLE_NOTE)
     a.set_defaults(func=cmd_audit)
 
     dfp = sub.add_parser("diff", help="the books of two runs side by side (same feature basis required)")
     dfp.add_argument("run_a", help="a record directory, or a report directory (report.json)")
     dfp.add_argument("run_b", help="a record directory, or a report directory (report.json)")
     dfp.add_argument("--features", metavar="FILE", help="the feature basis both records are read in (default: "
-                     "specs/features/surface.yaml)")
+                     "specs/features/surface.yaml); not for report directories." + CALLABLE_NOTE)
     dfp.add_argument("--out", default="reward-lens-diff", help="output directory (default: ./reward-lens-diff)")
     dfp.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
     dfp.add_argument("--quiet", action="store_true")
@@ -380,7 +395,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("run_dirs", nargs="+", help="record directories")
     s.add_argument("--site", required=True, help="the site directory (replaced atomically)")
     s.add_argument("--features", metavar="FILE", help="the feature basis every run is read in (YAML, e.g. "
-                   "examples/features/task.yaml; default: specs/features/surface.yaml)")
+                   "examples/features/task.yaml; default: specs/features/surface.yaml)." + CALLABLE_NOTE)
     s.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired, for every run")
     s.add_argument("--window", default="1", help="as for report: W step pairs priced together, or 'adaptive'")
     s.add_argument("--prune", action="store_true", help="drop the runs already on the site that are not published "

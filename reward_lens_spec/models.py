@@ -15,6 +15,8 @@ class Constraints(_Strict):
     required: bool = False
     nonnegative: bool = False
     finite: bool = False
+    maximum: float | None = None
+    maximum_why: str | None = None
 
 
 class FrameworkEntry(_Strict):

@@ -23,15 +23,17 @@ from reward_lens_spec.paths import templates_dir
 
 
 class _CompiledTemplates(jinja2.FileSystemBytecodeCache):
-    """Jinja's own cache of compiled templates (a per-user directory under the system temp
-    directory, created 0700 and checked to be this user's by Jinja; entries keyed by the
-    template's path and checked against its source's hash, written by rename). ``tag`` keeps
-    environments whose options change the compiled code apart (autoescape, whitespace
-    control), and the Jinja version keeps releases apart. A cache that cannot be read or
-    written is passed over: it only saves compiling (about 0.2 s a report)."""
+    """Jinja's own cache of compiled templates, kept only in a directory no other user can
+    write (``cache_directory()``: the user's cache directory, never the shared temp directory,
+    where Jinja's default ``_jinja2-cache-<uid>`` can be pre-created by another user). Entries
+    are keyed by the template's path and checked against its source's hash, written by rename.
+    ``tag`` keeps environments whose options change the compiled code apart (autoescape,
+    whitespace control), and the Jinja version keeps releases apart. A cache that cannot be
+    read or written is passed over: it only saves compiling (about 0.2 s a report)."""
 
-    def __init__(self, tag: str):
-        super().__init__(pattern=f"__reward_lens_{tag}_{jinja2.__version__}_%s.cache")
+    def __init__(self, tag: str, directory: str | None = None):
+        super().__init__(directory=directory or os.devnull,
+                         pattern=f"__reward_lens_{tag}_{jinja2.__version__}_%s.cache")
 
     def load_bytecode(self, bucket: jinja2.bccache.Bucket) -> None:
         try:
@@ -46,15 +48,46 @@ class _CompiledTemplates(jinja2.FileSystemBytecodeCache):
             pass
 
 
-def compiled_templates(tag: str) -> jinja2.BytecodeCache | None:
-    """The bytecode cache for an environment (None when REWARD_LENS_TEMPLATE_CACHE=0, or when
-    no safe per-user directory can be made)."""
-    if os.environ.get("REWARD_LENS_TEMPLATE_CACHE", "1") == "0":
+def _private_dir(path: Path) -> bool:
+    """True when ``path`` is a real directory (not a symlink) owned by this user that no one
+    else can write: checked with lstat, after creating it 0700 where missing, never chmod-ed
+    (chmod follows symlinks)."""
+    import stat
+
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and not stat.S_ISLNK(st.st_mode)
+            and st.st_uid == os.getuid() and not st.st_mode & 0o077)
+
+
+def cache_directory() -> Path | None:
+    """Where compiled templates may be kept: ``$XDG_CACHE_HOME/reward-lens/templates`` (or
+    ``~/.cache/...``) when it and its parent are this user's private directories, else None."""
+    if not hasattr(os, "getuid"):
+        return None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if not os.path.isabs(base):
         return None
     try:
-        return _CompiledTemplates(tag)
-    except (OSError, RuntimeError):
+        if os.stat(base).st_mode & 0o022:  # a cache root others can write into is not private
+            return None
+    except OSError:
+        pass  # created below, 0700
+    parent = Path(base) / "reward-lens"
+    path = parent / "templates"
+    return path if _private_dir(parent) and _private_dir(path) else None
+
+
+def compiled_templates(tag: str) -> jinja2.BytecodeCache | None:
+    """The bytecode cache for an environment (None when REWARD_LENS_TEMPLATE_CACHE=0, or when
+    no private per-user directory can be had: then templates are compiled each time)."""
+    if os.environ.get("REWARD_LENS_TEMPLATE_CACHE", "1") == "0":
         return None
+    where = cache_directory()
+    return _CompiledTemplates(tag, str(where)) if where is not None else None
 
 
 @lru_cache(maxsize=None)

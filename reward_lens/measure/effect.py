@@ -66,10 +66,10 @@ class DriftOut(_M):
     first: float = Field(description="mean over the first steps (first_steps)")
     last: float = Field(description="mean over the last steps (last_steps)")
     drift: float
-    se: float
-    t: float
+    se: float | None = Field(description="null where it cannot be estimated (one prompt group on a side)")
+    t: float | None
     p: float
-    moved: bool = Field(description="BH at q = 0.05 over the features rejects drift = 0")
+    moved: bool = Field(description="BH at q = 0.05 over the features rejects drift = 0; never where se is null")
     rows_moved: int = Field(description="step pairs at which the feature moved")
 
 
@@ -109,13 +109,14 @@ def drift(samples: Sequence[StepSample], names: Sequence[str], units: dict[str, 
     se = np.sqrt(uf.var(axis=0, ddof=1) / len(uf) + ul.var(axis=0, ddof=1) / len(ul)) if min(len(uf), len(ul)) > 1 \
         else np.full(len(names), np.nan)
     d = ml - mf
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(se > 0, d / se, np.where(d == 0, 0.0, np.inf))
+    with np.errstate(divide="ignore", invalid="ignore"):  # no SE (one unit a side): no test, not moved
+        t = np.where(np.isnan(se), np.nan, np.where(se > 0, d / se, np.where(d == 0, 0.0, np.inf)))
     p = 2 * special.ndtr(-np.abs(t))
     p = np.where(np.isfinite(p), p, 1.0)
     moved = benjamini_hochberg(p, FDR_Q) if len(ordered) > 1 else np.zeros(len(names), bool)
     out = [DriftOut(feature=n, unit=units.get(n, ""), first=float(mf[j]), last=float(ml[j]), drift=float(d[j]),
-                    se=float(se[j]), t=float(t[j]) if np.isfinite(t[j]) else float(np.sign(d[j]) * 1e300),
+                    se=float(se[j]) if np.isfinite(se[j]) else None,
+                    t=None if np.isnan(t[j]) else float(t[j]) if np.isfinite(t[j]) else float(np.sign(d[j]) * 1e300),
                     p=float(p[j]), moved=bool(moved[j]), rows_moved=0)
            for j, n in enumerate(names)]
     return out, [s.step for s in first], [s.step for s in last]

@@ -102,7 +102,8 @@ def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n
         (a, sa), (b, sb) = means[t], means[u]
         se = math.sqrt(sa ** 2 + sb ** 2)
         dr = b - a
-        pv = float(2 * special.ndtr(-abs(dr) / se)) if se > 0 else (0.0 if dr else 1.0)
+        # no SE (one prompt group at a step): not testable, never resolved
+        pv = 1.0 if math.isnan(se) else float(2 * special.ndtr(-abs(dr) / se)) if se > 0 else (0.0 if dr else 1.0)
         p.append(pv)
         rows.append((t, u, dr, se, float(kl_spent[t]), pv))
     rej = benjamini_hochberg(p, FDR_Q)
@@ -120,8 +121,9 @@ def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n
         if stops:
             ends_var += means[r.step_pair[1]][1] ** 2
     per_nat = total_r / total_d if total_d > 0 else None
-    per_nat_se = math.sqrt(ends_var) / total_d if total_d > 0 else None
-    per_nat_p = float(2 * special.ndtr(-abs(total_r) / math.sqrt(ends_var))) if ends_var > 0 else None
+    per_nat_se = math.sqrt(ends_var) / total_d if total_d > 0 and not math.isnan(ends_var) else None
+    per_nat_p = (float(2 * special.ndtr(-abs(total_r) / math.sqrt(ends_var))) if ends_var > 0 and not math.isnan(ends_var)
+                 else None)
     # frontier along the first contiguous stretch from the first step with rewards
     d_cum, r_cum = [0.0], [0.0]
     if out:

@@ -44,13 +44,39 @@ from reward_lens_spec import Presence, load_fields
 from reward_lens_spec.models import FieldSpec
 
 
+def _manifest_bytes(root: Path) -> bytes | None:
+    try:
+        return (root / MANIFEST_FILE).read_bytes()
+    except OSError:
+        return None
+
+
 def open_run(path: str | Path, run_id: str | None = None) -> Run:
     """Open the record at ``path``; if ``run_id`` is given (in full or as a prefix of at
-    least ``run:`` + 8 hex digits), it must name this record."""
+    least ``run:`` + 8 hex digits), it must name this record.
+
+    A record being written (the tap flushing while a report reads) is opened as the snapshot of
+    one committed manifest: every file it lists is opened before this returns (an open file
+    stays readable after the writer removes it), and when a listed file disappears because a
+    new manifest was committed meanwhile, the new manifest is opened instead."""
     root = Path(path)
+    for attempt in range(8):
+        before = _manifest_bytes(root)
+        try:
+            return _open_once(root, run_id)
+        except RecordError:
+            if attempt == 7 or before is None or _manifest_bytes(root) == before:
+                raise  # the record itself is at fault, not a writer committing meanwhile
+    raise AssertionError("unreachable")
+
+
+def _open_once(root: Path, run_id: str | None) -> Run:
     if not root.is_dir():
         raise RecordError(root, "no record here (not a directory)")
     manifest = _read_manifest(root)
+    # The telemetry file is the one file a writer removes (a generation after a newer manifest
+    # lists another): open it first, while this manifest is current; an open file stays readable.
+    telemetry = _open_listed(root, manifest)
     expected = content_run_id(manifest)
     if manifest.run_id != expected:
         raise RecordError(root / MANIFEST_FILE, f"run_id {manifest.run_id!r} does not match the content hash "
@@ -66,16 +92,19 @@ def open_run(path: str | Path, run_id: str | None = None) -> Run:
             raise RecordError(root / MANIFEST_FILE, f"lists {name!r}: a record's files are plain names inside its "
                               "own directory", field="files")
         f = root / name
-        if not f.is_file():
+        if telemetry is not None and telemetry_name(name):
+            size = telemetry.size()  # opened above: removed since by a writer or not, this is its size
+        elif not f.is_file():
             raise RecordError(f, "listed in manifest.json but missing")
-        size = f.stat().st_size
+        else:
+            size = f.stat().st_size
         if size != entry.bytes:
             raise RecordError(f, f"is {size} bytes but manifest.json records {entry.bytes}: truncated or replaced")
     telemetry_file(manifest, root)
     if not rollout_segments(manifest, root):
         raise RecordError(root / MANIFEST_FILE, f"does not list `{ROLLOUTS_FILE}` (or rollouts-NNNNN.parquet "
                           "segments)", field="files")
-    run = Run(root, manifest)
+    run = Run(root, manifest, telemetry)
     run._validate_telemetry()
     run._validate_rollout_steps()
     return run
@@ -120,6 +149,30 @@ def telemetry_file(manifest: RunManifest, root: Path) -> str:
     return names[0]
 
 
+def _open_listed(root: Path, manifest: RunManifest) -> pa.NativeFile | None:
+    """The manifest's telemetry file, opened (None when it lists none usable: named later)."""
+    names = [n for n in manifest.files if telemetry_name(n)]
+    if len(names) != 1 or len(Path(names[0]).parts) != 1:
+        return None
+    try:
+        return pa.OSFile(str(root / names[0]), "r")
+    except OSError:
+        raise RecordError(root / names[0], "listed in manifest.json but missing") from None
+
+
+def _sha256_handle(handle: pa.NativeFile) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    pos = 0
+    size = handle.size()
+    while pos < size:
+        chunk = handle.read_at(min(1 << 20, size - pos), pos)
+        h.update(chunk)
+        pos += len(chunk)
+    return h.hexdigest()
+
+
 def _read_manifest(root: Path) -> RunManifest:
     path = root / MANIFEST_FILE
     if not path.is_file():
@@ -161,12 +214,13 @@ class Window:
 class Run:
     """An opened, validated record. Data is read lazily, by column."""
 
-    def __init__(self, root: Path, manifest: RunManifest):
+    def __init__(self, root: Path, manifest: RunManifest, telemetry: pa.NativeFile | None = None):
         self.path = root
         self.manifest = manifest
         self._fields_spec = load_fields()
         self.telemetry_name = telemetry_file(manifest, root)
-        self._telemetry_file = self._open_parquet(self.telemetry_name, "telemetry")
+        self._telemetry_handle = telemetry
+        self._telemetry_file = self._open_parquet(self.telemetry_name, "telemetry", telemetry)
         self._segments = [(name, self._open_parquet(name, "rollouts")) for name in rollout_segments(manifest, root)]
         self._heldout_segments = [(name, self._open_parquet(name, "rollouts"))
                                   for name in rollout_segments(manifest, root, "heldout")]
@@ -206,10 +260,10 @@ class Run:
         return self.run_id[:12] + "..."
 
     # ------------------------------------------------------------------ files and types
-    def _open_parquet(self, name: str, source: str) -> pq.ParquetFile:
+    def _open_parquet(self, name: str, source: str, handle: pa.NativeFile | None = None) -> pq.ParquetFile:
         path = self.path / name
         try:
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(handle if handle is not None else path)
         except (pa.ArrowInvalid, OSError) as exc:
             raise RecordError(path, f"not a readable Parquet file ({exc})") from None
         schema = pf.schema_arrow
@@ -300,15 +354,27 @@ class Run:
         steps = self.rollout_steps
         return steps[np.r_[True, steps[1:] != steps[:-1]]] if len(steps) else steps
 
+    def _segment_of(self, row: int) -> Path:
+        """The file holding rollout row ``row`` (in file order over the segments)."""
+        ends = np.cumsum([pf.metadata.num_rows for _, pf in self._segments])
+        i = min(int(np.searchsorted(ends, row, side="right")), len(self._segments) - 1)
+        return self.path / self._segments[i][0]
+
     def _validate_rollout_steps(self) -> None:
-        path = self.path / self._segments[0][0]
         steps = self.rollout_steps
         if len(steps) and steps.min() < 0:
-            raise RecordError(path, "negative step", field="step", steps=np.unique(steps[steps < 0]))
+            first = int(np.flatnonzero(steps < 0)[0])
+            raise RecordError(self._segment_of(first), "negative step", field="step",
+                              steps=np.unique(steps[steps < 0]))
         back = np.flatnonzero(np.diff(steps) < 0)
         if len(back):
-            raise RecordError(path, "rows are not sorted by step (the writer sorts them; the file was altered)",
-                              field="step", steps=steps[back + 1])
+            ends = np.cumsum([pf.metadata.num_rows for _, pf in self._segments])
+            at = self._segment_of(int(back[0]) + 1)
+            where = ("rows are not sorted by step (the writer sorts them; the file was altered)"
+                     if int(back[0]) + 1 not in set(ends.tolist()) else
+                     "starts at an earlier step than the segment before it ends (segments are written in step order; "
+                     "a segment was replaced or renamed)")
+            raise RecordError(at, where, field="step", steps=steps[back + 1])
 
     def rollout_columns(self) -> list[str]:
         return list(self._segments[0][1].schema_arrow.names)
@@ -454,7 +520,11 @@ class Run:
     def verify(self) -> None:
         """Re-hash every data file against the manifest (reads everything; not done on open)."""
         for name, entry in self.manifest.files.items():
-            if sha256_file(self.path / name) != entry.sha256:
+            if name == self.telemetry_name and self._telemetry_handle is not None:
+                digest = _sha256_handle(self._telemetry_handle)  # the file this snapshot opened
+            else:
+                digest = sha256_file(self.path / name)
+            if digest != entry.sha256:
                 raise RecordError(self.path / name, "sha256 differs from manifest.json: the file was changed")
         for ck in self.manifest.checkpoints:
             for name, entry in ck.files.items():
@@ -537,4 +607,10 @@ def _check_values(column: pa.ChunkedArray, spec: FieldSpec, steps: np.ndarray, p
         bad = valid & (values < 0)
         if bad.any():
             raise RecordError(path, f"negative value; a {spec.unit} quantity cannot be negative",
+                              field=spec.column, steps=np.unique(steps[bad]))
+    if spec.constraints.maximum is not None:
+        bad = valid & (values > spec.constraints.maximum)
+        if bad.any():
+            raise RecordError(path, f"value {values[bad].max():.3g} above {spec.constraints.maximum:g} {spec.unit}"
+                              f"{' (' + spec.constraints.maximum_why + ')' if spec.constraints.maximum_why else ''}",
                               field=spec.column, steps=np.unique(steps[bad]))

@@ -4,8 +4,10 @@ Layout of a streamed record: ``telemetry-NNNNN.parquet`` (one row per step, smal
 flush writes a *new* file with every step so far), ``rollouts-00001.parquet``,
 ``rollouts-00002.parquet``, ... (one segment per flush, never rewritten) and
 ``manifest.json``. Each flush writes its new files under new names, then replaces the
-manifest by rename, and only then removes the telemetry file the old manifest listed. No
-file a committed manifest lists is ever modified, so a crash at any moment -- including
+manifest by rename, and only then removes the telemetry file of the manifest *before* the old
+one: the previous generation stays, so a reader that has just read the previous manifest can
+still open what it lists (and ``open_run`` reopens on a manifest change if it is slower still).
+No file a committed manifest lists is ever modified, so a crash at any moment -- including
 between the data and the manifest -- leaves the record of the last completed flush, with
 every size and checksum as its manifest records them.
 """
@@ -32,7 +34,7 @@ from reward_lens.record.schema import (
     arrow_schema,
     telemetry_name,
 )
-from reward_lens.record.writer import _file_entry, _rollouts_table, _telemetry_table, commit_manifest
+from reward_lens.record.writer import _file_entry, _rollouts_table, _telemetry_table, commit_manifest, record_file_name
 
 
 def _replace(tmp: Path, dest: Path) -> None:
@@ -51,9 +53,8 @@ class RecordStream:
         if self.path.exists():
             if not overwrite:
                 raise RecordError(self.path, "a record already exists here (pass overwrite=True to replace it)")
-            for p in self.path.iterdir():
-                if p.is_file() and (p.name.endswith(".parquet") or p.name.endswith(".parquet.tmp")
-                                    or p.name == MANIFEST_FILE):
+            for p in self.path.iterdir():  # only the files a record is made of: never a user's own
+                if p.is_file() and not p.is_symlink() and record_file_name(p.name):
                     p.unlink()
         self.path.mkdir(parents=True, exist_ok=True)
         self._base = dict(framework=dict(framework), model=dict(model), optimizer=optimizer,
@@ -66,6 +67,7 @@ class RecordStream:
         self._checkpoints: list[CheckpointEntry] = []
         self._segment = 0
         self.flushes = 0
+        self._retired: list[str] = []  # telemetry of the previous manifest: removed one flush later
 
     def set_telemetry(self, row: OptimizerTelemetry) -> None:
         """Add or replace the telemetry of one step (later fields merge into earlier ones)."""
@@ -120,7 +122,8 @@ class RecordStream:
             self._files[name] = _file_entry(self.path / name, 0)
         manifest = commit_manifest(self.path, RunManifest(**self._base, files=dict(self._files),
                                                           checkpoints=list(self._checkpoints)))
-        for old in previous:  # no committed manifest lists it any more
+        for old in self._retired:  # neither the committed manifest nor the one before lists it
             (self.path / old).unlink(missing_ok=True)
+        self._retired = previous
         self.flushes += 1
         return manifest

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -123,7 +124,7 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def swap_into_place(tmp: Path, dest: Path) -> None:
+def swap_into_place(tmp: Path, dest: Path, keep_foreign: bool = False) -> None:
     """Put the finished directory ``tmp`` at ``dest``. An existing ``dest`` is exchanged with
     ``tmp`` in one atomic rename and then removed, so a kill at any moment leaves the old
     directory or the new one at ``dest``, never neither. Where the exchange is not
@@ -131,11 +132,15 @@ def swap_into_place(tmp: Path, dest: Path) -> None:
     the process dies between the two renames."""
     if dest.exists():
         if _exchange(tmp, dest):
-            shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old directory
+            if keep_foreign:
+                _carry_over(tmp, dest)  # tmp now holds the old directory
+            shutil.rmtree(tmp, ignore_errors=True)
         else:
             old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
             os.rename(dest, old / dest.name)
             os.rename(tmp, dest)
+            if keep_foreign:
+                _carry_over(old / dest.name, dest)
             shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, dest)
@@ -151,6 +156,29 @@ def recover_swap(dest: Path) -> None:
             os.rename(old / dest.name, dest)
             shutil.rmtree(old, ignore_errors=True)
             return
+
+
+_RECORD_FILE = re.compile(r"^\.?(manifest\.json|(telemetry|rollouts|heldout)(-\d{5})?\.parquet)(\.tmp)?$")
+
+
+def record_file_name(name: str) -> bool:
+    """A name reward-lens writes in a record directory (its manifest, its Parquet files, their
+    temporary names). Anything else there is someone else's: never removed or replaced."""
+    return bool(_RECORD_FILE.match(name))
+
+
+def _carry_over(old: Path, new: Path) -> None:
+    """Move what is not reward-lens's from the replaced record ``old`` into the new one: a
+    user's notes, a README, their own folders. ``checkpoints/`` is the record's own only where
+    the old manifest listed checkpoints."""
+    try:
+        listed = json.loads((old / MANIFEST_FILE).read_text(encoding="utf-8")).get("checkpoints") or []
+    except (OSError, ValueError, AttributeError):
+        listed = []
+    for p in old.iterdir():
+        if record_file_name(p.name) or (p.name == "checkpoints" and listed) or (new / p.name).exists():
+            continue
+        os.rename(p, new / p.name)
 
 
 def _is_our_record(path: Path) -> bool:
@@ -225,7 +253,7 @@ def write_run(
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)
         _fsync_dir(tmp)
-        swap_into_place(tmp, dest)
+        swap_into_place(tmp, dest, keep_foreign=True)  # a user's own files in the folder stay
         return manifest
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

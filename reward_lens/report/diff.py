@@ -42,17 +42,39 @@ class Diff(BaseModel):
     books: list[BookPair] = Field(default_factory=list)
 
 
+def is_report_dir(path: Path) -> bool:
+    return (path / "report.json").is_file() and not (path / "manifest.json").is_file()
+
+
+def read_report(path: Path) -> Report:
+    """``report.json`` of a report directory, validated whole: the report's model, every book's
+    data against the model its spec names, and the books' feature lists against the report's
+    basis. A report directory is data someone may have sent: it is never trusted further."""
+    where = path / "report.json"
+    try:
+        report = Report.model_validate_json(where.read_text(encoding="utf-8"))
+        books = [b.model_copy(update={"data": b.typed()}) for b in report.books]  # each book's own model
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        msg = " ".join(str(exc).split())[:200]
+        raise ValueError(f"{where}: not a reward-lens report of this version ({msg})") from None
+    names = [f.name for f in report.basis.features]
+    for b in books:
+        feats = getattr(b.data, "features", None)
+        listed = ([f if isinstance(f, str) else getattr(f, "feature", getattr(f, "name", None)) for f in feats]
+                  if isinstance(feats, list) else None)
+        if listed is not None and listed and listed != names:
+            raise ValueError(f"{where}: book {b.id!r} lists features {listed[:5]} but the report's basis "
+                             f"{report.basis.id} has {names[:5]}: the report was edited or cut short")
+    return report.model_copy(update={"books": books})
+
+
 def load_side(path: Path, features) -> tuple[Report, str]:
     """A report for one side: read from a report directory, or built from a record."""
     from reward_lens.record.reader import open_run
     from reward_lens.report.build import build_report
 
-    if (path / "report.json").is_file() and not (path / "manifest.json").is_file():
-        try:
-            return Report.model_validate_json((path / "report.json").read_text(encoding="utf-8")), path.name
-        except ValueError as exc:
-            msg = " ".join(str(exc).split())[:200]
-            raise ValueError(f"{path / 'report.json'}: not a reward-lens report of this version ({msg})") from None
+    if is_report_dir(path):
+        return read_report(path), path.name
     run = open_run(path)
     run.verify()
     return build_report(run, features=features), path.name

@@ -148,14 +148,20 @@ def _limits(values: list[np.ndarray], log: bool, include: list[float]) -> tuple[
     v = v[np.isfinite(v) & (v > 0)] if log else v[np.isfinite(v)]
     if not len(v):
         return (0.1, 10.0) if log else (0.0, 1.0)
-    lo, hi = float(v.min()), float(v.max())
+    # any finite float is data a record may hold: limits kept where their padding and the
+    # decades between them stay finite (a subnormal or a 1e308 is drawn at the edge)
+    lo, hi = (float(x) for x in np.clip([v.min(), v.max()], -1e300, 1e300))
     if log:
-        lo, hi = math.log10(lo), math.log10(hi)
+        lo, hi = max(math.log10(lo), -290.0), min(math.log10(hi), 290.0)
     if hi == lo:
         pad = max(abs(lo) * 0.1, 0.5 if log else 1e-9 if lo else 1.0)
         lo, hi = lo - pad, hi + pad
     pad = 0.05 * (hi - lo)  # matplotlib's default margins
     lo, hi = lo - pad, hi + pad
+    if log:
+        lo, hi = max(lo, -300.0), min(hi, 300.0)
+        if hi <= lo:
+            lo, hi = hi - 1.0, hi
     return (10 ** lo, 10 ** hi) if log else (lo, hi)
 
 

@@ -48,8 +48,12 @@ def fmt(x, digits: int = 4) -> str:
             return "yes" if x else "no"
         if isinstance(x, int):
             return str(x)
+        if not isinstance(x, float):  # text where a number was expected (a report read from a file)
+            return str(x)
     if x == 0:
         return "0"
+    if x != x:  # NaN: a quantity that could not be estimated
+        return "—"
     ax = abs(x)
     return f"{x:.{digits - 1}e}" if ax < 1e-3 or ax >= 1e5 else f"{x:.{digits}g}"
 
@@ -65,7 +69,7 @@ def prose_cell(text: str) -> str:
 def fmt_all(values, digits: int = 4) -> list[str]:
     """``fmt`` of every value of a column (floats, nearly all of them, formatted inline)."""
     g, e = f".{digits}g", f".{digits - 1}e"
-    return [("0" if x == 0 else format(x, e if -1e-3 < x < 1e-3 or not -1e5 < x < 1e5 else g))
+    return [("0" if x == 0 else "—" if x != x else format(x, e if -1e-3 < x < 1e-3 or not -1e5 < x < 1e5 else g))
             if x.__class__ is float else fmt(x, digits) for x in values]
 
 
@@ -88,6 +92,12 @@ def fmt_interval_all(values, intervals, digits: int = 4) -> list[str]:
 def with_note(cells, flags, note: str) -> list[str]:
     """The cells, with `` note`` after each one whose flag is set."""
     return [f"{c} {note}" if f else c for c, f in zip(cells, flags)]
+
+
+def md_value(x, limit: int = 80) -> str:
+    """A value read from a report in a Markdown cell: numbers formatted, anything else as
+    record text (escaped by ``md_cell``)."""
+    return md_cell(fmt(x), limit)
 
 
 def md_cell_all(values) -> list[str]:
@@ -134,7 +144,7 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(root), undefined=jinja2.StrictUndefined,
                              bytecode_cache=compiled_templates("html" if autoescape else "text"),
                              autoescape=autoescape, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    env.filters.update(md_cell=md_cell, fmt=fmt, prose_md=markdown_view, visible=visible, num3=format_nats,
+    env.filters.update(md_cell=md_cell, md_value=md_value, fmt=fmt, prose_md=markdown_view, visible=visible, num3=format_nats,
                        pct=percent, codes=code_list, prose_cell=prose_cell,
                        fmt_all=fmt_all, text_all=text_all, pairs_all=pairs_all, fmt_columns=fmt_columns,
                        md_rows=md_rows, html_rows=html_rows, fmt_interval_all=fmt_interval_all, with_note=with_note,

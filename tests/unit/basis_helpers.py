@@ -14,3 +14,17 @@ def too_short(completions):
 
 def not_finite(completions):
     return np.full(len(completions), np.nan)
+
+
+def raises_runtime(completions):
+    raise RuntimeError("the user's bug")
+
+
+def raises_key(completions):
+    return {}["missing"]
+
+
+def exits(completions):
+    import sys
+
+    sys.exit(0)

@@ -185,3 +185,24 @@ def test_invalid_utf8_in_a_completion_names_the_file_field_and_step(tmp_path, ca
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "rollouts.parquet" in err and "`completion`" in err and "UTF-8" in err
     assert f"step {step}" in err
+
+
+@pytest.mark.parametrize("kl,code,words", [
+    ({s: 1e308 for s in range(6)}, 2, ["telemetry.parquet", "`kl_to_previous`", "steps 0, 1, 2, 3, 4, 5", "logging error"]),
+    ({**{s: 0.01 for s in range(6)}, 3: 5e-324}, 0, []),  # a subnormal D_t: computed, no overflow anywhere
+    ({0: 1e9, 1: 1e-300, 2: 0.01, 3: 2.0, 4: 0.02, 5: 0.03}, 0, []),
+])
+def test_any_finite_d_t_is_computed_or_named_never_an_overflow(tmp_path, capsys, kl, code, words):
+    """kl_to_previous = 1e308 everywhere or 5e-324 at one step used to exit 3 (OverflowError in the
+    plots' limits and ticks); a D_t above 1e9 nats per sequence is a logging error, named (issue 31)."""
+    from tests.conftest import tiny_record, varied_completions
+
+    rec = tiny_record(tmp_path / "rec", {s: varied_completions(s, 16) for s in range(6)}, kl_to_previous=kl,
+                      reward_slope=0.1)
+    got = cli.main(["report", str(rec), "--out", str(tmp_path / "o"), "--quiet", "--fail-on", "never"])
+    err = capsys.readouterr().err.strip()
+    assert got == code, err
+    assert all(w in err for w in words), err
+    if code == 0:
+        text = (tmp_path / "o" / "report.md").read_text()
+        assert "inf nats" not in text and "nan" not in text.replace("nan_", "")

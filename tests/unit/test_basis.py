@@ -4,6 +4,7 @@ basis unchanged, malformed bases named, and the basis id as a join key."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -163,6 +164,9 @@ BAD = [
     ("unknown key", "features:\n  - name: a\n    kind: json\n    colour: red\n", r"bad\.yaml:4: .*colour"),
     ("twice", "features:\n  - name: a\n    kind: json\n  - name: a\n    kind: json\n", r"bad\.yaml:4: feature `a` is declared twice"),
     ("no import", 'features:\n  - name: a\n    kind: callable\n    function: "nomod:fn"\n', r"bad\.yaml:4: feature `a`: cannot import nomod:fn"),
+    ("nan offset", "features:\n  - name: a\n    kind: regex\n    pattern: x\n    offset: .nan\n", r"bad\.yaml:5: .*offset.*finite"),
+    ("inf offset", "features:\n  - name: a\n    kind: regex\n    pattern: x\n    offset: .inf\n", r"bad\.yaml:5: .*offset.*finite"),
+    ("huge offset", "features:\n  - name: a\n    kind: regex\n    pattern: x\n    offset: 1e308\n", r"bad\.yaml:5: .*offset.*1000000"),
 ]
 
 
@@ -236,3 +240,70 @@ def test_report_json_carries_the_basis_with_units(tmp_path):
     assert units == {"length_chars": "characters", "exclaims": "matches per 100 characters"}
     md = (tmp_path / "out" / "report.md").read_text()
     assert load_basis(spec).basis_id in md and "| matches per 100 characters |" in md
+
+
+@pytest.mark.parametrize("fn,exc", [("raises_runtime", "RuntimeError: the user's bug"), ("raises_key", "KeyError"),
+                                    ("exits", "SystemExit")])
+def test_a_failing_callable_is_bad_input_naming_basis_feature_and_exception(tmp_path, fn, exc):
+    """The user's code failing is exit 2 naming the basis file, the feature and the exception,
+    not exit 3 'a bug in reward-lens'; sys.exit inside it does not end the command (issue 31)."""
+    spec = tmp_path / "b.yaml"
+    spec.write_text(f'features:\n  - name: f\n    kind: callable\n    function: "tests.unit.basis_helpers:{fn}"\n')
+    paired = REPO / "tests" / "fixtures" / "grpo_run" / "paired"
+    r = subprocess.run(CLI + ["report", str(paired), "--features", str(spec), "--out", str(tmp_path / "out")],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2, r.stderr
+    assert str(spec) in r.stderr and "feature `f`" in r.stderr and exc in r.stderr, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_module_that_fails_on_import_is_named(tmp_path):
+    (tmp_path / "brokenmod.py").write_text("def f(:\n")
+    (tmp_path / "raisemod.py").write_text("raise RuntimeError('at import')\n")
+    for mod, exc in (("brokenmod", "SyntaxError"), ("raisemod", "RuntimeError")):
+        spec = tmp_path / f"{mod}.yaml"
+        spec.write_text(f'features:\n  - name: f\n    kind: callable\n    function: "{mod}:f"\n')
+        r = subprocess.run(CLI + ["report", "--example", "paired", "--features", str(spec), "--out",
+                                  str(tmp_path / "out")], capture_output=True, text=True, cwd=tmp_path,
+                           env={**os.environ, "PYTHONPATH": str(tmp_path)})
+        assert r.returncode == 2 and f"{mod}.yaml:4" in r.stderr and exc in r.stderr, r.stderr
+
+
+def test_a_basis_is_never_taken_from_a_record_or_a_report(tmp_path):
+    """A callable runs code, so a basis comes only from the user's own --features: a record or a
+    report that names a basis (even one with a callable) never makes reward-lens import it."""
+    import shutil
+
+    rec = tmp_path / "rec"
+    shutil.copytree(REPO / "tests" / "fixtures" / "grpo_run" / "paired", rec)
+    marker = tmp_path / "ran"
+    (tmp_path / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('x')\ndef f(c):\n    return [0] * len(c)\n")
+    (rec / "features.yaml").write_text('features:\n  - name: f\n    kind: callable\n    function: "evil:f"\n')
+    r = subprocess.run(CLI + ["report", str(rec), "--out", str(tmp_path / "out"), "--fail-on", "never"],
+                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    report["basis"]["source"] = str(rec / "features.yaml")
+    (tmp_path / "out" / "report.json").write_text(json.dumps(report))
+    r = subprocess.run(CLI + ["diff", str(tmp_path / "out"), str(rec), "--out", str(tmp_path / "d")],
+                       capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert r.returncode in (0, 1), r.stderr
+    assert not marker.exists()
+
+
+def test_a_basis_name_unit_and_meaning_are_text_in_markdown(tmp_path):
+    """The basis file's free text is escaped in report.md and a published site's .md (issue 31)."""
+    spec = tmp_path / "b.yaml"
+    spec.write_text('name: "<img src=x onerror=alert(1)> | `x`"\nfeatures:\n  - name: vowels\n    kind: regex\n'
+                    '    pattern: "[aeiou]"\n    unit: "<b>u</b>"\n    meaning: "a | b <script>x</script> `c`"\n')
+    paired = REPO / "tests" / "fixtures" / "grpo_run" / "paired"
+    r = subprocess.run(CLI + ["report", str(paired), "--features", str(spec), "--out", str(tmp_path / "out"),
+                              "--fail-on", "never", "--quiet"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(CLI + ["publish", str(paired), "--features", str(spec), "--site", str(tmp_path / "site"),
+                              "--quiet"], capture_output=True, text=True)
+    assert r.returncode in (0, 1), r.stderr
+    for md in [tmp_path / "out" / "report.md", *(tmp_path / "site").rglob("*.md")]:
+        text = md.read_text()
+        assert "<img" not in text and "<script" not in text and "<b>" not in text, md
+    assert "&lt;img" in (tmp_path / "out" / "report.md").read_text()

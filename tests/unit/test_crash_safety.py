@@ -328,3 +328,75 @@ def test_sample_text_is_capped_with_a_visible_mark(tmp_path):
     report = build_report(open_run(rec))
     big = next(s for s in report.samples if s.completion.startswith("xxx"))
     assert len(big.completion) < 2100 and "[truncated: 48000 more characters]" in big.completion
+
+
+# ---------------------------------------------------------------- reading a record while it is written (issue 31)
+LIVE_WRITER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, sys.argv[2])
+    from reward_lens.record import OptimizerTelemetry, Rollout
+    from reward_lens.record.stream import RecordStream
+    s = RecordStream(sys.argv[1], framework={"name": "t", "version": "0"}, model={"description": "x"})
+    for step in range(10_000):
+        s.set_telemetry(OptimizerTelemetry(step=step, learning_rate=1e-3))
+        s.add_rollouts([Rollout(step=step, group_id=f"{step}:0", prompt="p", completion=c, reward=float(i))
+                        for i, c in enumerate(["ab", "abc ", "x y z", "AB1"])])
+        s.flush()
+        time.sleep(float(sys.argv[3]))
+""")
+
+
+@pytest.mark.parametrize("every", [0.0, 0.05])
+def test_a_record_is_read_while_the_tap_flushes(tmp_path, every):
+    """Each flush used to remove the telemetry file the previous manifest listed, so a reader
+    between reading the manifest and opening its files failed (4 of 4 times at a 50 ms flush).
+    A reader now always gets one committed manifest's snapshot."""
+    rec = tmp_path / "rec"
+    proc = subprocess.Popen([sys.executable, "-c", LIVE_WRITER, str(rec), str(REPO), str(every)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.time() + 30
+        while not (rec / "manifest.json").exists():
+            assert time.time() < deadline and proc.poll() is None, proc.stderr.read() if proc.poll() else "no flush"
+            time.sleep(0.01)
+        reads, steps_seen = 0, []
+        while reads < 40:
+            run = open_run(rec)
+            steps = run.steps.tolist()
+            assert steps == list(range(len(steps)))
+            assert set(run.read_rollouts(["step"]).column("step").to_pylist()) <= set(steps)
+            steps_seen.append(len(steps))
+            reads += 1
+        assert proc.poll() is None  # the writer was flushing throughout
+        assert steps_seen[-1] > steps_seen[0]  # and the reads saw it grow
+        code = cli.main(["report", str(rec), "--out", str(tmp_path / "out"), "--format", "json", "--quiet",
+                         "--fail-on", "never"])
+        assert code == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_overwriting_a_record_keeps_the_users_own_files(tmp_path):
+    """`import ... --overwrite` (write_run) and the tap's overwrite=True (RecordStream) replace
+    the record's own files, never a user's notes beside them (issue 31)."""
+    from reward_lens.record import OptimizerTelemetry, Rollout, write_run
+    from reward_lens.record.stream import RecordStream
+
+    rec = _record(tmp_path)
+    (rec / "notes.txt").write_text("mine")
+    (rec / "data.parquet").write_bytes(b"not ours")
+    (rec / "analysis").mkdir()
+    (rec / "analysis" / "a.py").write_text("print(1)")
+    write_run(rec, framework={"name": "t", "version": "0"}, model={"description": "again"},
+              telemetry=[OptimizerTelemetry(step=0)], rollouts=[Rollout(step=0, group_id="0:0", prompt="p", completion="a")],
+              overwrite=True)
+    assert open_run(rec).manifest.model.description == "again"
+    assert (rec / "notes.txt").read_text() == "mine" and (rec / "data.parquet").read_bytes() == b"not ours"
+    assert (rec / "analysis" / "a.py").read_text() == "print(1)"
+    s = RecordStream(rec, framework={"name": "t", "version": "0"}, model={"description": "streamed"}, overwrite=True)
+    s.set_telemetry(OptimizerTelemetry(step=0))
+    s.add_rollouts([Rollout(step=0, group_id="0:0", prompt="p", completion="a")])
+    s.flush()
+    assert open_run(rec).manifest.model.description == "streamed"
+    assert (rec / "notes.txt").read_text() == "mine" and (rec / "data.parquet").read_bytes() == b"not ours"

@@ -279,3 +279,42 @@ def test_chosen_steps_read_only_the_row_groups_that_hold_them(tmp_path, monkeypa
     parts = list(run.iter_rollouts(["completion"], steps=[17, 3, 4]))
     assert [s for p in parts for s in p.column("step").to_pylist()] == [3] * 8 + [4] * 8 + [17] * 8
     assert read == [[1], [2], [8]]  # steps 2-3, 4-5 and 16-17: nothing else is read
+
+
+def _three_segments(path):
+    from reward_lens.record import OptimizerTelemetry, Rollout
+    from reward_lens.record.stream import RecordStream
+
+    s = RecordStream(path, framework={"name": "t", "version": "0"}, model={"description": "x"})
+    for step in range(6):
+        s.set_telemetry(OptimizerTelemetry(step=step))
+        s.add_rollouts([Rollout(step=step, group_id=f"{step}:0", prompt="p", completion=c) for c in ("a", "bb")])
+        if step % 2 == 1:
+            s.flush()
+    return path
+
+
+def test_an_unsorted_segment_is_the_one_named(tmp_path):
+    """The error used to name the first segment whatever segment was out of order (issue 31)."""
+    import pyarrow.parquet as pq
+
+    from tests.conftest import refresh_manifest
+
+    rec = _three_segments(tmp_path / "rec")
+    seg = rec / "rollouts-00003.parquet"
+    t = pq.read_table(seg)
+    pq.write_table(t.take([2, 3, 0, 1]), seg)  # steps 5, 5, 4, 4
+    refresh_manifest(rec)
+    with pytest.raises(RecordError) as e:
+        open_run(rec)
+    assert "rollouts-00003.parquet" in str(e.value) and "not sorted" in str(e.value)
+    # a segment that starts before the one before it ends: named, with what went wrong
+    rec2 = _three_segments(tmp_path / "rec2")
+    a, b = rec2 / "rollouts-00002.parquet", rec2 / "rollouts-00003.parquet"
+    ta, tb = pq.read_table(a), pq.read_table(b)
+    pq.write_table(tb, a)
+    pq.write_table(ta, b)
+    refresh_manifest(rec2)
+    with pytest.raises(RecordError) as e:
+        open_run(rec2)
+    assert "rollouts-00003.parquet" in str(e.value) and "segment" in str(e.value)

@@ -83,3 +83,59 @@ def test_the_package_environments_never_share_compiled_code():
     envs = [environment(root, True), environment(root, False), spec_render._env(root)]
     patterns = [e.bytecode_cache.pattern for e in envs if e.bytecode_cache is not None]
     assert len(set(patterns)) == len(patterns) == 3
+
+
+# ---- where compiled templates are kept (issue 31: never a directory another user can plant) ----
+
+def _cache_home(monkeypatch, tmp_path):
+    home = tmp_path / "cache-home"
+    home.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    return home
+
+
+def test_compiled_templates_live_in_the_users_private_cache_dir(monkeypatch, tmp_path):
+    import stat
+    import tempfile
+
+    home = _cache_home(monkeypatch, tmp_path)
+    where = spec_render.cache_directory()
+    assert where == home / "reward-lens" / "templates"
+    assert stat.S_IMODE(os.lstat(where).st_mode) == 0o700
+    cache = spec_render.compiled_templates("text")
+    assert cache is not None and cache.directory == str(where)
+    assert not str(where).startswith(tempfile.gettempdir() + os.sep + "_jinja2")
+
+
+def test_a_planted_symlink_is_not_followed_or_chmod_ed(monkeypatch, tmp_path):
+    import stat
+
+    home = _cache_home(monkeypatch, tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    victim.chmod(0o755)
+    (home / "reward-lens").mkdir(mode=0o700)
+    (home / "reward-lens" / "templates").symlink_to(victim)
+    assert spec_render.cache_directory() is None
+    assert spec_render.compiled_templates("text") is None  # compiled each time instead
+    assert stat.S_IMODE(os.stat(victim).st_mode) == 0o755  # untouched
+
+
+def test_a_directory_others_can_write_or_own_is_never_loaded_from(monkeypatch, tmp_path):
+    home = _cache_home(monkeypatch, tmp_path)
+    planted = home / "reward-lens" / "templates"
+    planted.mkdir(parents=True)
+    (home / "reward-lens").chmod(0o700)
+    planted.chmod(0o777)  # as if another user could write pickles into it
+    (planted / "__reward_lens_text_planted.cache").write_bytes(b"not a template")
+    assert spec_render.cache_directory() is None
+    planted.chmod(0o700)
+    if os.getuid() == 0:  # as root the test can make it another user's directory
+        os.chown(planted, 65534, 65534)
+        assert spec_render.cache_directory() is None
+        os.chown(planted, 0, 0)
+    assert spec_render.cache_directory() == planted
+    # a cache root that others can write into is refused whole
+    home.chmod(0o777)
+    assert spec_render.cache_directory() is None
+    home.chmod(0o700)

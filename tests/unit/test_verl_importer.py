@@ -116,3 +116,71 @@ def test_bad_rollout_dumps_are_named(tmp_path):
     with pytest.raises(RecordError, match="no such rollout dump directory"):
         import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=tmp_path / "nope")
     assert not (tmp_path / "rec").exists()
+
+
+def _dumps(tmp_path):
+    import shutil
+
+    d = tmp_path / "dumps"
+    shutil.copytree(FIX / "rollouts", d)
+    return d
+
+
+@pytest.mark.parametrize("name", ["03.jsonl", "\u0663.jsonl", "\u00b2.jsonl"])
+def test_a_dump_named_like_a_step_but_not_as_verl_names_it_is_named(tmp_path, name):
+    """`03.jsonl` or an Arabic-Indic `٣.jsonl` beside `3.jsonl` used to replace it silently, and
+    `².jsonl` failed in int() without the file (issue 31)."""
+    d = _dumps(tmp_path)
+    (d / name).write_text((d / "3.jsonl").read_text())
+    with pytest.raises(RecordError, match=r"named like a step's dump") as e:
+        import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=d)
+    assert name in str(e.value)
+    assert not (tmp_path / "rec").exists()
+
+
+def test_a_fifo_named_as_a_dump_is_refused_without_blocking(tmp_path):
+    import os
+
+    d = _dumps(tmp_path)
+    (d / "2.jsonl").unlink()
+    os.mkfifo(d / "2.jsonl")  # opening it would wait for a writer forever
+    with pytest.raises(RecordError, match="not a regular file") as e:
+        import_verl(FIX / "metrics.jsonl", tmp_path / "rec", rollouts=d)
+    assert "2.jsonl" in str(e.value)
+
+
+@pytest.mark.parametrize("content,words", [
+    (b'{"input": "q", "output": "\xff\xfe", "score": 1.0, "step": 2}\n', ["2.jsonl:1", "not UTF-8"]),
+    (b'{"input": "q", "output": "a\\ud800b", "score": 1.0, "step": 2}\n', ["2.jsonl:1", "`output`", "lone surrogate"]),
+    (b'{"input": "q", "output": "a", "score": "' + b"9" * 200_000 + b'x", "step": 2}\n',
+     ["2.jsonl:1", "`score`", "200,003 characters"]),
+])
+def test_undecodable_or_huge_dump_values_are_named_in_one_short_line(tmp_path, capsys, content, words):
+    from reward_lens import cli
+
+    d = _dumps(tmp_path)
+    (d / "2.jsonl").write_bytes(content)
+    code = cli.main(["import", "verl", str(FIX / "metrics.jsonl"), str(tmp_path / "rec"), "--rollouts", str(d)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and len(err) < 600, err[:300]
+    assert all(w in err for w in words), err[:300]
+    assert not (tmp_path / "rec").exists()
+
+
+def test_a_non_utf8_metrics_file_is_named(tmp_path):
+    bad = tmp_path / "m.jsonl"
+    bad.write_bytes(b'{"step": 1, "actor/pg_loss": 0.1}\n{"step": 2, "x\xff": 1}\n')
+    with pytest.raises(RecordError, match=r"m\.jsonl:2: not UTF-8"):
+        import_verl(bad, tmp_path / "rec")
+
+
+def test_import_overwrite_keeps_the_users_files_in_the_record_folder(tmp_path):
+    from reward_lens import cli
+
+    rec = tmp_path / "rec"
+    assert cli.main(["import", "verl", str(FIX / "metrics.jsonl"), str(rec), "--rollouts", str(FIX / "rollouts")]) == 0
+    (rec / "notes.txt").write_text("mine")
+    assert cli.main(["import", "verl", str(FIX / "metrics.jsonl"), str(rec), "--rollouts", str(FIX / "rollouts"),
+                     "--overwrite"]) == 0
+    assert (rec / "notes.txt").read_text() == "mine"
+    open_run(rec).verify()

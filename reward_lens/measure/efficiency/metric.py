@@ -158,7 +158,8 @@ def pooled_covariance(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nda
 def _pooled(ns: np.ndarray, scat: np.ndarray, sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
     dof = int(np.where(ns >= 2, ns - 1, 0).sum())
     if dof < 1:
-        raise ValueError("metric_g needs at least one step with two or more rollouts")
+        raise ValueError(f"metric_g needs at least one step with two or more rollouts (got {len(ns)} step(s), "
+                         f"with {', '.join(str(int(n)) for n in ns[:5])}{', ...' if len(ns) > 5 else ''} rollouts)")
     n = int(ns.sum())
     return scat.sum(axis=0) / dof, sums.sum(axis=0) / max(n, 1), n, dof
 
@@ -409,7 +410,9 @@ def _local(samples: Sequence[StepSample]) -> MetricG:
     # step order, all windows at once: offset d adds the (lo + d)-th step where it is inside
     w_dof = _window_sum(dofs, lo, hi)
     if (w_dof < 1).any():
-        raise ValueError("metric_g needs at least one step with two or more rollouts")
+        bad = steps[np.flatnonzero(w_dof < 1)[:5]].tolist()
+        raise ValueError(f"metric_g needs at least one step with two or more rollouts within {LOCAL_HALF_WIDTH} "
+                         f"steps of every step; steps {bad} have none")
     w_n = _window_sum(ns, lo, hi)
     cs = _window_sum(scat, lo, hi) / w_dof[:, None, None]
     ms = _window_sum(sums, lo, hi) / np.maximum(w_n, 1)[:, None]

@@ -40,16 +40,18 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
         raise ValueError(f"--ledger takes one of {', '.join(LEDGERS)}, not {ledger!r}")
     lrs = learning_rates(run)
     fallback = None
+    paired = None
     if ledger == "auto":
         ledger = "paired" if any(has_paired_sample(s) for s in samples) else "unpaired"
         if ledger == "paired":
-            ledgers, why = paired_ledger_series(samples, lrs, _heldout(samples))
+            paired = paired_ledger_series(samples, lrs, _heldout(samples))
+            ledgers, why = paired
             reasons = {w.reason for w in why.values()}
             if not ledgers and reasons <= STRUCTURAL:  # e.g. one prompt group per step: no paired ledger can form
                 fallback = min(why.values(), key=lambda w: w.step)
                 ledger = "unpaired"
     if ledger == "paired":
-        ledgers, why = paired_ledger_series(samples, lrs, _heldout(samples))
+        ledgers, why = paired if paired is not None else paired_ledger_series(samples, lrs, _heldout(samples))
         if not ledgers:
             return PricedRun(None, None, ledger, why)
         g = within_group_metric(ledgers)

@@ -76,7 +76,9 @@ class RegexDef(_Def):
     kind: Literal["regex"]
     pattern: str = Field(min_length=1)
     count: bool | Literal["raw"] = False
-    offset: float = 0.0
+    offset: float = Field(0.0, allow_inf_nan=False, ge=-1e6, le=1e6,
+                          description="added to every value: finite, at most 1e6 in magnitude (a larger shift "
+                                      "would swamp the feature's own digits in float64)")
 
 
 class LengthDef(_Def):
@@ -186,8 +188,11 @@ def _import(spec: str):
     module, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot import {spec} ({type(exc).__name__}: {exc})") from None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # importing runs the module's code: a SyntaxError, a RuntimeError, sys.exit
+        msg = " ".join(str(exc).split())[:200]
+        raise ValueError(f"cannot import {spec} ({type(exc).__name__}: {msg})") from None
     if not callable(fn):
         raise ValueError(f"{spec} is not callable")
     return fn
@@ -339,8 +344,16 @@ class FeatureBasis:
         fn = self._fns[d.name]
         col = self._col(d, table, "completion", source)
         try:
-            res = np.asarray(fn(col), dtype=np.float64).reshape(-1)
-        except (TypeError, ValueError) as exc:
+            out = fn(col)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # the user's code: any failure (even sys.exit) is bad input, named
+            msg = " ".join(str(exc).split())[:200]
+            raise SpecError(f"{self.source}: feature `{d.name}`: {d.function} raised {type(exc).__name__}"
+                            f"{': ' + msg if msg else ''} on the completions of {source}") from None
+        try:
+            res = np.asarray(out, dtype=np.float64).reshape(-1)
+        except (TypeError, ValueError, OverflowError) as exc:
             raise RecordError(source, f"feature `{d.name}`: {d.function} did not return numbers ({exc})") from None
         if res.shape[0] != len(col):
             raise RecordError(source, f"feature `{d.name}`: {d.function} returned {res.shape[0]} values for "

@@ -72,17 +72,22 @@ def _parse_line(line: str, path: Path, lineno: int) -> tuple[int, dict[str, Any]
 
 
 _DUMP_KEYS = ("input", "output", "score", "step")
+_DUMP_NAME = re.compile(r"^[1-9][0-9]*\.jsonl$", re.ASCII)
 
 
 def _read_dump(path: Path, t: int) -> tuple[dict[str, list[Any]], set[str]]:
     """One ``{step}.jsonl`` dump: columns for the record, and the extra keys left out."""
     cols: dict[str, list[Any]] = {"prompt": [], "completion": [], "reward": [], "extra": []}
     skipped: set[str] = set()
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RecordError(where, f"not UTF-8 text (byte {exc.start + 1} of the line)") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -100,6 +105,11 @@ def _read_dump(path: Path, t: int) -> tuple[dict[str, list[Any]], set[str]]:
             for k in ("input", "output"):
                 if not isinstance(obj[k], str):
                     raise RecordError(where, f"`{k}` is not text (multi-turn dumps are not supported yet)", field=k)
+                try:
+                    obj[k].encode("utf-8")
+                except UnicodeEncodeError as exc:  # a lone surrogate written as a \\ud800 escape
+                    raise RecordError(where, f"`{k}` holds a lone surrogate (character {exc.start + 1}), which is not "
+                                      "text", field=k) from None
             cols["prompt"].append(obj["input"])
             cols["completion"].append(obj["output"])
             cols["reward"].append(finite_number(obj["score"], where, "score", t))
@@ -123,9 +133,17 @@ def read_rollout_dumps(dump_dir: str | Path, steps: set[int]) -> tuple[pa.Table,
     if not root.is_dir():
         raise RecordError(root, "no such rollout dump directory (veRL's `trainer.rollout_data_dir`)")
     files = {}
-    for f in root.glob("*.jsonl"):
-        if f.stem.isdigit():
-            files[int(f.stem) - 1] = f
+    for f in sorted(root.glob("*.jsonl")):
+        if not _DUMP_NAME.match(f.name):
+            if f.stem.isdecimal() or f.stem.isdigit():  # 03.jsonl, a non-ASCII digit, a superscript
+                raise RecordError(f, "is named like a step's dump but veRL names them `{global_steps}.jsonl` in ASCII "
+                                  "digits without leading zeros: rename or move it, so no dump is read twice or "
+                                  "under the wrong step")
+            continue
+        if not f.is_file():
+            raise RecordError(f, "is not a regular file (a FIFO, a device or a broken link): a rollout dump is a "
+                              "JSON-lines file")
+        files[int(f.stem) - 1] = f
     if not files:
         raise RecordError(root, "no `{step}.jsonl` rollout dumps (veRL writes them when "
                           "`trainer.rollout_data_dir` is set)")
@@ -170,8 +188,12 @@ def import_verl(metrics: str | Path, record_dir: str | Path, *, framework_versio
     rows: dict[int, dict[str, Any]] = {}
     console = False
     unmapped: set[str] = set()
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise RecordError(f"{path}:{lineno}", f"not UTF-8 text (byte {exc.start + 1} of the line)") from None
             parsed = _parse_line(line, path, lineno)
             if parsed is None:
                 continue
