@@ -92,6 +92,15 @@ class FeatureVerdict(_Out):
     says: str
 
 
+class FindingSupport(_Out):
+    finding: str
+    title: str
+    severity: str
+    verdict: Literal["will evaluate", "will not evaluate"]
+    live: bool = Field(description="evaluated by the tap while training")
+    missing: list[str] = Field(default_factory=list, description="the fields (one alternative) or books it lacks")
+
+
 class AuditOut(_Out):
     schema_version: Literal["1.0"] = SCHEMA_VERSION
     source: str
@@ -104,6 +113,8 @@ class AuditOut(_Out):
     books: list[BookOut]
     basis: str | None = Field(default=None, description="the feature basis id audited (--features)")
     features: list[FeatureVerdict] = Field(default_factory=list)
+    findings: list[FindingSupport] = Field(default_factory=list, description="which findings (specs/findings/) "
+                                                                             "the run will support")
 
 
 def json_schema() -> dict[str, Any]:
@@ -358,6 +369,7 @@ def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = Fa
     """Audit a configuration, record directory or manifest; with ``features`` (a FeatureBasis),
     also say which of its features the logging setup supports."""
     result, pr, record = _audit(Path(path), framework, with_tap)
+    result.findings = _finding_support(result, pr)
     if features is not None:
         result.basis = features.basis_id
         result.features = _feature_verdicts(features, result, pr, record)
@@ -421,6 +433,26 @@ def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None
                               f"{sorted(TapSettings.model_fields)}", field=section) from None
         raise RecordError(path, f"`{section}.{settings_error(exc)}`: RewardLensTap.attach would raise on it",
                           field=section) from None
+
+
+def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
+    """Each finding: evaluated when one alternative of its fields is supplied and its books will
+    compute (the same resolution as the books')."""
+    from reward_lens.findings import missing_inputs
+    from reward_lens_spec import load_findings
+
+    books = {b.book: ("computed" if b.verdict == "will compute" else "refused") for b in result.books}
+
+    def present(f: str) -> bool:
+        p = pr.supplied.get(f)
+        return bool(p is not None and p.any)
+
+    out = []
+    for spec in load_findings().values():
+        lack = missing_inputs(spec, present, books)
+        out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
+                                  verdict="will not evaluate" if lack else "will evaluate", missing=lack))
+    return out
 
 
 def _coverage(pr: Projection) -> dict[str, FieldCoverage]:

@@ -5,7 +5,8 @@ Exit codes (all subcommands):
      no input; audit: every book will compute)
   1  refused: what --fail-on counts happened (a normal outcome for an incomplete record; with
      --fail-on refused also any refusal, or a book with nothing resolved from noise); audit:
-     a book would refuse, a --require'd book would, or the run will not start
+     a book would refuse, a --require'd book would, or the run will not start; check: a
+     finding at or above --fail-on holds
   2  bad input: an unreadable record, config or spec, or an output folder holding files
      reward-lens did not write; one line on stderr names the file and field (the
      traceback only with --debug)
@@ -216,6 +217,11 @@ def audit_text(result, verbose: bool = False) -> str:
         lines += ["", f"feature basis {result.basis}", f"{'feature':<18}{'kind':<15}{'verdict':<15}why"]
         for f in result.features:
             lines.append(f"{f.name:<18}{f.kind:<15}{f.verdict:<15}{_visible(f.says)}")
+    if result.findings:
+        lines += ["", f"{'finding':<26}{'verdict':<19}needs"]
+        for f in result.findings:
+            lines.append(f"{f.finding:<26}{f.verdict:<19}{', '.join(f.missing) or '-'}"
+                         + (" (live)" if f.live and f.verdict == "will evaluate" and result.with_tap else ""))
     if seen and not verbose:
         lines += ["", "(--verbose prints each refusal's whole detail and remedy)"]
     return "\n".join(lines)
@@ -316,6 +322,63 @@ def cmd_publish(args) -> int:
     return EXIT_OK
 
 
+def _open_for_check(path: Path, tmp: Path):
+    """A record, or a TRL output directory (``trainer_state.json``) imported on the fly as a
+    record of its logged scalars: the findings that need only those are evaluated, the rest are
+    not evaluated and name what they lack."""
+    from reward_lens.record.reader import open_run
+
+    if path.is_dir() and not (path / "manifest.json").is_file() and (
+            (path / "trainer_state.json").is_file() or any(path.glob("checkpoint-*/trainer_state.json"))):
+        from reward_lens.record.importers.trl import import_trl
+
+        import_trl(path, tmp / "record", scalars_only_ok=True)
+        return open_run(tmp / "record"), f"{path} (a TRL output directory, read through `reward-lens import trl`)"
+    return open_run(path), str(path)
+
+
+def cmd_check(args) -> int:
+    import json
+    import tempfile
+
+    from reward_lens.findings import exit_code, finding_counts
+    from reward_lens_spec import load_findings
+
+    specs = load_findings()
+    if args.list:
+        print(render_findings_list(specs))
+        return EXIT_OK
+    formats = [f.strip() for f in args.format.split(",") if f.strip()]
+    if not formats or any(f not in ("md", "json") for f in formats):
+        raise ValueError(f"--format takes md, json or md,json, not {args.format!r}")
+    from reward_lens.examples import example_features
+    from reward_lens.measure.ledger.features import features_from
+    from reward_lens.report import build_report
+
+    spec = args.features or (example_features(args.example) if args.example else None)
+    features = features_from(spec)
+    with tempfile.TemporaryDirectory(prefix="reward-lens-check-") as tmp:
+        run, source = _open_for_check(_record_path(args), Path(tmp))
+        run.verify()
+        report = build_report(run, Progress(args.quiet), ledger=args.ledger, features=features)
+    found = report.findings
+    if "md" in formats:
+        from reward_lens_spec.render import render_template
+
+        print(render_template("report/check.md.j2", {"f": found, "n": finding_counts(found), "source": source,
+                                                      "run_id": run.run_id, "fail_on": args.fail_on}, prose=False))
+    if "json" in formats:
+        print(json.dumps({"run_id": run.run_id, "source": source, "counts": finding_counts(found),
+                          "findings": [x.model_dump(mode="json") for x in found]}, ensure_ascii=False))
+    return exit_code(found, args.fail_on)
+
+
+def render_findings_list(specs) -> str:
+    from reward_lens.findings import findings_table
+
+    return findings_table(specs)
+
+
 def cmd_import(args) -> int:
     if args.rollouts and args.framework != "verl":
         raise ValueError("--rollouts reads veRL's generation dumps; a TRL output directory holds its own "
@@ -390,6 +453,21 @@ def parser() -> argparse.ArgumentParser:
     dfp.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
     dfp.add_argument("--quiet", action="store_true")
     dfp.set_defaults(func=cmd_diff)
+
+    c = sub.add_parser("check", help="is this run healthy? the findings (specs/findings/), with onsets and remedies",
+                       epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("run_dir", nargs="?", help="a record directory, or a TRL output directory (trainer_state.json: "
+                   "the findings that need only logged scalars)")
+    c.add_argument("--example", metavar="NAME", help="a bundled reference record (task, long, short, tapped, paired)")
+    c.add_argument("--fail-on", choices=("info", "warn", "critical", "never"), default="warn",
+                   help="exit 1 when a finding of this severity or above holds (default warn)")
+    c.add_argument("--format", default="md", help="md (a table on stdout), json, or md,json")
+    c.add_argument("--features", metavar="FILE", help="the feature basis the book-based findings read (default: "
+                   "specs/features/surface.yaml; the task example's own)." + CALLABLE_NOTE)
+    c.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired")
+    c.add_argument("--list", action="store_true", help="list the findings, what each reads and how it was validated")
+    c.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    c.set_defaults(func=cmd_check)
 
     s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")
     s.add_argument("run_dirs", nargs="+", help="record directories")

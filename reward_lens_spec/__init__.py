@@ -6,7 +6,15 @@ It knows nothing of ``reward_lens``: the instruments use it, never the reverse.
 """
 
 from reward_lens_spec.errors import SpecError
-from reward_lens_spec.loader import load_book, load_books, load_fields, load_frameworks, load_refusal_codes, load_taps
+from reward_lens_spec.loader import (
+    load_book,
+    load_books,
+    load_fields,
+    load_findings,
+    load_frameworks,
+    load_refusal_codes,
+    load_taps,
+)
 from reward_lens_spec.refusal import Refusal, Subject, make_refusal
 from reward_lens_spec.resolver import Presence, Resolution, resolve
 
@@ -19,6 +27,7 @@ __all__ = [
     "load_book",
     "load_books",
     "load_fields",
+    "load_findings",
     "load_frameworks",
     "load_refusal_codes",
     "load_taps",

@@ -9,7 +9,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reward_lens_spec.errors import SpecError
-from reward_lens_spec.models import BookSpec, FieldsCatalog, FrameworkSpec, RefusalCatalog
+from reward_lens_spec.models import BookSpec, FieldsCatalog, FindingSpec, FrameworkSpec, RefusalCatalog
 from reward_lens_spec.paths import specs_dir
 from reward_lens_spec.yamlload import line_for, load_yaml_with_lines
 
@@ -115,3 +115,27 @@ def load_taps(root: Path | None = None) -> dict[str, FrameworkSpec]:
     base = root or specs_dir()
     specs = [_framework_cached(str(base), p.stem, "taps") for p in sorted((base / "taps").glob("*.yaml"))]
     return {s.taps or s.framework: s for s in specs}
+
+
+@lru_cache(maxsize=None)
+def _findings_cached(root: str) -> dict[str, FindingSpec]:
+    folder = Path(root) / "findings"
+    out: dict[str, FindingSpec] = {}
+    known = set(_fields_cached(root).fields)
+    for path in sorted(folder.glob("*.yaml")):
+        spec = load_model(path, FindingSpec)
+        if spec.id != path.stem:
+            raise SpecError(f"{path}:1: id `{spec.id}` is not the file's name `{path.stem}`")
+        unknown = [f for alt in spec.inputs for f in alt if f not in known]
+        if unknown:
+            raise SpecError(f"{path}:1: inputs name unknown record field(s) {unknown} (specs/fields.yaml)")
+        books = set(p.stem for p in (Path(root) / "books").glob("*.yaml"))
+        if set(spec.books) - books:
+            raise SpecError(f"{path}:1: books names unknown book(s) {sorted(set(spec.books) - books)}")
+        out[spec.id] = spec
+    return out
+
+
+def load_findings(root: Path | None = None) -> dict[str, FindingSpec]:
+    """Every finding spec in ``specs/findings/``, by id, in file-name order."""
+    return _findings_cached(str(root or specs_dir()))

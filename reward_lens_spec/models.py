@@ -221,3 +221,24 @@ class FrameworkSpec(_Strict):
     # For a tap: the config section that holds its arguments, and the framework it taps.
     section: str | None = None
     taps: str | None = None
+
+
+class FindingSpec(_Strict):
+    """One finding (``specs/findings/<id>.yaml``): a question about the run's health, the record
+    fields and book outputs it reads, a named predicate with its parameters, the evidence it
+    cites and a remedy, both Jinja templates over the predicate's evidence."""
+
+    id: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    title: str
+    question: str
+    severity: Literal["info", "warn", "critical"]
+    inputs: list[list[str]] = Field(min_length=1, description=(
+        "alternatives: the finding is evaluated when every field of one of them is present on the record"))
+    books: list[str] = Field(default_factory=list, description="books whose output it reads (each must compute)")
+    live: bool = Field(False, description="evaluable from the steps so far, by the tap while training")
+    predicate: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
+    params: dict[str, float | int | str | bool] = Field(default_factory=dict)
+    evidence: str
+    remedy: str
+    reference: str | None = None
+    validated: str = Field(description="how the finding was validated, in words (the docs' table)")

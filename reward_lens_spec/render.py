@@ -134,7 +134,8 @@ def format_nats(x: float) -> str:
     return f"{x:.3g}"
 
 
-def render_template(name: str, context: dict[str, Any], root: Path | None = None) -> str:
+def render_template(name: str, context: dict[str, Any], root: Path | None = None, *, prose: bool = True) -> str:
+    """``name`` rendered; as prose (paragraphs, lines joined) unless ``prose=False`` (a table)."""
     env = _env(str(root or templates_dir()))
     try:
         template = env.get_template(name)
@@ -145,7 +146,7 @@ def render_template(name: str, context: dict[str, Any], root: Path | None = None
         raise SpecError(f"{(root or templates_dir()) / name}:1: {exc.message} (missing from the refusal context)") from None
     except jinja2.TemplateSyntaxError as exc:
         raise SpecError(f"{exc.filename}:{exc.lineno}: {exc.message}") from None
-    return normalise_prose(text)
+    return normalise_prose(text) if prose else text.strip() + "\n"
 
 
 def render_macro(name: str, macro: str, root: Path | None = None, **kwargs: Any) -> str:

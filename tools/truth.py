@@ -87,6 +87,7 @@ class Trained:
     params: dict[int, dict]  # step -> state dict of pi_step (before step `step`'s update)
     prompts: dict[int, list[dict]]  # step -> one dict per prompt group: prompt_ids, prompt, and the dataset row
     seconds: float = 0.0
+    log_history: list = field(default_factory=list)  # the trainer's own logs (the tap's reward_lens/* keys in them)
 
 
 def _setup(regime: Regime):
@@ -168,7 +169,7 @@ def train(regime: Regime, workdir: Path, **tap_kwargs) -> Trained:
     trainer.add_callback(Keep())
     t0 = time.monotonic()
     trainer.train()
-    return Trained(regime, record, params, prompts, time.monotonic() - t0)
+    return Trained(regime, record, params, prompts, time.monotonic() - t0, list(trainer.state.log_history))
 
 
 @dataclass

@@ -11,8 +11,9 @@ For each feature of the basis:
   or through a feature it correlates with;
 - **verdict** -- moved and asked for in the same direction: *asked for and bought*; in the
   opposite one: *asked for, moved the other way*; asked for, not moved: *asked for, not
-  bought*; moved with a resolved differential but no direct selection: *carried along* (it
-  moved with what was asked for); moved with neither: *collateral* (the reward-hacking
+  bought*; moved with a resolved differential but no direct selection, or against its direct
+  selection but with its resolved total selection: *carried along* (it moved with what was asked
+  for); moved with neither: *collateral* (the reward-hacking
   signature in the named basis); none of these: *neither*.
 
 Disagreements (collateral, not bought, the other way) are the headline of this book. Hand-made
@@ -62,14 +63,22 @@ class AgreementSection(_M):
     summary: dict[str, float | int | str | None]
 
 
-def verdict(moved: bool, drift: float, asked: bool, gradient: float | None, selected: bool) -> str:
+def verdict(moved: bool, drift: float, asked: bool, gradient: float | None, selected: bool,
+            selection: float | None = None) -> str:
     """The agreement of one feature: moved (its drift resolved), asked for (its selection
     gradient resolved, in the direction of the gradient's sign), selected (its differential
-    resolved: directly or through a correlated feature)."""
+    resolved: directly or through a correlated feature). A feature asked for in one direction
+    whose total selection (the differential, ``selection``) points the other way -- direct
+    selection outweighed by selection on what it correlates with -- and that moved with the total
+    was carried along, not moved against the reward: only a movement against both is."""
     if asked:
         if not moved:
             return NOT_BOUGHT
-        return AGREE if (drift > 0) == ((gradient or 0.0) > 0) else OTHER_WAY
+        if (drift > 0) == ((gradient or 0.0) > 0):
+            return AGREE
+        if selected and selection is not None and (drift > 0) == (selection > 0):
+            return CARRIED
+        return OTHER_WAY
     if moved:
         return CARRIED if selected else COLLATERAL
     return NEITHER
@@ -84,7 +93,7 @@ def agreement_table(features: Sequence[str], units: dict[str, str], shares: dict
     for n in features:
         mv = drift.get(n) if drift is not None else None
         sl = selection.get(n) if selection is not None else None
-        v = verdict(mv[0], mv[1], sl[2], sl[3], sl[0]) if mv is not None and sl is not None else None
+        v = verdict(mv[0], mv[1], sl[2], sl[3], sl[0], sl[1]) if mv is not None and sl is not None else None
         out.append(FeatureVerdict(feature=n, unit=units.get(n, ""), share=shares.get(n) if shares else None,
                                   moved=mv[0] if mv else None, drift=mv[1] if mv else None,
                                   asked=sl[2] if sl else None, gradient=sl[3] if sl else None,

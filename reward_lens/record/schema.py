@@ -59,6 +59,8 @@ class OptimizerTelemetry(BaseModel):
     kl_to_previous_se: float | None = Field(None, description="nats_per_sequence: standard error of kl_to_previous")
     kl_to_ref: float | None = Field(None, description="nats_per_token: KL to the reference model")
     entropy: float | None = Field(None, description="nats_per_token: pi_t's token entropy along its own rollouts")
+    reward_mean: float | None = Field(None, description="reward_units: mean total reward of the step's rollouts")
+    frac_reward_zero_std: float | None = Field(None, description="share of prompt groups with zero reward spread")
     ppo_kl: float | None = Field(None, description="nats_per_token: in-loop k1 KL(pi_old || pi_theta)")
     beta: float | None = Field(None, description="dimensionless: KL-to-reference coefficient")
 

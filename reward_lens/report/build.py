@@ -173,10 +173,22 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
         browser.read(run)
         curves.read(run)
     at_a_glance = glance(ctx, {b.id: b for b in books}) if run.n_rollouts else None
-    return Report(generator=f"reward-lens {__version__}", run=_summary(run), basis=basis, books=books,
-                  samples=_samples(run), curves=training_curves(run, curves.panels()), browser=browser.rows,
-                  glance=at_a_glance, card=summary_card(at_a_glance, books),
-                  headline_figure=headline_figure(ctx, {b.id: b for b in books}))
+    report = Report(generator=f"reward-lens {__version__}", run=_summary(run), basis=basis, books=books,
+                    samples=_samples(run), curves=training_curves(run, curves.panels()), browser=browser.rows,
+                    glance=at_a_glance, card=summary_card(at_a_glance, books),
+                    headline_figure=headline_figure(ctx, {b.id: b for b in books}))
+    return with_findings(run, report)
+
+
+def with_findings(run: Run, report: Report) -> Report:
+    """The report with its findings evaluated on its books, counted once, and the health
+    sentence leading the summary card."""
+    from reward_lens.findings import evaluate, finding_counts
+
+    found = evaluate(run, report)
+    counts = finding_counts(found)
+    line = " ".join(render_template("report/health.j2", {"f": found, "n": counts}).split())
+    return report.model_copy(update={"findings": found, "findings_counts": counts, "card": [line, *report.card]})
 
 
 def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:

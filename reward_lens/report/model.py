@@ -11,9 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, WithJsonSchema
 
+from reward_lens.findings import FindingOut
 from reward_lens.measure.figures import FigureOut
 
-SCHEMA_VERSION = "6.0"
+SCHEMA_VERSION = "6.1"
 
 
 class _M(BaseModel):
@@ -171,6 +172,11 @@ class Report(_M):
     card: list[str] = Field(default_factory=list, description=(
         "the summary card, one sentence per entry, rendered from ``glance``: what each update spent, what the "
         "named behaviours required, on which, what the reward asked for and got, and what was not read"))
+    findings: list[FindingOut] = Field(default_factory=list, description=(
+        "the run's health (specs/findings/): each finding holds, is clear, or is not evaluated (naming what "
+        "would enable it); they lead the first screen"))
+    findings_counts: dict[str, int] = Field(default_factory=dict, description=(
+        "checked, holds, clear, not_evaluated, and holds by severity: counted once, here"))
     headline_figure: FigureOut | None = Field(None, exclude=True)
     curves: list[FigureOut] = Field(default_factory=list, exclude=True)
     browser: list[BrowserRow] = Field(default_factory=list, exclude=True, description=(

@@ -33,6 +33,10 @@ class TapSettings(BaseModel):
     model_description: str | None = None
     paired: StrictBool = Field(True, description="score each generation under the previous policy (the paired "
                                                  "ledger's input)")
+    check_every: StrictInt = Field(1, ge=0, description="steps between evaluations of the live findings "
+                                                        "(specs/findings/ with live: true) on the steps so far; 0: never")
+    stop_on: Literal["warn", "critical"] | None = Field(None, description="stop training (TrainerControl) when a "
+                                                                          "live finding of this severity or above holds")
 
     @model_validator(mode="before")
     @classmethod

@@ -82,6 +82,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import logging
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -141,6 +142,9 @@ def _eos_id(trainer) -> int | None:
     return int(eos) if isinstance(eos, int) else None
 
 
+logger = logging.getLogger("reward_lens")
+
+
 def _noop(*_a, **_kw) -> None:
     return None
 
@@ -151,6 +155,9 @@ class RewardLensTap(TrainerCallback):
         estimator, heldout, flush_every, paired = s.estimator, s.heldout, s.flush_every, s.paired
         n_exact, chunk, save_initial_checkpoint, overwrite, seed, model_description = (
             s.n_exact, s.chunk, s.save_initial_checkpoint, s.overwrite, s.seed, s.model_description)
+        self.check_every, self.stop_on = s.check_every, s.stop_on
+        self.findings_warned: set[str] = set()  # live findings already warned about (once each)
+        self.findings_log: dict[int, list[str]] = {}  # step -> live findings holding there
         acc = trainer.accelerator
         kind = str(getattr(acc, "distributed_type", "NO")).split(".")[-1]
         if kind in SHARDED:
@@ -267,7 +274,9 @@ class RewardLensTap(TrainerCallback):
         if len(prompts) != total or any(len(v) != total for v in logged.values()):
             raise RuntimeError(f"reward-lens tap: TRL logged {len(prompts)} prompts for a generation batch of "
                                f"{n} x {self.world} processes; the tap cannot place this rank's rollouts")
-        rewards = np.array([[logged[name][offset + i] for name in names] for i in range(n)], float)
+        everyone = np.array([[logged[name][j] for name in names] for j in range(total)], float).reshape(total, len(names))
+        self._batch_rewards(t, np.nansum(everyone * weights, axis=1), max(1, int(tr.num_generations)))
+        rewards = everyone[offset:offset + n]
         prompts, completions = prompts[offset:offset + n], completions[offset:offset + n]
         group = max(1, int(tr.num_generations))
         idx = torch.arange(self._next_index + offset, self._next_index + offset + n)
@@ -452,6 +461,18 @@ class RewardLensTap(TrainerCallback):
 
         return list(gather_object(list(items)))
 
+    def _batch_rewards(self, t: int, total: np.ndarray, group: int) -> None:
+        """The generation batch's mean reward and the share of its prompt groups (over every rank:
+        TRL's logged rewards are gathered) whose rewards have zero spread, as step t's telemetry."""
+        if not len(total):
+            return
+        groups = [total[i:i + group] for i in range(0, len(total), group)]
+        sized = [g for g in groups if len(g) > 1]
+        values = {"reward_mean": float(np.mean(total))}
+        if sized:
+            values["frac_reward_zero_std"] = float(np.mean([np.ptp(g) == 0 for g in sized]))
+        self._late.setdefault(t, {}).update(values)
+
     def _set_late(self, step: int, values: dict[str, Any]) -> None:
         """Telemetry of ``step`` measured after its row was started (D_t at the next generation)."""
         if self._row and self._row.get("step") == step:
@@ -612,6 +633,40 @@ class RewardLensTap(TrainerCallback):
         self._write(ready)
         if (t + 1) % self.flush_every == 0 and self.stream is not None:
             self.stream.flush()
+        if self.check_every and (t + 1) % self.check_every == 0:
+            self._check(t, control)
+
+    def _check(self, t: int, control) -> None:
+        """The live findings on the steps so far (rank 0 holds the telemetry): each logged as
+        ``reward_lens/finding/<id>`` (1 while it holds), a warning the first time one holds, and
+        with ``stop_on`` the training stopped on every rank."""
+        from reward_lens.findings import RANK, evaluate_live
+
+        stop = False
+        if self.stream is not None:
+            series: dict[str, dict[int, float]] = {}
+            for step, row in self.stream._telemetry.items():
+                for k, v in row.model_dump(exclude_none=True).items():
+                    if k != "step" and isinstance(v, float):
+                        series.setdefault(k, {})[step] = v
+            held = []
+            for f in evaluate_live(series, {"max_grad_norm": self.trainer.args.max_grad_norm}):
+                if f.status == "not_evaluated":
+                    continue
+                self._log_acc.setdefault(f"reward_lens/finding/{f.id}", []).append(1.0 if f.status == "holds" else 0.0)
+                if f.status == "holds":
+                    held.append(f.id)
+                    if f.id not in self.findings_warned:
+                        self.findings_warned.add(f.id)
+                        logger.warning("reward-lens: %s (%s) from step %s: %s", f.title, f.severity, f.onset, f.evidence)
+                    if self.stop_on is not None and RANK[f.severity] >= RANK[self.stop_on]:
+                        stop = True
+            if held:
+                self.findings_log[t] = held
+        if self.stop_on is not None:
+            stop = any(self._gather([stop]))  # every rank stops at the same step
+            if stop:
+                control.should_training_stop = True
 
     def _commit_row(self, row: dict[str, Any]) -> None:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}

@@ -190,6 +190,11 @@ def test_moved_against_what_was_asked_is_a_disagreement():
     assert verdict(True, -1.0, True, -2.0, True) == AGREE
     assert verdict(True, +1.0, False, None, True) == CARRIED
     assert verdict(True, +1.0, False, None, False) == COLLATERAL
+    # asked for more directly, but selected against in total (it correlates with what the reward
+    # pays against), and it fell with the total: carried along, not moving against the reward
+    assert verdict(True, -1.0, True, +2.0, True, -3.0) == CARRIED
+    assert verdict(True, -1.0, True, +2.0, True, +3.0) == OTHER_WAY  # against both
+    assert verdict(True, -1.0, True, +2.0, False, -3.0) == OTHER_WAY  # the total is not resolved
 
 
 def test_a_refused_cause_book_leaves_selected_unknown():

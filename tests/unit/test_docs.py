@@ -79,6 +79,13 @@ def test_the_science_page_quotes_its_scripts():
     assert _fenced(_quote(science, "drift-paired-table")) == paired_vs_drift.text("paired")
 
 
+def test_the_findings_table_is_the_specs():
+    from reward_lens.findings import findings_table
+
+    assert _quote(DOCS / "findings.md", "findings-table") == findings_table()
+    assert _quote(REPO / "README.md", "findings-table") == findings_table()
+
+
 @pytest.mark.parametrize("page", sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")))
 def test_no_page_quotes_a_number_no_script_prints(page):
     """Numbers of runs live only in quoted blocks, which the tests above keep equal to their

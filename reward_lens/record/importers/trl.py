@@ -112,6 +112,7 @@ def import_trl(
     framework_version: str | None = None,
     model_description: str | None = None,
     overwrite: bool = False,
+    scalars_only_ok: bool = False,
 ) -> RunManifest:
     """Convert a TRL GRPO output directory into a record at ``record_dir``.
 
@@ -141,7 +142,13 @@ def import_trl(
     logged = {t.step for t in telemetry}
     reward_names = sorted({k.split("/")[1] for e in history for k in e
                            if k.startswith("rewards/") and k.endswith("/mean")})
-    rollouts = _rollouts(_read_completions(out), cfg, reward_names, logged, per_step)
+    if scalars_only_ok and not any((out / "completions").glob("completions_*.parquet")):
+        # `reward-lens check` on an output directory without completions: the logged scalars alone
+        notes.append("no completions (TRL writes them with log_completions=True): this record holds the logged "
+                     "scalars only; the books and the findings that read rollouts are not evaluated")
+        rollouts = pa.Table.from_pylist([], schema=arrow_schema("rollouts"))
+    else:
+        rollouts = _rollouts(_read_completions(out), cfg, reward_names, logged, per_step)
 
     optimizer = cfg.get("optim")
     framework = {"name": "trl", "version": framework_version}

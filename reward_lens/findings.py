@@ -1,0 +1,487 @@
+"""Findings: is this run healthy, what went wrong from which step, and what to change.
+
+Each finding is one YAML file in ``specs/findings/`` (``reward_lens_spec.FindingSpec``): the
+question, a severity, the record fields it reads (alternatives), the books whose output it
+reads, a named predicate from ``PREDICATES`` with its parameters, and Jinja templates for the
+evidence it cites and the remedy. A predicate returns an ``Outcome``: whether the finding holds
+at the end of what it was given, the first step of the stretch over which it holds (its
+*onset*, evaluated as the run goes), and the numbers its templates cite.
+
+A finding whose inputs the record lacks is *not evaluated*, naming what would enable it; it is
+never reported as clear. A refusal about the method (heavy-tailed weights, too few groups, an
+envelope violation) is a property of the estimate, not of the run: no finding reads one.
+
+The same predicates run after the run (``reward-lens check``, and at the top of every report)
+and while it trains (the tap evaluates the ``live`` findings on the steps so far, from the
+telemetry it records).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from reward_lens_spec import load_findings
+from reward_lens_spec.models import FindingSpec
+from reward_lens_spec.render import render_template
+
+SEVERITIES = ("info", "warn", "critical")
+RANK = {s: i for i, s in enumerate(SEVERITIES)}
+
+
+class FindingOut(BaseModel):
+    """One finding, evaluated: ``holds``, ``clear`` or ``not_evaluated`` (with what is missing)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    title: str
+    question: str
+    severity: Literal["info", "warn", "critical"]
+    status: Literal["holds", "clear", "not_evaluated"]
+    onset: int | None = Field(None, description="the first step of the stretch over which it holds")
+    evidence: str = Field("", description="what it cites: steps, features, numbers")
+    remedy: str | None = Field(None, description="what to change (only where it holds)")
+    reference: str | None = None
+    missing: list[str] = Field(default_factory=list, description="not evaluated: the fields or books that would "
+                                                                 "enable it (one alternative)")
+    values: dict[str, Any] = Field(default_factory=dict, description="the numbers the evidence cites")
+
+
+@dataclass
+class Outcome:
+    holds: bool
+    onset: int | None = None
+    evidence: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------ data
+class FindingData:
+    """What the predicates read: per-step series (``series``), the run's record, and the report's
+    books (None while training). Series come from the record's telemetry, or where a telemetry
+    field is absent and the rollouts hold it, from the rollouts (reward mean, zero-spread share)."""
+
+    def __init__(self, series: Mapping[str, Mapping[int, float]], *, report=None, config: Mapping[str, Any] | None = None,
+                 reward_se: Mapping[int, float] | None = None):
+        self._series = {k: dict(v) for k, v in series.items()}
+        self.report = report
+        self.config = dict(config or {})
+        self.reward_se = dict(reward_se or {})
+
+    def series(self, name: str) -> dict[int, float]:
+        return self._series.get(name, {})
+
+    def book(self, book_id: str):
+        if self.report is None:
+            return None
+        b = next((x for x in self.report.books if x.id == book_id), None)
+        return b.typed() if b is not None and b.data is not None else None
+
+    @classmethod
+    def from_run(cls, run, report=None) -> FindingData:
+        names = ("entropy", "reward_mean", "frac_reward_zero_std", "kl_to_previous", "kl_to_previous_se",
+                 "grad_norm_unclipped", "max_grad_norm")
+        series = {n: {int(s): float(v) for s, v in run.telemetry_column(n).items()} for n in names}
+        reward_se: dict[int, float] = {}
+        if run.n_rollouts and {"reward", "group_id"} <= set(run.rollout_columns()):
+            mean, se, zero = _rollout_reward_stats(run)
+            series["reward_mean"] = {**mean, **series["reward_mean"]} if not series["reward_mean"] else series["reward_mean"]
+            if not series["frac_reward_zero_std"]:
+                series["frac_reward_zero_std"] = zero
+            reward_se = se
+        cfg = dict(run.manifest.trainer_config or {})
+        if not series["max_grad_norm"] and isinstance(cfg.get("max_grad_norm"), (int, float)):
+            series["max_grad_norm"] = {s: float(cfg["max_grad_norm"]) for s in series["grad_norm_unclipped"]}
+        return cls(series, report=report, config=cfg, reward_se=reward_se)
+
+
+def _rollout_reward_stats(run) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    """Per step: the mean reward, its SE over prompt groups (the independent units), and the
+    share of prompt groups (of two or more rollouts) whose rewards have zero spread."""
+    import pyarrow.compute as pc
+
+    mean: dict[int, float] = {}
+    se: dict[int, float] = {}
+    zero: dict[int, float] = {}
+    acc: dict[int, dict[str, list[float]]] = {}
+    for table in run.iter_rollouts(["group_id", "reward"]):
+        steps = table.column("step").to_numpy()
+        groups = table.column("group_id").cast("string").to_pylist()
+        rewards = pc.fill_null(table.column("reward"), float("nan")).to_numpy(zero_copy_only=False)
+        for s, g, r in zip(steps.tolist(), groups, rewards.tolist()):
+            if r == r:
+                acc.setdefault(s, {}).setdefault(g, []).append(r)
+    for s, groups in acc.items():
+        means = [float(np.mean(v)) for v in groups.values()]
+        mean[s] = float(np.mean([r for v in groups.values() for r in v]))
+        se[s] = float(np.std(means, ddof=1) / math.sqrt(len(means))) if len(means) > 1 else float("nan")
+        sized = [v for v in groups.values() if len(v) > 1]
+        if sized:
+            zero[s] = float(np.mean([max(v) == min(v) for v in sized]))
+    return mean, se, zero
+
+
+def _ordered(series: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:
+    steps = np.array(sorted(series), dtype=np.int64)
+    return steps, np.array([series[int(s)] for s in steps], dtype=float)
+
+
+def _rolling(x: np.ndarray, w: int) -> np.ndarray:
+    """Mean of the last ``w`` values at each position (fewer at the start)."""
+    c = np.cumsum(np.r_[0.0, x])
+    idx = np.arange(1, len(x) + 1)
+    lo = np.maximum(idx - w, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def _final_stretch(steps: np.ndarray, holds: np.ndarray) -> tuple[bool, int | None]:
+    """Whether the condition holds at the last step, and the first step of the stretch of
+    consecutive holding steps that ends there (the onset)."""
+    if not len(holds) or not holds[-1]:
+        return False, None
+    i = len(holds) - 1
+    while i > 0 and holds[i - 1]:
+        i -= 1
+    return True, int(steps[i])
+
+
+# ------------------------------------------------------------------------------------ predicates
+def entropy_collapse(d: FindingData, window: int = 5, min_fall: float = 0.5) -> Outcome:
+    """The policy's token entropy fell by ``min_fall`` of its starting level (a mean over the
+    first ``window`` steps) while the reward bought with it did not rise: R = -a e^H + b (Cui
+    et al. 2025) says entropy is what RL spends to buy reward; spent without a gain, it is lost
+    exploration."""
+    steps, h = _ordered(d.series("entropy"))
+    rs = d.series("reward_mean")
+    steps = np.array([s for s in steps if int(s) in rs], dtype=np.int64)
+    if len(steps) < 2 * window:
+        return Outcome(False, evidence={"steps": len(steps), "too_short": True})
+    h = np.array([d.series("entropy")[int(s)] for s in steps])
+    r = np.array([rs[int(s)] for s in steps])
+    h0, r0 = float(h[:window].mean()), float(r[:window].mean())
+    hk, rk = _rolling(h, window), _rolling(r, window)
+    cond = (hk <= (1 - min_fall) * h0) & (rk - r0 <= 0)
+    cond[:window] = False
+    holds, onset = _final_stretch(steps, cond)
+    return Outcome(holds, onset, {"h0": h0, "h_end": float(hk[-1]), "fall": 1 - float(hk[-1]) / h0 if h0 else None,
+                                  "r0": r0, "r_end": float(rk[-1]), "window": window, "min_fall": min_fall})
+
+
+def advantage_collapse(d: FindingData, window: int = 5, share: float = 0.5) -> Outcome:
+    """Over the last ``window`` steps, at least ``share`` of the prompt groups had rewards with
+    zero spread: their advantages are zero and they give no gradient."""
+    steps, z = _ordered(d.series("frac_reward_zero_std"))
+    if len(steps) < window:
+        return Outcome(False, evidence={"steps": len(steps), "too_short": True})
+    zk = _rolling(z, window)
+    cond = zk >= share
+    cond[: window - 1] = False
+    holds, onset = _final_stretch(steps, cond)
+    return Outcome(holds, onset, {"share_end": float(zk[-1]), "share": share, "window": window,
+                                  "share_max": float(z.max())})
+
+
+def kl_spikes(d: FindingData, window: int = 10, factor: float = 10.0, min_se: float = 3.0) -> Outcome:
+    """D_t at a step exceeds ``factor`` times the median of the previous ``window`` steps' D_t,
+    by more than ``min_se`` of its own standard error where one is recorded."""
+    steps, x = _ordered(d.series("kl_to_previous"))
+    se = d.series("kl_to_previous_se")
+    spikes = []
+    for i in range(window, len(x)):
+        med = float(np.median(x[i - window:i]))
+        limit = factor * med
+        s = se.get(int(steps[i]))
+        if med > 0 and x[i] > limit and (s is None or not s > 0 or (x[i] - limit) > min_se * s):
+            spikes.append((int(steps[i]), float(x[i]), med))
+    if not spikes:
+        return Outcome(False, evidence={"steps": len(steps), "factor": factor, "window": window})
+    return Outcome(True, spikes[0][0], {"spikes": spikes[:5], "n_spikes": len(spikes), "factor": factor,
+                                        "window": window})
+
+
+def clipping_saturation(d: FindingData, window: int = 10, share: float = 0.8) -> Outcome:
+    """The gradient norm before clipping exceeded ``max_grad_norm`` on at least ``share`` of the
+    last ``window`` steps: the update's size is set by the clip, not by the gradient."""
+    un = d.series("grad_norm_unclipped")
+    mx = d.series("max_grad_norm")
+    steps = np.array(sorted(s for s in un if s in mx and mx[s] > 0), dtype=np.int64)
+    if len(steps) < window:
+        return Outcome(False, evidence={"steps": len(steps), "too_short": True})
+    clipped = np.array([un[int(s)] > mx[int(s)] for s in steps], dtype=float)
+    ck = _rolling(clipped, window)
+    cond = ck >= share
+    cond[: window - 1] = False
+    holds, onset = _final_stretch(steps, cond)
+    return Outcome(holds, onset, {"share_end": float(ck[-1]), "share": share, "window": window,
+                                  "max_grad_norm": float(mx[int(steps[-1])]),
+                                  "median_unclipped": float(np.median([un[int(s)] for s in steps[-window:]]))})
+
+
+def reward_plateau(d: FindingData, window: int = 5, fraction: float = 0.25, z: float = 2.0) -> Outcome:
+    """Reward per nat falling to zero: the first third of the run bought reward (its price,
+    the reward change per nat of D_t, is above ``z`` standard errors), and the last third's
+    price is below ``fraction`` of it and not resolved above zero."""
+    r, kl = d.series("reward_mean"), d.series("kl_to_previous")
+    steps = np.array(sorted(s for s in r if s in kl), dtype=np.int64)
+    n = len(steps)
+    if n < 6 * window:
+        return Outcome(False, evidence={"steps": n, "too_short": True})
+
+    def price(lo: int, hi: int) -> tuple[float, float]:
+        a, b = steps[lo:lo + window], steps[hi - window:hi]
+        ra, rb = np.mean([r[int(s)] for s in a]), np.mean([r[int(s)] for s in b])
+        va = np.nansum([d.reward_se.get(int(s), np.nan) ** 2 for s in a]) / window ** 2
+        vb = np.nansum([d.reward_se.get(int(s), np.nan) ** 2 for s in b]) / window ** 2
+        spent = float(sum(kl[int(s)] for s in steps[lo:hi - 1]))
+        if spent <= 0:
+            return float("nan"), float("nan")
+        return float((rb - ra) / spent), float(math.sqrt(va + vb) / spent)
+
+    third = n // 3
+    p1, s1 = price(0, third)
+    p3, s3 = price(n - third, n)
+    first_bought = s1 > 0 and p1 / s1 > z
+    last_flat = not (s3 > 0 and p3 / s3 > z) and p3 < fraction * p1
+    holds = bool(first_bought and last_flat)
+    return Outcome(holds, int(steps[n - third]) if holds else None,
+                   {"price_first": p1, "se_first": s1, "price_last": p3, "se_last": s3, "fraction": fraction})
+
+
+def _agreement_features(d: FindingData, verdicts: Sequence[str]) -> list:
+    agreement = d.book("agreement")
+    if agreement is None:
+        return []
+    return [f for f in agreement.features if f.verdict in verdicts]
+
+
+def _cumulative_onset(d: FindingData, feature: str, sign: float, z: float) -> int | None:
+    """The first step u at which the movement of ``feature`` summed over the usable step pairs
+    (t, u) so far is ``z`` standard errors from zero in the direction ``sign`` (a sequential
+    test: the sum's SE from the pairs' SEs; ``z`` = 3 allows for looking at every step). The
+    run-level verdict is the effect book's: this only dates it. Later noisy pairs widen the
+    sum's SE, so the first crossing is the onset, not a stretch that lasts to the end."""
+    effect = d.book("effect")
+    if effect is None or feature not in effect.rows.delta_z:
+        return None
+    dz = np.array([v if v is not None else 0.0 for v in effect.rows.delta_z[feature]], dtype=float)
+    se = np.array([v if v is not None and v == v else 0.0 for v in effect.rows.se[feature]], dtype=float)
+    steps = np.array([p[1] for p in effect.rows.step_pair], dtype=np.int64)
+    if not len(dz):
+        return None
+    s, v = np.cumsum(dz), np.cumsum(se ** 2)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        t = np.where(v > 0, s / np.sqrt(v), 0.0)
+    crossed = np.flatnonzero(sign * t >= z)
+    return int(steps[crossed[0]]) if len(crossed) else None
+
+
+def moving_against_reward(d: FindingData, z: float = 3.0) -> Outcome:
+    """A feature the reward selects on directly (the cause book's selection gradient, resolved)
+    moved the other way over the run (the effect book's drift, resolved)."""
+    feats = _agreement_features(d, ("asked for, moved the other way",))
+    if not feats:
+        return Outcome(False)
+    rows, onsets = [], []
+    effect = d.book("effect")
+    ends = {x.feature: (x.first, x.last) for x in effect.drift} if effect is not None else {}
+    for f in feats:
+        onset = _cumulative_onset(d, f.feature, 1.0 if f.drift > 0 else -1.0, z)
+        onsets.append(onset)
+        first, last = ends.get(f.feature, (None, None))
+        rows.append({"feature": f.feature, "drift": f.drift, "unit": f.unit, "asked": "more" if (f.gradient or 0) > 0
+                     else "less", "onset": onset, "first": first, "last": last})
+    known = [o for o in onsets if o is not None]
+    return Outcome(True, min(known) if known else None, {"features": rows, "z": z})
+
+
+def collateral(d: FindingData, z: float = 3.0) -> Outcome:
+    """A feature moved over the run (resolved) with neither direct nor indirect selection on it:
+    the reward-hacking signature in the named basis."""
+    feats = _agreement_features(d, ("collateral",))
+    if not feats:
+        return Outcome(False)
+    rows = []
+    for f in feats:
+        onset = _cumulative_onset(d, f.feature, 1.0 if f.drift > 0 else -1.0, z)
+        rows.append({"feature": f.feature, "drift": f.drift, "unit": f.unit, "onset": onset})
+    known = [r["onset"] for r in rows if r["onset"] is not None]
+    return Outcome(True, min(known) if known else None, {"features": rows, "z": z})
+
+
+def length_drift(d: FindingData, min_relative: float = 0.1, z: float = 3.0) -> Outcome:
+    """A length feature moved (resolved) by at least ``min_relative`` of its starting mean with
+    no direct selection on it (not asked for: carried along or collateral)."""
+    if d.report is None:
+        return Outcome(False)
+    lengths = {f.name for f in d.report.basis.features if f.kind == "length"}
+    effect = d.book("effect")
+    first = {x.feature: x.first for x in effect.drift} if effect is not None else {}
+    rows = []
+    for f in _agreement_features(d, ("carried along", "collateral")):
+        base = abs(first.get(f.feature) or 0.0)
+        if f.feature in lengths and base > 0 and abs(f.drift) / base >= min_relative:
+            onset = _cumulative_onset(d, f.feature, 1.0 if f.drift > 0 else -1.0, z)
+            rows.append({"feature": f.feature, "drift": f.drift, "unit": f.unit, "first": first.get(f.feature),
+                         "relative": f.drift / base, "verdict": f.verdict, "onset": onset})
+    if not rows:
+        return Outcome(False, evidence={"min_relative": min_relative})
+    known = [r["onset"] for r in rows if r["onset"] is not None]
+    return Outcome(True, min(known) if known else None, {"features": rows, "min_relative": min_relative})
+
+
+def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: float = 0.1) -> Outcome:
+    """The run spent at least ``min_nats`` of D_t and the upper end of the run-level eta's 95 %
+    interval is below ``max_eta``: nearly all of the divergence went to behaviour the basis does
+    not name."""
+    cost = d.book("cost")
+    s = cost.summary if cost is not None else {}
+    eta, iv, total = s.get("eta_run"), s.get("eta_run_interval"), s.get("d_t_total")
+    if eta is None or not iv or total is None:
+        return Outcome(False)
+    holds = bool(iv[1] < max_eta and total >= min_nats)
+    onset = None
+    if holds:
+        rows = cost.efficiency
+        dt = np.array(rows.kl_spent, dtype=float)
+        kl = np.array([e * k if e is not None else 0.0 for e, k in zip(rows.efficiency_debiased, rows.kl_spent)])
+        if len(dt):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratio = np.where(np.cumsum(dt) > 0, np.cumsum(kl) / np.cumsum(dt), np.nan)
+            steps = np.array([p[1] for p in rows.step_pair], dtype=np.int64)
+            _, onset = _final_stretch(steps, ratio < max_eta)
+    return Outcome(holds, onset, {"eta": eta, "interval": list(iv), "d_t_total": total, "max_eta": max_eta})
+
+
+PREDICATES: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
+    entropy_collapse, advantage_collapse, kl_spikes, clipping_saturation, reward_plateau, moving_against_reward,
+    collateral, length_drift, spending_without_buying)}
+
+
+# ------------------------------------------------------------------------------------ evaluation
+def missing_inputs(spec: FindingSpec, present: Callable[[str], bool], book_status: Mapping[str, str] | None) -> list[str]:
+    """What the finding lacks: empty when one alternative of its inputs is present and its books
+    computed; else the fields of the alternative closest to present, and the books not computed."""
+    best: list[str] | None = None
+    for alt in spec.inputs:
+        lack = [f for f in alt if not present(f)]
+        if best is None or len(lack) < len(best):
+            best = lack
+    out = list(best or [])
+    if book_status is not None and not out:  # the books' own refusals name what they lack
+        out += [f"the {b} book ({book_status.get(b, 'not computed')})" for b in spec.books
+                if book_status.get(b) not in ("computed", "partial", "unresolved")]
+    return out
+
+
+def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> FindingOut:
+    base = dict(id=spec.id, title=spec.title, question=spec.question, severity=spec.severity,
+                reference=spec.reference)
+    if missing:
+        return FindingOut(**base, status="not_evaluated", missing=missing,
+                          evidence=f"Not evaluated: needs {', '.join(missing)}.")
+    fn = PREDICATES.get(spec.predicate)
+    if fn is None:
+        raise ValueError(f"specs/findings/{spec.id}.yaml: unknown predicate {spec.predicate!r}; known: "
+                         f"{', '.join(sorted(PREDICATES))}")
+    out = fn(data, **spec.params)
+    ctx = {"e": _Evidence(out.evidence), "onset": out.onset, "holds": out.holds, "p": spec.params}
+    evidence = " ".join(render_template_string(spec.evidence, ctx).split())
+    remedy = " ".join(render_template_string(spec.remedy, ctx).split()) if out.holds else None
+    return FindingOut(**base, status="holds" if out.holds else "clear", onset=out.onset, evidence=evidence,
+                      remedy=remedy, values=_jsonable(out.evidence))
+
+
+def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None) -> list[FindingOut]:
+    """Every finding on a finished record (with its report's books where a finding reads them)."""
+    specs = specs if specs is not None else load_findings()
+    fields = run.fields()
+    data = FindingData.from_run(run, report)
+    status = {b.id: b.status for b in report.books} if report is not None else {}
+
+    def present(f: str) -> bool:
+        if f in ("reward_mean", "frac_reward_zero_std") and not (fields.get(f) and fields[f].any):
+            return bool(data.series(f))  # computed from the rollouts
+        if f == "max_grad_norm" and data.series(f):
+            return True
+        p = fields.get(f)
+        return bool(p is not None and p.any)
+
+    return [evaluate_one(s, data, missing_inputs(s, present, status)) for s in specs.values()]
+
+
+def evaluate_live(series: Mapping[str, Mapping[int, float]], config: Mapping[str, Any] | None = None,
+                  specs: Mapping[str, FindingSpec] | None = None) -> list[FindingOut]:
+    """The ``live`` findings on the steps so far (the tap's telemetry), while training."""
+    specs = specs if specs is not None else load_findings()
+    data = FindingData(series, config=config)
+    if not data.series("max_grad_norm") and isinstance((config or {}).get("max_grad_norm"), (int, float)):
+        data._series["max_grad_norm"] = {s: float(config["max_grad_norm"]) for s in data.series("grad_norm_unclipped")}
+    out = []
+    for s in specs.values():
+        if not s.live:
+            continue
+        out.append(evaluate_one(s, data, missing_inputs(s, lambda f: bool(data.series(f)), None)))
+    return out
+
+
+def findings_table(specs: Mapping[str, FindingSpec] | None = None) -> str:
+    """The findings as a Markdown table (the README and docs/findings.md quote it)."""
+    specs = specs if specs is not None else load_findings()
+    return render_template("report/findings_table.md.j2", {"specs": list(specs.values())}, prose=False).strip()
+
+
+def finding_counts(findings: Sequence[FindingOut]) -> dict[str, int]:
+    """The counts every page states about the findings, made here only."""
+    out = {"checked": len(findings)}
+    for status in ("holds", "clear", "not_evaluated"):
+        out[status] = sum(f.status == status for f in findings)
+    for sev in SEVERITIES:
+        out[f"holds_{sev}"] = sum(f.status == "holds" and f.severity == sev for f in findings)
+    return out
+
+
+def worst(findings: Sequence[FindingOut]) -> str | None:
+    held = [f.severity for f in findings if f.status == "holds"]
+    return max(held, key=RANK.__getitem__) if held else None
+
+
+def exit_code(findings: Sequence[FindingOut], fail_on: str) -> int:
+    """0 when no finding at or above ``fail_on`` holds, else 1 (``never``: always 0)."""
+    if fail_on == "never":
+        return 0
+    return 1 if any(f.status == "holds" and RANK[f.severity] >= RANK[fail_on] for f in findings) else 0
+
+
+class _Evidence(dict):
+    """A predicate's evidence for the templates: a key it did not set reads as none."""
+
+    def __missing__(self, key):
+        return None
+
+
+def render_template_string(text: str, ctx: dict[str, Any]) -> str:
+    from reward_lens_spec.render import _env
+    from reward_lens_spec.paths import templates_dir
+
+    return _env(str(templates_dir())).from_string(text).render(**ctx)
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, (np.floating, float)):
+        return float(v) if math.isfinite(v) else None
+    if isinstance(v, np.integer):
+        return int(v)
+    return v
+
+
+__all__ = ["FindingOut", "FindingData", "Outcome", "PREDICATES", "evaluate", "evaluate_live", "exit_code",
+           "worst", "render_template"]

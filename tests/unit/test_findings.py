@@ -1,0 +1,252 @@
+"""Findings (specs/findings/): each predicate on hand-made series where it must hold and where it
+must not, not-evaluated naming what is missing, `reward-lens check` (exit codes, --list, a TRL
+output directory with no tap), the report leading with them, and the audit saying which a
+configuration will support. The collapsing and healthy training runs are in
+tests/acceptance/test_findings_runs.py (slow)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reward_lens import cli
+from reward_lens.findings import FindingData, PREDICATES, evaluate, evaluate_live, exit_code, finding_counts
+from reward_lens_spec import load_findings
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = [str(Path(sys.executable).with_name("reward-lens"))]
+
+
+def _series(**cols):
+    return {k: {i: float(v) for i, v in enumerate(vals)} for k, vals in cols.items()}
+
+
+def test_nine_findings_each_one_yaml_with_a_known_predicate():
+    specs = load_findings()
+    assert len(specs) >= 9
+    for s in specs.values():
+        assert s.predicate in PREDICATES and (REPO / "specs" / "findings" / f"{s.id}.yaml").is_file()
+        assert s.validated and s.remedy and s.question.endswith("?")
+    listed = subprocess.run(CLI + ["check", "--list"], capture_output=True, text=True)
+    assert listed.returncode == 0 and all(f"`{i}`" in listed.stdout for i in specs)
+
+
+# ---------------------------------------------------------------- predicates, by hand
+def test_entropy_collapse_needs_the_fall_and_no_reward_for_it():
+    h = 1.0 * 0.85 ** np.arange(30)  # falls to 1 % of its start
+    flat = _series(entropy=h, reward_mean=np.full(30, 0.5))
+    out = PREDICATES["entropy_collapse"](FindingData(flat), window=5, min_fall=0.5)
+    first_low = next(i for i in range(5, 30) if h[max(0, i - 4):i + 1].mean() <= 0.5 * h[:5].mean())
+    assert out.holds and out.onset == first_low
+    rising = _series(entropy=h, reward_mean=np.linspace(0.1, 0.9, 30))  # the entropy bought reward
+    assert not PREDICATES["entropy_collapse"](FindingData(rising), window=5, min_fall=0.5).holds
+    steady = _series(entropy=np.full(30, 1.0), reward_mean=np.full(30, 0.5))
+    assert not PREDICATES["entropy_collapse"](FindingData(steady), window=5, min_fall=0.5).holds
+
+
+def test_advantage_collapse_from_its_onset():
+    z = np.r_[np.zeros(10), np.ones(10)]
+    out = PREDICATES["advantage_collapse"](FindingData(_series(frac_reward_zero_std=z)), window=5, share=0.5)
+    assert out.holds and out.onset == 12  # the 5-step mean first reaches 0.5 at step 12 (3 of 5)
+    ok = PREDICATES["advantage_collapse"](FindingData(_series(frac_reward_zero_std=np.full(20, 0.3))), window=5,
+                                          share=0.5)
+    assert not ok.holds
+
+
+def test_kl_spikes_against_the_running_median_and_the_se():
+    d = np.full(30, 0.01)
+    d[20] = 0.5  # 50x the median
+    out = PREDICATES["kl_spikes"](FindingData(_series(kl_to_previous=d)), window=10, factor=10, min_se=3)
+    assert out.holds and out.onset == 20 and out.evidence["n_spikes"] == 1
+    noisy = _series(kl_to_previous=d, kl_to_previous_se=np.full(30, 0.5))  # within its own noise
+    assert not PREDICATES["kl_spikes"](FindingData(noisy), window=10, factor=10, min_se=3).holds
+
+
+def test_clipping_saturation_on_most_recent_steps():
+    un = np.r_[np.full(10, 0.5), np.full(15, 3.0)]
+    data = FindingData(_series(grad_norm_unclipped=un, max_grad_norm=np.full(25, 1.0)))
+    out = PREDICATES["clipping_saturation"](data, window=10, share=0.8)
+    assert out.holds and out.onset == 17  # 8 of the last 10 clipped first at step 17
+    calm = FindingData(_series(grad_norm_unclipped=np.full(25, 0.5), max_grad_norm=np.full(25, 1.0)))
+    assert not PREDICATES["clipping_saturation"](calm, window=10, share=0.8).holds
+
+
+def test_reward_plateau_when_the_last_third_buys_nothing():
+    n = 45
+    r = np.r_[np.linspace(0.0, 1.0, 15), np.full(30, 1.0)]
+    data = FindingData(_series(reward_mean=r, kl_to_previous=np.full(n, 0.01)),
+                       reward_se={i: 0.01 for i in range(n)})
+    out = PREDICATES["reward_plateau"](data, window=5, fraction=0.25, z=2.0)
+    assert out.holds and out.onset == 30
+    still = FindingData(_series(reward_mean=np.linspace(0.0, 1.0, n), kl_to_previous=np.full(n, 0.01)),
+                        reward_se={i: 0.01 for i in range(n)})
+    assert not PREDICATES["reward_plateau"](still, window=5, fraction=0.25, z=2.0).holds
+
+
+def test_live_findings_on_the_taps_series_skip_what_needs_books():
+    series = _series(frac_reward_zero_std=np.ones(12), grad_norm_unclipped=np.full(12, 0.1),
+                     kl_to_previous=np.full(12, 0.01))
+    found = {f.id: f for f in evaluate_live(series, {"max_grad_norm": 1.0})}
+    assert found["advantage_collapse"].status == "holds" and found["advantage_collapse"].onset == 4
+    assert found["clipping_saturation"].status == "clear" and found["kl_spikes"].status == "clear"
+    assert found["entropy_collapse"].status == "not_evaluated" and "entropy" in found["entropy_collapse"].missing
+    assert "moving_against_reward" not in found  # reads books: after the run only
+
+
+# ---------------------------------------------------------------- on records
+def test_the_healthy_task_record_has_no_warn_or_critical_finding():
+    from reward_lens.examples import example_features, example_record
+    from reward_lens.measure.ledger.features import features_from
+    from reward_lens.record import open_run
+    from reward_lens.report import build_report
+
+    run = open_run(example_record("task"))
+    report = build_report(run, features=features_from(str(example_features("task"))))
+    assert exit_code(report.findings, "warn") == 0
+    assert all(f.status != "not_evaluated" for f in report.findings)  # a tapped record feeds every finding
+    counts = finding_counts(report.findings)
+    assert report.findings_counts == counts and counts["checked"] == len(load_findings())
+    # the card leads with the health sentence, counted in one place
+    assert report.card[0].startswith("**No warn or critical finding**")
+    assert f"{counts['clear']} of {counts['checked']} checks clear" in report.card[0]
+    data = json.loads(report.model_dump_json())
+    assert [f["id"] for f in data["findings"]] == list(load_findings())
+
+
+def test_a_record_with_a_kl_spike_is_found_by_check(tmp_path, capsys):
+    from tests.conftest import tiny_record, varied_completions
+
+    kl = {s: 0.01 for s in range(24)}
+    kl[18] = 0.6
+    rec = tiny_record(tmp_path / "rec", {s: varied_completions(s, 8) for s in range(24)}, kl_to_previous=kl)
+    assert cli.main(["check", str(rec), "--quiet", "--format", "json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    spike = next(f for f in out["findings"] if f["id"] == "kl_spikes")
+    assert spike["status"] == "holds" and spike["onset"] == 18 and "step 18" in spike["evidence"]
+    assert cli.main(["check", str(rec), "--quiet", "--fail-on", "critical"]) == 0  # a warn only
+    assert cli.main(["check", str(rec), "--quiet", "--fail-on", "never"]) == 0
+
+
+def _trl_output_without_completions(tmp_path: Path, steps: int = 14) -> Path:
+    from tests.unit.test_importer import _trl_output
+
+    out = _trl_output(tmp_path / "trl", steps=steps, grad=(2.0,))
+    shutil.rmtree(out / "completions")
+    state = json.loads((out / "trainer_state.json").read_text())
+    for i, e in enumerate(x for x in state["log_history"] if "loss" in x):
+        e.update(entropy=0.5 * 0.8 ** i, frac_reward_zero_std=min(1.0, 0.1 * i), reward=0.5)
+    (out / "trainer_state.json").write_text(json.dumps(state))
+    return out
+
+
+def test_zero_setup_a_trl_output_directory_gets_its_scalar_findings(tmp_path, capsys):
+    """No tap, no completions: TRL's logged entropy, reward, frac_reward_zero_std and grad_norm are
+    enough for four findings; the rest are not evaluated, naming the field, never clear."""
+    out = _trl_output_without_completions(tmp_path)
+    before = sorted(p.name for p in out.iterdir())
+    assert cli.main(["check", str(out), "--quiet", "--format", "json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    by = {f["id"]: f for f in data["findings"]}
+    assert by["advantage_collapse"]["status"] == "holds" and by["entropy_collapse"]["status"] == "holds"
+    assert by["clipping_saturation"]["status"] == "holds"
+    assert by["kl_spikes"]["status"] == "not_evaluated" and by["kl_spikes"]["missing"] == ["kl_to_previous"]
+    assert by["moving_against_reward"]["status"] == "not_evaluated"
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written into the user's folder
+
+
+def test_the_audit_says_which_findings_a_config_supports(tmp_path):
+    from reward_lens.audit import audit
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num_generations: 8\nlogging_steps: 1\nmax_steps: 50\nlog_completions: true\n")
+    plain = {f.finding: f for f in audit(cfg).findings}
+    assert plain["kl_spikes"].verdict == "will not evaluate" and plain["kl_spikes"].missing == ["kl_to_previous"]
+    assert plain["advantage_collapse"].verdict == "will evaluate"
+    tapped = {f.finding: f for f in audit(cfg, with_tap=True).findings}
+    assert all(f.verdict == "will evaluate" for f in tapped.values())
+    r = subprocess.run(CLI + ["audit", str(cfg)], capture_output=True, text=True)
+    assert "kl_spikes                 will not evaluate  kl_to_previous" in r.stdout
+
+
+def test_a_finding_not_evaluated_is_never_counted_clear(tmp_path):
+    from reward_lens.record import open_run
+    from tests.conftest import tiny_record, varied_completions
+
+    rec = tiny_record(tmp_path / "rec", {s: varied_completions(s, 8) for s in range(6)})
+    found = {f.id: f for f in evaluate(open_run(rec))}
+    assert found["kl_spikes"].status == "not_evaluated" and "kl_to_previous" in found["kl_spikes"].missing
+    assert found["entropy_collapse"].status == "not_evaluated"
+    counts = finding_counts(list(found.values()))
+    assert counts["clear"] + counts["holds"] + counts["not_evaluated"] == counts["checked"]
+
+
+@pytest.mark.parametrize("bad", ["predicate: nope", "severity: fatal", "inputs: [[no_such_field]]"])
+def test_a_malformed_finding_spec_is_named(tmp_path, bad):
+    from reward_lens_spec.errors import SpecError
+    from reward_lens_spec.loader import _findings_cached
+
+    root = tmp_path / "specs"
+    shutil.copytree(REPO / "specs", root)
+    path = root / "findings" / "kl_spikes.yaml"
+    key = bad.split(":")[0]
+    text = "\n".join(line if not line.startswith(key + ":") else bad for line in path.read_text().splitlines())
+    path.write_text(text + "\n")
+    if key == "predicate":
+        spec = _findings_cached(str(root))["kl_spikes"]
+        from reward_lens.findings import evaluate_one
+
+        with pytest.raises(ValueError, match="unknown predicate 'nope'"):
+            evaluate_one(spec, FindingData({}), [])
+    else:
+        with pytest.raises(SpecError, match="kl_spikes.yaml"):
+            _findings_cached(str(root))
+
+
+def test_book_findings_on_the_reference_records(tmp_path):
+    """On `paired` (a lowercase reward, surface basis) completions lengthen with no selection on
+    length: collateral and length drift hold; read in a basis of one behaviour the reward does not
+    touch, nearly all the divergence goes unnamed: spending without buying holds."""
+    from reward_lens.examples import example_record
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens.record import open_run
+    from reward_lens.report import build_report
+
+    run = open_run(example_record("paired"))
+    found = {f.id: f for f in build_report(run).findings}
+    assert found["collateral_behaviour"].status == "holds"
+    assert "len_chars" in [x["feature"] for x in found["collateral_behaviour"].values["features"]]
+    drift = found["length_drift"]
+    assert drift.status == "holds" and all(abs(x["relative"]) >= 0.1 for x in drift.values["features"])
+    assert found["spending_without_buying"].status == "clear"
+    basis = tmp_path / "sevens.yaml"
+    basis.write_text('name: sevens\nfeatures:\n  - name: n_sevens\n    kind: regex\n    pattern: "7"\n    count: raw\n')
+    narrow = {f.id: f for f in build_report(run, features=load_basis(basis)).findings}
+    spend = narrow["spending_without_buying"]
+    assert spend.status == "holds" and spend.values["interval"][1] < 0.05
+
+
+def test_what_the_specs_say_they_were_validated_on():
+    """The `validated` lines of specs/findings/ on the bundled records, one by one."""
+    from reward_lens.examples import example_features, example_record
+    from reward_lens.measure.ledger.features import features_from
+    from reward_lens.record import open_run
+    from reward_lens.report import build_report
+
+    def found(name):
+        spec = example_features(name)
+        rep = build_report(open_run(example_record(name)), features=features_from(str(spec) if spec else None))
+        return {f.id: f.status for f in rep.findings}
+
+    task, paired, tapped = found("task"), found("paired"), found("tapped")
+    assert tapped["advantage_collapse"] == "holds" and task["advantage_collapse"] == "clear"
+    assert task["clipping_saturation"] == "holds" and task["reward_plateau"] == "holds"
+    assert task["entropy_collapse"] == "clear" and task["collateral_behaviour"] == "clear"
+    assert task["length_drift"] == "clear" and task["moving_against_reward"] == "clear"
+    assert task["spending_without_buying"] == "clear"
+    assert {task["kl_spikes"], paired["kl_spikes"], tapped["kl_spikes"]} == {"clear"}
