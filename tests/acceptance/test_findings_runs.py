@@ -51,3 +51,17 @@ def test_the_live_findings_reach_the_trainers_logs_near_the_onset(collapsed):
     assert live, "no reward_lens/finding/advantage_collapse in trainer.state.log_history"
     # log_history's step is TRL's global_step after the update (record step + 1)
     assert min(live) - 1 <= onset + 5
+
+
+def test_stop_on_stops_the_training_when_a_live_finding_holds(tmp_path):
+    import dataclasses
+
+    import findings_runs
+    import truth
+
+    regime = dataclasses.replace(findings_runs.COLLAPSE, name="collapse", steps=20)
+    trained = truth.train(regime, tmp_path, check_every=1, stop_on="warn")
+    steps = [e["step"] for e in trained.log_history if "loss" in e]
+    assert max(steps) < 20  # stopped before max_steps
+    held = [e["step"] for e in trained.log_history if e.get("reward_lens/finding/advantage_collapse", 0) > 0]
+    assert held and max(steps) == min(held)  # at the step the finding first held
