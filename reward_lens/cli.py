@@ -330,7 +330,7 @@ def _open_for_check(path: Path, tmp: Path):
 
     if path.is_dir() and not (path / "manifest.json").is_file() and (
             (path / "trainer_state.json").is_file() or any(path.glob("checkpoint-*/trainer_state.json"))):
-        from reward_lens.record.importers.trl import import_trl
+        from reward_lens.record.importers.trl_output import import_trl
 
         import_trl(path, tmp / "record", scalars_only_ok=True)
         return open_run(tmp / "record"), f"{path} (a TRL output directory, read through `reward-lens import trl`)"
@@ -389,7 +389,7 @@ def cmd_import(args) -> int:
         m = import_verl(args.source, args.record_dir, framework_version=args.framework_version,
                         overwrite=args.overwrite, rollouts=args.rollouts)
     else:
-        from reward_lens.record.importers.trl import import_trl
+        from reward_lens.record.importers.trl_output import import_trl
 
         m = import_trl(args.source, args.record_dir, config=args.config, checkpoint=args.checkpoint,
                        framework_version=args.framework_version, overwrite=args.overwrite)

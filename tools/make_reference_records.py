@@ -24,7 +24,7 @@ What it does, for each record:
    (TRL's default 1e-6 would move nothing in 200 steps).
 3. Saves the trainer's arguments as ``grpo_config.json`` beside TRL's output (TRL itself
    writes them only as a pickle, ``training_args.bin``, which reward-lens does not load).
-4. Converts TRL's output directory into a record with ``reward_lens.record.importers.trl``,
+4. Converts TRL's output directory into a record with ``reward_lens.record.importers.trl_output``,
    the same path a user takes (``reward-lens import trl``), storing the starting
    checkpoint in the record.
 
@@ -165,7 +165,7 @@ def train(workdir: Path, *, seed: int, steps: int, reward: str, prompts: list[st
 def make(name: str, dest: Path, steps: int | None = None) -> None:
     import trl
 
-    from reward_lens.record.importers.trl import import_trl
+    from reward_lens.record.importers.trl_output import import_trl
 
     spec = dict(RECORDS[name])
     if steps is not None:

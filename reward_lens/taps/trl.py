@@ -97,7 +97,7 @@ from transformers import TrainerCallback
 from reward_lens.measure.ledger.paired import independent_d_t
 from reward_lens.measure.whitebox.kl import BlockedLogits, KlEstimate, WholeLogits, score_blocked
 from reward_lens.measure.whitebox.policy import sample, sample_prompts
-from reward_lens.record.importers.trl import record_config
+from reward_lens.record.importers.trl_output import record_config
 from reward_lens.record.schema import OptimizerTelemetry, Rollout
 from reward_lens.record.stream import RecordStream
 from reward_lens.taps.settings import tap_settings

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from reward_lens.record import open_run
-from reward_lens.record.importers.trl import import_trl
+from reward_lens.record.importers.trl_output import import_trl
 from tests.conftest import FIXTURES, LONG, SHORT
 
 REPO = Path(__file__).resolve().parents[2]

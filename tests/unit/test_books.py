@@ -15,7 +15,7 @@ from reward_lens.measure.decisions import decide_from
 from reward_lens.measure.effect import effect_series
 from reward_lens.measure.efficiency import metric_g
 from reward_lens.measure.ledger.price import StepSample, ledger_series
-from reward_lens.measure.price import best_of_n_kl, fit_frontier, price_series
+from reward_lens.measure.price_book import best_of_n_kl, fit_frontier, price_series
 
 NAMES = ("collateral", "not_bought", "bought", "neither")
 

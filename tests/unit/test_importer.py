@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from reward_lens.record import RecordError, open_run
-from reward_lens.record.importers.trl import import_trl
+from reward_lens.record.importers.trl_output import import_trl
 
 PROMPTS = ["a", "b"]
 

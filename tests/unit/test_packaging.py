@@ -66,3 +66,23 @@ def test_installed_copy_loads_its_specs_outside_the_repo(wheel, tmp_path):
     import json
 
     assert json.loads((tmp_path / "task" / "report.json").read_text())["basis"]["name"] == "task"
+
+
+def test_modules_have_one_name_each_and_say_what_they_own():
+    """No two modules under reward_lens/ share a basename, and each opens with what it owns."""
+    import ast
+    from collections import Counter
+
+    root = Path(__file__).resolve().parents[2]
+    mods = [p for pkg in ("reward_lens", "reward_lens_spec") for p in (root / pkg).rglob("*.py")]
+    names = Counter(p.name for p in mods if p.name != "__init__.py" and (root / "reward_lens") in p.parents)
+    assert not [n for n, c in names.items() if c > 1], names.most_common(3)
+    assert not [str(p) for p in mods if not ast.get_docstring(ast.parse(p.read_text()))]
+
+
+def test_the_seeds_import_paths_are_the_contract():
+    from reward_lens.measure.efficiency import cost_series, kl_min_series, metric_g  # noqa: F401
+    from reward_lens.measure.ledger.features import SurfaceFeatures  # noqa: F401
+    from reward_lens.measure.ledger.price import ledger_series, learning_rates, steps_from_run, whole_run  # noqa: F401
+    from reward_lens.record.reader import open_run  # noqa: F401
+    from reward_lens.taps.trl import RewardLensTap  # noqa: F401
