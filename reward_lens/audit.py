@@ -239,8 +239,9 @@ def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "confi
     pr.window = window
     for rej in [*spec.rejects, *(tap.rejects if tap is not None else [])]:  # the trainer's, then the tap's
         if pr.rejected is None and _holds(rej.when, cfg, d):
-            v, o = _get(cfg, rej.when.key, d)
-            pr.rejected = Cause(key=rej.when.key, value=v, origin=o, says=rej.why)
+            key = (rej.when[0] if isinstance(rej.when, list) else rej.when).key
+            v, o = _get(cfg, key, d)
+            pr.rejected = Cause(key=key, value=v, origin=o, says=rej.why)
     logged = None if pr.steps is None else math.ceil(pr.steps / window)
     if spec.prompt_groups is not None:
         _prompt_groups(spec.prompt_groups, cfg, d, pr, where)

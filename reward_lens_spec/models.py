@@ -174,7 +174,7 @@ class Supply(_Strict):
 class Reject(_Strict):
     """A configuration the framework refuses to start with, or (in a tap's spec) the tap refuses to attach to."""
 
-    when: Condition
+    when: Condition | list[Condition]  # a list: all must hold; the first names the key
     why: str
 
 
@@ -183,7 +183,7 @@ class Setting(_Strict):
 
     key: str
     says: str  # a template: {value} is the key's value, {origin} says where it came from
-    when: Condition | None = None
+    when: Condition | list[Condition] | None = None  # a list: all must hold
     # Record fields the statement is about: when a tap supplies them all, the statement says so.
     about: list[str] = Field(default_factory=list)
 

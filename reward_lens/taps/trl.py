@@ -201,6 +201,11 @@ class RewardLensTap(TrainerCallback):
                  f"log-probabilities at the sampling temperature {self.temperature:g}"
                  + ("; step t's rollouts are also scored under pi_{t-1} (logp_prev, kl_prev) for the paired ledger"
                     if self.paired else "")]
+        if getattr(args, "fsdp", None) and kind not in SHARDED:
+            # e.g. use_cpu: accelerate runs the model data-parallel and the fsdp setting is not applied
+            notes.append(f"the trainer config sets fsdp={args.fsdp!r} but accelerate runs the model as {kind} "
+                         "(the fsdp setting was not applied by the launcher): recorded as data-parallel, whole "
+                         "parameters on every process")
         if (getattr(args, "top_p", 1.0) or 1.0) < 1.0 or (getattr(args, "top_k", 0) or 0) > 0:
             notes.append(f"sampling truncation top_p={getattr(args, 'top_p', None)}, top_k={getattr(args, 'top_k', None)} "
                          "is not applied to the recorded log-probabilities (as in TRL's loss), nor to the held-out "

@@ -322,3 +322,21 @@ def test_audit_knows_the_feature_basis(tmp_path):
                        text=True)
     data = json.loads(r.stdout)
     assert data["basis"] == basis.basis_id and [f["name"] for f in data["features"]] == list(basis.names)
+
+
+def test_fsdp_on_the_cpu_is_said_to_be_data_parallel_not_refused(tmp_path):
+    """accelerate trains a TRL config with `fsdp` and `use_cpu` as DDP (issue 30, checked by the
+    issue's filer): the tap attaches and records it as data-parallel, so the audit says that
+    instead of 'will not run'; without use_cpu the tap still refuses FSDP at attach."""
+    from reward_lens.audit import audit
+
+    base = "num_generations: 8\nlogging_steps: 1\nmax_steps: 5\nfsdp: full_shard\nreward_lens: {}\n"
+    cpu, gpu = tmp_path / "cpu.yaml", tmp_path / "gpu.yaml"
+    cpu.write_text(base + "use_cpu: true\n")
+    gpu.write_text(base)
+    on_cpu = audit(cpu)
+    assert all(b.verdict != "will not run" for b in on_cpu.books)
+    assert any("does not apply it" in st.says and st.key == "fsdp" for st in on_cpu.statements)
+    on_gpu = audit(gpu)
+    assert all(b.verdict == "will not run" for b in on_gpu.books)
+    assert "FSDP" in on_gpu.books[0].cause.says
