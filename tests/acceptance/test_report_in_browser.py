@@ -128,6 +128,10 @@ def test_summary_card_first_and_the_rollout_browser_filters(browser, tmp_path, n
     card = page.locator("#summary-card").bounding_box()
     assert card is not None and card["y"] >= 0 and card["y"] + card["height"] <= 800, card  # no scrolling
     assert page.locator("#summary-card p").count() >= 2
+    assert "`" not in page.inner_text("#summary-card")  # code spans rendered, never literal backticks
+    if name in ("tapped", "paired", "task"):  # records with D_t: the headline figure is on the first screen
+        fig = page.locator("#headline-figure svg").bounding_box()
+        assert fig is not None and fig["y"] + fig["height"] <= 800, fig
     dark = page.evaluate("matchMedia('(prefers-color-scheme: dark)').matches")
     assert dark == (scheme == "dark")
     bg = page.evaluate("getComputedStyle(document.body).backgroundColor")

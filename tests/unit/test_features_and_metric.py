@@ -218,3 +218,16 @@ def test_a_window_singular_among_its_kept_features_is_decided_alone_when_its_pat
     got = _active_sets(np.stack(cs), np.stack(ms), names)
     assert got == [_active_set(c, m, names) for c, m in zip(cs, ms)]
     assert got[0][0] == ("a", "b") and got[5][0] == ("a",)
+
+
+def test_metric_g_without_two_rollouts_at_any_step_says_what_it_got():
+    """It used to say only 'needs at least one step with two or more rollouts' (issue 31)."""
+    import numpy as np
+    import pytest
+
+    from reward_lens.measure.efficiency import metric_g
+    from reward_lens.measure.ledger.price import StepSample
+
+    samples = [StepSample(s, ("a",), np.array([[float(s)]])) for s in range(3)]
+    with pytest.raises(ValueError, match=r"got 3 step\(s\), with 1, 1, 1 rollouts"):
+        metric_g(samples)
