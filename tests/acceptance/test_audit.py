@@ -108,8 +108,18 @@ def test_the_sharding_keys_the_tap_spec_names_are_training_arguments():
 
     from reward_lens_spec import load_taps
 
-    keys = {r.when.key for r in load_taps()["trl"].rejects}
-    assert keys == {"fsdp", "deepspeed"}
+    def first_key(when):  # a list of conditions names its key first
+        return (when[0] if isinstance(when, list) else when).key
+
+    def keys_of(when):
+        return {c.key for c in (when if isinstance(when, list) else [when] if when else [])}
+
+    spec = load_taps()["trl"]
+    assert {first_key(r.when) for r in spec.rejects} == {"fsdp", "deepspeed"}
+    # every key a reject or a setting's condition reads (use_cpu too) is one TRL really has
+    keys = set().union(*(keys_of(r.when) for r in spec.rejects), *(keys_of(s.when) for s in spec.settings))
+    keys = {k for k in keys if not k.startswith("reward_lens.")}  # the tap's own section
+    assert {"fsdp", "deepspeed", "use_cpu"} <= keys
     assert keys <= {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
