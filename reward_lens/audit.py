@@ -366,10 +366,14 @@ def load_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = False, features=None) -> AuditOut:
+def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = False, features=None,
+          model_parameters: int | None = None) -> AuditOut:
     """Audit a configuration, record directory or manifest; with ``features`` (a FeatureBasis),
-    also say which of its features the logging setup supports."""
+    also say which of its features the logging setup supports; with ``model_parameters`` (the
+    policy's trainable parameters), the bytes the tap's snapshot of pi_t will take."""
     result, pr, record = _audit(Path(path), framework, with_tap)
+    if model_parameters is not None and result.kind == "config" and result.with_tap:
+        result.statements.append(_snapshot_statement(load_config(Path(path)), model_parameters))
     result.findings = _finding_support(result, pr)
     if features is not None:
         result.basis = features.basis_id
@@ -416,6 +420,26 @@ def _audit(path: Path, framework: str | None, with_tap: bool) -> tuple[AuditOut,
     out = AuditOut(source=str(path), kind="config", framework=framework, with_tap=tap is not None,
                    subject=subject, statements=pr.statements, fields=_coverage(pr), books=books)
     return out, pr, None
+
+
+# bytes per parameter of the dtypes a model_init_kwargs may name
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
+
+
+def _snapshot_statement(cfg: dict[str, Any], n_parameters: int) -> Statement:
+    """What the tap's copy of pi_t takes, from the parameter count and the dtype the config loads
+    the model in (``model_init_kwargs.dtype``; else the checkpoint's, unknown here: both sizes)."""
+    where, origin = _get(cfg, "reward_lens.snapshot", {"reward_lens.snapshot": "device"})
+    init = cfg.get("model_init_kwargs") if isinstance(cfg.get("model_init_kwargs"), dict) else {}
+    dtype = str(init.get("dtype", init.get("torch_dtype", "")) or "").removeprefix("torch.")
+    gib = lambda b: f"{n_parameters * b / 2**30:.3g} GiB"  # noqa: E731
+    size = (f"{gib(_DTYPE_BYTES[dtype])} in {dtype} (`model_init_kwargs.dtype`)" if dtype in _DTYPE_BYTES else
+            f"{gib(4)} in float32 or {gib(2)} in bfloat16 (the checkpoint's dtype: `model_init_kwargs.dtype` "
+            "does not say)")
+    place = ("in host memory: none on the accelerator" if where == "cpu"
+             else "on the accelerator, beside the model (`reward_lens.snapshot: cpu` keeps it in host memory)")
+    return Statement(key="reward_lens.snapshot", value=where, origin=origin, says=_say(
+        "snapshot_bytes", n=f"{n_parameters:,}", size=size, place=place))
 
 
 def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None:

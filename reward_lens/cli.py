@@ -227,6 +227,17 @@ def audit_text(result, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    """A count given as 7000000000, 7_000_000_000 or 7e9."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (value >= 1 and value == int(value) and value < 1e15):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of parameters from 1 to 1e15")
+    return int(value)
+
+
 def cmd_audit(args) -> int:
     from reward_lens.audit import audit
     from reward_lens_spec import load_books
@@ -239,7 +250,8 @@ def cmd_audit(args) -> int:
     from reward_lens.measure.ledger.features import features_from
 
     basis = features_from(args.features) if args.features else None
-    result = audit(args.config, framework=args.framework, with_tap=args.with_tap, features=basis)
+    result = audit(args.config, framework=args.framework, with_tap=args.with_tap, features=basis,
+                   model_parameters=args.model_parameters)
     if args.format == "json":
         _emit(result.model_dump_json())
     else:
@@ -442,6 +454,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--verbose", action="store_true", help="print each refusal's whole detail and remedy")
     a.add_argument("--features", metavar="FILE", help="a feature basis (YAML): say which of its features the "
                    "logging setup supports." + CALLABLE_NOTE)
+    a.add_argument("--model-parameters", type=_positive_int, metavar="N", help="the policy's trainable parameters: "
+                   "with the tap, say the bytes its copy of pi_t takes and where")
     a.set_defaults(func=cmd_audit)
 
     dfp = sub.add_parser("diff", help="the books of two runs side by side (same feature basis required)")

@@ -33,6 +33,10 @@ class TapSettings(BaseModel):
     model_description: str | None = None
     paired: StrictBool = Field(True, description="score each generation under the previous policy (the paired "
                                                  "ledger's input)")
+    snapshot: Literal["device", "cpu"] = Field(
+        "device", description="where pi_t's parameters are kept between the step and the next generation: beside "
+                              "the model ('device': swapped in by reference) or in host memory ('cpu', pinned on "
+                              "CUDA: copied in for each scoring pass and back, so the accelerator holds no second copy)")
     check_every: StrictInt = Field(1, ge=0, description="steps between evaluations of the live findings "
                                                         "(specs/findings/ with live: true) on the steps so far; 0: never")
     stop_on: Literal["warn", "critical"] | None = Field(None, description="stop training (TrainerControl) when a "

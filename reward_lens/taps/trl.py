@@ -43,8 +43,11 @@ step t+1 generates (before any gradient of it):
 
 Cost per step: two forward passes over the step's rollouts (pi_{t+1}, and pi_t by a functional
 call on the kept parameters) and, with held-out completions, generating h per prompt from pi_t
-and two forward passes over them plus the reward functions; one parameter snapshot in memory
-(|theta| floats of the parameters' dtype: 28 GB for a 7B model in float32).
+and two forward passes over them plus the reward functions; one snapshot of the trainable
+parameters (|theta| x their dtype: 26 GiB for a 7B model in float32), beside the model
+(``snapshot="device"``, swapped in by reference) or in host memory (``snapshot="cpu"``, pinned
+on CUDA, copied in for each scoring pass and back: no second copy on the accelerator). Its
+bytes are logged before training, and attach refuses a device snapshot that cannot fit.
 ``estimator="exact"`` instead samples ``n_exact`` fresh completions from pi_{t+1} for step t's
 prompts right after the step (the rollouts are then scored only with ``paired=True``);
 ``estimator=None`` records the optimizer telemetry and the rollouts only.
@@ -132,6 +135,25 @@ class _Pending:
     kl_prev: float | None = None
 
 
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
+
+
+def snapshot_plan(n_bytes: int, mode: str, device: str, free: int | None) -> str:
+    """Where the tap keeps pi_t (``n_bytes`` of trainable parameters), in words, for the record's
+    notes and the log before training; ValueError when ``snapshot='device'`` needs more than the
+    accelerator's ``free`` bytes (a second copy that could not fit: say ``snapshot='cpu'``)."""
+    if mode == "cpu":
+        pinned = ", pinned" if device.startswith("cuda") else ""
+        return (f"pi_t is kept in host memory{pinned} ({_gib(n_bytes)}, the trainable parameters), copied into "
+                f"the model for each scoring pass and back: no second copy on {device}")
+    if device.startswith("cuda") and free is not None and n_bytes > free:
+        raise ValueError(f"RewardLensTap: keeping pi_t on {device} takes {_gib(n_bytes)} (a copy of the trainable "
+                         f"parameters) and {_gib(free)} is free before training: pass snapshot='cpu' to keep it in "
+                         "host memory")
+    return f"pi_t is kept on {device} beside the model ({_gib(n_bytes)}, a copy of the trainable parameters)"
+
+
 def _eos_id(trainer) -> int | None:
     """The token that ends a completion (features such as ``ends_with_eos`` need it)."""
     eos = getattr(trainer.processing_class, "eos_token_id", None)
@@ -176,6 +198,7 @@ class RewardLensTap(TrainerCallback):
         self.chunk = chunk
         self.save_initial_checkpoint = save_initial_checkpoint
         self.seed = seed
+        self._host = s.snapshot == "cpu"  # pi_t kept in host memory, copied in and back
         self.estimates: dict[int, dict[str, KlEstimate]] = {}
         self._pending: dict[int, _Pending] = {}
         self._pending_heldout: list[_Pending] = []
@@ -196,11 +219,20 @@ class RewardLensTap(TrainerCallback):
 
         model = trainer.model
         n_params = sum(p.numel() for p in model.parameters())
+        first = next(model.parameters(), None)
+        dev = str(first.device) if first is not None else "cpu"
+        self.snapshot_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        free = None
+        if dev.startswith("cuda") and not self._host and estimator is not None:
+            free = torch.cuda.mem_get_info(first.device)[0]
+        where = snapshot_plan(self.snapshot_bytes, s.snapshot, dev, free) if estimator is not None else None
+        if where and not self.rank:
+            logging.getLogger("reward_lens").warning("reward-lens tap: %s", where)
         notes = [f"recorded by the reward-lens TRL tap (estimator {estimator}, held-out {self.heldout} per prompt, "
                  f"flush every {self.flush_every} steps)",
                  f"log-probabilities at the sampling temperature {self.temperature:g}"
                  + ("; step t's rollouts are also scored under pi_{t-1} (logp_prev, kl_prev) for the paired ledger"
-                    if self.paired else "")]
+                    if self.paired else "")] + ([where] if where else [])
         if getattr(args, "fsdp", None) and kind not in SHARDED:
             # e.g. use_cpu: accelerate runs the model data-parallel and the fsdp setting is not applied
             notes.append(f"the trainer config sets fsdp={args.fsdp!r} but accelerate runs the model as {kind} "
@@ -351,11 +383,13 @@ class RewardLensTap(TrainerCallback):
         pad = 0 if pad is None else pad
         ent = tokens = 0.0
         with torch.no_grad():
-            for a in range(0, len(items), self.chunk):
-                chunk = items[a:a + self.chunk]
-                ids, att, comp, pw = self._batch([(p.prompt_ids, p.completion_ids) for p in chunk], pad)
+            chunks = [items[a:a + self.chunk] for a in range(0, len(items), self.chunk)]
+            batches = [self._batch([(p.prompt_ids, p.completion_ids) for p in chunk], pad) for chunk in chunks]
+            olds = self._forwards_under(params, [(b[0], b[1]) for b in batches]) if params is not None else None
+            olds = iter(olds) if olds is not None else None
+            for chunk, (ids, att, comp, pw) in zip(chunks, batches):
                 new = self._forward(None, ids, att).positions(pw - 1, -1)
-                old = self._forward(params, ids, att).positions(pw - 1, -1) if params is not None else None
+                old = next(olds).positions(pw - 1, -1) if olds is not None else None
                 s = score_blocked(new, old, ids[:, pw:], comp)
                 for j, p in enumerate(chunk):
                     p.logp_pre = float(s.logp_new[j])
@@ -442,20 +476,38 @@ class RewardLensTap(TrainerCallback):
 
     @contextmanager
     def _policy(self, params: dict[str, torch.Tensor]):
-        """The model with ``params`` (a kept snapshot) in place of its own parameters, swapped
-        by reference (no copy) and back; in eval mode, without gradients."""
+        """The model with ``params`` (a kept snapshot) in place of its own parameters and back,
+        without gradients: swapped by reference when the snapshot is beside the model; copied
+        in (the live values parked in host memory meanwhile) when it is kept on the host."""
         named = dict(self.trainer.model.named_parameters())
         saved = {}
         try:
             with torch.no_grad():
                 for name, value in params.items():
-                    saved[name] = named[name].data
-                    named[name].data = value
+                    live = named[name]
+                    if self._host:
+                        saved[name] = live.detach().to("cpu", copy=True)
+                        live.data.copy_(value)
+                    else:
+                        saved[name] = live.data
+                        live.data = value
             yield self.trainer.model
         finally:
             with torch.no_grad():
                 for name, value in saved.items():
-                    named[name].data = value
+                    if self._host:
+                        named[name].data.copy_(value)
+                    else:
+                        named[name].data = value
+
+    def _forwards_under(self, params: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The kept policy's logits over each (ids, mask) of ``batches``: by a functional call per
+        batch (lazily) when the snapshot is beside the model; under one copy-in for all of them when
+        it is in host memory (the last hidden states of every batch kept, the output layer cloned)."""
+        if not self._host:
+            return (self._forward(params, ids, att) for ids, att in batches)
+        with self._policy(params):
+            return [self._forward(None, ids, att, own_head=True) for ids, att in batches]
 
     # ------------------------------------------------------------------ the step
     def _gather(self, items: list) -> list:
@@ -504,14 +556,20 @@ class RewardLensTap(TrainerCallback):
                "max_grad_norm": float(args.max_grad_norm) if args.max_grad_norm else None,
                "beta": float(self.trainer.beta)}
         self._row = {**self._late.pop(state.global_step, {}), **row}
-        self._snapshot = {n: p.detach().clone() for n, p in params.items()}
+        if self._host:  # pinned host buffers on CUDA, so that copying in and back is a DMA
+            pin = next(iter(params.values())).is_cuda if params else False
+            self._snapshot = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach())
+                              for n, p in params.items()}
+        else:
+            self._snapshot = {n: p.detach().clone() for n, p in params.items()}
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         model = self.trainer.model
         t = state.global_step
         snap = self._snapshot
         with torch.no_grad():
-            sq = sum(((p.detach() - snap[n]) ** 2).sum().double() for n, p in model.named_parameters() if n in snap)
+            sq = sum(((p.detach() - snap[n].to(p.device)) ** 2).sum().double()
+                     for n, p in model.named_parameters() if n in snap)
         self._row["update_norm"] = float(torch.sqrt(sq))
         used = [i for i in dict.fromkeys(self._used) if i in self._pending]
         self._used = []
@@ -531,11 +589,13 @@ class RewardLensTap(TrainerCallback):
             self._prev = (t, snap)
         self._snapshot = None
 
-    def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor):
+    def _forward(self, params: dict[str, torch.Tensor] | None, ids: torch.Tensor, mask: torch.Tensor,
+                 own_head: bool = False):
         """The policy's logits over ``ids`` (at the sampling temperature), under the live
         parameters or ``params``: as ``BlockedLogits`` (computed a block of positions at a time
         from the last hidden states) where the output layer is a plain linear map, else as
-        ``WholeLogits``."""
+        ``WholeLogits``. ``own_head``: the output layer is cloned, so the logits stay those of the
+        parameters in the model now after they are swapped back."""
         model = self.trainer.model
         dev = next(model.parameters()).device
         kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
@@ -560,7 +620,11 @@ class RewardLensTap(TrainerCallback):
             return WholeLogits((logits.float() / self.temperature).cpu())
         key = self._head_key
         weight = head.weight if params is None or key not in params else params[key]
-        return BlockedLogits(hidden[0], weight, head.bias, self.temperature)
+        bias = head.bias
+        if own_head:
+            weight = weight.detach().clone()
+            bias = None if bias is None else bias.detach().clone()
+        return BlockedLogits(hidden[0], weight, bias, self.temperature)
 
     @cached_property
     def _head_key(self) -> str | None:
@@ -605,7 +669,8 @@ class RewardLensTap(TrainerCallback):
             ids, comp_full = seqs.ids, seqs.completion_mask
             att = torch.ones_like(ids)
             new = self._forward(None, ids, att).positions(0, -1)
-            old = self._forward(snap, ids, att).positions(0, -1)
+            (old,) = self._forwards_under(snap, [(ids, att)])
+            old = old.positions(0, -1)
             per.extend(score_blocked(new, old, ids[:, 1:], comp_full[:, 1:]).kl.tolist())
         per = self._gather(per)
         return KlEstimate.of(per) if len(per) > 1 else None

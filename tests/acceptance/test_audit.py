@@ -350,3 +350,26 @@ def test_fsdp_on_the_cpu_is_said_to_be_data_parallel_not_refused(tmp_path):
     on_gpu = audit(gpu)
     assert all(b.verdict == "will not run" for b in on_gpu.books)
     assert "FSDP" in on_gpu.books[0].cause.says
+
+
+def test_the_audit_says_what_the_taps_copy_of_pi_t_takes_and_where(tmp_path):
+    """--model-parameters: bytes of the tap's snapshot from the parameter count and the dtype the
+    config loads the model in (hand-worked: 7e9 x 2 bytes = 13.04 GiB; x 4 = 26.08 GiB)."""
+    def snapshot_says(cfg, n=7 * 10**9):
+        said = [s.says for s in audit(_write(tmp_path, cfg), with_tap=True, model_parameters=n).statements
+                if s.key == "reward_lens.snapshot"]
+        return said
+
+    where, size = snapshot_says({**PER_STEP, "model_init_kwargs": {"dtype": "bfloat16"}})
+    assert "on `device`" in where and "(tap default)" in where
+    assert "13 GiB in bfloat16" in size and "on the accelerator, beside the model" in size
+    assert "7,000,000,000 trainable parameters" in size
+    _, size = snapshot_says({**PER_STEP, "reward_lens": {"snapshot": "cpu"}})
+    assert "26.1 GiB in float32 or 13 GiB in bfloat16" in size and "in host memory: none on the accelerator" in size
+    # without the count, where it is kept and nothing about bytes; without the tap, neither
+    said = [s.says for s in audit(_write(tmp_path, PER_STEP), with_tap=True).statements if s.key == "reward_lens.snapshot"]
+    assert len(said) == 1 and "GiB" not in said[0]
+    assert not [s for s in audit(_write(tmp_path, PER_STEP), model_parameters=10**9).statements
+                if s.key == "reward_lens.snapshot"]
+    with pytest.raises(ValueError, match="snapshot: Input should be 'device' or 'cpu'"):
+        audit(_write(tmp_path, {**PER_STEP, "reward_lens": {"snapshot": "gpu"}}))

@@ -27,7 +27,7 @@ sys.path.pop(0)
 
 
 def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimator="independent", heldout=4, n_exact=16,
-           flush_every=2, seed=3, batch=8, keep=False, prompts=("ab", "cd", "ef", "gh")):
+           flush_every=2, seed=3, batch=8, keep=False, prompts=("ab", "cd", "ef", "gh"), **tap_settings):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -44,7 +44,7 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
     trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args,
                           train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=tok)
     tap = RewardLensTap.attach(trainer, tmp / "rec", estimator=estimator, heldout=heldout, n_exact=n_exact,
-                               flush_every=flush_every, save_initial_checkpoint=True)
+                               flush_every=flush_every, save_initial_checkpoint=True, **tap_settings)
     tap.policies = {}
     if keep:  # every pi_t, to recompute what the tap measured from the weights alone
         from transformers import TrainerCallback
@@ -299,6 +299,48 @@ def test_killed_run_leaves_a_readable_record(tmp_path):
     run.read_rollouts(["completion", "logp_pre"])  # every listed segment reads
 
 
+def test_a_snapshot_in_host_memory_measures_what_one_beside_the_model_does(plain, tmp_path):
+    """snapshot='cpu' keeps pi_t on the host and copies it into the model for each scoring pass
+    and back (the path a CUDA run takes to hold no second copy on the accelerator; here the copy
+    path itself is exercised): the same run records the same D_t, scores and held-out draws, the
+    kept tensors are separate host copies of the trainable parameters, and the record's notes
+    state their bytes."""
+    run, tap, _ = plain
+    host_run, host_tap, _ = _train(tmp_path, snapshot="cpu")
+    assert host_tap._host and not tap._host
+    n_bytes = sum(p.numel() * p.element_size() for p in host_tap.trainer.model.parameters() if p.requires_grad)
+    assert host_tap.snapshot_bytes == tap.snapshot_bytes == n_bytes
+    notes = " ".join(host_run.manifest.notes)
+    assert "kept in host memory" in notes and f"{n_bytes / 2**30:.3g} GiB" in notes
+    assert "kept on cpu beside the model" in " ".join(run.manifest.notes)
+    for col in ("kl_to_previous", "kl_to_previous_se", "update_norm", "grad_norm", "entropy"):
+        a, b = run.telemetry_column(col), host_run.telemetry_column(col)
+        assert a.keys() == b.keys() and a, col
+        assert [a[k] for k in a] == pytest.approx([b[k] for k in a], rel=1e-6, abs=1e-9), col
+    assert len(run.telemetry_column("kl_to_previous")) == len(run.steps) - 1  # every step with a next one
+    cols = ["completion", "logp_pre", "logp_prev", "kl_prev"]
+    for side_a, side_b in ((run, host_run), (run.heldout(), host_run.heldout())):
+        xa, xb = side_a.read_rollouts(cols).to_pylist(), side_b.read_rollouts(cols).to_pylist()
+        assert len(xa) == len(xb) > 0
+        assert [x["completion"] for x in xa] == [x["completion"] for x in xb]
+        for col in cols[1:]:
+            va = [np.nan if x[col] is None else x[col] for x in xa]
+            vb = [np.nan if x[col] is None else x[col] for x in xb]
+            assert np.allclose(va, vb, rtol=1e-6, atol=1e-8, equal_nan=True), col
+
+
+def test_the_snapshot_plan_says_the_bytes_and_refuses_what_cannot_fit():
+    from reward_lens.taps.trl import snapshot_plan
+
+    seven_b = 7 * 10**9 * 4
+    assert "26.1 GiB" in snapshot_plan(seven_b, "device", "cuda:0", 80 * 2**30)
+    with pytest.raises(ValueError, match=r"takes 26.1 GiB .* 10 GiB is free .* snapshot='cpu'"):
+        snapshot_plan(seven_b, "device", "cuda:0", 10 * 2**30)
+    said = snapshot_plan(seven_b, "cpu", "cuda:0", None)
+    assert "host memory, pinned (26.1 GiB" in said and "no second copy on cuda:0" in said
+    assert "pinned" not in snapshot_plan(seven_b, "cpu", "cpu", None)
+
+
 def test_attach_refuses_unknown_estimators_and_bad_settings(tmp_path):
     from reward_lens.taps.trl import RewardLensTap
 
@@ -307,7 +349,7 @@ def test_attach_refuses_unknown_estimators_and_bad_settings(tmp_path):
     with pytest.raises(ValueError, match="'rollout' is retired: it summed the token KL along the rollouts the step"):
         RewardLensTap(object(), tmp_path / "r", estimator="rollout")
     for bad in ({"heldout": -1}, {"heldout": 2.5}, {"flush_every": 0}, {"flush_every": "ten"}, {"paired": "no"},
-                {"paired": False}):
+                {"paired": False}, {"snapshot": "disk"}, {"snapshot": True}):
         with pytest.raises(ValueError):
             RewardLensTap(object(), tmp_path / "r", **bad)
     assert not (tmp_path / "r").exists()
