@@ -16,8 +16,10 @@ Prints wall seconds and peak resident memory of each, and the ratios, for comple
 two lengths (``--text-scales 1,4``: 8-63 characters, then four times that). The report
 streams the rollouts by row group, so its peak memory should grow far less with the text
 than the baseline's, which holds every completion. Options: ``--steps N --per-step M``, and
-``--paired`` (the rollouts carry the log-probabilities the paired ledger prices, as a tapped
-run's do).
+``--paired`` (the rollouts carry the log-probabilities the paired ledger prices), and
+``--tapped`` (as the tap writes a record now: also the token KL ``kl_prev`` along every row,
+4 held-out completions of pi_{t-1} per prompt group in ``heldout.parquet``, and D_t in the
+telemetry, so every step pair is priced two-sided with its eta).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def make_record(path: Path, steps: int, per_step: int, scale: int = 1, paired: bool = False) -> None:
+def make_record(path: Path, steps: int, per_step: int, scale: int = 1, paired: bool = False,
+                tapped: bool = False) -> None:
     """``paired``: every rollout also carries log pi_t and log pi_{t-1} (``logp_pre``,
     ``logp_prev``, as the tap writes them; step 0 has no previous policy), with a log-ratio
     that depends on the completion's share of lower-case letters, so the paired ledger prices
@@ -72,8 +75,26 @@ def make_record(path: Path, steps: int, per_step: int, scale: int = 1, paired: b
         prev = np.where(step == 0, np.nan, logp - ratio)
         table = table.append_column("logp_pre", pa.array(logp))
         table = table.append_column("logp_prev", pa.array(prev, mask=step == 0))
-    tel = [OptimizerTelemetry(step=s, learning_rate=1e-5, grad_norm_unclipped=1.0) for s in range(steps)]
-    write_run(path, framework={"name": "synthetic"}, model={"description": "bench"}, telemetry=tel, rollouts=table)
+    heldout = None
+    d_t = {}
+    if tapped:  # the token KL along each row, and 4 held-out rows per prompt group of pi_{t-1}
+        kl = np.abs(ratio) + rng.gamma(2.0, 0.002, size=n)
+        table = table.append_column("kl_prev", pa.array(np.where(step == 0, np.nan, kl), mask=step == 0))
+        table = table.append_column("logp_prev_step", pa.array(np.where(step == 0, 0, step - 1), mask=step == 0))
+        within = np.tile(np.arange(per_step), steps) % 8  # position in its prompt group of 8
+        held = table.filter(pa.array((step > 0) & (within < 4)))  # 4 rows per group, as if drawn from pi_{t-1}
+        logp_pre = held.column("logp_pre").to_numpy()
+        shift = 0.5 * (logp_pre - held.column("logp_prev").to_numpy())
+        held = held.set_column(held.schema.get_field_index("logp_prev"), "logp_prev", pa.array(logp_pre - shift))
+        heldout = held
+        sums = np.bincount(step, weights=kl, minlength=steps) / per_step
+        d_t = {s: float(sums[s + 1]) for s in range(steps - 1)}
+    tel = [OptimizerTelemetry(step=s, learning_rate=1e-5, grad_norm_unclipped=1.0, kl_to_previous=d_t.get(s),
+                              kl_to_previous_se=0.0001 if s in d_t else None,
+                              kl_to_previous_estimator="independent_two_sided" if s in d_t else None)
+           for s in range(steps)]
+    write_run(path, framework={"name": "synthetic"}, model={"description": "bench"}, telemetry=tel, rollouts=table,
+              heldout=heldout)
 
 
 # VmHWM, the peak RSS of this process image: ru_maxrss would carry over the parent's peak
@@ -160,6 +181,8 @@ def main() -> None:
     ap.add_argument("--text-scales", default="1,4")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paired", action="store_true", help="rollouts carry logp_pre and logp_prev: the paired ledger")
+    ap.add_argument("--tapped", action="store_true", help="as the tap records now: --paired plus kl_prev, held-out "
+                    "completions and D_t (two-sided paired ledger with eta on every step pair)")
     a = ap.parse_args()
     subprocess.run([sys.executable, "-m", "compileall", "-q", "reward_lens", "reward_lens_spec"], check=True, cwd=REPO,
                    env=ENV)
@@ -169,7 +192,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             rec = Path(tmp) / "record"
             t = time.perf_counter()
-            make_record(rec, a.steps, a.per_step, scale, paired=a.paired)
+            make_record(rec, a.steps, a.per_step, scale, paired=a.paired or a.tapped, tapped=a.tapped)
             generated = time.perf_counter() - t
             size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
             runs = []
@@ -180,7 +203,8 @@ def main() -> None:
                                     for i in range(4))
             ranges = {i: (min(x[i]["seconds"] for x in runs), max(x[i]["seconds"] for x in runs)) for i in range(4)}
             outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out0").iterdir()}
-        print(f"\ntext x{scale}{', paired' if a.paired else ''}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
+        kind = ", tapped (two-sided paired)" if a.tapped else ", paired" if a.paired else ""
+        print(f"\ntext x{scale}{kind}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
               f"(generated in {generated:.0f} s)")
         print(f"  medians of {a.repeats} interleaved rounds (range of seconds in brackets)")
         print(f"  pyarrow read of the same columns: {base['seconds']:.2f} s {ranges[0][0]:.2f}-{ranges[0][1]:.2f}, "

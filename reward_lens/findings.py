@@ -102,27 +102,55 @@ class FindingData:
 
 def _rollout_reward_stats(run) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
     """Per step: the mean reward, its SE over prompt groups (the independent units), and the
-    share of prompt groups (of two or more rollouts) whose rewards have zero spread."""
+    share of prompt groups (of two or more rollouts) whose rewards have zero spread. Columnar:
+    rows are coded by (step, group) and reduced with sorted segments, never looped over."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
-    mean: dict[int, float] = {}
-    se: dict[int, float] = {}
-    zero: dict[int, float] = {}
-    acc: dict[int, dict[str, list[float]]] = {}
+    steps_l, groups_l, rewards_l = [], [], []
     for table in run.iter_rollouts(["group_id", "reward"]):
-        steps = table.column("step").to_numpy()
-        groups = table.column("group_id").cast("string").to_pylist()
-        rewards = pc.fill_null(table.column("reward"), float("nan")).to_numpy(zero_copy_only=False)
-        for s, g, r in zip(steps.tolist(), groups, rewards.tolist()):
-            if r == r:
-                acc.setdefault(s, {}).setdefault(g, []).append(r)
-    for s, groups in acc.items():
-        means = [float(np.mean(v)) for v in groups.values()]
-        mean[s] = float(np.mean([r for v in groups.values() for r in v]))
-        se[s] = float(np.std(means, ddof=1) / math.sqrt(len(means))) if len(means) > 1 else float("nan")
-        sized = [v for v in groups.values() if len(v) > 1]
-        if sized:
-            zero[s] = float(np.mean([max(v) == min(v) for v in sized]))
+        steps_l.append(table.column("step").to_numpy())
+        groups_l.append(table.column("group_id").cast(pa.string()))
+        rewards_l.append(pc.fill_null(table.column("reward"), float("nan")).to_numpy(zero_copy_only=False))
+    if not steps_l:
+        return {}, {}, {}
+    steps = np.concatenate(steps_l).astype(np.int64)
+    groups = pa.chunked_array([c for g in groups_l for c in g.chunks], type=pa.string())
+    codes = pc.index_in(groups, value_set=pc.unique(groups)).to_numpy(zero_copy_only=False)
+    rewards = np.concatenate(rewards_l).astype(float)
+    ok = np.isfinite(rewards) & ~np.isnan(codes.astype(float))
+    steps, codes, rewards = steps[ok], codes[ok].astype(np.int64), rewards[ok]
+    if not len(rewards):
+        return {}, {}, {}
+    key = (steps - steps.min()) * (int(codes.max()) + 1) + codes  # one int per (step, group)
+    _, cell = np.unique(key, return_inverse=True)
+    cell = cell.ravel()
+    n_cells = int(cell.max()) + 1
+    count = np.bincount(cell, minlength=n_cells)
+    total = np.bincount(cell, weights=rewards, minlength=n_cells)
+    order = np.argsort(cell, kind="stable")
+    starts = np.r_[0, np.cumsum(count)[:-1]]
+    hi = np.maximum.reduceat(rewards[order], starts)
+    lo = np.minimum.reduceat(rewards[order], starts)
+    cell_step = np.empty(n_cells, dtype=np.int64)
+    cell_step[cell] = steps
+    g_mean = total / count
+    labels, s_idx = np.unique(cell_step, return_inverse=True)
+    n_groups = np.bincount(s_idx, minlength=len(labels))
+    n_rows = np.bincount(s_idx, weights=count, minlength=len(labels))
+    s_total = np.bincount(s_idx, weights=total, minlength=len(labels))
+    centre = (np.bincount(s_idx, weights=g_mean, minlength=len(labels)) / n_groups)[s_idx]
+    ss = np.bincount(s_idx, weights=(g_mean - centre) ** 2, minlength=len(labels))
+    sized = count > 1
+    n_sized = np.bincount(s_idx, weights=sized, minlength=len(labels))
+    n_flat = np.bincount(s_idx, weights=sized & (hi == lo), minlength=len(labels))
+    mean, se, zero = {}, {}, {}
+    for k, s in enumerate(labels.tolist()):
+        mean[s] = float(s_total[k] / n_rows[k])
+        g = int(n_groups[k])
+        se[s] = float(math.sqrt(ss[k] / (g - 1)) / math.sqrt(g)) if g > 1 else float("nan")
+        if n_sized[k]:
+            zero[s] = float(n_flat[k] / n_sized[k])
     return mean, se, zero
 
 

@@ -388,7 +388,7 @@ def paired_row_estimates(ledgers: Sequence[Ledger], g: MetricG
     (``eta.rollout_test``); and, where the sample also has the token-level KL for a
     denominator, its estimate (``eta.paired_estimates``; "no_token_kl" is listed with the
     premises, though dz and its test stand)."""
-    todo, failed, p_values = [], {}, {}
+    todo, untested, failed, p_values = [], [], {}, {}
     for lg in ledgers:
         if not isinstance(lg, PairedLedger):
             continue
@@ -402,9 +402,10 @@ def paired_row_estimates(ledgers: Sequence[Ledger], g: MetricG
             continue
         if lg.kl is None:
             failed[pair] = "no_token_kl"
-            p_values[pair] = _eta.rollout_test(lg, idx)
+            untested.append((lg, idx))
             continue
         todo.append((lg, idx))
+    p_values.update({tuple(lg.step_pair): p for (lg, _), p in zip(untested, _eta.rollout_tests(untested))})
     estimates = {tuple(item[0].step_pair): e for item, e in zip(todo, _eta.paired_estimates(todo))}
     p_values.update({pair: e.p_value for pair, e in estimates.items()})
     return estimates, failed, p_values
