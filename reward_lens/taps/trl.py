@@ -77,8 +77,13 @@ the parameters, so each scores its own rollouts and draws the held-out completio
 prompt groups that start in its slice; per-row numbers and finished rows are gathered with the
 trainer's own process group (accelerate's ``gather_object``) and rank 0 alone writes. Rollout
 and group ids are positions in the global batch, as TRL's ``process_slice`` defines them.
-DeepSpeed, FSDP and Megatron shard the parameters, so no rank can evaluate pi_t on its own:
-``attach`` refuses them.
+FSDP2 (``fully_shard``: transformers' ``from_pretrained(..., distributed_config=
+DistributedConfig(fsdp_size=N))``, or accelerate's FSDP2 plugin): every parameter is a DTensor
+of which each process holds 1/N. pi_t is kept as each process's local shards (|theta|/N), and
+scoring under it copies them into the live shards and back, every process in lockstep (the
+same number of forward passes, held-out draws run to the length cap); gathered parameters are
+dropped around each swap, so no forward pass sees a stale gather. DeepSpeed, FSDP1 and
+Megatron shard differently: ``attach`` refuses them and names FSDP2.
 """
 
 from __future__ import annotations
@@ -135,6 +140,30 @@ class _Pending:
     kl_prev: float | None = None
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This process's part of a parameter or gradient: a DTensor's local shard (FSDP2), else the
+    tensor itself; no copy."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sharding(model) -> str | None:
+    """None for whole parameters on every process; "fsdp2" when every parameter is a DTensor
+    sharded along one mesh dimension (FSDP2's ``fully_shard``); ValueError for other layouts."""
+    params = list(model.parameters())
+    dt = [p for p in params if hasattr(p, "placements") and hasattr(p, "to_local")]
+    if not dt:
+        return None
+    if len(dt) != len(params):
+        raise ValueError("the reward-lens TRL tap found some parameters sharded (DTensor) and others whole: record a "
+                         "model sharded whole by FSDP2 (fully_shard), or one not sharded")
+    bad = sorted({str(p.placements) for p in dt if not all(type(x).__name__ == "Shard" for x in p.placements)})
+    if bad:
+        raise ValueError(f"the reward-lens TRL tap records FSDP2 (parameters sharded with Shard placements on one "
+                         f"mesh); these parameters are laid out as {bad[:3]} (tensor parallel or replicated HSDP), "
+                         "which it does not support")
+    return "fsdp2"
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3g} GiB"
 
@@ -182,13 +211,29 @@ class RewardLensTap(TrainerCallback):
         self.findings_log: dict[int, list[str]] = {}  # step -> live findings holding there
         acc = trainer.accelerator
         kind = str(getattr(acc, "distributed_type", "NO")).split(".")[-1]
-        if kind in SHARDED:
-            raise ValueError(f"the reward-lens TRL tap does not support {kind}: it shards the parameters, so no "
-                             "process can evaluate pi_t and pi_{t+1} on its own rollouts (the rollouts' "
-                             "log-probabilities and D_t need both); record the run data-parallel instead "
-                             "(accelerate's multi-GPU or multi-CPU launch, i.e. DDP)")
+        accelerate_fsdp2 = kind == "FSDP" and bool(getattr(acc, "is_fsdp2", False))
+        if kind in SHARDED and not accelerate_fsdp2:
+            raise ValueError(f"the reward-lens TRL tap does not support {kind}: its sharding is not FSDP2's (DTensor "
+                             "shards), the one layout in which the tap can keep pi_t as each process's shards and "
+                             "score under it in lockstep; shard with FSDP2 instead (GRPOConfig(fsdp='full_shard', "
+                             "fsdp_config={'fsdp_version': 2}), or load the model with transformers' "
+                             "distributed_config=DistributedConfig(fsdp_size=N)), or record the run data-parallel "
+                             "(DDP)")
         self.world = int(getattr(acc, "num_processes", 1) or 1)
         self.rank = int(getattr(acc, "process_index", 0) or 0)
+        # FSDP2 (fully_shard, e.g. transformers' from_pretrained(distributed_config=...)): each
+        # process holds 1/N of every parameter; pi_t is kept as its local shards, and every
+        # forward pass is collective, so the processes score and draw in lockstep.
+        # accelerate's FSDP2 plugin shards the model only when training starts (checked then)
+        self.sharded = "fsdp2" if accelerate_fsdp2 else _sharding(trainer.model) if hasattr(trainer, "model") else None
+        self._accelerate_fsdp2 = accelerate_fsdp2
+        if self.sharded:
+            if s.estimator == "exact":
+                raise ValueError("RewardLensTap: estimator='exact' is not supported under FSDP2 (its per-prompt "
+                                 "sampling is not collective); the default estimator, 'independent', is")
+            if s.save_initial_checkpoint:
+                raise ValueError("RewardLensTap: save_initial_checkpoint is not supported under FSDP2 (the shards "
+                                 "would have to be gathered); save checkpoints with the trainer's save_strategy")
         self.trainer = trainer
         self.estimator = estimator
         self.paired = bool(paired) and estimator is not None  # score each generation under the kept previous policy
@@ -199,6 +244,7 @@ class RewardLensTap(TrainerCallback):
         self.save_initial_checkpoint = save_initial_checkpoint
         self.seed = seed
         self._host = s.snapshot == "cpu"  # pi_t kept in host memory, copied in and back
+        self._copy = self._host or bool(self.sharded)  # pi_t copied into the live parameters (not swapped)
         self.estimates: dict[int, dict[str, KlEstimate]] = {}
         self._pending: dict[int, _Pending] = {}
         self._pending_heldout: list[_Pending] = []
@@ -221,7 +267,10 @@ class RewardLensTap(TrainerCallback):
         n_params = sum(p.numel() for p in model.parameters())
         first = next(model.parameters(), None)
         dev = str(first.device) if first is not None else "cpu"
-        self.snapshot_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        # this process's bytes: 1/N of the parameters under FSDP2 (about 1/N before accelerate shards them)
+        self.snapshot_bytes = sum(_local(p).numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        if accelerate_fsdp2:
+            self.snapshot_bytes = -(-self.snapshot_bytes // self.world)
         free = None
         if dev.startswith("cuda") and not self._host and estimator is not None:
             free = torch.cuda.mem_get_info(first.device)[0]
@@ -245,9 +294,17 @@ class RewardLensTap(TrainerCallback):
         if args.logging_steps != 1:
             notes.append(f"logging_steps={args.logging_steps}: TRL's `kl` is a window mean, so kl_to_ref is not "
                          "recorded")
-        if self.world > 1:
+        if self.world > 1 and self.sharded:
+            notes.append(f"recorded from {self.world} processes under FSDP2 (parameters sharded, 1/{self.world} "
+                         "on each; pi_t kept as each process's local shards, copied in and back in lockstep); "
+                         "rollouts and D_t gathered over all of them, written by rank 0")
+        elif self.world > 1:
             notes.append(f"recorded from {self.world} data-parallel processes; rollouts and D_t gathered over all "
                          "of them, written by rank 0")
+        if accelerate_fsdp2:
+            notes.append("sharded by accelerate's FSDP2 plugin: the tap's FSDP2 path is tested on CPUs with the model "
+                         "sharded by transformers (fully_shard, the same DTensor shards); this launcher itself was "
+                         "not run in reward-lens's tests")
         # Only rank 0 writes; the other ranks measure and send what they measured to it.
         self.stream = None if self.rank else RecordStream(record_dir, framework={"name": "trl", "version": trl.__version__},
                                    model={"description": model_description or str(
@@ -384,12 +441,18 @@ class RewardLensTap(TrainerCallback):
         ent = tokens = 0.0
         with torch.no_grad():
             chunks = [items[a:a + self.chunk] for a in range(0, len(items), self.chunk)]
-            batches = [self._batch([(p.prompt_ids, p.completion_ids) for p in chunk], pad) for chunk in chunks]
+            if self.sharded:  # every forward is collective: as many chunks on every process
+                most = max(self._gather([len(chunks)]))
+                chunks += [[]] * (most - len(chunks))
+            batches = [self._batch([(p.prompt_ids, p.completion_ids) for p in chunk] or [self._filler], pad)
+                       for chunk in chunks]
             olds = self._forwards_under(params, [(b[0], b[1]) for b in batches]) if params is not None else None
             olds = iter(olds) if olds is not None else None
             for chunk, (ids, att, comp, pw) in zip(chunks, batches):
                 new = self._forward(None, ids, att).positions(pw - 1, -1)
                 old = next(olds).positions(pw - 1, -1) if olds is not None else None
+                if not chunk:  # a filler pass of a process with fewer chunks: nothing to record
+                    continue
                 s = score_blocked(new, old, ids[:, pw:], comp)
                 for j, p in enumerate(chunk):
                     p.logp_pre = float(s.logp_new[j])
@@ -410,16 +473,24 @@ class RewardLensTap(TrainerCallback):
         Never in the loss. Every rank draws (in lockstep with the others' gathers)."""
         tr = self.trainer
         mine = {fresh[i].group: i for i in starts}
-        if not mine:
+        if not mine and not self.sharded:
             return []
         tok = tr.processing_class
         eos = _eos_id(tr)
         pad = getattr(tok, "pad_token_id", None)
         pad = 0 if pad is None else pad
         cap = int(tr.args.max_completion_length)
+        prompts = [fresh[i].prompt_ids.tolist() for i in mine.values()]
         with self._policy(params):
-            drawn = sample_prompts(tr.model, [fresh[i].prompt_ids.tolist() for i in mine.values()], self.heldout,
-                                   cap, eos, pad, self._generator, temperature=self.temperature)
+            if self.sharded:  # collective forwards: every process draws (a filler prompt where it has none) to the cap
+                filler = [] if prompts else [self._filler[0].tolist()]
+                drawn = sample_prompts(tr.model, prompts + filler, self.heldout, cap, eos, pad, self._generator,
+                                       temperature=self.temperature, synced=True)[:len(prompts) * self.heldout]
+            else:
+                drawn = sample_prompts(tr.model, prompts, self.heldout, cap, eos, pad, self._generator,
+                                       temperature=self.temperature)
+        if not mine:
+            return []
         rows, k = [], 0
         texts = tok.batch_decode(drawn, skip_special_tokens=True) if drawn else []
         for g, i in mine.items():
@@ -479,15 +550,16 @@ class RewardLensTap(TrainerCallback):
         """The model with ``params`` (a kept snapshot) in place of its own parameters and back,
         without gradients: swapped by reference when the snapshot is beside the model; copied
         in (the live values parked in host memory meanwhile) when it is kept on the host."""
+        self._reshard()  # FSDP2 registers the gathered parameters while unsharded: take the shards
         named = dict(self.trainer.model.named_parameters())
         saved = {}
         try:
             with torch.no_grad():
                 for name, value in params.items():
                     live = named[name]
-                    if self._host:
-                        saved[name] = live.detach().to("cpu", copy=True)
-                        live.data.copy_(value)
+                    if self._copy:
+                        saved[name] = _local(live.detach()).to("cpu", copy=True)
+                        _local(live.data).copy_(value)
                     else:
                         saved[name] = live.data
                         live.data = value
@@ -495,16 +567,30 @@ class RewardLensTap(TrainerCallback):
         finally:
             with torch.no_grad():
                 for name, value in saved.items():
-                    if self._host:
-                        named[name].data.copy_(value)
+                    if self._copy:
+                        _local(named[name].data).copy_(value)
                     else:
                         named[name].data = value
+            self._reshard()
+
+    def _reshard(self) -> None:
+        """Under FSDP2, drop every gathered (unsharded) parameter, so that the next forward pass
+        gathers the shards as they are now: a module kept unsharded after an eval forward
+        (reshard_after_forward=False, as transformers' plan does for the output layer) would
+        otherwise go on using the parameters of before a swap."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.trainer.model.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
     def _forwards_under(self, params: dict[str, torch.Tensor], batches: list[tuple[torch.Tensor, torch.Tensor]]):
         """The kept policy's logits over each (ids, mask) of ``batches``: by a functional call per
         batch (lazily) when the snapshot is beside the model; under one copy-in for all of them when
         it is in host memory (the last hidden states of every batch kept, the output layer cloned)."""
-        if not self._host:
+        if not self._copy:
             return (self._forward(params, ids, att) for ids, att in batches)
         with self._policy(params):
             return [self._forward(None, ids, att, own_head=True) for ids, att in batches]
@@ -538,6 +624,12 @@ class RewardLensTap(TrainerCallback):
             self._late.setdefault(step, {}).update(values)
 
     def on_train_begin(self, args, state, control, **kwargs):
+        if self._accelerate_fsdp2:  # prepared now: the shards must be FSDP2's, or the tap would be wrong
+            if _sharding(self.trainer.model) != "fsdp2":
+                raise RuntimeError("RewardLensTap: accelerate reports FSDP2, but the prepared model's parameters are "
+                                   "not DTensor shards; the tap cannot keep pi_t, so it stops the run here")
+            self.snapshot_bytes = sum(_local(p).numel() * p.element_size() for p in self.trainer.model.parameters()
+                                      if p.requires_grad)
         if self.save_initial_checkpoint and self.stream is not None:
             d = self.stream.path / "checkpoints" / f"step-{state.global_step}"
             self.trainer.model.save_pretrained(d)
@@ -548,8 +640,11 @@ class RewardLensTap(TrainerCallback):
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         model = self.trainer.model
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-        grads = [p.grad for p in params.values() if p.grad is not None]
-        applied = float(torch.sqrt(sum((g.detach().double() ** 2).sum() for g in grads))) if grads else 0.0
+        grads = [_local(p.grad.detach()) for p in params.values() if p.grad is not None]
+        sq = float(sum((g.double() ** 2).sum() for g in grads)) if grads else 0.0
+        if self.sharded:  # each process holds 1/N of the gradient
+            sq = sum(self._gather([sq]))
+        applied = math.sqrt(sq)
         opt = self.trainer.optimizer
         row = {"step": state.global_step, "learning_rate": float(opt.param_groups[0]["lr"]),
                "grad_norm": applied, "grad_norm_unclipped": self._unclipped,
@@ -558,19 +653,21 @@ class RewardLensTap(TrainerCallback):
         self._row = {**self._late.pop(state.global_step, {}), **row}
         if self._host:  # pinned host buffers on CUDA, so that copying in and back is a DMA
             pin = next(iter(params.values())).is_cuda if params else False
-            self._snapshot = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin).copy_(p.detach())
+            self._snapshot = {n: torch.empty(_local(p).shape, dtype=p.dtype, pin_memory=pin).copy_(_local(p.detach()))
                               for n, p in params.items()}
-        else:
-            self._snapshot = {n: p.detach().clone() for n, p in params.items()}
+        else:  # under FSDP2 this process's shards only
+            self._snapshot = {n: _local(p.detach()).clone() for n, p in params.items()}
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         model = self.trainer.model
         t = state.global_step
         snap = self._snapshot
         with torch.no_grad():
-            sq = sum(((p.detach() - snap[n].to(p.device)) ** 2).sum().double()
-                     for n, p in model.named_parameters() if n in snap)
-        self._row["update_norm"] = float(torch.sqrt(sq))
+            sq = float(sum(((_local(p.detach()) - snap[n].to(p.device)) ** 2).sum().double()
+                           for n, p in model.named_parameters() if n in snap))
+        if self.sharded:
+            sq = sum(self._gather([sq]))
+        self._row["update_norm"] = math.sqrt(sq)
         used = [i for i in dict.fromkeys(self._used) if i in self._pending]
         self._used = []
         if self.estimator == "exact" and (used or self.world > 1):
@@ -600,7 +697,7 @@ class RewardLensTap(TrainerCallback):
         dev = next(model.parameters()).device
         kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        blocked = isinstance(head, torch.nn.Linear) and not any(
+        blocked = not self.sharded and isinstance(head, torch.nn.Linear) and not any(
             getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
         hidden: list[torch.Tensor] = []
         if blocked:
@@ -625,6 +722,12 @@ class RewardLensTap(TrainerCallback):
             weight = weight.detach().clone()
             bias = None if bias is None else bias.detach().clone()
         return BlockedLogits(hidden[0], weight, bias, self.temperature)
+
+    @cached_property
+    def _filler(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A (prompt, completion) of one token each, for the forward passes a process makes only
+        to keep in step with the others under FSDP2."""
+        return torch.tensor([0], dtype=torch.long), torch.tensor([0], dtype=torch.long)
 
     @cached_property
     def _head_key(self) -> str | None:

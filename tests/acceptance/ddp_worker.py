@@ -1,5 +1,8 @@
 """One rank of a real data-parallel TRL GRPO run with the reward-lens tap (launched by
-``torchrun --nproc_per_node 2`` from ``test_trl_tap_distributed.py``; gloo on CPUs).
+``torchrun --nproc_per_node 2`` from ``test_trl_tap_distributed.py``; gloo on CPUs): DDP, or
+with ``fsdp2`` FSDP2 -- the model loaded by transformers with ``distributed_config`` (its
+``fully_shard`` plan: every parameter a DTensor holding half of it on each rank), which TRL
+trains as it is (accelerate does not wrap a model transformers already sharded).
 
 Each rank writes what its reward function saw (``seen-RANK.jsonl``: one line per generation
 call) and what the tap estimated (``estimates-RANK.json``), so the test can check the record
@@ -21,7 +24,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import make_reference_records as gen  # noqa: E402
 
 
-def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1) -> None:
+def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1, fsdp2: bool = False) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -48,10 +51,23 @@ def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1) -> 
         model.save_pretrained(tmp / "init")
         tok.save_pretrained(tmp / "init")
     dist.barrier()
-    trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[lowercase], args=args,
+    model = str(tmp / "init")
+    if fsdp2:
+        import torch
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(tmp / "init", dtype=torch.float32,
+                                                     distributed_config=DistributedConfig(fsdp_size=2))
+        args.save_strategy = "no"  # the full weights of every step are gathered by the callback below
+    trainer = GRPOTrainer(model=model, reward_funcs=[lowercase], args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}), processing_class=tok)
     tap = RewardLensTap.attach(trainer, tmp / "rec", flush_every=2, estimator=estimator, n_exact=16)
+    if fsdp2:
+        trainer.add_callback(_FullWeights(trainer, tmp, rank))
     trainer.train()
+    if fsdp2:
+        (tmp / f"snapshot-{rank}.json").write_text(json.dumps({"bytes": tap.snapshot_bytes}))
     (tmp / f"estimates-{rank}.json").write_text(json.dumps(
         {t: {k: {"mean": e.mean, "se": e.se, "n": e.n} for k, e in est.items()} for t, est in tap.estimates.items()}))
     seen.close()
@@ -63,7 +79,46 @@ def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1) -> 
     os._exit(0)
 
 
+def _full_weights_callback():
+    from transformers import TrainerCallback
+
+    class FullWeights(TrainerCallback):
+        """Under FSDP2, at the start of every step and at the end: how each parameter is laid out
+        on this rank (DTensor or not, local and global sizes), and pi_t's full weights gathered
+        from the shards (every rank takes part; rank 0 saves them), to recompute D_t and the
+        update norm from the weights alone."""
+
+        def __init__(self, trainer, tmp, rank):
+            self.trainer, self.tmp, self.rank = trainer, tmp, rank
+            self.layout = {}
+
+        def _keep(self, step):
+            import torch
+
+            named = dict(self.trainer.model.named_parameters())
+            self.layout[step] = {n: [type(p).__name__, p.to_local().numel() if hasattr(p, "to_local") else p.numel(),
+                                     p.numel()] for n, p in named.items()}
+            full = {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                    for n, p in named.items()}
+            if self.rank == 0:
+                torch.save(full, self.tmp / f"full-{step}.pt")
+            (self.tmp / f"layout-{self.rank}.json").write_text(json.dumps(self.layout))
+
+        def on_step_begin(self, args, state, control, **kw):
+            self._keep(state.global_step)
+
+        def on_train_end(self, args, state, control, **kw):
+            self._keep(state.global_step)
+
+    return FullWeights
+
+
+def _FullWeights(trainer, tmp, rank):  # noqa: N802 -- a class made on first use (transformers imported late)
+    return _full_weights_callback()(trainer, tmp, rank)
+
+
 if __name__ == "__main__":
-    # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION]]
+    # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION [fsdp2]]]
     args = sys.argv[1:]
-    main(Path(args[0]), int(args[1]), args[2] if len(args) > 2 else "independent", int(args[3]) if len(args) > 3 else 1)
+    main(Path(args[0]), int(args[1]), args[2] if len(args) > 2 else "independent", int(args[3]) if len(args) > 3 else 1,
+         len(args) > 4 and args[4] == "fsdp2")

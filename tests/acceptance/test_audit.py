@@ -118,8 +118,8 @@ def test_the_sharding_keys_the_tap_spec_names_are_training_arguments():
     assert {first_key(r.when) for r in spec.rejects} == {"fsdp", "deepspeed"}
     # every key a reject or a setting's condition reads (use_cpu too) is one TRL really has
     keys = set().union(*(keys_of(r.when) for r in spec.rejects), *(keys_of(s.when) for s in spec.settings))
-    keys = {k for k in keys if not k.startswith("reward_lens.")}  # the tap's own section
-    assert {"fsdp", "deepspeed", "use_cpu"} <= keys
+    keys = {k.split(".")[0] for k in keys if not k.startswith("reward_lens.")}  # the tap's own section aside
+    assert {"fsdp", "deepspeed", "use_cpu", "fsdp_config"} <= keys
     assert keys <= {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
@@ -349,7 +349,14 @@ def test_fsdp_on_the_cpu_is_said_to_be_data_parallel_not_refused(tmp_path):
     assert any("does not apply it" in st.says and st.key == "fsdp" for st in on_cpu.statements)
     on_gpu = audit(gpu)
     assert all(b.verdict == "will not run" for b in on_gpu.books)
-    assert "FSDP" in on_gpu.books[0].cause.says
+    assert "FSDP1" in on_gpu.books[0].cause.says and "fsdp_version: 2" in on_gpu.books[0].cause.says
+    # FSDP2 is recorded: the books compute, and the audit says how pi_t is kept and what was tested
+    fsdp2 = tmp_path / "fsdp2.yaml"
+    fsdp2.write_text(base + "fsdp_config:\n  fsdp_version: 2\n")
+    res = audit(fsdp2)
+    assert _cost(res).verdict == "will compute"
+    (said,) = [st.says for st in res.statements if st.key == "fsdp"]
+    assert "each process's parameter shards" in said and "accelerate's plugin itself was not run" in said
 
 
 def test_the_audit_says_what_the_taps_copy_of_pi_t_takes_and_where(tmp_path):

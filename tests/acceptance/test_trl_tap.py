@@ -357,13 +357,15 @@ def test_attach_refuses_unknown_estimators_and_bad_settings(tmp_path):
 
 @pytest.mark.parametrize("kind", ["DEEPSPEED", "FSDP"])
 def test_sharded_training_is_refused_at_attach(kind):
-    """Sharded parameters: no rank can evaluate pi_t alone, so the tap refuses by name."""
+    """DeepSpeed and FSDP1 shard in ways the tap cannot keep pi_t under: refused by name, and
+    the refusal names FSDP2, the sharding it records (tests/acceptance/test_trl_tap_distributed.py)."""
     from types import SimpleNamespace
 
     from reward_lens.taps.trl import RewardLensTap
 
     trainer = SimpleNamespace(accelerator=SimpleNamespace(distributed_type=f"DistributedType.{kind}", num_processes=2,
                                                           process_index=0))
-    with pytest.raises(ValueError, match=kind):
+    with pytest.raises(ValueError, match=kind) as err:
         RewardLensTap(trainer, "never-written")
+    assert "fsdp_version': 2" in str(err.value) and "DistributedConfig(fsdp_size=N)" in str(err.value)
     assert not Path("never-written").exists()

@@ -4,6 +4,7 @@ checkpoints TRL saved after every step."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -64,17 +65,32 @@ def test_every_rollout_of_the_global_batch_is_recorded_once(ddp):
     assert all(x["logp_prev"] is not None for x in rows if x["step"] > 0)  # the paired ledger's input, every rank
 
 
-def _recomputed_d_t(tmp: Path, run, t: int) -> tuple[float, float, int]:
-    """D_t of the step pair (t, t+1) recomputed from TRL's own checkpoints (pi_t, pi_{t+1}): the
+def _checkpoint(tmp: Path, s: int):
+    """pi_s from TRL's own checkpoint (DDP runs save one after every step)."""
+    from transformers import AutoModelForCausalLM
+
+    path = tmp / "init" if s == 0 else tmp / "out" / f"checkpoint-{s}"
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _gathered(tmp: Path, s: int):
+    """pi_s from the full weights the FSDP2 worker gathered from the shards at step s."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tmp / "init", dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(torch.load(tmp / f"full-{s}.pt"), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding, which was loaded
+    return model.eval()
+
+
+def _recomputed_d_t(tmp: Path, run, t: int, load=_checkpoint) -> tuple[float, float, int]:
+    """D_t of the step pair (t, t+1) recomputed from the weights alone (pi_t, pi_{t+1}): the
     token KL and the log-ratio of every rollout of step t+1 and every held-out completion filed
     under it, combined by the balance heuristic (written out here), over the global batch."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tmp / "init")
-
-    def load(s):
-        path = tmp / "init" if s == 0 else tmp / "out" / f"checkpoint-{s}"
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    load = functools.partial(load, tmp)
 
     pre, post = load(t), load(t + 1)
     rows = [(x, False) for x in run.read_rollouts(["prompt", "completion_ids", "group_id"]).to_pylist()
@@ -171,3 +187,76 @@ def test_exact_estimator_and_gradient_accumulation_across_processes(tmp_path):
     d_t = run.telemetry_column("kl_to_previous")
     assert [d_t[t] for t in (0, 1)] == [pytest.approx(est[0][t]["exact"]["mean"]) for t in ("0", "1")]
     assert set(run.telemetry_column("kl_to_previous_estimator").values()) == {"exact_post_samples"}
+
+
+# ---------------------------------------------------------------------------- FSDP2
+@pytest.fixture(scope="module")
+def fsdp2(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("fsdp2"), str(STEPS), "independent", "1", "fsdp2")
+
+
+def test_fsdp2_parameters_are_sharded_through_every_recorded_step(fsdp2):
+    """The run really is sharded: at the start of every step and at the end, every parameter on
+    each rank is a DTensor holding part of it, the two ranks' parts summing to the whole."""
+    tmp, run = fsdp2
+    layout = [json.loads((tmp / f"layout-{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(layout[0], key=int) == [str(s) for s in range(STEPS + 1)] and layout[0].keys() == layout[1].keys()
+    for step, params in layout[0].items():
+        for name, (kind, local, whole) in params.items():
+            other_kind, other_local, other_whole = layout[1][step][name]
+            assert kind == other_kind == "DTensor", (step, name)
+            assert whole == other_whole and local + other_local == whole and max(local, other_local) < whole
+
+
+def test_fsdp2_snapshot_holds_each_ranks_shards(fsdp2):
+    """pi_t is kept as each rank's local shards: 4 bytes (float32) per local element, the two
+    ranks together |theta| x 4, each about half."""
+    tmp, run = fsdp2
+    layout = [json.loads((tmp / f"layout-{r}.json").read_text())["0"] for r in (0, 1)]
+    snap = [json.loads((tmp / f"snapshot-{r}.json").read_text())["bytes"] for r in (0, 1)]
+    whole = sum(w for _, _, w in layout[0].values())
+    assert [4 * sum(local for _, local, _ in lay.values()) for lay in layout] == snap
+    assert sum(snap) == 4 * whole and max(snap) <= 0.55 * 4 * whole
+    assert any("under FSDP2" in n and "1/2 on each" in n for n in run.manifest.notes)
+
+
+def test_fsdp2_records_every_rollout_once_and_d_t_from_the_full_weights(fsdp2):
+    """What the DDP run checks, under FSDP2: the whole global batch recorded once per step, D_t
+    (and its SE) equal to the value recomputed from the full weights gathered at each step,
+    the update norm equal to ||theta_{t+1} - theta_t|| of those weights, and the held-out
+    completions drawn once per group, never trained on."""
+    tmp, run = fsdp2
+    rows = run.read_rollouts(["prompt", "completion", "logp_pre", "logp_prev"]).to_pylist()
+    assert len(rows) == STEPS * 16
+    seen = _seen(tmp)
+    for s in range(STEPS):
+        assert Counter((x["prompt"], x["completion"]) for x in rows if x["step"] == s) == seen[s]
+    assert all(x["logp_prev"] is not None for x in rows if x["step"] > 0)
+    d_t = run.telemetry_column("kl_to_previous")
+    assert sorted(d_t) == list(range(STEPS - 1))
+    for t in range(STEPS - 1):
+        mean, se, n = _recomputed_d_t(tmp, run, t, load=_gathered)
+        assert n == 16 + 2 * 4
+        assert d_t[t] == pytest.approx(mean, rel=1e-4)
+        assert run.telemetry_column("kl_to_previous_se")[t] == pytest.approx(se, rel=1e-3)
+    upd = run.telemetry_column("update_norm")
+    for t in range(STEPS):
+        a, b = torch.load(tmp / f"full-{t}.pt"), torch.load(tmp / f"full-{t + 1}.pt")
+        assert upd[t] == pytest.approx(float(torch.sqrt(sum(((b[k] - a[k]).double() ** 2).sum() for k in a))),
+                                       rel=1e-5)
+    held = run.heldout().read_rollouts(["prompt", "completion"]).to_pylist()
+    assert len(held) == (STEPS - 1) * 2 * 4
+    assert not {(x["prompt"], x["completion"]) for x in held} & {p for s in seen for p in s}
+
+
+def test_fsdp2_record_reports_like_a_single_process_one(fsdp2, tmp_path):
+    tmp, run = fsdp2
+    out = tmp_path / "rep"
+    proc = subprocess.run([str(Path(sys.executable).with_name("reward-lens")), "report", str(tmp / "rec"), "--out",
+                           str(out), "--format", "json", "--quiet", "--ledger", "paired"],
+                          capture_output=True, text=True)
+    assert proc.returncode in (0, 1), proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    cost = next(b for b in report["books"] if b["id"] == "cost")
+    assert cost["status"] in ("computed", "unresolved") and not cost["refusals"]
+    assert cost["data"]["kl_min"]["step_pair"] == [[t, t + 1] for t in range(STEPS - 1)]

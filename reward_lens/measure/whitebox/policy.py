@@ -92,7 +92,7 @@ def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_
         mask = torch.cat([mask, (~done)[:, None]], dim=1)
         if eos_token_id is not None:
             done = done | (nxt == eos_token_id)
-        if bool(done.all()):
+        if bool(done.all()) and not synced:
             break
         out = model(input_ids=nxt[:, None], use_cache=True, **{kw: past})
         past = getattr(out, kw)
@@ -102,12 +102,15 @@ def sample(model, prompt_ids: list[int], n: int, max_new_tokens: int, eos_token_
 
 @torch.no_grad()
 def sample_prompts(model, prompts: list[list[int]], n: int, max_new_tokens: int, eos_token_id: int | None,
-                   pad_token_id: int, generator: torch.Generator, temperature: float = 1.0) -> list[list[int]]:
+                   pad_token_id: int, generator: torch.Generator, temperature: float = 1.0,
+                   synced: bool = False) -> list[list[int]]:
     """``n`` completions of each prompt from the policy, all prompts in one batch (left-padded,
     with an attention mask): softmax(logits / temperature) sampling in float64, stopping at EOS
     (kept) or the length cap. Returns the completions' token ids, prompt by prompt, n each.
     Attention to padding is masked and rotary positions are relative, so each row samples from
-    the same distribution as its prompt alone (``sample``)."""
+    the same distribution as its prompt alone (``sample``). ``synced``: run to the length cap
+    even when every row has ended, so that processes sharing collective forward passes (FSDP2)
+    make the same number of them."""
     if not prompts or n < 1:
         return []
     dev = next(model.parameters()).device
@@ -132,7 +135,7 @@ def sample_prompts(model, prompts: list[list[int]], n: int, max_new_tokens: int,
         new.append(torch.where(done, torch.full_like(nxt, -1), nxt))
         if eos_token_id is not None:
             done = done | (nxt == eos_token_id)
-        if bool(done.all()):
+        if bool(done.all()) and not synced:
             break
         att = torch.cat([att, torch.ones((len(rows), 1), dtype=att.dtype, device=dev)], dim=1)
         out = model(input_ids=nxt[:, None], attention_mask=att, use_cache=True, **{kw: past})
