@@ -45,6 +45,7 @@ REASONS = {
     "heldout_unscored": "held-out completions not scored under both policies",
     "heavy_tails": "importance weights too heavy-tailed",
     "low_ess": "too few effective samples",
+    "sampler_mismatch": "rollouts sampled by an engine (vLLM) that departs from the policy",
     "no_token_kl": "no token-level KL along the samples",
 }
 

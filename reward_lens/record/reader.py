@@ -265,6 +265,11 @@ class Run:
         try:
             pf = pq.ParquetFile(handle if handle is not None else path)
         except (pa.ArrowInvalid, OSError) as exc:
+            entry = self.manifest.files.get(name)
+            if entry is not None and path.is_file() and sha256_file(path) != entry.sha256:
+                # a committed file that no longer parses: say first that it is not the file committed
+                raise RecordError(path, f"sha256 differs from manifest.json: the file was changed, and it is not a "
+                                  f"readable Parquet file ({exc})") from None
             raise RecordError(path, f"not a readable Parquet file ({exc})") from None
         schema = pf.schema_arrow
         for spec in self._fields_spec.by_source(source).values():

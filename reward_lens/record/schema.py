@@ -84,6 +84,10 @@ class Rollout(BaseModel):
     logp_prev: float | None = None
     logp_prev_step: int | None = Field(None, ge=0)
     kl_prev: float | None = Field(None, ge=0)
+    # log-probability of the completion under the distribution that sampled it, where that is
+    # not the policy itself (an inference engine such as vLLM: TRL's sampling_per_token_logps,
+    # summed); the paired ledger compares it with logp_pre
+    logp_sampler: float | None = None
 
 
 class FileEntry(BaseModel):

@@ -138,6 +138,7 @@ class _Pending:
     logp_prev: float | None = None
     logp_prev_step: int | None = None
     kl_prev: float | None = None
+    logp_sampler: float | None = None  # under the engine that sampled it (vLLM), where TRL hands it over
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -244,6 +245,7 @@ class RewardLensTap(TrainerCallback):
         self.save_initial_checkpoint = save_initial_checkpoint
         self.seed = seed
         self._host = s.snapshot == "cpu"  # pi_t kept in host memory, copied in and back
+        self._sampler_noted = False
         self._copy = self._host or bool(self.sharded)  # pi_t copied into the live parameters (not swapped)
         self.estimates: dict[int, dict[str, KlEstimate]] = {}
         self._pending: dict[int, _Pending] = {}
@@ -376,6 +378,16 @@ class RewardLensTap(TrainerCallback):
         idx = torch.arange(self._next_index + offset, self._next_index + offset + n)
         self._next_index += total
         fresh, starts = [], []  # this rank's rollouts, and those that begin a prompt group
+        # Where an inference engine sampled the rollouts (vLLM), TRL hands over its per-token
+        # log-probabilities (processed: at the sampling temperature): summed, the sequence's.
+        sampler = out.get("sampling_per_token_logps")
+        if sampler is not None and not self._sampler_noted and self.stream is not None:
+            self._sampler_noted = True
+            self.stream.add_note("the rollouts were sampled by an inference engine (TRL's sampling_per_token_logps, "
+                                 "e.g. vLLM), not by the trained model: each rollout's log-probability under it is "
+                                 "recorded as logp_sampler, and the paired ledger refuses a step pair whose engine "
+                                 "departs from the policy by more than a tenth of D_t (PREMISE_FAILED "
+                                 "sampler_mismatch)")
         for i in range(n):
             pmask = out["prompt_mask"][i].bool().cpu()
             cmask = out["completion_mask"][i].bool().cpu()
@@ -385,6 +397,10 @@ class RewardLensTap(TrainerCallback):
                 reward=float(np.nansum(rewards[i] * weights)),
                 rewards={nm: float(v) for nm, v in zip(names, rewards[i]) if not math.isnan(v)},
                 advantage=float(out["advantages"][i]))
+            if sampler is not None:
+                tokens = sampler[i].detach().double().cpu()[cmask]
+                # a token vLLM gave no log-probability (NaN) leaves the sequence's unknown
+                p.logp_sampler = float(tokens.sum()) if bool(torch.isfinite(tokens).all()) else None
             fresh.append(p)
             if (offset + i) % group == 0:  # a group straddling two ranks is drawn on the first
                 starts.append(i)
@@ -791,7 +807,7 @@ class RewardLensTap(TrainerCallback):
                        advantage=p.advantage, logp_pre=p.logp_pre, logp_prev=p.logp_prev,
                        logp_prev_step=p.logp_prev_step,
                        # a sum of KLs is >= 0; max() only removes float64 rounding below 0
-                       kl_prev=None if p.kl_prev is None else max(p.kl_prev, 0.0))
+                       kl_prev=None if p.kl_prev is None else max(p.kl_prev, 0.0), logp_sampler=p.logp_sampler)
 
     def on_step_end(self, args, state, control, **kwargs):
         t = state.global_step - 1

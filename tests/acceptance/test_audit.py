@@ -104,7 +104,7 @@ def test_the_tap_refuses_sharded_training_before_it_starts(tmp_path, key, value)
 def test_the_sharding_keys_the_tap_spec_names_are_training_arguments():
     import dataclasses
 
-    from transformers import TrainingArguments
+    from trl import GRPOConfig as TrainingArguments  # TRL's config: transformers' arguments and its own
 
     from reward_lens_spec import load_taps
 
@@ -117,9 +117,10 @@ def test_the_sharding_keys_the_tap_spec_names_are_training_arguments():
     spec = load_taps()["trl"]
     assert {first_key(r.when) for r in spec.rejects} == {"fsdp", "deepspeed"}
     # every key a reject or a setting's condition reads (use_cpu too) is one TRL really has
-    keys = set().union(*(keys_of(r.when) for r in spec.rejects), *(keys_of(s.when) for s in spec.settings))
+    keys = set().union(*(keys_of(r.when) for r in spec.rejects), *(keys_of(s.when) for s in spec.settings),
+                       *(keys_of(s.when) for s in spec.supplies))
     keys = {k.split(".")[0] for k in keys if not k.startswith("reward_lens.")}  # the tap's own section aside
-    assert {"fsdp", "deepspeed", "use_cpu", "fsdp_config"} <= keys
+    assert {"fsdp", "deepspeed", "use_cpu", "fsdp_config", "use_vllm"} <= keys
     assert keys <= {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
@@ -380,3 +381,12 @@ def test_the_audit_says_what_the_taps_copy_of_pi_t_takes_and_where(tmp_path):
                 if s.key == "reward_lens.snapshot"]
     with pytest.raises(ValueError, match="snapshot: Input should be 'device' or 'cpu'"):
         audit(_write(tmp_path, {**PER_STEP, "reward_lens": {"snapshot": "gpu"}}))
+
+
+def test_vllm_is_said_with_what_the_tap_records_of_it(tmp_path):
+    res = audit(_write(tmp_path, {**PER_STEP, "use_vllm": True, "reward_lens": {}}))
+    (said,) = [st.says for st in res.statements if st.key == "use_vllm"]
+    assert "refuses a step pair whose sampler departs" in said and "vLLM itself was not run" in said
+    assert res.fields["rollout.logp_sampler"].cadence == "every step"
+    plain = audit(_write(tmp_path, {**PER_STEP, "reward_lens": {}}))
+    assert not [st for st in plain.statements if st.key == "use_vllm"] and "rollout.logp_sampler" not in plain.fields

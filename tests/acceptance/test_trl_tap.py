@@ -27,7 +27,8 @@ sys.path.pop(0)
 
 
 def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimator="independent", heldout=4, n_exact=16,
-           flush_every=2, seed=3, batch=8, keep=False, prompts=("ab", "cd", "ef", "gh"), **tap_settings):
+           flush_every=2, seed=3, batch=8, keep=False, prompts=("ab", "cd", "ef", "gh"), sampler_shift=None,
+           **tap_settings):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -43,6 +44,8 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
                       gradient_accumulation_steps=ga, num_iterations=iterations)
     trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args,
                           train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=tok)
+    if sampler_shift is not None:
+        _as_if_an_engine_sampled(trainer, sampler_shift)
     tap = RewardLensTap.attach(trainer, tmp / "rec", estimator=estimator, heldout=heldout, n_exact=n_exact,
                                flush_every=flush_every, save_initial_checkpoint=True, **tap_settings)
     tap.policies = {}
@@ -60,6 +63,75 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
     trainer.train()
     tap.log_history = trainer.state.log_history
     return open_run(tmp / "rec"), tap, tok
+
+
+def _as_if_an_engine_sampled(trainer, shift: float) -> None:
+    """Make TRL's own ``_generate`` hand over per-token sampling log-probabilities, as it does
+    with vLLM (its 5th return value, which TRL pads into ``sampling_per_token_logps``): the
+    policy's own log-probabilities at the sampling temperature, plus ``shift`` nats per token (an
+    engine that departs from the policy). vLLM itself cannot run here; this is its data path."""
+    original = trainer._generate
+    trainer.fed_sampler = []
+
+    def _generate(prompts):
+        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = original(prompts)
+        assert logprobs is None  # the trainer's own generation hands none over
+        fed = []
+        with torch.no_grad():
+            for p, c in zip(prompt_ids, completion_ids):
+                ids = torch.tensor([list(p) + list(c)])
+                logits = trainer.model(input_ids=ids).logits[0, len(p) - 1:-1].double() / trainer.temperature
+                lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(c))[:, None])[:, 0]
+                fed.append([float(x) + shift for x in lp])
+        trainer.fed_sampler.extend(fed)
+        return prompt_ids, completion_ids, tool_mask, completions, fed, extra, images, tool_images
+
+    trainer._generate = _generate
+
+
+def test_an_engines_log_probabilities_are_recorded_and_a_departing_engine_is_refused(tmp_path):
+    """vLLM's data path (issue 30): TRL hands over the sampler's per-token log-probabilities;
+    the tap records their sum per rollout as logp_sampler, and the paired ledger reads
+    KL(pi_sampler || pi_{t+1}) along the rollouts. An engine equal to the policy passes; one
+    that puts 0.3 nats more per token on its samples than the policy (about 5 nats a sequence,
+    far above a tenth of D_t) has every step pair refused by name in every book that reads dz."""
+    same_run, same_tap, _ = _train(tmp_path / "same", steps=3, batch=16, sampler_shift=0.0)
+    rows = same_run.read_rollouts(["logp_pre", "logp_sampler"]).to_pylist()
+    assert len(rows) == len(same_tap.trainer.fed_sampler) == 3 * 16
+    assert [x["logp_sampler"] for x in rows] == pytest.approx([sum(f) for f in same_tap.trainer.fed_sampler])
+    assert [x["logp_sampler"] for x in rows] == pytest.approx([x["logp_pre"] for x in rows], abs=1e-4)
+    assert all(x["logp_sampler"] is None for x in same_run.heldout().read_rollouts(["logp_sampler"]).to_pylist())
+    assert any("sampled by an inference engine" in n for n in same_run.manifest.notes)
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+
+    def premises(run):
+        priced = price_run(run, steps_from_run(run, SurfaceFeatures()), ledger="paired")
+        return priced.book.kl_min.premises, {tuple(lg.step_pair): lg for lg in priced.ledgers}
+
+    failed, ledgers = premises(same_run)
+    assert "sampler_mismatch" not in failed.values()
+    assert all(abs(lg.sampler_kl) < 1e-4 for lg in ledgers.values())
+
+    off_run, off_tap, _ = _train(tmp_path / "off", steps=3, batch=16, sampler_shift=0.3)
+    failed, ledgers = premises(off_run)
+    assert failed == {(0, 1): "sampler_mismatch", (1, 2): "sampler_mismatch"}
+    tokens = [len(x) for x in off_tap.trainer.fed_sampler]
+    for (_, t), lg in ledgers.items():  # 0.3 nats a token along step t's rollouts, by hand (groups of equal size)
+        assert lg.sampler_kl > 0.1 * lg.d_t
+        assert lg.sampler_kl == pytest.approx(0.3 * np.mean(tokens[16 * t:16 * (t + 1)]), rel=1e-4)
+    out = tmp_path / "rep"
+    from reward_lens import cli
+
+    assert cli.main(["report", str(tmp_path / "off" / "rec"), "--out", str(out), "--format", "json", "--quiet",
+                     "--fail-on", "never"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    for book in ("cost", "effect"):
+        (ref,) = [r for r in next(b for b in report["books"] if b["id"] == book)["refusals"]
+                  if r["code"] == "PREMISE_FAILED"]
+        assert "not sampled from the policy" in ref["detail"] and "0->1" in ref["detail"], book
+        assert "use_vllm: false" in ref["remedy"]
 
 
 def test_the_tap_reports_into_the_trainers_own_logs(plain):

@@ -125,7 +125,9 @@ def test_corrupt_data_file_of_the_right_size(long_copy):
     data = bytearray(p.read_bytes())
     data[-8:] = b"\x00" * 8  # destroy the footer length and magic, keep the size
     p.write_bytes(bytes(data))
-    with pytest.raises(RecordError, match=r"rollouts\.parquet: not a readable Parquet file"):
+    # a committed file that no longer parses is named as changed since the commit, then as unreadable
+    with pytest.raises(RecordError, match=r"rollouts\.parquet: sha256 differs from manifest\.json: the file was "
+                                          r"changed, and it is not a readable Parquet file"):
         open_run(long_copy)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.efficiency.shapley import EXACT_MAX_FEATURES, kl_min as quad_kl_min, shapley_shares
-from reward_lens.measure.ledger.paired import MIN_ESS_PER_GROUP, PairedLedger
+from reward_lens.measure.ledger.paired import MIN_ESS_PER_GROUP, SAMPLER_KL_MAX_SHARE, PairedLedger
 from reward_lens.measure.ledger.price import Ledger, LedgerSeries, ledger_arrays
 from reward_lens.record.reader import Run
 from reward_lens_spec import Presence, Refusal, Subject, load_book, make_refusal, resolve
@@ -630,7 +630,7 @@ def premise_refusal(book, run_id: str | None, premise: str, items: list[dict[str
     each): one refusal per premise, in every book that reads their dz."""
     return make_refusal("PREMISE_FAILED", book, _subject(run_id, [tuple(h["step_pair"]) for h in items]), {
         "premise": premise, "pairs": items, "run": _short(run_id), "step_pair": items[0]["step_pair"],
-        "min_ess": MIN_ESS_PER_GROUP})
+        "min_ess": MIN_ESS_PER_GROUP, "sampler_share": SAMPLER_KL_MAX_SHARE})
 
 
 def _paired_source(lg: PairedLedger) -> str:
@@ -646,7 +646,8 @@ def _premise_numbers(lg: PairedLedger) -> dict[str, Any]:
     """What a premise refusal of a paired row shows: its k-hat and effective sample sizes."""
     return {"step_pair": list(lg.step_pair), "pareto_k": lg.pareto_k, "pareto_k_max": lg.pareto_k_max,
             "n": int(len(lg.codes)), "groups": lg.n_groups, "ess_pi_t": lg.ess[0], "ess_pi_t1": lg.ess[1],
-            "sides": lg.sides}
+            "sides": lg.sides, "sampler_kl": lg.sampler_kl, "sampler_kl_se": lg.sampler_kl_se,
+            "d_t": lg.d_t if lg.d_t is not None else lg.d_hat}
 
 
 def _paired_envelope(row: KlMinRow, lg: PairedLedger, est: _eta.EtaEstimate) -> dict[str, Any] | None:

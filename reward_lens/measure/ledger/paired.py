@@ -66,6 +66,12 @@ from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes, sa
 # standard error across groups no longer says how far it can be off.
 MIN_ESS_PER_GROUP = 1.5
 
+# The rollouts must be samples of pi_{t+1}. Where an inference engine sampled them (vLLM) and
+# recorded its own log-probabilities, KL(pi_sampler || pi_{t+1}) along them (nats per sequence)
+# may be at most this share of the step's D_t, beyond twice its standard error: past it the
+# sampler's departure from the policy is a large part of what the ledger would read as the step.
+SAMPLER_KL_MAX_SHARE = 0.1
+
 
 @dataclass(frozen=True, eq=False)
 class PairedLedger(Ledger):
@@ -85,6 +91,10 @@ class PairedLedger(Ledger):
     pareto_k_max: float = 0.7
     ess: tuple[float, float] = (float("nan"), float("nan"))  # effective sample sizes towards (pi_t, pi_{t+1})
     dropped_rollouts: int = 0  # rollouts in groups of one (no within-group information)
+    # KL(pi_sampler || pi_{t+1}) along the rollouts (mean over groups of log pi_sampler - log pi_{t+1})
+    # and its SE, where the record has the sampler's log-probabilities (vLLM); None where it has not
+    sampler_kl: float | None = None
+    sampler_kl_se: float | None = None
 
     @property
     def n_heldout(self) -> int:
@@ -97,13 +107,26 @@ class PairedLedger(Ledger):
 
     def premise(self) -> str | None:
         """None when the weights hold the premises of self-normalised importance sampling in
-        every direction used; else the premise that failed: "heavy_tails" or "low_ess"."""
+        every direction used, and the rollouts are the policy's own samples; else the premise that
+        failed: "sampler_mismatch", "heavy_tails" or "low_ess"."""
+        if self.sampler_mismatch:
+            return "sampler_mismatch"
         if self.pareto_k > self.pareto_k_max:
             return "heavy_tails"
         used = self.ess if self.n_heldout else self.ess[:1]
         if any(not e >= MIN_ESS_PER_GROUP * self.n_groups for e in used):
             return "low_ess"
         return None
+
+    @property
+    def sampler_mismatch(self) -> bool:
+        """The sampling engine departs from pi_{t+1} by more than SAMPLER_KL_MAX_SHARE of D_t
+        (the plug-in D_hat where there is no token KL), beyond twice its standard error."""
+        if self.sampler_kl is None:
+            return False
+        d = self.d_t if self.d_t is not None else self.d_hat
+        se = self.sampler_kl_se if self.sampler_kl_se is not None and self.sampler_kl_se == self.sampler_kl_se else 0.0
+        return bool(self.sampler_kl - 2.0 * se > SAMPLER_KL_MAX_SHARE * max(d, 0.0))
 
 
 def mis_log_weights(log_ratio: np.ndarray, heldout: np.ndarray | None, codes: np.ndarray, n_groups: int
@@ -365,6 +388,7 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     ess_q = (1.0 / ((q ** 2) @ onehot)).sum(axis=1)
     out = []
     for j, (s, ho, prep, lr) in enumerate(items):
+        sampler_kl, sampler_se = _sampler_kl(s, prep)
         kl = rows(s, ho, prep, "kl_prev")
         d_t = d_t_se = None
         if kl is not None and np.isfinite(kl).all():
@@ -377,8 +401,28 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             learning_rate=lr, kind="paired", z=z[j], codes=codes, n_groups=n_groups, log_ratio=r[j],
             heldout=side if two_sided else None, kl=kl, d_hat=float(d_hat[j]), d_t=d_t, d_t_se=d_t_se,
             pareto_k=float(khat[j]), pareto_k_max=pareto_threshold(n), ess=(float(ess_p[j]), float(ess_q[j])),
-            dropped_rollouts=int(len(prep.keep) - int(prep.keep.sum()))))
+            dropped_rollouts=int(len(prep.keep) - int(prep.keep.sum())), sampler_kl=sampler_kl,
+            sampler_kl_se=sampler_se))
     return out
+
+
+def _sampler_kl(s: StepSample, prep: _Prepared) -> tuple[float | None, float | None]:
+    """KL(pi_sampler || pi_{t+1}) along the step's kept rollouts (samples of the sampler): the
+    mean over groups of mean(log pi_sampler - log pi_{t+1}), with its SE; (None, None) where
+    the record has no sampler log-probabilities for the step. Held-out rows are pi_t's own
+    samples (the tap draws them from the trainer's model) and take no part."""
+    if s.logp_sampler is None or s.logp is None:
+        return None, None
+    gap = (np.asarray(s.logp_sampler, dtype=np.float64) - np.asarray(s.logp, dtype=np.float64))[prep.keep]
+    codes = prep.codes[:len(gap)]
+    ok = np.isfinite(gap)
+    if not ok.any():
+        return None, None
+    present = np.bincount(codes[ok], minlength=prep.n_groups) > 0
+    means = (np.bincount(codes[ok], weights=gap[ok], minlength=prep.n_groups)[present]
+             / np.bincount(codes[ok], minlength=prep.n_groups)[present])
+    se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else float("nan")
+    return float(means.mean()), se
 
 
 def independent_d_t(log_ratio: np.ndarray, heldout: np.ndarray | None, kl: np.ndarray, codes: np.ndarray,

@@ -38,6 +38,7 @@ class StepSample:
     logp_prev: np.ndarray | None = None  # (n,) log pi_{t-1}(y): the policy before the last step
     kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
     logp_prev_step: np.ndarray | None = None  # (n,) the step whose policy logp_prev is under (t-1 by default)
+    logp_sampler: np.ndarray | None = None  # (n,) log of the sampling engine's probability (vLLM), where recorded
     prompts: np.ndarray | None = None  # (n,) prompt of each rollout: any labels (a record's are integer ids)
     # set only when ``groups`` are already codes 0..n_groups-1 in order of first appearance
     # (``steps_from_run`` codes them once for all steps), so nothing has to code them again
@@ -404,7 +405,8 @@ def whole_run(run: Run) -> Window:
 # Columns read when present: the paired ledger needs the groups and both log-probabilities.
 OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": "groups", "prompt": "prompts",
                     "logp_pre": "logp",
-                    "logp_prev": "logp_prev", "kl_prev": "kl_prev", "logp_prev_step": "logp_prev_step"}
+                    "logp_prev": "logp_prev", "kl_prev": "kl_prev", "logp_prev_step": "logp_prev_step",
+                    "logp_sampler": "logp_sampler"}
 
 
 class RowCollector(Protocol):
