@@ -27,6 +27,9 @@ class TapSettings(BaseModel):
     n_exact: StrictInt = Field(16, ge=2, description="sequences the 'exact' estimator samples per step")
     flush_every: StrictInt = Field(10, ge=1, description="steps between commits of the record")
     chunk: StrictInt = Field(16, ge=1, description="sequences per forward pass when scoring")
+    loss_forward: StrictBool = Field(True, description="take log pi_{t+1} of the rollouts (and pi_{t+1}'s side of "
+                                                       "their token KL) from the trainer's own loss forward pass "
+                                                       "instead of a forward pass of the tap's own, where it can")
     save_initial_checkpoint: StrictBool = False
     overwrite: StrictBool = False
     seed: StrictInt = 0

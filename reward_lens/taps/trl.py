@@ -41,8 +41,11 @@ step t+1 generates (before any gradient of it):
   multiple importance sampling, its standard error across prompt groups. The last step has no
   next generation and no D_t.
 
-Cost per step: two forward passes over the step's rollouts (pi_{t+1}, and pi_t by a functional
-call on the kept parameters) and, with held-out completions, generating h per prompt from pi_t
+Cost per step: one forward pass over the step's rollouts (pi_t, by a functional call on the kept
+parameters): pi_{t+1}'s side of their scores is computed from the decoder's last hidden states
+in the trainer's own loss forward (``loss_forward=True``; where the snapshot is beside whole
+parameters, the model has no dropout on and one generation feeds one step; else a pass of the
+tap's own) and, with held-out completions, generating h per prompt from pi_t
 and two forward passes over them plus the reward functions; one snapshot of the trainable
 parameters (|theta| x their dtype: 26 GiB for a 7B model in float32), beside the model
 (``snapshot="device"``, swapped in by reference) or in host memory (``snapshot="cpu"``, pinned
@@ -139,6 +142,30 @@ class _Pending:
     logp_prev_step: int | None = None
     kl_prev: float | None = None
     logp_sampler: float | None = None  # under the engine that sampled it (vLLM), where TRL hands it over
+
+
+@dataclass
+class _Awaiting:
+    """A generation whose rollouts get their pi_{t+1} side from the trainer's loss forward: the
+    previous policy kept until the step's micro-batches have run, the held-out rows already
+    scored, and the entropy summed as the micro-batches come."""
+
+    step: int
+    prev_step: int | None
+    params: dict[str, torch.Tensor] | None
+    fresh: list[_Pending]
+    held: list[_Pending]
+    entropy: float = 0.0
+    tokens: float = 0.0
+
+
+def _dropout_free(model) -> bool:
+    """True when the training forward is the policy itself: no dropout that is on."""
+    cfg = getattr(model, "config", None)
+    if any(float(getattr(cfg, k, 0.0) or 0.0) > 0 for k in ("attention_dropout", "hidden_dropout", "dropout",
+                                                             "resid_pdrop", "embd_pdrop", "attn_pdrop")):
+        return False
+    return not any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules())
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -247,6 +274,12 @@ class RewardLensTap(TrainerCallback):
         self._host = s.snapshot == "cpu"  # pi_t kept in host memory, copied in and back
         self._sampler_noted = False
         self._copy = self._host or bool(self.sharded)  # pi_t copied into the live parameters (not swapped)
+        # The rollouts' pi_{t+1} side from the trainer's loss forward: only where pi_t is a
+        # functional call away (a snapshot beside whole parameters) and the forward is the policy
+        # itself (no dropout), decided at attach; num_iterations 1 is checked at each generation.
+        self.loss_forward = (s.loss_forward and estimator == "independent" and bool(paired) and not self._copy
+                             and _dropout_free(trainer.model) if hasattr(trainer, "model") else False)
+        self._awaiting: _Awaiting | None = None
         self.estimates: dict[int, dict[str, KlEstimate]] = {}
         self._pending: dict[int, _Pending] = {}
         self._pending_heldout: list[_Pending] = []
@@ -335,7 +368,12 @@ class RewardLensTap(TrainerCallback):
         def compute_loss(model, inputs, *a, **kw):
             if INDEX_KEY in inputs:
                 tap._used.extend(inputs[INDEX_KEY].tolist())
-            return loss(model, inputs, *a, **kw)
+            if tap._awaiting is None or INDEX_KEY not in inputs:
+                return loss(model, inputs, *a, **kw)
+            with tap._hidden_of_output_layer() as hidden:
+                result = loss(model, inputs, *a, **kw)
+            tap._score_from_loss(inputs, hidden)
+            return result
 
         def get_grad_norm(model, grad_norm=None):  # noqa: F811 -- transformers passes it by name
             value = orig_grad_norm(model, grad_norm=grad_norm)
@@ -421,17 +459,30 @@ class RewardLensTap(TrainerCallback):
         (prev, t) from both (every rank takes part: the numbers are gathered)."""
         reuse = self._reuse(self.trainer.args)
         kept = self._prev if self._prev is not None and self._prev[0] == t - reuse else None
+        fuse = self.loss_forward and reuse == 1 and self._head_is_linear
         if kept is None:
-            self._score(fresh, None, t, entropy_of=t)  # the first generation: pi_t's own numbers only
+            if fuse:  # pi_t's own numbers from the loss forward
+                self._awaiting = _Awaiting(t, None, None, fresh, [])
+            else:
+                self._score(fresh, None, t, entropy_of=t)  # the first generation: pi_t's own numbers only
             return
         prev_step, params = kept
-        self._score(fresh, params, prev_step, entropy_of=t)
+        if not fuse:
+            self._score(fresh, params, prev_step, entropy_of=t)
         held = self._draw_heldout(fresh, starts, params, t, inputs) if self.heldout else []
         self._score(held, params, prev_step)
         self._pending_heldout.extend(held)
+        self._prev = None  # kept by the awaiting generation where the loss forward scores the rollouts
+        if fuse:
+            self._awaiting = _Awaiting(t, prev_step, params, fresh, held)
+            return
+        self._record_d_t(prev_step, fresh, held, reuse)
+
+    def _record_d_t(self, prev_step: int, fresh: list[_Pending], held: list[_Pending], reuse: int) -> None:
+        """D of the step pair (prev_step, the generation's step) from the scored rollouts and
+        held-out rows of every rank (gathered: every rank calls it)."""
         rows = self._gather([(p.group, False, p.logp_pre - p.logp_prev, p.kl_prev) for p in fresh] +
                             [(p.group, True, p.logp_pre - p.logp_prev, p.kl_prev) for p in held])
-        self._prev = None  # pi_prev has been used by everything that needs it
         if reuse == 1 and rows:
             groups = np.array([r[0] for r in rows])
             labels, codes = np.unique(groups, return_inverse=True)
@@ -589,6 +640,85 @@ class RewardLensTap(TrainerCallback):
                         named[name].data = value
             self._reshard()
 
+    @contextmanager
+    def _hidden_of_output_layer(self):
+        """The decoder's last hidden states (after its final norm: what the output layer reads)
+        during the trainer's loss forward, one tensor per call (TRL may split a micro-batch),
+        detached: the pi_{t+1} side of the rollouts' scores is computed from them with the output
+        layer's weights of this moment. TRL computes its log-probabilities with a fused output
+        layer (``fused_lm_head``) that never calls the output module, so the decoder is hooked."""
+        model = self.trainer.model
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        seen: list[torch.Tensor] = []
+        if decoder is None or decoder is model:
+            yield seen
+            return
+
+        def keep(m, args, out):
+            h = getattr(out, "last_hidden_state", None)
+            if h is None and isinstance(out, tuple) and out:
+                h = out[0]
+            if isinstance(h, torch.Tensor):
+                seen.append(h.detach())
+
+        handle = decoder.register_forward_hook(keep)
+        try:
+            yield seen
+        finally:
+            handle.remove()
+
+    @cached_property
+    def _head_is_linear(self) -> bool:
+        model = self.trainer.model
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        return isinstance(head, torch.nn.Linear) and not any(
+            getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+
+    @torch.no_grad()
+    def _score_from_loss(self, inputs: dict[str, Any], hidden: list[torch.Tensor]) -> None:
+        """Score the micro-batch's rollouts of the awaiting generation: pi_{t+1}'s side from the
+        hidden states the trainer's loss forward produced (``hidden``), pi_t's by a functional
+        call on the kept parameters. Where the loss forward did not go through the output layer
+        as expected (another loss implementation), pi_{t+1}'s side is a forward pass of the tap's own."""
+        aw = self._awaiting
+        idx = inputs[INDEX_KEY].tolist()
+        rows = [self._pending.get(i) for i in idx]
+        if not rows or any(r is None or r.step != aw.step for r in rows):
+            return
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        att = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        pw, cw = inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+        comp = inputs["completion_mask"].bool().cpu()
+        targets = inputs["completion_ids"].cpu()
+        h = torch.cat(hidden, dim=0) if hidden else None
+        head = self.trainer.model.get_output_embeddings()
+        if h is not None and h.shape[0] == len(rows) and h.shape[1] == pw + cw:
+            new = BlockedLogits(h, head.weight.detach(), None if head.bias is None else head.bias.detach(),
+                                self.temperature).positions(pw - 1, -1)
+        else:
+            new = self._forward(None, ids, att).positions(pw - 1, -1)
+        old = self._forward(aw.params, ids, att).positions(pw - 1, -1) if aw.params is not None else None
+        s = score_blocked(new, old, targets, comp)
+        for j, p in enumerate(rows):
+            p.logp_pre = float(s.logp_new[j])
+            if aw.params is not None:
+                p.logp_prev, p.kl_prev, p.logp_prev_step = float(s.logp_old[j]), float(s.kl[j]), aw.prev_step
+        aw.entropy += float(s.entropy_new.sum())
+        aw.tokens += float(comp.sum())
+
+    def _finish_awaiting(self) -> None:
+        """After the step's micro-batches (every rank): score what no micro-batch did, the step's
+        entropy along its rollouts, and D of the step pair from the rollouts and held-out rows."""
+        aw, self._awaiting = self._awaiting, None
+        missing = [p for p in aw.fresh if p.logp_pre is None or (aw.params is not None and p.logp_prev is None)]
+        if missing:  # not in any micro-batch (not expected in GRPO): scored here, not in the step's entropy
+            self._score(missing, aw.params, aw.prev_step if aw.prev_step is not None else aw.step)
+        ent, tokens = (sum(x) for x in zip(*self._gather([(aw.entropy, aw.tokens)])))
+        if tokens > 0:
+            self._set_late(aw.step, {"entropy": ent / tokens})
+        if aw.params is not None:
+            self._record_d_t(aw.prev_step, aw.fresh, aw.held, 1)
+
     def _reshard(self) -> None:
         """Under FSDP2, drop every gathered (unsharded) parameter, so that the next forward pass
         gathers the shards as they are now: a module kept unsharded after an eval forward
@@ -654,6 +784,13 @@ class RewardLensTap(TrainerCallback):
             self.stream.add_checkpoint(state.global_step, d)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        if self._awaiting is not None:
+            was = self.trainer.model.training
+            self.trainer.model.eval()
+            try:
+                self._finish_awaiting()
+            finally:
+                self.trainer.model.train(was)
         model = self.trainer.model
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         grads = [_local(p.grad.detach()) for p in params.values() if p.grad is not None]

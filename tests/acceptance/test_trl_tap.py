@@ -401,6 +401,45 @@ def test_a_snapshot_in_host_memory_measures_what_one_beside_the_model_does(plain
             assert np.allclose(va, vb, rtol=1e-6, atol=1e-8, equal_nan=True), col
 
 
+def test_the_loss_forward_gives_the_rollouts_pi_t_plus_1_side(plain, tmp_path):
+    """loss_forward=True (the default): the rollouts' log pi_{t+1}, entropy and pi_{t+1}'s side of
+    their token KL come from the hidden states of TRL's own loss forward, so the tap's own forward
+    passes under the live policy cover the held-out rows only (one pass per rollout remains: pi_t's).
+    The same run with loss_forward=False (a pass of the tap's own) records the same numbers."""
+    from reward_lens.taps.trl import RewardLensTap
+
+    run, tap, _ = plain
+    assert tap.loss_forward
+    counted = {"live": 0, "kept": 0}
+    original = RewardLensTap._forward
+
+    def counting(self, params, ids, mask, **kw):
+        counted["live" if params is None else "kept"] += int(ids.shape[0])
+        return original(self, params, ids, mask, **kw)
+
+    RewardLensTap._forward = counting
+    try:
+        own_run, own_tap, _ = _train(tmp_path / "own", loss_forward=False)
+        own_counts = dict(counted)
+        counted.update(live=0, kept=0)
+        fused_run, fused_tap, _ = _train(tmp_path / "fused")
+    finally:
+        RewardLensTap._forward = original
+    assert not own_tap.loss_forward and fused_tap.loss_forward
+    rollouts, held = 4 * 8, 3 * 4  # 8 rollouts a step; 4 held-out rows at each of 3 generations after the first
+    assert own_counts == {"live": rollouts + held, "kept": (rollouts - 8) + held}
+    assert counted == {"live": held, "kept": (rollouts - 8) + held}
+    for col in ("kl_to_previous", "kl_to_previous_se", "entropy"):
+        a, b = own_run.telemetry_column(col), fused_run.telemetry_column(col)
+        assert a.keys() == b.keys() and [a[k] for k in a] == pytest.approx([b[k] for k in a], rel=1e-6), col
+    cols = ["logp_pre", "logp_prev", "kl_prev"]
+    xa, xb = own_run.read_rollouts(cols).to_pylist(), fused_run.read_rollouts(cols).to_pylist()
+    for col in cols:
+        va = [np.nan if x[col] is None else x[col] for x in xa]
+        vb = [np.nan if x[col] is None else x[col] for x in xb]
+        assert np.allclose(va, vb, rtol=1e-6, atol=1e-8, equal_nan=True), col
+
+
 def test_the_snapshot_plan_says_the_bytes_and_refuses_what_cannot_fit():
     from reward_lens.taps.trl import snapshot_plan
 
