@@ -55,6 +55,12 @@ bytes are logged before training, and attach refuses a device snapshot that cann
 prompts right after the step (the rollouts are then scored only with ``paired=True``);
 ``estimator=None`` records the optimizer telemetry and the rollouts only.
 
+With ``use_vllm`` the rollouts are vLLM's samples: where TRL hands over vLLM's per-token
+log-probabilities (``sampling_per_token_logps``) the tap records their sum as ``logp_sampler``,
+and the paired ledger refuses a step pair whose sampler departs from the policy by more than a
+tenth of D_t (``PREMISE_FAILED`` sampler_mismatch); held-out completions are always drawn from
+the trained model itself.
+
 Log-probabilities are those of the distribution the trainer sampled from: logits divided by
 the trainer's ``temperature`` (as TRL's own loss computes them). ``top_p`` / ``top_k``
 truncation is recorded in the manifest but not applied: TRL's loss does not apply it either,
