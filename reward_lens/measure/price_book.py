@@ -30,7 +30,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import run_denominator_context
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import StepSample, step_moments
+from reward_lens.measure.ledger.price import StepSample, all_step_moments
 from reward_lens_spec import Subject, load_book, make_refusal, resolve
 from reward_lens_spec.render import render_template
 
@@ -65,14 +65,17 @@ class PriceSection(_M):
     summary: dict[str, float | int | str | None]
 
 
-def _step_reward(s: StepSample) -> tuple[float, float]:
-    """A step's mean reward and its standard error, with prompt groups as the units
-    (``step_moments`` on the reward as a one-feature sample)."""
-    r = np.asarray(s.rewards, float)[:, None]
-    if len(r) < 2:
-        return float(r.mean()), float("nan")
-    mean, cov, _ = step_moments(StepSample(s.step, ("reward",), r, groups=s.groups))
-    return float(mean[0]), float(math.sqrt(cov[0, 0]))
+def _step_rewards(samples: Sequence[StepSample]) -> dict[int, tuple[float, float]]:
+    """Each step's mean reward and its standard error, with prompt groups as the units
+    (``step_moments`` on the reward as a one-feature sample): the moments of all steps with two
+    or more rollouts in one segmented pass (``all_step_moments``), no Python per step beyond
+    wrapping each step's rewards; NaN SE for a step of one rollout."""
+    out = {s.step: (float(np.asarray(s.rewards, float).mean()), float("nan")) for s in samples if len(s.rewards) < 2}
+    wide = [StepSample(s.step, ("reward",), np.asarray(s.rewards, float)[:, None], groups=s.groups)
+            for s in samples if len(s.rewards) >= 2]
+    for step, (mean, cov, _) in all_step_moments(wide).items():
+        out[step] = (float(mean[0]), float(math.sqrt(cov[0, 0])))
+    return out
 
 
 def fit_frontier(d: np.ndarray, r: np.ndarray) -> tuple[float | None, float | None, float | None]:
@@ -94,7 +97,7 @@ def best_of_n_kl(n: int) -> float:
 
 def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n_generations: int | None = None
                  ) -> PriceSection:
-    means = {s.step: _step_reward(s) for s in samples if s.rewards is not None}
+    means = _step_rewards([s for s in samples if s.rewards is not None])
     pairs = [(t, t + 1) for t in sorted(means) if t + 1 in means and t in kl_spent]
     rows = []
     p = []
