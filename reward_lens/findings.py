@@ -101,57 +101,44 @@ class FindingData:
 
 
 def _rollout_reward_stats(run) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-    """Per step: the mean reward, its SE over prompt groups (the independent units), and the
-    share of prompt groups (of two or more rollouts) whose rewards have zero spread. Columnar:
-    rows are coded by (step, group) and reduced with sorted segments, never looped over."""
+    """Per step: the mean reward and its SE as the price book states them (``step_rewards``:
+    prompt groups as the units), and the share of prompt groups of two or more rollouts whose
+    rewards have zero spread. One read of the rollouts' step, group and reward columns, coded
+    by (step, group) and reduced by segments."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    steps_l, groups_l, rewards_l = [], [], []
-    for table in run.iter_rollouts(["group_id", "reward"]):
-        steps_l.append(table.column("step").to_numpy())
-        groups_l.append(table.column("group_id").cast(pa.string()))
-        rewards_l.append(pc.fill_null(table.column("reward"), float("nan")).to_numpy(zero_copy_only=False))
-    if not steps_l:
+    from reward_lens.measure.ledger.price import StepSample
+    from reward_lens.measure.price_book import step_rewards
+
+    tables = list(run.iter_rollouts(["group_id", "reward"]))
+    if not tables:
         return {}, {}, {}
-    steps = np.concatenate(steps_l).astype(np.int64)
-    groups = pa.chunked_array([c for g in groups_l for c in g.chunks], type=pa.string())
-    codes = pc.index_in(groups, value_set=pc.unique(groups)).to_numpy(zero_copy_only=False)
-    rewards = np.concatenate(rewards_l).astype(float)
-    ok = np.isfinite(rewards) & ~np.isnan(codes.astype(float))
-    steps, codes, rewards = steps[ok], codes[ok].astype(np.int64), rewards[ok]
+    steps = np.concatenate([t.column("step").to_numpy() for t in tables]).astype(np.int64)
+    groups = pa.chunked_array([c for t in tables for c in t.column("group_id").cast(pa.string()).chunks],
+                              type=pa.string())
+    codes = pc.index_in(groups, value_set=pc.unique(groups)).to_numpy(zero_copy_only=False).astype(np.int64)
+    rewards = np.concatenate([pc.fill_null(t.column("reward"), float("nan")).to_numpy(zero_copy_only=False)
+                              for t in tables]).astype(float)
+    ok = np.isfinite(rewards)
+    steps, codes, rewards = steps[ok], codes[ok], rewards[ok]
     if not len(rewards):
         return {}, {}, {}
-    key = (steps - steps.min()) * (int(codes.max()) + 1) + codes  # one int per (step, group)
-    _, cell = np.unique(key, return_inverse=True)
-    cell = cell.ravel()
-    n_cells = int(cell.max()) + 1
-    count = np.bincount(cell, minlength=n_cells)
-    total = np.bincount(cell, weights=rewards, minlength=n_cells)
-    order = np.argsort(cell, kind="stable")
-    starts = np.r_[0, np.cumsum(count)[:-1]]
-    hi = np.maximum.reduceat(rewards[order], starts)
-    lo = np.minimum.reduceat(rewards[order], starts)
-    cell_step = np.empty(n_cells, dtype=np.int64)
-    cell_step[cell] = steps
-    g_mean = total / count
-    labels, s_idx = np.unique(cell_step, return_inverse=True)
-    n_groups = np.bincount(s_idx, minlength=len(labels))
-    n_rows = np.bincount(s_idx, weights=count, minlength=len(labels))
-    s_total = np.bincount(s_idx, weights=total, minlength=len(labels))
-    centre = (np.bincount(s_idx, weights=g_mean, minlength=len(labels)) / n_groups)[s_idx]
-    ss = np.bincount(s_idx, weights=(g_mean - centre) ** 2, minlength=len(labels))
-    sized = count > 1
-    n_sized = np.bincount(s_idx, weights=sized, minlength=len(labels))
-    n_flat = np.bincount(s_idx, weights=sized & (hi == lo), minlength=len(labels))
-    mean, se, zero = {}, {}, {}
-    for k, s in enumerate(labels.tolist()):
-        mean[s] = float(s_total[k] / n_rows[k])
-        g = int(n_groups[k])
-        se[s] = float(math.sqrt(ss[k] / (g - 1)) / math.sqrt(g)) if g > 1 else float("nan")
-        if n_sized[k]:
-            zero[s] = float(n_flat[k] / n_sized[k])
-    return mean, se, zero
+    order = np.lexsort((codes, steps))  # by step, then group
+    steps, codes, rewards = steps[order], codes[order], rewards[order]
+    step_starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    samples = [StepSample(int(steps[a]), ("reward",), r[:, None], rewards=r, groups=g)
+               for a, r, g in zip(step_starts, np.split(rewards, step_starts[1:]), np.split(codes, step_starts[1:]))]
+    stats = step_rewards(samples)
+    cell_starts = np.flatnonzero(np.r_[True, (steps[1:] != steps[:-1]) | (codes[1:] != codes[:-1])])
+    size = np.diff(np.r_[cell_starts, len(rewards)])
+    flat = np.maximum.reduceat(rewards, cell_starts) == np.minimum.reduceat(rewards, cell_starts)
+    cell_step = np.searchsorted(step_starts, cell_starts, side="right") - 1
+    sized = size > 1
+    n_sized = np.bincount(cell_step, weights=sized, minlength=len(step_starts))
+    n_flat = np.bincount(cell_step, weights=sized & flat, minlength=len(step_starts))
+    zero = {int(steps[a]): float(f / n) for a, f, n in zip(step_starts, n_flat, n_sized) if n}
+    return ({st: m for st, (m, _) in stats.items()}, {st: se for st, (_, se) in stats.items()}, zero)
 
 
 def _ordered(series: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:

@@ -65,7 +65,7 @@ class PriceSection(_M):
     summary: dict[str, float | int | str | None]
 
 
-def _step_rewards(samples: Sequence[StepSample]) -> dict[int, tuple[float, float]]:
+def step_rewards(samples: Sequence[StepSample]) -> dict[int, tuple[float, float]]:
     """Each step's mean reward and its standard error, with prompt groups as the units
     (``step_moments`` on the reward as a one-feature sample): the moments of all steps with two
     or more rollouts in one segmented pass (``all_step_moments``), no Python per step beyond
@@ -97,7 +97,7 @@ def best_of_n_kl(n: int) -> float:
 
 def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n_generations: int | None = None
                  ) -> PriceSection:
-    means = _step_rewards([s for s in samples if s.rewards is not None])
+    means = step_rewards([s for s in samples if s.rewards is not None])
     pairs = [(t, t + 1) for t in sorted(means) if t + 1 in means and t in kl_spent]
     rows = []
     p = []
