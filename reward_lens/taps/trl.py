@@ -165,6 +165,15 @@ class _Awaiting:
     tokens: float = 0.0
 
 
+def _keep_scores(rows: list[_Pending], s, prev_step: int | None) -> None:
+    """Each row's scores from ``score_blocked``: log pi of the live policy and, when scored under
+    the policy of ``prev_step`` too, that log pi and the token KL between the two."""
+    for j, p in enumerate(rows):
+        p.logp_pre = float(s.logp_new[j])
+        if prev_step is not None:
+            p.logp_prev, p.kl_prev, p.logp_prev_step = float(s.logp_old[j]), float(s.kl[j]), prev_step
+
+
 def _dropout_free(model) -> bool:
     """True when the training forward is the policy itself: no dropout that is on."""
     cfg = getattr(model, "config", None)
@@ -527,10 +536,7 @@ class RewardLensTap(TrainerCallback):
                 if not chunk:  # a filler pass of a process with fewer chunks: nothing to record
                     continue
                 s = score_blocked(new, old, ids[:, pw:], comp)
-                for j, p in enumerate(chunk):
-                    p.logp_pre = float(s.logp_new[j])
-                    if params is not None:
-                        p.logp_prev, p.kl_prev, p.logp_prev_step = float(s.logp_old[j]), float(s.kl[j]), prev_step
+                _keep_scores(chunk, s, prev_step if params is not None else None)
                 ent += float(s.entropy_new.sum())
                 tokens += float(comp.sum())
         if entropy_of is not None:
@@ -621,8 +627,9 @@ class RewardLensTap(TrainerCallback):
     @contextmanager
     def _policy(self, params: dict[str, torch.Tensor]):
         """The model with ``params`` (a kept snapshot) in place of its own parameters and back,
-        without gradients: swapped by reference when the snapshot is beside the model; copied
-        in (the live values parked in host memory meanwhile) when it is kept on the host."""
+        without gradients: swapped by reference when the snapshot is beside whole parameters;
+        copied in (the live values parked in host memory meanwhile) when it is kept on the host
+        or holds FSDP2 shards."""
         self._reshard()  # FSDP2 registers the gathered parameters while unsharded: take the shards
         named = dict(self.trainer.model.named_parameters())
         saved = {}
@@ -675,6 +682,8 @@ class RewardLensTap(TrainerCallback):
 
     @cached_property
     def _head_is_linear(self) -> bool:
+        """The output layer is a plain linear map of the last hidden states (no soft-capping or
+        logit scale): logits can then be computed from the hidden states a block at a time."""
         model = self.trainer.model
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         return isinstance(head, torch.nn.Linear) and not any(
@@ -705,10 +714,7 @@ class RewardLensTap(TrainerCallback):
             new = self._forward(None, ids, att).positions(pw - 1, -1)
         old = self._forward(aw.params, ids, att).positions(pw - 1, -1) if aw.params is not None else None
         s = score_blocked(new, old, targets, comp)
-        for j, p in enumerate(rows):
-            p.logp_pre = float(s.logp_new[j])
-            if aw.params is not None:
-                p.logp_prev, p.kl_prev, p.logp_prev_step = float(s.logp_old[j]), float(s.kl[j]), aw.prev_step
+        _keep_scores(rows, s, aw.prev_step if aw.params is not None else None)
         aw.entropy += float(s.entropy_new.sum())
         aw.tokens += float(comp.sum())
 
@@ -856,8 +862,7 @@ class RewardLensTap(TrainerCallback):
         dev = next(model.parameters()).device
         kwargs = {"input_ids": ids.to(dev), "attention_mask": mask.to(dev)}
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-        blocked = not self.sharded and isinstance(head, torch.nn.Linear) and not any(
-            getattr(model.config, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+        blocked = not self.sharded and self._head_is_linear
         hidden: list[torch.Tensor] = []
         if blocked:
             def keep(m, inputs):  # take the last hidden states, let the output layer see no position
