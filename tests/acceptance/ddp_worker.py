@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from transformers import TrainerCallback
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -64,7 +65,7 @@ def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1, fsd
                           train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}), processing_class=tok)
     tap = RewardLensTap.attach(trainer, tmp / "rec", flush_every=2, estimator=estimator, n_exact=16)
     if fsdp2:
-        trainer.add_callback(_FullWeights(trainer, tmp, rank))
+        trainer.add_callback(FullWeights(trainer, tmp, rank))
     trainer.train()
     if fsdp2:
         (tmp / f"snapshot-{rank}.json").write_text(json.dumps({"bytes": tap.snapshot_bytes}))
@@ -79,42 +80,33 @@ def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1, fsd
     os._exit(0)
 
 
-def _full_weights_callback():
-    from transformers import TrainerCallback
+class FullWeights(TrainerCallback):
+    """Under FSDP2, at the start of every step and at the end: how each parameter is laid out on
+    this rank (DTensor or not, local and global sizes), and pi_t's full weights gathered from the
+    shards (every rank takes part; rank 0 saves them), to recompute D_t and the update norm from
+    the weights alone."""
 
-    class FullWeights(TrainerCallback):
-        """Under FSDP2, at the start of every step and at the end: how each parameter is laid out
-        on this rank (DTensor or not, local and global sizes), and pi_t's full weights gathered
-        from the shards (every rank takes part; rank 0 saves them), to recompute D_t and the
-        update norm from the weights alone."""
+    def __init__(self, trainer, tmp, rank):
+        self.trainer, self.tmp, self.rank = trainer, tmp, rank
+        self.layout = {}
 
-        def __init__(self, trainer, tmp, rank):
-            self.trainer, self.tmp, self.rank = trainer, tmp, rank
-            self.layout = {}
+    def _keep(self, step):
+        import torch
 
-        def _keep(self, step):
-            import torch
+        named = dict(self.trainer.model.named_parameters())
+        self.layout[step] = {n: [type(p).__name__, p.to_local().numel() if hasattr(p, "to_local") else p.numel(),
+                                 p.numel()] for n, p in named.items()}
+        full = {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+                for n, p in named.items()}
+        if self.rank == 0:
+            torch.save(full, self.tmp / f"full-{step}.pt")
+        (self.tmp / f"layout-{self.rank}.json").write_text(json.dumps(self.layout))
 
-            named = dict(self.trainer.model.named_parameters())
-            self.layout[step] = {n: [type(p).__name__, p.to_local().numel() if hasattr(p, "to_local") else p.numel(),
-                                     p.numel()] for n, p in named.items()}
-            full = {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
-                    for n, p in named.items()}
-            if self.rank == 0:
-                torch.save(full, self.tmp / f"full-{step}.pt")
-            (self.tmp / f"layout-{self.rank}.json").write_text(json.dumps(self.layout))
+    def on_step_begin(self, args, state, control, **kw):
+        self._keep(state.global_step)
 
-        def on_step_begin(self, args, state, control, **kw):
-            self._keep(state.global_step)
-
-        def on_train_end(self, args, state, control, **kw):
-            self._keep(state.global_step)
-
-    return FullWeights
-
-
-def _FullWeights(trainer, tmp, rank):  # noqa: N802 -- a class made on first use (transformers imported late)
-    return _full_weights_callback()(trainer, tmp, rank)
+    def on_train_end(self, args, state, control, **kw):
+        self._keep(state.global_step)
 
 
 if __name__ == "__main__":
