@@ -371,9 +371,7 @@ def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = Fa
     """Audit a configuration, record directory or manifest; with ``features`` (a FeatureBasis),
     also say which of its features the logging setup supports; with ``model_parameters`` (the
     policy's trainable parameters), the bytes the tap's snapshot of pi_t will take."""
-    result, pr, record = _audit(Path(path), framework, with_tap)
-    if model_parameters is not None and result.kind == "config" and result.with_tap:
-        result.statements.append(_snapshot_statement(load_config(Path(path)), model_parameters))
+    result, pr, record = _audit(Path(path), framework, with_tap, model_parameters)
     result.findings = _finding_support(result, pr)
     if features is not None:
         result.basis = features.basis_id
@@ -381,7 +379,8 @@ def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = Fa
     return result
 
 
-def _audit(path: Path, framework: str | None, with_tap: bool) -> tuple[AuditOut, Projection, dict[str, Any] | None]:
+def _audit(path: Path, framework: str | None, with_tap: bool, model_parameters: int | None = None
+           ) -> tuple[AuditOut, Projection, dict[str, Any] | None]:
     """The audit, the projection it was derived from, and (for a record) what the record's
     rollouts and model say that a projection cannot: reward function names, the EOS id."""
     if path.is_dir() and (path / "manifest.json").is_file():
@@ -411,6 +410,8 @@ def _audit(path: Path, framework: str | None, with_tap: bool) -> tuple[AuditOut,
             raise RecordError(path, f"`{tap.section}:` must be a mapping of the tap's arguments", field=tap.section)
         _check_tap_section(path, tap.section, section or {})
     pr = project(spec, cfg, path, tap)
+    if tap is not None and model_parameters is not None:
+        pr.statements.append(_snapshot_statement(cfg, model_parameters, tap.defaults))
     optimizer, _ = _get(cfg, "optim", spec.defaults)
     beta, _ = _get(cfg, "beta", spec.defaults)
     subject = ("a run logged with this configuration" if tap is None
@@ -426,10 +427,10 @@ def _audit(path: Path, framework: str | None, with_tap: bool) -> tuple[AuditOut,
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "float64": 8}
 
 
-def _snapshot_statement(cfg: dict[str, Any], n_parameters: int) -> Statement:
+def _snapshot_statement(cfg: dict[str, Any], n_parameters: int, defaults: dict[str, Any]) -> Statement:
     """What the tap's copy of pi_t takes, from the parameter count and the dtype the config loads
     the model in (``model_init_kwargs.dtype``; else the checkpoint's, unknown here: both sizes)."""
-    where, origin = _get(cfg, "reward_lens.snapshot", {"reward_lens.snapshot": "device"})
+    where, origin = _get(cfg, "reward_lens.snapshot", defaults)  # the tap spec's default
     init = cfg.get("model_init_kwargs") if isinstance(cfg.get("model_init_kwargs"), dict) else {}
     dtype = str(init.get("dtype", init.get("torch_dtype", "")) or "").removeprefix("torch.")
     gib = lambda b: f"{n_parameters * b / 2**30:.3g} GiB"  # noqa: E731
