@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import make_reference_records as gen  # noqa: E402
-from tap_overhead import Timer, _time_inside  # noqa: E402
+from tap_overhead import TAP_METHODS, Timer, _time_inside  # noqa: E402
 
 PROMPTS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op")
 COMPLETION = 64
@@ -82,11 +82,8 @@ def training(init: Path, tok, steps: int, tap: dict | None) -> tuple[float, floa
         timer, spent = Timer(), [0.0]
         if tap is not None:
             t = RewardLensTap.attach(trainer, Path(tmp) / "rec", flush_every=100, **tap)
-            for name in ("_on_generation", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log",
-                         "on_train_begin", "on_train_end"):
+            for name in TAP_METHODS:
                 _time_inside(t, name, spent)
-            # the pi_t pass and the scores now run inside the trainer's compute_loss: time the tap's part
-            _time_inside(t, "_score_from_loss", spent)
         trainer.add_callback(timer)
         timer.spent = spent
         trainer.train()

@@ -32,6 +32,10 @@ import make_reference_records as gen  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 STEPS, WARMUP = 24, 4
+# Every method of the tap the trainer calls into: its callbacks, the generation hook, and the
+# scoring it does inside the trainer's compute_loss (loss_forward).
+TAP_METHODS = ("_on_generation", "_score_from_loss", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end",
+               "on_log", "on_train_begin", "on_train_end")
 
 
 class Timer(TrainerCallback):
@@ -76,8 +80,7 @@ def timed_training(*, batch: int = 8, prompts=("ab", "cd"), lr: float = 1e-3, st
         spent = [0.0]
         if tap is not None:
             t = RewardLensTap.attach(trainer, tmp / "rec", **tap)
-            for name in ("_on_generation", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end", "on_log",
-                         "on_train_begin", "on_train_end"):
+            for name in TAP_METHODS:
                 _time_inside(t, name, spent)
         trainer.add_callback(timer)  # after the tap: its on_step_end (flushes) runs inside the timing
         timer.spent = spent
