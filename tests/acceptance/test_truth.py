@@ -80,12 +80,18 @@ def test_the_docs_quote_this_harness(moderate, collapse, harness):
 def test_d_t_is_measured_on_independent_samples(moderate, collapse):
     """The record's kl_to_previous against the oracle's: within [0.8, 1.25] of it on at least
     90 % of the moderate run's pairs. On the collapsing run the policy is nearly deterministic
-    and its KL sits in rare sequences: the record's D_t there has relative SEs of 0.3-0.7, so a
-    25 % band is missed where that noise is, never by bias -- every pair is within 3 combined
-    SE. The in-sample estimate it replaced misses by far more."""
+    and the KL of its smallest updates sits in sequences it rarely samples: the record's D_t is
+    centred on the truth there too (the replicates), but its spread puts about a fifth of the
+    draws outside a 25 % band, mostly on updates under 0.05 nats (docs/science.md says so). The
+    in-sample estimate it replaced misses by far more."""
     ok, n = moderate.d_t_within(0)
     assert ok >= 0.9 * n
     ok_c, n_c = collapse.d_t_within(0)
     old_c, _ = collapse.d_t_within(1)
     assert ok_c >= 0.75 * n_c and old_c < 0.5 * n_c
     assert all(abs(v[0] - v[2]) <= 3 * (v[3] ** 2 + v[4] ** 2) ** 0.5 for v in collapse.d_t.values() if v[0] is not None)
+    for res in (moderate, collapse):  # no bias: a miss is the sample's spread
+        assert 0.95 <= res.replicates[4]["d_t_mean_over_truth"] <= 1.05
+    assert moderate.replicates[4]["d_t_in_band"] >= 0.95
+    # the record's own misses are the rate its sampling predicts, not worse
+    assert (n_c - ok_c) / n_c <= 1 - collapse.replicates[4]["d_t_in_band"] + 0.1
