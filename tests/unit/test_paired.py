@@ -522,3 +522,44 @@ def test_two_sided_ledger_without_held_out_rows_is_the_one_sided_one():
     one, two = paired_ledger(s), paired_ledger(s, heldout=empty)
     np.testing.assert_array_equal(one.delta_z, two.delta_z)
     assert one.d_t == two.d_t and two.heldout is None
+
+
+def test_a_feature_constant_in_every_group_is_not_identified_not_a_t_of_rounding():
+    """A behaviour equal on every row of each prompt group (a length at the cap, a collapsed
+    policy's one completion) moved by exactly 0 in each group, whatever the weights: its dz
+    and SE are 0 -- not 1e-17 over 4e-17, which reads as t = 0.25 and enters BH as a cell."""
+    from reward_lens.measure.decisions import decide_from
+
+    rng = np.random.default_rng(21)
+    s = _sample(1, rng)
+    codes = np.repeat(np.arange(8), 8)
+    per_group = 1.0 / 3.0 + 0.1 * codes  # differs between groups, not within: sums that round
+    s = StepSample(1, ("f1", "f2", "f3"), np.column_stack([s.z, per_group]), groups=codes, logp=s.logp,
+                   logp_prev=s.logp_prev, kl_prev=s.kl_prev, n_groups=8)
+    ho_codes = np.repeat(np.arange(8), 4)
+    held = StepSample(1, ("f1", "f2", "f3"), np.column_stack([rng.normal(size=(32, 2)), 1.0 / 3.0 + 0.1 * ho_codes]),
+                      groups=ho_codes, logp=0.1 * rng.normal(size=32), logp_prev=np.zeros(32),
+                      kl_prev=np.full(32, 1e-3), n_groups=8)
+    for lg in (paired_ledger(s), paired_ledger(s, heldout=held)):
+        assert lg.delta_z[2] == 0.0 and lg.se[2] == 0.0 and not lg.cov_delta[2].any()
+        assert lg.se[:2].min() > 0
+        d = decide_from([lg], ("f1", "f2", "f3"), ledger="paired")
+        assert d.identified[0].tolist() == [True, True, False]
+
+
+def test_a_jackknife_bias_of_zero_to_rounding_is_zero():
+    """Eight prompt groups of the same rows: deleting any one leaves KL_min where it was, so the
+    jackknife's correction is 0 and the row's null is 0 -- not -1e-14 nats shown as a number."""
+    from reward_lens.measure.efficiency.eta import paired_estimate
+
+    rng = np.random.default_rng(3)
+    base_z, base_r = rng.normal(size=(8, 2)), 0.2 * rng.normal(size=8)
+    order = np.concatenate([rng.permutation(8) for _ in range(8)])  # each group the same rows, reordered:
+    z = base_z[order]  # sums in another order, so the delete-one values differ in their last places
+    r = base_r[order] + 0.3 * z[:, 0]
+    codes = np.repeat(np.arange(8), 8)
+    s = StepSample(1, ("f1", "f2"), z, groups=np.array([f"1:{c}" for c in codes]), logp=r, logp_prev=np.zeros(64),
+                   kl_prev=0.5 * r ** 2 + 1e-4)
+    est = paired_estimate(paired_ledger(s), np.array([0, 1]))
+    assert est.kl_min > 1e-3
+    assert est.null_kl == 0.0 and est.kl_min_debiased == est.kl_min

@@ -48,7 +48,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
 
-from reward_lens.measure.efficiency.iproj import i_projections
+from reward_lens.measure.efficiency.iproj import VALUE_RTOL, i_projections
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
 from reward_lens.measure.ledger.price import Ledger
 
@@ -228,6 +228,10 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[E
             lg = items[q][0]
             k_full, k_del = float(proj.kl_min[0]), proj.kl_min[1:]
             k_jk = g * k_full - (g - 1) * float(k_del.mean())
+            if abs(k_jk - k_full) <= 4 * g * VALUE_RTOL * (1.0 + abs(k_full)):
+                # each of the g + 1 dual values is good to VALUE_RTOL (1 + |K|): a correction
+                # below what their combination can cancel to is zero, not -1e-14 nats
+                k_jk = k_full
             theta = np.stack([k_del, d_jk[j]], axis=1)  # (G, 2) the replicates
             dev = theta - theta.mean(axis=0)
             cov = (g - 1) / g * dev.T @ dev

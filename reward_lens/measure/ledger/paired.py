@@ -375,6 +375,12 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     log_q, log_p, lwq, lwp = mis_log_weights(r, side if two_sided else None, codes, n_groups)
     q, p = np.exp(log_q), np.exp(log_p)
     dz_g = onehot.T @ (q[:, :, None] * z) - onehot.T @ (p[:, :, None] * z)  # (P, G, k)
+    # A feature equal on every row of each group moved by exactly 0 there (both weightings sum to
+    # 1 in a group); the sums leave ~1e-17 of rounding, whose ratio to an SE of the same size
+    # would read as a t statistic. It stays exactly 0, so its SE is 0: not identified.
+    first = np.zeros(n_groups, dtype=np.int64)
+    first[codes[::-1]] = np.arange(n)[::-1]  # each group's first row
+    dz_g[np.broadcast_to((z == z[:, first[codes], :]).all(axis=1)[:, None, :], dz_g.shape)] = 0.0
     dz = dz_g.mean(axis=1)
     dev = dz_g - dz[:, None, :]
     cov = np.matmul(dev.transpose(0, 2, 1), dev) / (n_groups - 1) / n_groups  # Cov_g(dz_g) / G
