@@ -224,6 +224,7 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     for members in clusters:
         if zero[members].all():
             p[live_idx[members]] = 1.0
+            beta[live_idx[members]] = 0.0  # shown as the 0 it is taken for, not -1.8e-10 beside an SE of 4e-11
             continue
         bm, vm = b[members], v[np.ix_(members, members)]
         if len(members) == 1:

@@ -181,7 +181,7 @@ def test_selection_gradient_by_least_squares_and_its_cluster_robust_se():
     assert clusters == [] and (p < 1e-6).all()
     exact = StepSample(0, names, z, rewards=z[:, 0].copy(), advantages=z[:, 0].copy(), groups=groups, n_groups=30)
     beta, _, p, _ = selection_gradient([exact])
-    assert beta[0] == pytest.approx(1.0) and p[1] == 1.0
+    assert beta[0] == pytest.approx(1.0) and p[1] == 1.0 and beta[1] == 0.0
 
 
 def test_moved_against_what_was_asked_is_a_disagreement():
