@@ -463,7 +463,7 @@ def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None
 
 def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
     """Each finding: evaluated when one alternative of its fields is supplied and its books will
-    compute (the same resolution as the books')."""
+    compute (the same resolution as the books'), and never for a config the trainer rejects."""
     from reward_lens.findings import missing_inputs
     from reward_lens_spec import load_findings
 
@@ -475,7 +475,8 @@ def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
 
     out = []
     for spec in load_findings().values():
-        lack = missing_inputs(spec, present, books)
+        # a config the trainer rejects logs nothing: no finding evaluates, whatever it would read
+        lack = [f"a run that starts (`{pr.rejected.key}`)"] if pr.rejected is not None else missing_inputs(spec, present, books)
         out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
                                   verdict="will not evaluate" if lack else "will evaluate", missing=lack))
     return out

@@ -109,8 +109,37 @@ class FullWeights(TrainerCallback):
         self._keep(state.global_step)
 
 
+def fsdp_on_cpu(tmp: Path, version: int | None) -> None:
+    """TRL's own run of a config with `fsdp` (and ``fsdp_config.fsdp_version`` = ``version``
+    where given) and `use_cpu`, no tap: "trained", or what it raised, written to
+    ``fsdp-cpu-RANK.txt`` (what the audit says of these configs; this is the check)."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    rank = int(os.environ["RANK"])
+    tok = gen.build_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp / "out"), max_steps=2, per_device_train_batch_size=8, num_generations=8,
+                      max_completion_length=8, learning_rate=1e-2, logging_steps=1, report_to="none", use_cpu=True,
+                      save_strategy="no", disable_tqdm=True, fsdp="full_shard",
+                      fsdp_config=None if version is None else {"fsdp_version": version})
+    if rank == 0:
+        gen.build_model(len(tok), 3, tok).save_pretrained(tmp / "init")
+    dist.barrier()
+    outcome = "trained"
+    try:  # (an error at the trainer's creation, too)
+        GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args, processing_class=tok,
+                    train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]})).train()
+    except Exception as e:  # the outcome is what the test reads
+        outcome = f"{type(e).__name__}: {e}"
+    (tmp / f"fsdp-cpu-{rank}.txt").write_text(outcome)
+    os._exit(0)
+
+
 if __name__ == "__main__":
-    # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION [fsdp2]]]
+    # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION [fsdp2]]]; ddp_worker.py TMP fsdp-on-cpu VERSION
     args = sys.argv[1:]
-    main(Path(args[0]), int(args[1]), args[2] if len(args) > 2 else "independent", int(args[3]) if len(args) > 3 else 1,
-         len(args) > 4 and args[4] == "fsdp2")
+    if args[1] == "fsdp-on-cpu":
+        fsdp_on_cpu(Path(args[0]), None if args[2] == "none" else int(args[2]))
+    else:
+        main(Path(args[0]), int(args[1]), args[2] if len(args) > 2 else "independent",
+             int(args[3]) if len(args) > 3 else 1, len(args) > 4 and args[4] == "fsdp2")

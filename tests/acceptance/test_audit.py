@@ -336,9 +336,10 @@ def test_audit_knows_the_feature_basis(tmp_path):
 
 
 def test_fsdp_on_the_cpu_is_said_to_be_data_parallel_not_refused(tmp_path):
-    """accelerate trains a TRL config with `fsdp` and `use_cpu` as DDP (issue 30, checked by the
-    issue's filer): the tap attaches and records it as data-parallel, so the audit says that
-    instead of 'will not run'; without use_cpu the tap still refuses FSDP at attach."""
+    """accelerate trains a TRL config with `fsdp` and `use_cpu` as DDP (checked in
+    test_trl_tap_distributed.py): the tap attaches and records it as data-parallel, so the audit
+    says that instead of 'will not run' -- except with `fsdp_version: 1`, where accelerate's FSDP
+    plugin raises before the trainer exists; without use_cpu the tap still refuses FSDP1 at attach."""
     from reward_lens.audit import audit
 
     base = "num_generations: 8\nlogging_steps: 1\nmax_steps: 5\nfsdp: full_shard\nreward_lens: {}\n"
@@ -358,6 +359,18 @@ def test_fsdp_on_the_cpu_is_said_to_be_data_parallel_not_refused(tmp_path):
     assert _cost(res).verdict == "will compute"
     (said,) = [st.says for st in res.statements if st.key == "fsdp"]
     assert "each process's parameter shards" in said and "accelerate's plugin itself was not run" in said
+    # with use_cpu: FSDP2's settings train data-parallel; FSDP1's make accelerate raise, the trainer's refusal
+    for version, runs in ((2, True), (1, False)):
+        cfg = tmp_path / f"cpu-v{version}.yaml"
+        cfg.write_text(base + f"use_cpu: true\nfsdp_config:\n  fsdp_version: {version}\n")
+        res = audit(cfg)
+        said = [st.says for st in res.statements if st.key == "fsdp"]
+        if runs:
+            assert _cost(res).verdict == "will compute" and any("does not apply it" in x for x in said)
+        else:
+            assert all(b.verdict == "will not run" for b in res.books) and not any("does not apply it" in x for x in said)
+            assert "no available devices" in res.books[0].cause.says and "drop `fsdp_config`" in res.books[0].cause.says
+            assert all(f.verdict == "will not evaluate" for f in res.findings)  # nothing is logged to evaluate
 
 
 def test_the_audit_says_what_the_taps_copy_of_pi_t_takes_and_where(tmp_path):

@@ -23,13 +23,36 @@ WORKER = Path(__file__).with_name("ddp_worker.py")
 STEPS = 3
 
 
-def _launch(tmp: Path, *args: str):
+def _torchrun(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp), *args],
+    return subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", str(WORKER), str(tmp), *args],
                           capture_output=True, text=True, timeout=600, env=env)
+
+
+def _launch(tmp: Path, *args: str):
+    proc = _torchrun(tmp, *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return tmp, open_run(tmp / "rec")
+
+
+@pytest.mark.parametrize("version", ["none", "1", "2"])
+def test_what_trl_does_with_fsdp_and_use_cpu_is_what_the_audit_says(tmp_path, version):
+    """A TRL config with `fsdp: full_shard` and `use_cpu`, launched on two processes without the
+    tap. Without `fsdp_config`, and with `fsdp_version: 2`, accelerate ignores `fsdp` and TRL
+    trains the model data-parallel (DDP): the audit says so, and the tap records it as
+    data-parallel. With `fsdp_version: 1` accelerate's FSDP plugin raises when the trainer is made
+    (it looks for an accelerator), so the audit refuses that config as TRL's
+    (specs/frameworks/trl.yaml). Checked in TRL 1.16.0, transformers 5.24.0, accelerate 1.15.0;
+    this test says when any of it stops being true."""
+    proc = _torchrun(tmp_path, "fsdp-on-cpu", version)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank in (0, 1):
+        outcome = (tmp_path / f"fsdp-cpu-{rank}.txt").read_text()
+        if version == "1":
+            assert outcome.startswith("RuntimeError") and "no available devices" in outcome, outcome
+        else:
+            assert outcome == "trained", outcome
 
 
 @pytest.fixture(scope="module")
