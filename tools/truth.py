@@ -649,12 +649,16 @@ def summary_lines(res: RegimeResult) -> list[str]:
                      f"95 % intervals (t, G-1 dof) cover the truth in {100 * s['coverage']:.1f} % of identified cells")
     two = res.replicates.get(max(res.replicates, default=0))
     if two and two["d_t_in_band"] is not None:
-        misses = [v for v in res.d_t.values() if v[0] is not None and not D_T_BAND[0] <= v[0] / v[2] <= D_T_BAND[1]]
+        recorded = [v for v in res.d_t.values() if v[0] is not None]
+        misses = [v for v in recorded if not D_T_BAND[0] <= v[0] / v[2] <= D_T_BAND[1]]
+        large = [v for v in recorded if v[2] >= SMALL_D_T]
         sd_med, sd_max = two["d_t_sd_over_truth"]
         lines.append(f"  D_t replicates (the tap's sampling redrawn, {two['replicates']} each): in the band in "
                      f"{100 * two['d_t_in_band']:.0f} % of draws; median mean / truth {two['d_t_mean_over_truth']:.2f}, "
                      f"relative SD median {sd_med:.2f}, max {sd_max:.2f}; the record's misses: {len(misses)}, "
-                     f"{sum(v[2] < SMALL_D_T for v in misses)} of them where D_t < {SMALL_D_T:g} nats")
+                     f"{sum(v[2] < SMALL_D_T for v in misses)} of them where D_t < {SMALL_D_T:g} nats "
+                     f"(updates of {SMALL_D_T:g} nats or more: {len(large) - sum(v in misses for v in large)} of "
+                     f"{len(large)} in the band)")
     rel = [t.d_t_se / t.d_t for t in res.truths.values()]
     lines.append(f"  oracle's own error: median relative SE of D_t {np.median(rel):.3f}, max {np.max(rel):.3f}")
     return lines

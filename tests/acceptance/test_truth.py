@@ -77,7 +77,7 @@ def test_the_docs_quote_this_harness(moderate, collapse, harness):
     assert quoted and quoted.group(1) == "\n".join(lines), "paste the output of python tools/truth.py --quote"
 
 
-def test_d_t_is_measured_on_independent_samples(moderate, collapse):
+def test_d_t_is_measured_on_independent_samples(moderate, collapse, harness):
     """The record's kl_to_previous against the oracle's: within [0.8, 1.25] of it on at least
     90 % of the moderate run's pairs. On the collapsing run the policy is nearly deterministic
     and the KL of its smallest updates sits in sequences it rarely samples: the record's D_t is
@@ -93,5 +93,8 @@ def test_d_t_is_measured_on_independent_samples(moderate, collapse):
     for res in (moderate, collapse):  # no bias: a miss is the sample's spread
         assert 0.95 <= res.replicates[4]["d_t_mean_over_truth"] <= 1.05
     assert moderate.replicates[4]["d_t_in_band"] >= 0.95
+    # on updates of 0.05 nats or more the band holds on the collapsing run too
+    large = [v for v in collapse.d_t.values() if v[0] is not None and v[2] >= harness.SMALL_D_T]
+    assert len(large) >= 0.5 * n_c and sum(0.8 <= v[0] / v[2] <= 1.25 for v in large) >= 0.9 * len(large)
     # the record's own misses are the rate its sampling predicts, not worse
     assert (n_c - ok_c) / n_c <= 1 - collapse.replicates[4]["d_t_in_band"] + 0.1
