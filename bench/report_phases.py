@@ -1,9 +1,10 @@
 """Where a tapped report's time goes, phase by phase, against the read-plus-features baseline.
 
-    .venv/bin/python bench/report_phases.py [--steps N] [--repeats R]
+    .venv/bin/python bench/report_phases.py [--steps N] [--repeats R] [--paired]
 
 Generates (not committed) the record ``report_large.py --tapped`` reports on (10,000 steps x 64
-rollouts, two-sided, D_t on every step pair), then, from a cold interpreter each round:
+rollouts, two-sided, D_t on every step pair; with ``--paired``, the one ``report_large.py
+--paired`` reports on), then, from a cold interpreter each round:
 
 * the baseline: a pyarrow read of the report's columns plus the nine surface features;
 * ``reward-lens report`` with the phases it passes through timed from inside (wrappers around
@@ -83,12 +84,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--per-step", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--paired", action="store_true", help="the record of report_large.py --paired instead (one-sided: "
+                    "no kl_prev, no held-out rows, no D_t)")
     a = ap.parse_args()
     subprocess.run([sys.executable, "-m", "compileall", "-q", "reward_lens", "reward_lens_spec"], check=True, cwd=REPO,
                    env=ENV)
     with tempfile.TemporaryDirectory() as tmp:
         rec = Path(tmp) / "record"
-        make_record(rec, a.steps, a.per_step, paired=True, tapped=True)
+        make_record(rec, a.steps, a.per_step, paired=True, tapped=not a.paired)
         base, phases = [], []
         for r in range(a.repeats):  # interleaved
             base.append(run(FEATURES, str(rec))["seconds"])
@@ -98,7 +101,8 @@ def main() -> None:
             spent["other books and findings"] = spent["build the report (all books and findings)"] - inside
             phases.append(spent)
     b = statistics.median(base)
-    print(f"tapped record: {a.steps} steps x {a.per_step} rollouts; medians of {a.repeats} interleaved rounds")
+    print(f"{'paired' if a.paired else 'tapped'} record: {a.steps} steps x {a.per_step} rollouts; medians of "
+          f"{a.repeats} interleaved rounds")
     print(f"  baseline, read plus the nine features (imports included): {b:.2f} s; the target, 1.3x, is "
           f"{1.3 * b:.2f} s")
     for label in ORDER:
