@@ -476,7 +476,8 @@ def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
     out = []
     for spec in load_findings().values():
         # a config the trainer rejects logs nothing: no finding evaluates, whatever it would read
-        lack = [f"a run that starts (`{pr.rejected.key}`)"] if pr.rejected is not None else missing_inputs(spec, present, books)
+        lack = ([_say("run_rejected", key=pr.rejected.key)] if pr.rejected is not None
+                else missing_inputs(spec, present, books))
         out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
                                   verdict="will not evaluate" if lack else "will evaluate", missing=lack))
     return out
