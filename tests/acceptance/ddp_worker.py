@@ -136,7 +136,7 @@ def fsdp_on_cpu(tmp: Path, version: int | None) -> None:
 
 
 if __name__ == "__main__":
-    # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION [fsdp2]]]; ddp_worker.py TMP fsdp-on-cpu VERSION
+    # ddp_worker.py TMP STEPS [ESTIMATOR [GRADIENT_ACCUMULATION [fsdp2]]]; ddp_worker.py TMP fsdp-on-cpu VERSION|none
     args = sys.argv[1:]
     if args[1] == "fsdp-on-cpu":
         fsdp_on_cpu(Path(args[0]), None if args[2] == "none" else int(args[2]))
