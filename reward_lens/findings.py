@@ -83,13 +83,16 @@ class FindingData:
         return b.typed() if b is not None and b.data is not None else None
 
     @classmethod
-    def from_run(cls, run, report=None) -> FindingData:
+    def from_run(cls, run, report=None, samples=None) -> FindingData:
+        """``samples``: the report's own read of the rollouts (``steps_from_run``, every step),
+        whose rewards and groups are taken instead of a read of their own where they have them."""
         names = ("entropy", "reward_mean", "frac_reward_zero_std", "kl_to_previous", "kl_to_previous_se",
                  "grad_norm_unclipped", "max_grad_norm")
         series = {n: {int(s): float(v) for s, v in run.telemetry_column(n).items()} for n in names}
         reward_se: dict[int, float] = {}
         if run.n_rollouts and {"reward", "group_id"} <= set(run.rollout_columns()):
-            mean, se, zero = _rollout_reward_stats(run)
+            stats = _sample_reward_stats(samples) if samples else None
+            mean, se, zero = stats if stats is not None else _rollout_reward_stats(run)
             series["reward_mean"] = {**mean, **series["reward_mean"]} if not series["reward_mean"] else series["reward_mean"]
             if not series["frac_reward_zero_std"]:
                 series["frac_reward_zero_std"] = zero
@@ -98,6 +101,32 @@ class FindingData:
         if not series["max_grad_norm"] and isinstance(cfg.get("max_grad_norm"), (int, float)):
             series["max_grad_norm"] = {s: float(cfg["max_grad_norm"]) for s in series["grad_norm_unclipped"]}
         return cls(series, report=report, config=cfg, reward_se=reward_se)
+
+
+def _sample_reward_stats(samples) -> tuple[dict[int, float], dict[int, float], dict[int, float]] | None:
+    """``_rollout_reward_stats`` from samples already read (a report's), where every one has
+    groups and finite rewards (else None: a null reward is a row the read drops, and these
+    samples keep it). The mean and SE are ``step_rewards``', the price book's own, worked out
+    once for both."""
+    from reward_lens.measure.ledger.price import stacked, unit_ids
+    from reward_lens.measure.price_book import step_rewards
+
+    if not all(s.rewards is not None and s.groups is not None for s in samples):
+        return None
+    rewards = np.asarray(stacked(samples, "rewards"), dtype=float)
+    if not np.isfinite(rewards).all():
+        return None
+    stats = step_rewards(samples)
+    uid, gs = unit_ids(samples)  # each step's prompt groups, numbered across the steps
+    order = np.argsort(uid, kind="stable")
+    starts = np.flatnonzero(np.r_[True, uid[order][1:] != uid[order][:-1]])
+    flat = np.maximum.reduceat(rewards[order], starts) == np.minimum.reduceat(rewards[order], starts)
+    sized = np.bincount(uid, minlength=int(gs.sum())) > 1
+    step_of = np.repeat(np.arange(len(samples)), gs)
+    n_sized = np.bincount(step_of, weights=sized, minlength=len(samples))
+    n_flat = np.bincount(step_of, weights=sized & flat, minlength=len(samples))
+    zero = {s.step: float(f / n) for s, f, n in zip(samples, n_flat.tolist(), n_sized.tolist()) if n}
+    return ({st: m for st, (m, _) in stats.items()}, {st: se for st, (_, se) in stats.items()}, zero)
 
 
 def _rollout_reward_stats(run) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
@@ -411,11 +440,12 @@ def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> Fi
                       remedy=remedy, values=_jsonable(out.evidence))
 
 
-def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None) -> list[FindingOut]:
-    """Every finding on a finished record (with its report's books where a finding reads them)."""
+def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, samples=None) -> list[FindingOut]:
+    """Every finding on a finished record (with its report's books where a finding reads them,
+    and its read of the rollouts, ``samples``, where it made one)."""
     specs = specs if specs is not None else load_findings()
     fields = run.fields()
-    data = FindingData.from_run(run, report)
+    data = FindingData.from_run(run, report, samples)
     status = {b.id: b.status for b in report.books} if report is not None else {}
 
     def present(f: str) -> bool:

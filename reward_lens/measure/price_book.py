@@ -30,7 +30,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import run_denominator_context
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import StepSample, all_step_moments
+from reward_lens.measure.ledger.price import StepSample, _moments, stacked
 from reward_lens_spec import Subject, load_book, make_refusal, resolve
 from reward_lens_spec.render import render_template
 
@@ -68,14 +68,23 @@ class PriceSection(_M):
 def step_rewards(samples: Sequence[StepSample]) -> dict[int, tuple[float, float]]:
     """Each step's mean reward and its standard error, with prompt groups as the units
     (``step_moments`` on the reward as a one-feature sample): the moments of all steps with two
-    or more rollouts in one segmented pass (``all_step_moments``), no Python per step beyond
-    wrapping each step's rewards; NaN SE for a step of one rollout."""
-    out = {s.step: (float(np.asarray(s.rewards, float).mean()), float("nan")) for s in samples if len(s.rewards) < 2}
-    wide = [StepSample(s.step, ("reward",), np.asarray(s.rewards, float)[:, None], groups=s.groups)
-            for s in samples if len(s.rewards) >= 2]
-    for step, (mean, cov, _) in all_step_moments(wide).items():
-        out[step] = (float(mean[0]), float(math.sqrt(cov[0, 0])))
-    return out
+    or more rollouts in one segmented pass (``_moments`` on the samples' rewards stacked, a view
+    of the report's one read where the samples are its own), no Python per step; NaN SE for a
+    step of one rollout. Worked out once per run of samples (the price book and the findings
+    both state them)."""
+    samples = [s for s in samples if s.rewards is not None]
+
+    def make() -> dict[int, tuple[float, float]]:
+        out = {s.step: (float(np.asarray(s.rewards, float).mean()), float("nan")) for s in samples if s.n < 2}
+        two = [s for s in samples if s.n >= 2]
+        if two:
+            means, covs, _ = _moments(two, np.asarray(stacked(two, "rewards"), dtype=float)[:, None])
+            ses = np.sqrt(covs[:, 0, 0])
+            for s, m, se in zip(two, means[:, 0].tolist(), ses.tolist()):
+                out[s.step] = (m, se)
+        return out
+    stack = samples[0].stack if samples else None
+    return stack.memo("step_rewards", samples, make) if stack is not None else make()
 
 
 def fit_frontier(d: np.ndarray, r: np.ndarray) -> tuple[float | None, float | None, float | None]:

@@ -177,15 +177,16 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
                     samples=_samples(run), curves=training_curves(run, curves.panels()), browser=browser.rows,
                     glance=at_a_glance, card=summary_card(at_a_glance, books),
                     headline_figure=headline_figure(ctx, {b.id: b for b in books}))
-    return with_findings(run, report)
+    return with_findings(run, report, ctx.samples if ctx.collected else None)
 
 
-def with_findings(run: Run, report: Report) -> Report:
-    """The report with its findings evaluated on its books, counted once, and the health
-    sentence leading the summary card."""
+def with_findings(run: Run, report: Report, samples=None) -> Report:
+    """The report with its findings evaluated on its books (and on its read of the rollouts,
+    ``samples``, where it made one), counted once, and the health sentence leading the summary
+    card."""
     from reward_lens.findings import evaluate, finding_counts
 
-    found = evaluate(run, report)
+    found = evaluate(run, report, samples=samples)
     counts = finding_counts(found)
     line = " ".join(render_template("report/health.j2", {"f": found, "n": counts}).split())
     return report.model_copy(update={"findings": found, "findings_counts": counts, "card": [line, *report.card]})

@@ -250,3 +250,28 @@ def test_what_the_specs_say_they_were_validated_on():
     assert task["length_drift"] == "clear" and task["moving_against_reward"] == "clear"
     assert task["spending_without_buying"] == "clear"
     assert {task["kl_spikes"], paired["kl_spikes"], tapped["kl_spikes"]} == {"clear"}
+
+
+@pytest.mark.parametrize("name", ["long", "paired", "tapped"])
+def test_the_reports_samples_give_the_findings_the_rewards_their_own_read_gives(name):
+    """A report hands the findings its read of the rollouts: the per-step mean reward, its SE
+    and the share of flat prompt groups from those samples equal the findings' own read of
+    the record, and a null reward (a row that read drops, the samples keep) sends them back
+    to their own read."""
+    from dataclasses import replace
+
+    from reward_lens.findings import _rollout_reward_stats, _sample_reward_stats
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    run = open_run(REPO / "tests" / "fixtures" / "grpo_run" / name)
+    samples = steps_from_run(run, SurfaceFeatures())
+    got, want = _sample_reward_stats(samples), _rollout_reward_stats(run)
+    for a, b in zip(got, want):
+        assert sorted(a) == sorted(b) and len(a) > 5
+        np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-12, atol=1e-15)
+    nulled = list(samples)
+    nulled[2] = replace(nulled[2], rewards=np.where(np.arange(nulled[2].n) == 0, np.nan, nulled[2].rewards))
+    assert _sample_reward_stats(nulled) is None
+    assert _sample_reward_stats([replace(s, groups=None) for s in samples]) is None
