@@ -195,14 +195,20 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     uid, gs = unit_ids(samples)
     total = int(gs.sum())
     size = np.bincount(uid, minlength=total).astype(float)
-    zc = z - (group_sums(z, uid, total) / size[:, None])[uid]
+    gm = group_sums(z, uid, total) / size[:, None]
+    m = blocks(uid, total)  # groups in equal consecutive blocks: centred by broadcasting, no gather
+    zc = (z.reshape(total, m, -1) - gm[:, None, :]).reshape(z.shape) if m else z - gm[uid]
     ac = a - (np.bincount(uid, weights=a, minlength=total) / size)[uid]
     scale = np.sqrt((zc ** 2).mean(axis=0))
-    live = scale > 1e-12 * np.maximum(1.0, np.abs(z).max(axis=0))
+    live = scale > 1e-12 * np.maximum(1.0, np.maximum(z.max(axis=0), -z.min(axis=0)))
     beta, se, p = nan.copy(), nan.copy(), nan.copy()
     if not live.any() or total < 3:
         return beta, se, p, []
-    x = zc[:, live] / scale[live]
+    if live.all():  # zc is this function's own: scaled in place
+        zc /= scale
+        x = zc
+    else:
+        x = zc[:, live] / scale[live]
     xtx = x.T @ x
     inv = np.linalg.pinv(xtx)
     b = inv @ (x.T @ ac)
@@ -214,7 +220,7 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     beta[live] = b / scale[live]
     se[live] = np.sqrt(np.clip(np.diag(v), 0, None)) / scale[live]
     with np.errstate(divide="ignore", invalid="ignore"):
-        corr = (x.T @ x) / np.sqrt(np.outer(np.diag(xtx), np.diag(xtx)))
+        corr = xtx / np.sqrt(np.outer(np.diag(xtx), np.diag(xtx)))
     clusters = _clusters(np.abs(corr) > COLLINEAR_R)
     # A reward that is an exact linear function of some features leaves residuals at rounding
     # level (TRL keeps rewards in float32: relative rounding ~6e-8), where any coefficient,

@@ -235,6 +235,28 @@ def test_stacked_is_a_view_of_consecutive_samples_and_a_copy_of_anything_else():
         price.stacked(samples[:3], "logp_prev")
 
 
+def test_stack_views_is_a_view_of_rows_one_after_another_and_np_stack_otherwise():
+    """``stack_views`` hands back equal-shaped views that lie one after another in one array
+    as a read-only view of it (the paired ledgers of one batch), and ``np.stack``'s copy of
+    anything else: out of order, a gap, another base, another shape."""
+    from reward_lens.measure.ledger.price import stack_views
+
+    base = np.arange(5 * 4 * 3, dtype=float).reshape(5, 4, 3)
+    # whole rows, a run of them, one, and equal chunks of one row (they too lie one after another)
+    for part in ([base[j] for j in range(5)], [base[j] for j in range(1, 4)], [base[2]], [base[0, :2], base[0, 2:]]):
+        got = stack_views(part)
+        assert np.shares_memory(got, base) and not got.flags.writeable
+        assert np.array_equal(got, np.stack(part))
+    flat = np.arange(40.0)
+    rows = [flat[8 * j:8 * j + 8] for j in range(1, 4)]  # 1-D rows of a 1-D base
+    assert np.shares_memory(stack_views(rows), flat) and np.array_equal(stack_views(rows), np.stack(rows))
+    other = base.copy()
+    for part in ([base[3], base[2]], [base[0], base[2]], [base[0], other[1]], [base[0, 1:3], base[0, 2:4]],
+                 [base[0][:, :2], base[1][:, :2]], [np.ones((4, 3)), np.zeros((4, 3))]):
+        got = stack_views(part)
+        assert not np.shares_memory(got, base) and np.array_equal(got, np.stack(part))
+
+
 def test_group_sums_and_unit_ids_equal_bincount_and_the_loop_over_samples():
     from reward_lens.measure.ledger.price import StepSample, group_sums, unit_ids
 

@@ -563,3 +563,49 @@ def test_a_jackknife_bias_of_zero_to_rounding_is_zero():
     est = paired_estimate(paired_ledger(s), np.array([0, 1]))
     assert est.kl_min > 1e-3
     assert est.null_kl == 0.0 and est.kl_min_debiased == est.kl_min
+
+
+def test_ledgers_of_a_reports_read_equal_those_of_the_same_samples_alone():
+    """The report's one read hands the paired ledger views of one stack (``whole`` batches: no
+    copy, groups summed by reshape); the same samples rebuilt from copies, with their groups
+    shuffled into an interleaved layout (the onehot path), give the same ledgers to rounding,
+    and ``_scored_flags`` (one pass over the stack) says what ``has_paired_sample`` says of each."""
+    from pathlib import Path
+
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.paired import _scored_flags, has_paired_sample, paired_ledger_series
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    run = open_run(Path(__file__).parents[1] / "fixtures" / "grpo_run" / "paired")
+    samples = steps_from_run(run, SurfaceFeatures())
+    later = [s for s in samples if s.step]
+    assert _scored_flags(later) == [has_paired_sample(s) for s in later] and all(_scored_flags(later))
+    ledgers, _ = paired_ledger_series(samples)
+    assert len(ledgers) == len(later)
+    stack = samples[0].stack.arrays["z"]
+    assert all(np.shares_memory(lg.z, stack) for lg in ledgers)  # the read's own rows, not copies
+    rng = np.random.default_rng(3)
+    for lg, s in zip(ledgers, later):
+        order = rng.permutation(s.n)
+        alone = StepSample(s.step, s.names, s.z[order].copy(), groups=np.asarray(s.groups)[order].copy(),
+                           logp=s.logp[order].copy(), logp_prev=s.logp_prev[order].copy())
+        want = paired_ledger(alone)
+        np.testing.assert_allclose(lg.delta_z, want.delta_z, rtol=1e-9, atol=1e-15)
+        np.testing.assert_allclose(lg.cov_delta, want.cov_delta, rtol=1e-9, atol=1e-20)
+        assert lg.d_hat == pytest.approx(want.d_hat, rel=1e-9, abs=1e-15)
+        assert lg.ess == pytest.approx(want.ess, rel=1e-12)
+        assert lg.pareto_k == pytest.approx(want.pareto_k, rel=1e-9, nan_ok=True)
+
+
+def test_scored_flags_find_the_one_step_with_a_missing_log_probability():
+    """A step of the read whose log pi_t is NaN on one row is not scored; its neighbours are."""
+    from reward_lens.measure.ledger.paired import _scored_flags, has_paired_sample
+    from reward_lens.measure.ledger.price import _samples
+
+    steps = np.repeat([1, 2, 3], 4)
+    logp = -np.arange(12.0)
+    logp[6] = np.nan
+    cols = {"group_id": np.tile([0, 0, 1, 1], 3), "logp_pre": logp, "logp_prev": logp - 0.1}
+    samples = _samples(steps, np.ones((12, 1)), cols, {"logp_pre"}, ("f",), coded=True)
+    assert _scored_flags(samples) == [True, False, True] == [has_paired_sample(s) for s in samples]

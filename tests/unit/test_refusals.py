@@ -130,3 +130,22 @@ def test_missing_context_is_a_spec_error_not_a_blank():
 
     with pytest.raises(SpecError, match="missing from the refusal context"):
         make_refusal("LIMIT_EXCEEDED", load_book("cost"), Subject(), {"what": "x"})
+
+
+def test_a_refusals_context_is_made_json_alike_by_the_encoder_and_by_hand():
+    """``_jsonable`` takes the C encoder's way (a refusal may name 10,000 step pairs) and gives
+    what the walk by hand gives: string keys, lists for tuples, Python numbers for numpy
+    scalars, NaN kept, anything else as its ``str``; a key the encoder cannot take (a tuple)
+    goes the way by hand."""
+    from pathlib import Path
+
+    from reward_lens_spec.refusal import _jsonable, _jsonable_slow
+
+    ctx = {"pairs": [{"step_pair": (1, 2), "pareto_k": np.float64(0.8), "n": np.int64(64), "ok": np.bool_(True),
+                      "d_t": float("nan"), "sides": "one-sided", "none": None}] * 3,
+           3: [np.float32(0.5), (np.int32(7), "x")], "path": Path("a/b"), "nested": {"k": {"j": [1, 2.5]}}}
+    fast, slow = _jsonable(ctx), _jsonable_slow(ctx)
+    assert json.dumps(fast, sort_keys=True) == json.dumps(slow, sort_keys=True)
+    assert fast["3"] == [0.5, [7, "x"]] and fast["path"] == "a/b" and type(fast["pairs"][0]["n"]) is int
+    assert fast["pairs"][0]["d_t"] != fast["pairs"][0]["d_t"]  # NaN stays NaN
+    assert _jsonable({(1, 2): np.int64(3)}) == {"(1, 2)": 3}

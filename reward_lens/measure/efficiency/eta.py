@@ -50,7 +50,7 @@ from scipy import special  # the distribution functions scipy.stats wraps, witho
 
 from reward_lens.measure.efficiency.iproj import VALUE_RTOL, i_projections
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
-from reward_lens.measure.ledger.price import Ledger
+from reward_lens.measure.ledger.price import Ledger, stack_views
 
 # Monte Carlo draws (unpaired KL_min variance; the headline median's interval): the 2.5 %
 # and 97.5 % percentiles of 400 draws are each set by ~10 draws, enough for an interval
@@ -271,12 +271,16 @@ def rollout_tests(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[floa
             n_groups = len(kept)
         key = (n_groups, g.tobytes(), tuple(np.asarray(idx).tolist()))
         layouts.setdefault(key, (g, n_groups))
-        batches.setdefault(key, []).append((q, lg.z[rows][:, idx], np.asarray(lg.log_ratio, dtype=np.float64)[rows]))
+        every = lg.heldout is None and len(idx) == lg.z.shape[1] and (np.diff(idx) == 1).all()
+        # a sample of rollouts alone, every feature active: its own arrays (views of the ledgers'
+        # batch, which ``stack_views`` hands back without a copy)
+        z = lg.z if every else lg.z[rows][:, idx]
+        batches.setdefault(key, []).append((q, z, np.asarray(lg.log_ratio, dtype=np.float64)[rows]))
     for key, members in batches.items():
         g, n_groups = layouts[key]
         for a in range(0, len(members), ROLLOUT_TEST_BATCH):
             part = members[a:a + ROLLOUT_TEST_BATCH]
-            _, p, _ = within_group_r2_tests(np.stack([m[1] for m in part]), np.stack([m[2] for m in part]), g,
+            _, p, _ = within_group_r2_tests(stack_views([m[1] for m in part]), stack_views([m[2] for m in part]), g,
                                             n_groups)
             for (q, _, _), pv in zip(part, p):
                 out[q] = float(pv)

@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import StepSample, blocks, group_sums, segment_scatter, stacked
+from reward_lens.measure.ledger.price import StepSample, blocks, group_sums, segment_scatter, stack_views, stacked
 
 # Relative SD below which a feature counts as constant: 1e-12 of max(1, |mean|), i.e. at
 # float64 round-off, so that only genuinely constant features are excluded.
@@ -469,7 +469,7 @@ def within_group_metric(ledgers) -> MetricG:
     for members in layouts.values():
         lg0 = ledgers[members[0]]
         codes, g = np.asarray(lg0.codes), lg0.n_groups
-        z = np.stack([ledgers[q].z for q in members])  # (L, n, k)
+        z = stack_views([ledgers[q].z for q in members])  # (L, n, k): a view where a batch holds them so
         m = blocks(codes, g)
         if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them
             means = z.reshape(len(members), g, m, k).sum(axis=2) / m

@@ -58,7 +58,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import Ledger, StepSample, group_codes, sample_codes
+from reward_lens.measure.ledger.price import (Ledger, StepSample, blocks, group_codes, sample_codes, stack_range,
+                                              stacked)
 
 
 # Each direction's effective sample size must reach this many per prompt group (on average):
@@ -149,7 +150,14 @@ def mis_log_weights(log_ratio: np.ndarray, heldout: np.ndarray | None, codes: np
 
 
 def _group_lse(x: np.ndarray, codes: np.ndarray, onehot: np.ndarray) -> np.ndarray:
-    """log sum exp of ``x`` (..., n) within each group, broadcast back to the rows."""
+    """log sum exp of ``x`` (..., n) within each group, broadcast back to the rows: by a reshape
+    where the groups are equal consecutive ``blocks`` (TRL's layout), else through ``onehot``."""
+    g = onehot.shape[1]
+    m = blocks(codes, g)
+    if m:
+        xb = x.reshape(*x.shape[:-1], g, m)
+        gmax = xb.max(axis=-1)  # (..., G)
+        return np.repeat(gmax + np.log(np.exp(xb - gmax[..., None]).sum(axis=-1)), m, axis=-1)
     gmax = np.where(onehot.T > 0, x[..., None, :], -np.inf).max(axis=-1)  # (..., G)
     return (gmax + np.log(np.exp(x - gmax[..., codes]) @ onehot))[..., codes]
 
@@ -283,13 +291,14 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
     heldout = heldout or {}
     batches: dict[tuple, list[int]] = {}
     items = []
+    later = [s for s in samples if s.step != 0]
+    scored = _scored_flags(later)
     for s in samples:
         if s.names != names:
             raise ValueError(f"step {s.step} is in basis {s.names}, not {names}: one feature basis per ledger")
-        if s.step == 0:
-            continue
+    for s, ok in zip(later, scored):
         ho = heldout.get(s.step)
-        prep = _prepare(s, ho)
+        prep = _prepare(s, ho, ok)
         if isinstance(prep, NotFormed):
             prev = previous_step(s)
             why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = prep
@@ -311,6 +320,21 @@ class _Prepared:
     codes: np.ndarray  # (n_kept,) group codes of the kept rows: rollouts, then held-out
     n_groups: int
     side: np.ndarray  # (n_kept,) True for held-out rows
+    dropped: int = 0  # rollouts in groups of one
+
+
+def _scored_flags(samples: Sequence[StepSample]) -> list[bool]:
+    """``has_paired_sample`` of each sample: for samples that lie one after another in the
+    report's one read (``stack_range``), one pass over each column of the stack."""
+    flags = np.ones(len(samples), dtype=bool)
+    for attr in ("logp", "logp_prev"):
+        where = stack_range(samples, attr)
+        if where is None:
+            return [has_paired_sample(s) for s in samples]
+        st, i0, i1 = where
+        lo, hi = int(st.starts[i0]), int(st.starts[i1 - 1] + st.ns[i1 - 1])
+        flags &= np.logical_and.reduceat(np.isfinite(st.arrays[attr][lo:hi]), st.starts[i0:i1] - lo)
+    return [bool(f) and s.groups is not None for f, s in zip(flags.tolist(), samples)]
 
 
 def _scored(s: StepSample) -> bool:
@@ -318,18 +342,25 @@ def _scored(s: StepSample) -> bool:
             and bool(np.isfinite(s.logp_prev).all()))
 
 
-def _prepare(sample: StepSample, heldout: StepSample | None = None) -> _Prepared | NotFormed:
-    """The checks and the group layout of one sample (and its held-out rows), before any arithmetic."""
-    if not has_paired_sample(sample):
+def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool | None = None
+             ) -> _Prepared | NotFormed:
+    """The checks and the group layout of one sample (and its held-out rows), before any
+    arithmetic. ``scored``: ``has_paired_sample(sample)`` where the caller worked it out for many."""
+    if not (has_paired_sample(sample) if scored is None else scored):
         return NotFormed("no_logp_prev", sample.step)
     prev = previous_step(sample)
     if isinstance(prev, NotFormed):
         return prev
     codes, n_groups = sample_codes(sample)
     sizes = np.bincount(codes, minlength=n_groups)
+    paired_groups = int((sizes >= 2).sum())  # every such group has its rows among the kept
+    if paired_groups < 2:
+        return NotFormed("few_groups", sample.step, paired_groups)
+    if paired_groups == n_groups and (heldout is None or not heldout.n or heldout.groups is None):
+        # every group of two or more, no held-out rows: every row kept, in its own codes
+        return _Prepared(prev, np.ones(len(codes), dtype=bool), None, np.asarray(codes, dtype=np.int64), n_groups,
+                         np.zeros(len(codes), dtype=bool))
     keep = sizes[codes] >= 2
-    if int(np.unique(codes[keep]).size) < 2:
-        return NotFormed("few_groups", sample.step, int((sizes >= 2).sum()))
     ho_keep = None
     if heldout is not None and heldout.n and heldout.groups is not None:
         if not _scored(heldout) or previous_step(heldout) != prev:
@@ -341,22 +372,28 @@ def _prepare(sample: StepSample, heldout: StepSample | None = None) -> _Prepared
         all_codes = codes[keep]
     side = np.zeros(len(all_codes), dtype=bool)
     side[int(keep.sum()):] = True
-    if keep.all() and (ho_keep is None or not (sizes < 2).any()):
+    dropped = int(len(keep) - int(keep.sum()))
+    if not dropped and (ho_keep is None or not (sizes < 2).any()):
         return _Prepared(prev, keep, ho_keep, np.asarray(all_codes, dtype=np.int64), n_groups, side)
     recoded, g = group_codes(all_codes)
-    return _Prepared(prev, keep, ho_keep, recoded, g, side)
+    return _Prepared(prev, keep, ho_keep, recoded, g, side, dropped)
 
 
 def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, float | None]]) -> list[PairedLedger]:
     """The paired ledgers of samples whose kept rows share one group layout (and one split into
     rollouts and held-out rows), as one batch: every sample's weights, dz by group, its
-    covariance, D_t, D_hat and k-hats by stacked arithmetic."""
+    covariance, D_t, D_hat and k-hats by stacked arithmetic. Where every row is kept and there
+    are no held-out rows, the samples' arrays are taken as they lie in the report's one read
+    (``stacked``: a view, no copy), and equal consecutive groups are summed by reshape."""
     first = items[0][2]
     codes, n_groups, side = first.codes, first.n_groups, first.side
     n = len(codes)
     two_sided = bool(side.any())
     onehot = np.zeros((n, n_groups))
     onehot[np.arange(n), codes] = 1.0
+    m = blocks(codes, n_groups)
+    whole = all(prep.keep_heldout is None and not prep.dropped for _, _, prep, _ in items)
+    samples = [s for s, _, _, _ in items]
 
     def rows(s: StepSample, ho: StepSample | None, prep: _Prepared, attr: str) -> np.ndarray | None:
         a = getattr(s, attr)
@@ -370,11 +407,27 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             a = np.concatenate([a, b[prep.keep_heldout]])
         return a
 
-    z = np.stack([rows(s, ho, prep, "z") for s, ho, prep, _ in items])  # (P, n, k)
-    r = np.stack([rows(s, ho, prep, "logp") - rows(s, ho, prep, "logp_prev") for s, ho, prep, _ in items])  # (P, n)
+    def batch(attr: str) -> np.ndarray | None:
+        """(P, n, ...) of every item's kept rows of ``attr``; None where one has none."""
+        if whole:
+            if any(getattr(s, attr) is None for s in samples):
+                return None
+            a = stacked(samples, attr)
+            return a.reshape(len(items), n, *a.shape[1:])
+        parts = [rows(s, ho, prep, attr) for s, ho, prep, _ in items]
+        return None if any(x is None for x in parts) else np.stack(parts)
+
+    def by_group(x: np.ndarray) -> np.ndarray:
+        """Sums of x (P, n) or (P, n, k) over each group's rows: (P, G) or (P, G, k)."""
+        if m:
+            return x.reshape(x.shape[0], n_groups, m, *x.shape[2:]).sum(axis=2)
+        return x @ onehot if x.ndim == 2 else onehot.T @ x
+
+    z = batch("z")  # (P, n, k)
+    r = batch("logp") - batch("logp_prev")  # (P, n)
     log_q, log_p, lwq, lwp = mis_log_weights(r, side if two_sided else None, codes, n_groups)
     q, p = np.exp(log_q), np.exp(log_p)
-    dz_g = onehot.T @ (q[:, :, None] * z) - onehot.T @ (p[:, :, None] * z)  # (P, G, k)
+    dz_g = by_group((q - p)[:, :, None] * z)  # (P, G, k): E_q[z] - E_p[z] in each group
     # A feature equal on every row of each group moved by exactly 0 there (both weightings sum to
     # 1 in a group); the sums leave ~1e-17 of rounding, whose ratio to an SE of the same size
     # would read as a t statistic. It stays exactly 0, so its SE is 0: not identified.
@@ -384,30 +437,36 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     dz = dz_g.mean(axis=1)
     dev = dz_g - dz[:, None, :]
     cov = np.matmul(dev.transpose(0, 2, 1), dev) / (n_groups - 1) / n_groups  # Cov_g(dz_g) / G
-    d_hat = ((q * (log_q - log_p)) @ onehot).mean(axis=1)  # (P,) mean_g KL(q_g || p_g)
+    se = np.sqrt(np.clip(np.diagonal(cov, axis1=1, axis2=2), 0, None))
+    d_hat = by_group(q * (log_q - log_p)).mean(axis=1)  # (P,) mean_g KL(q_g || p_g)
     # One-sided, the weights pi_t / pi_{t+1} = e^{-r} are unbounded: their tail is the premise.
     # Two-sided, every balance-heuristic weight is at most 1/n of its side, so the estimates
     # have finite variance whatever the step and k-hat does not apply (the effective sample
     # sizes still do); it is NaN there.
     khat = np.full(len(items), np.nan) if two_sided else pareto_khats(-r)
-    ess_p = (1.0 / ((p ** 2) @ onehot)).sum(axis=1)
-    ess_q = (1.0 / ((q ** 2) @ onehot)).sum(axis=1)
+    ess_p = (1.0 / by_group(p ** 2)).sum(axis=1)
+    ess_q = (1.0 / by_group(q ** 2)).sum(axis=1)
+    # D_t: the token KL along each sample's rows weighted towards pi_{t+1}, where it is finite on all of them
+    kl = batch("kl_prev")
+    kls = list(kl) if kl is not None else [rows(s, ho, prep, "kl_prev") for s, ho, prep, _ in items]
+    d_t, d_t_se = [None] * len(items), [None] * len(items)
+    has = [j for j, x in enumerate(kls) if x is not None and np.isfinite(x).all()]
+    if has:
+        per_group = by_group(q[has] * (kl[has] if kl is not None else np.stack([kls[j] for j in has])))  # (H, G)
+        for j, v, e in zip(has, per_group.mean(axis=1).tolist(),
+                           (per_group.std(axis=1, ddof=1) / math.sqrt(n_groups)).tolist()):
+            d_t[j], d_t_se[j] = v, e
     out = []
+    threshold = pareto_threshold(n)
+    heldout = side if two_sided else None
     for j, (s, ho, prep, lr) in enumerate(items):
         sampler_kl, sampler_se = _sampler_kl(s, prep)
-        kl = rows(s, ho, prep, "kl_prev")
-        d_t = d_t_se = None
-        if kl is not None and np.isfinite(kl).all():
-            per_group = (q[j] * kl) @ onehot
-            d_t = float(per_group.mean())
-            d_t_se = float(per_group.std(ddof=1) / math.sqrt(n_groups))
         out.append(PairedLedger(
-            step_pair=(prep.prev, s.step), names=s.names, delta_z=dz[j],
-            se=np.sqrt(np.clip(np.diag(cov[j]), 0, None)), cov_delta=cov[j], n_pre=n, n_post=n,
-            learning_rate=lr, kind="paired", z=z[j], codes=codes, n_groups=n_groups, log_ratio=r[j],
-            heldout=side if two_sided else None, kl=kl, d_hat=float(d_hat[j]), d_t=d_t, d_t_se=d_t_se,
-            pareto_k=float(khat[j]), pareto_k_max=pareto_threshold(n), ess=(float(ess_p[j]), float(ess_q[j])),
-            dropped_rollouts=int(len(prep.keep) - int(prep.keep.sum())), sampler_kl=sampler_kl,
+            step_pair=(prep.prev, s.step), names=s.names, delta_z=dz[j], se=se[j], cov_delta=cov[j], n_pre=n,
+            n_post=n, learning_rate=lr, kind="paired", z=z[j], codes=codes, n_groups=n_groups, log_ratio=r[j],
+            heldout=heldout, kl=kls[j], d_hat=float(d_hat[j]), d_t=d_t[j], d_t_se=d_t_se[j],
+            pareto_k=float(khat[j]), pareto_k_max=threshold, ess=(float(ess_p[j]), float(ess_q[j])),
+            dropped_rollouts=prep.dropped, sampler_kl=sampler_kl,
             sampler_kl_se=sampler_se))
     return out
 

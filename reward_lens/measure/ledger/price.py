@@ -108,6 +108,26 @@ def stacked(samples: Sequence[StepSample], attr: str = "z") -> np.ndarray:
     return np.concatenate([np.asarray(getattr(s, attr)) for s in samples])
 
 
+def stack_views(arrays: Sequence[np.ndarray]) -> np.ndarray:
+    """``np.stack(arrays)``, without a copy where the arrays are already its rows: equal-shaped
+    views one after another of one C-contiguous array (the paired ledgers of one batch hold
+    their samples so); a read-only view then, else the stacked copy."""
+    a0 = arrays[0] if len(arrays) else None
+    base = a0.base if a0 is not None else None
+    if base is not None and base.flags.c_contiguous and a0.flags.c_contiguous and a0.dtype == base.dtype:
+        step = a0.nbytes
+        start = a0.__array_interface__["data"][0]
+        offset = start - base.__array_interface__["data"][0]
+        if step and offset % step == 0 and base.size * base.itemsize >= offset + step * len(arrays) and all(
+                x.base is base and x.shape == a0.shape and x.flags.c_contiguous
+                and x.__array_interface__["data"][0] == start + j * step for j, x in enumerate(arrays)):
+            flat = base.reshape(-1)[offset // base.itemsize:(offset + step * len(arrays)) // base.itemsize]
+            view = flat.reshape(len(arrays), *a0.shape)
+            view.flags.writeable = False
+            return view
+    return np.stack(arrays)
+
+
 def unit_ids(samples: Sequence[StepSample], groups_from: int = 1) -> tuple[np.ndarray, np.ndarray]:
     """Each rollout's independent unit, numbered across ``samples`` (in sample order, each
     sample's units in order): its prompt group where the sample has at least ``groups_from``
@@ -336,9 +356,10 @@ def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarra
     return {s.step: (m, c, g) for s, m, c, g in zip(samples, means, covs, units.tolist())}
 
 
-def _moments(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``all_step_moments`` as arrays: means (P, k), covariances (P, k, k), units (P,)."""
-    z = stacked(samples)
+def _moments(samples: Sequence[StepSample], z: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``all_step_moments`` as arrays: means (P, k), covariances (P, k, k), units (P,); of the
+    rows ``z`` (the samples' rows stacked, another column than their features) where given."""
+    z = stacked(samples) if z is None else z
     ns = np.fromiter((s.n for s in samples), np.int64, len(samples))
     # units: each step's groups where it has two or more, else each rollout
     uid, n_units = unit_ids(samples, groups_from=2)
