@@ -196,24 +196,50 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     total = int(gs.sum())
     size = np.bincount(uid, minlength=total).astype(float)
     gm = group_sums(z, uid, total) / size[:, None]
-    m = blocks(uid, total)  # groups in equal consecutive blocks: centred by broadcasting, no gather
-    zc = (z.reshape(total, m, -1) - gm[:, None, :]).reshape(z.shape) if m else z - gm[uid]
-    ac = a - (np.bincount(uid, weights=a, minlength=total) / size)[uid]
-    scale = np.sqrt((zc ** 2).mean(axis=0))
+    am = np.bincount(uid, weights=a, minlength=total) / size
+    k = z.shape[1]
+    m = blocks(uid, total)
+    # Groups in equal consecutive blocks (TRL's layout): centred by broadcasting a block of groups
+    # at a time, in two passes (the sums of squares and products, then the residuals' scores),
+    # so no n x k temporary is formed; else centred whole, by a gather of the group means.
+    spans = [(lo, min(total, lo + max(1, GROUP_BLOCK_ROWS // m))) for lo in range(0, total, max(1, GROUP_BLOCK_ROWS // m))] \
+        if m else [(0, total)]
+
+    def centred(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:  # (rows, k) and (rows,) of groups lo..hi-1
+        if not m:
+            return z - gm[uid], a - am[uid]
+        zb = (z.reshape(total, m, k)[lo:hi] - gm[lo:hi, None, :]).reshape(-1, k)
+        return zb, (a.reshape(total, m)[lo:hi] - am[lo:hi, None]).reshape(-1)
+
+    # the sums of squares and products of the centred features by matrix products (a mean of
+    # squares along the rows is a strided reduction 10x slower)
+    zz, za, aa = np.zeros((k, k)), np.zeros(k), 0.0
+    for lo, hi in spans:
+        zc, ac = centred(lo, hi)
+        zz += zc.T @ zc
+        za += zc.T @ ac
+        aa += float(ac @ ac)
+    n = len(z)
+    scale = np.sqrt(np.clip(np.diag(zz), 0, None) / n)
     live = scale > 1e-12 * np.maximum(1.0, np.maximum(z.max(axis=0), -z.min(axis=0)))
     beta, se, p = nan.copy(), nan.copy(), nan.copy()
     if not live.any() or total < 3:
         return beta, se, p, []
-    if live.all():  # zc is this function's own: scaled in place
-        zc /= scale
-        x = zc
-    else:
-        x = zc[:, live] / scale[live]
-    xtx = x.T @ x
+    # dead features (no spread within any group) keep a scale of 1 and a coefficient of 0: they
+    # are dropped from the k x k products only, and no column of the n x k rows is gathered
+    unit = np.where(live, scale, 1.0)
+    xtx = (zz / np.outer(unit, unit))[np.ix_(live, live)]
     inv = np.linalg.pinv(xtx)
-    b = inv @ (x.T @ ac)
-    e = ac - x @ b
-    scores = group_sums(x * e[:, None], uid, total)  # (G, k') per-cluster score sums
+    b = inv @ (za / unit)[live]
+    b_all = np.zeros(k)
+    b_all[live] = b / unit[live]  # per unscaled centred feature
+    scores = np.empty((total, k))
+    for lo, hi in spans:
+        zc, ac = centred(lo, hi)
+        e = ac - zc @ b_all
+        zc *= e[:, None]  # zc is this pass's own
+        scores[lo:hi] = zc.reshape(hi - lo, m, k).sum(axis=1) if m else group_sums(zc, uid, total)
+    scores = scores[:, live] / unit[live]  # (G, k') per-cluster score sums, in scaled units
     meat = scores.T @ scores * total / (total - 1)
     v = inv @ meat @ inv
     live_idx = np.flatnonzero(live)
@@ -226,7 +252,7 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     # level (TRL keeps rewards in float32: relative rounding ~6e-8), where any coefficient,
     # however close to 0, looks significant: a standardised beta (response units per feature SD)
     # below ZERO_GRADIENT of the response's spread is 0, not a selection.
-    zero = np.abs(b) <= ZERO_GRADIENT * max(float(np.sqrt((ac ** 2).mean())), 1e-300)
+    zero = np.abs(b) <= ZERO_GRADIENT * max(float(np.sqrt(aa / n)), 1e-300)
     for members in clusters:
         if zero[members].all():
             p[live_idx[members]] = 1.0
@@ -240,6 +266,10 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
             w = float(bm @ np.linalg.pinv(vm) @ bm)
             pv = float(special.chdtrc(len(members), w))
         p[live_idx[members]] = pv
+    # within a cluster the reward does pay for, a member whose own coefficient is 0 to rounding
+    # (a duplicate of the member the fit gave the weight) is shown as that 0: its sign, +-2e-13,
+    # is the summation order's and would decide whether it "moved as asked"
+    beta[live_idx[zero]] = 0.0
     return beta, se, p, [[int(live_idx[m]) for m in c] for c in clusters if len(c) > 1]
 
 

@@ -50,7 +50,7 @@ from scipy import special  # the distribution functions scipy.stats wraps, witho
 
 from reward_lens.measure.efficiency.iproj import VALUE_RTOL, i_projections
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
-from reward_lens.measure.ledger.price import Ledger, stack_views
+from reward_lens.measure.ledger.price import Ledger, blocks, stack_views
 
 # Monte Carlo draws (unpaired KL_min variance; the headline median's interval): the 2.5 %
 # and 97.5 % percentiles of 400 draws are each set by ~10 draws, enough for an interval
@@ -163,11 +163,17 @@ def within_group_r2_tests(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_gro
     z = np.asarray(z, dtype=np.float64)
     r = np.asarray(r, dtype=np.float64)
     n_pairs, n, k = z.shape
-    onehot = np.zeros((n, n_groups))
-    onehot[np.arange(n), codes] = 1.0
-    size = onehot.sum(axis=0)
-    zc = z - onehot @ ((onehot.T @ z) / size[:, None])
-    rc = r - ((r @ onehot) / size) @ onehot.T
+    m = blocks(np.asarray(codes), n_groups)
+    if m:  # groups of m rows one after another (TRL's layout): centred by reshape and broadcasting
+        zb, rb = z.reshape(n_pairs, n_groups, m, k), r.reshape(n_pairs, n_groups, m)
+        zc = (zb - zb.mean(axis=2, keepdims=True)).reshape(z.shape)
+        rc = (rb - rb.mean(axis=2, keepdims=True)).reshape(r.shape)
+    else:
+        onehot = np.zeros((n, n_groups))
+        onehot[np.arange(n), codes] = 1.0
+        size = onehot.sum(axis=0)
+        zc = z - onehot @ ((onehot.T @ z) / size[:, None])
+        rc = r - ((r @ onehot) / size) @ onehot.T
     d = n - n_groups
     tss = np.einsum("pn,pn->p", rc, rc)
     r2, p = np.zeros(n_pairs), np.ones(n_pairs)

@@ -444,6 +444,10 @@ def _per_step(samples: Sequence[StepSample]) -> MetricG:
                            "pi_t's own rollouts (G_t <= C_t), so KL_min is a lower bound on the true minimum")
 
 
+# Ledgers centred at a time by ``within_group_metric`` (see ``paired.LEDGER_BATCH``).
+LEDGER_BLOCK = 1024
+
+
 def within_group_metric(ledgers) -> MetricG:
     """Rung 1 for paired ledgers: step pair (t, t+1) is priced with the within-prompt-group
     covariance of its own independent sample (step t+1's rollouts), C_w = sum_g sum_i (z_i -
@@ -471,14 +475,19 @@ def within_group_metric(ledgers) -> MetricG:
         codes, g = np.asarray(lg0.codes), lg0.n_groups
         z = stack_views([ledgers[q].z for q in members])  # (L, n, k): a view where a batch holds them so
         m = blocks(codes, g)
-        if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them
-            means = z.reshape(len(members), g, m, k).sum(axis=2) / m
-        else:
-            size = np.bincount(codes, minlength=g).astype(float)
-            means = np.stack([group_sums(zq, codes, g) for zq in z]) / size[:, None]
-        zc = z - means[:, codes]
-        cs[members] = zc.transpose(0, 2, 1) @ zc / max(len(codes) - g, 1)
-        mean_z[members] = z.mean(axis=1)
+        size = np.bincount(codes, minlength=g).astype(float)
+        for lo in range(0, len(members), LEDGER_BLOCK):  # small temporaries: reused, not faulted in
+            zq = z[lo:lo + LEDGER_BLOCK]
+            if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them,
+                # and centred by broadcasting (a gather of the means to every row costs 3-20x more)
+                zb = zq.reshape(len(zq), g, m, k)
+                zc = (zb - (zb.sum(axis=2) / m)[:, :, None, :]).reshape(zq.shape)
+            else:
+                means = np.stack([group_sums(x, codes, g) for x in zq]) / size[:, None]
+                zc = zq - means[:, codes]
+            rows = members[lo:lo + LEDGER_BLOCK]
+            cs[rows] = zc.transpose(0, 2, 1) @ zc / max(len(codes) - g, 1)
+            mean_z[rows] = zq.mean(axis=1)
     sets = _active_sets(cs, mean_z, names)
     sample_of = {lg.step_pair[0]: lg.step_pair[1] for lg in ledgers}
     by_step = StepMetrics([lg.step_pair[0] for lg in ledgers], cs, sets, ns, names,

@@ -306,10 +306,23 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
         batches.setdefault((prep.n_groups, prep.codes.tobytes(), prep.side.tobytes()), []).append(len(items))
         items.append((s, ho, prep, None if eta_by_step is None else eta_by_step.get(prep.prev)))
     ledgers: list[PairedLedger | None] = [None] * len(items)
+    k = len(names)
     for members in batches.values():
-        for i, lg in zip(members, _ledgers([items[i] for i in members])):
-            ledgers[i] = lg
+        # every ledger's dz, SE and covariance are rows of one array per layout, filled batch by
+        # batch: the books stack them back (``ledger_arrays``) without a copy
+        into = (np.empty((len(members), k)), np.empty((len(members), k)), np.empty((len(members), k, k)))
+        for lo in range(0, len(members), LEDGER_BATCH):
+            part = members[lo:lo + LEDGER_BATCH]
+            rows = tuple(a[lo:lo + len(part)] for a in into)
+            for i, lg in zip(part, _ledgers([items[i] for i in part], rows)):
+                ledgers[i] = lg
     return ledgers, why
+
+
+# Step pairs priced in one batch at most: the batch's temporaries (P x n x k floats, 4.7 MB at
+# 64 rollouts x 9 features) stay below the size glibc hands back to the kernel on every free,
+# so they are reused instead of faulted in afresh (a 46 MB temporary costs 2-10x its arithmetic).
+LEDGER_BATCH = 1024
 
 
 @dataclass(frozen=True)
@@ -379,7 +392,8 @@ def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool
     return _Prepared(prev, keep, ho_keep, recoded, g, side, dropped)
 
 
-def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, float | None]]) -> list[PairedLedger]:
+def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, float | None]],
+             into: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[PairedLedger]:
     """The paired ledgers of samples whose kept rows share one group layout (and one split into
     rollouts and held-out rows), as one batch: every sample's weights, dz by group, its
     covariance, D_t, D_hat and k-hats by stacked arithmetic. Where every row is kept and there
@@ -431,13 +445,22 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     # A feature equal on every row of each group moved by exactly 0 there (both weightings sum to
     # 1 in a group); the sums leave ~1e-17 of rounding, whose ratio to an SE of the same size
     # would read as a t statistic. It stays exactly 0, so its SE is 0: not identified.
-    first = np.zeros(n_groups, dtype=np.int64)
-    first[codes[::-1]] = np.arange(n)[::-1]  # each group's first row
-    dz_g[np.broadcast_to((z == z[:, first[codes], :]).all(axis=1)[:, None, :], dz_g.shape)] = 0.0
-    dz = dz_g.mean(axis=1)
+    if m:
+        zb = z.reshape(len(items), n_groups, m, -1)
+        constant = (zb == zb[:, :, :1, :]).all(axis=(1, 2))  # (P, k)
+    else:
+        first = np.zeros(n_groups, dtype=np.int64)
+        first[codes[::-1]] = np.arange(n)[::-1]  # each group's first row
+        constant = (z == z[:, first[codes], :]).all(axis=1)
+    dz_g[np.broadcast_to(constant[:, None, :], dz_g.shape)] = 0.0
+    dz, se_out, cov_out = into if into is not None else (np.empty(dz_g.shape[::2]), None, None)
+    dz[...] = dz_g.mean(axis=1)
     dev = dz_g - dz[:, None, :]
     cov = np.matmul(dev.transpose(0, 2, 1), dev) / (n_groups - 1) / n_groups  # Cov_g(dz_g) / G
     se = np.sqrt(np.clip(np.diagonal(cov, axis1=1, axis2=2), 0, None))
+    if into is not None:
+        cov_out[...], se_out[...] = cov, se
+        cov, se = cov_out, se_out
     d_hat = by_group(q * (log_q - log_p)).mean(axis=1)  # (P,) mean_g KL(q_g || p_g)
     # One-sided, the weights pi_t / pi_{t+1} = e^{-r} are unbounded: their tail is the premise.
     # Two-sided, every balance-heuristic weight is at most 1/n of its side, so the estimates

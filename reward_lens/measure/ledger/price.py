@@ -245,9 +245,9 @@ def ledger_arrays(ledgers: Sequence[Ledger]) -> LedgerArrays:
     kinds = {lg.kind for lg in ledgers}
     return LedgerArrays(
         names=names, step_pairs=np.array([lg.step_pair for lg in ledgers], dtype=np.int64).reshape(len(ledgers), 2),
-        delta_z=np.stack([lg.delta_z for lg in ledgers]) if ledgers else np.zeros((0, k)),
-        se=np.stack([lg.se for lg in ledgers]) if ledgers else np.zeros((0, k)),
-        cov_delta=np.stack([lg.cov_delta for lg in ledgers]) if ledgers else np.zeros((0, k, k)),
+        delta_z=stack_views([lg.delta_z for lg in ledgers]) if ledgers else np.zeros((0, k)),
+        se=stack_views([lg.se for lg in ledgers]) if ledgers else np.zeros((0, k)),
+        cov_delta=stack_views([lg.cov_delta for lg in ledgers]) if ledgers else np.zeros((0, k, k)),
         n_pre=np.array([lg.n_pre for lg in ledgers], dtype=np.int64),
         n_post=np.array([lg.n_post for lg in ledgers], dtype=np.int64),
         units=np.array([lg.units for lg in ledgers], dtype=np.int64),
