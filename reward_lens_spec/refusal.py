@@ -8,6 +8,7 @@ Markdown, HTML and JSON forms are views of the same data.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -76,10 +77,27 @@ def make_refusal(code: str, book: BookSpec, subject: Subject, context: dict[str,
 
 
 def _jsonable(value: Any) -> Any:
+    """``value`` as JSON types: dict keys as strings, tuples as lists, numpy scalars as Python
+    numbers, anything else as its ``str``. Through the C encoder and back (a refusal may name
+    10,000 step pairs); by hand where the encoder cannot take it (a key that is not a string,
+    number, bool or None)."""
+    try:
+        return json.loads(json.dumps(value, default=_scalar))
+    except (TypeError, ValueError):
+        return _jsonable_slow(value)
+
+
+def _scalar(value: Any) -> Any:
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    return str(value)
+
+
+def _jsonable_slow(value: Any) -> Any:
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): _jsonable_slow(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [_jsonable_slow(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if hasattr(value, "item"):  # numpy scalars
