@@ -614,6 +614,16 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
     return out
 
 
+def machine() -> str:
+    """What a run's trajectory depends on beyond the code and the seeds: the torch build and the
+    CPU kernels it dispatches to. The training samples its rollouts from logits whose last bits
+    differ between kernels (AVX2 against AVX512), and one different token sends the run down
+    another path: the same code on another machine trains another run, and prints other lines."""
+    import torch
+
+    return f"run with torch {torch.__version__} on CPU kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
 def summary_lines(res: RegimeResult) -> list[str]:
     """What the harness prints for one regime (and the README quotes)."""
     import numpy as np
@@ -700,6 +710,7 @@ def main(argv=None) -> None:
     ap.add_argument("--replicates", type=int, default=20)
     ap.add_argument("--cache", type=Path, help="keep (and reuse) the trained runs and the oracle's samples here")
     args = ap.parse_args(argv)
+    print(machine(), flush=True)
     for name in args.regime or ["moderate", "collapse"]:
         with tempfile.TemporaryDirectory() as tmp:
             work = args.cache / name if args.cache else Path(tmp)

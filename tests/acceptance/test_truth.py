@@ -68,13 +68,27 @@ def test_two_sided_samples_remove_the_bias_of_a_sharpening_step(collapse, modera
 
 
 def test_the_docs_quote_this_harness(moderate, collapse, harness):
-    """docs/science.md quotes the summary lines of these two runs, between markers."""
+    """docs/science.md quotes the output of ``tools/truth.py --quote``, between markers: its first
+    line names the torch build and CPU kernels of the run, and on the same ones the rest is
+    these two runs' summary lines exactly. On other kernels the training samples other tokens
+    and the runs differ (``truth.machine``): the quote must then still be this harness's
+    output, line for line with the numbers masked, and the acceptance above is asserted on the
+    runs made here."""
     import re
 
     text = (REPO / "docs" / "science.md").read_text()
     quoted = re.search(r"<!-- truth:start -->\n```\n(.*?)\n```\n<!-- truth:end -->", text, re.S)
-    lines = harness.summary_lines(moderate) + harness.summary_lines(collapse)
-    assert quoted and quoted.group(1) == "\n".join(lines), "paste the output of python tools/truth.py --quote"
+    assert quoted, "docs/science.md has no truth block"
+    first, _, rest = quoted.group(1).partition("\n")
+    lines = "\n".join(harness.summary_lines(moderate) + harness.summary_lines(collapse))
+    assert first.startswith("run with torch "), "paste the output of python tools/truth.py --quote"
+    if first == harness.machine():
+        assert rest == lines, "paste the output of python tools/truth.py --quote"
+    else:
+        def mask(t):
+            return re.sub(r"[-+]?\d+(\.\d+)?", "#", t)
+
+        assert mask(rest) == mask(lines), "paste the output of python tools/truth.py --quote"
 
 
 def test_d_t_is_measured_on_independent_samples(moderate, collapse, harness):
