@@ -46,7 +46,8 @@ from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import Ledger, StepSample, blocks, group_sums, ledger_arrays, stacked, unit_ids
+from reward_lens.measure.ledger.price import (Ledger, StepSample, blocks, group_sums, ledger_arrays, stack_range,
+                                              stacked, unit_ids)
 from reward_lens_spec import Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -293,6 +294,20 @@ def _clusters(adjacent: np.ndarray) -> list[list[int]]:
     return out
 
 
+def _step_selection(every: list[StepSample], sel: list[StepSample]) -> tuple[np.ndarray, np.ndarray]:
+    """``_selection_arrays(sel)``: each step's differential is its own rows' alone, so where
+    ``every`` step with advantages and groups lies in one run of the report's read (a view, no
+    copy), they are worked out for all of them, once (memoised on the read), and ``sel``'s rows
+    picked; else for ``sel`` itself."""
+    stack = every[0].stack if every else None
+    if stack is None or stack_range(every) is None or stack_range(every, "advantages") is None:
+        return _selection_arrays(sel)
+    s_all, se_all = stack.memo("selection_differentials", every, lambda: _selection_arrays(every))
+    pos = {x.step: i for i, x in enumerate(every)}
+    rows = np.array([pos[x.step] for x in sel], dtype=np.int64)
+    return s_all[rows], se_all[rows]
+
+
 def _split(dz: np.ndarray, s: np.ndarray, g: np.ndarray) -> list[tuple[float | None, float, float]]:
     """For each of P step pairs (dz, s: (P, k), g: (P, k, k)): the G^-1-cosine of dz and s,
     KL_quad = dz' G^-1 dz / 2, and the part of it along s (at most KL_quad)."""
@@ -319,7 +334,7 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
     arrays = ledger_arrays(ledgers) if ledgers else None
     ts = arrays.step_pairs[:, 0].tolist() if arrays is not None else []
     sel = list({t: by_step[t] for t in ts if t in by_step}.values())  # each step once, in ledger order
-    s_of, se_of = _selection_arrays(sel)
+    s_of, se_of = _step_selection(list(by_step.values()), sel)
     row_of = {x.step: i for i, x in enumerate(sel)}
     kept, rows, actives = [], [], []  # the ledgers priced: their place, their step's differential and active set
     for q, t in enumerate(ts):

@@ -609,3 +609,28 @@ def test_scored_flags_find_the_one_step_with_a_missing_log_probability():
     cols = {"group_id": np.tile([0, 0, 1, 1], 3), "logp_pre": logp, "logp_prev": logp - 0.1}
     samples = _samples(steps, np.ones((12, 1)), cols, {"logp_pre"}, ("f",), coded=True)
     assert _scored_flags(samples) == [True, False, True] == [has_paired_sample(s) for s in samples]
+
+
+def test_ledger_arrays_of_a_blocks_rows_are_its_slices_and_of_anything_else_a_stack():
+    """Paired ledgers of one layout are made as rows of one block: ``ledger_arrays`` of a run
+    of them in order is a read-only slice of the block, equal to stacking their attributes; of
+    ledgers out of order, with a gap, or of two layouts, the stack itself."""
+    from reward_lens.measure.ledger.paired import paired_ledger_series
+    from reward_lens.measure.ledger.price import ledger_arrays
+
+    rng = np.random.default_rng(29)
+    samples = [_sample(step, rng, n_groups=4, m=6 if step < 9 else 5) for step in range(13)]  # two layouts
+    ledgers, _ = paired_ledger_series(samples, {t: 0.1 * t for t in range(13)})
+    assert len({id(lg.block) for lg in ledgers}) == 2
+    for part, sliced in ((ledgers[:8], True), (ledgers[2:6], True), (ledgers[8:], True), (ledgers, False),
+                         (ledgers[5:1:-1], False), (ledgers[0:6:2], False)):
+        a = ledger_arrays(part)
+        assert np.shares_memory(a.delta_z, part[0].block.arrays.delta_z) == sliced
+        if sliced:
+            assert not a.delta_z.flags.writeable and not a.cov_delta.flags.writeable
+        np.testing.assert_array_equal(a.delta_z, np.stack([lg.delta_z for lg in part]))
+        np.testing.assert_array_equal(a.se, np.stack([lg.se for lg in part]))
+        np.testing.assert_array_equal(a.cov_delta, np.stack([lg.cov_delta for lg in part]))
+        assert a.step_pairs.tolist() == [list(lg.step_pair) for lg in part]
+        assert a.learning_rate == [lg.learning_rate for lg in part] and a.kind == "paired"
+        assert a.n_pre.tolist() == [lg.n_pre for lg in part] and not a.matched.any() and not a.units.any()

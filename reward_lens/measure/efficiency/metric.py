@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import math
 
@@ -104,8 +105,16 @@ class MetricG:
 
 
 def active_index(names: tuple[str, ...], active: tuple[str, ...]) -> np.ndarray:
-    """The positions of ``active`` in ``names``."""
-    return np.array([names.index(a) for a in active], dtype=int)
+    """The positions of ``active`` in ``names`` (read-only: one array per pair of tuples, which
+    10,000 step pairs in a few active sets share)."""
+    return _active_index(tuple(names), tuple(active))
+
+
+@lru_cache(maxsize=4096)
+def _active_index(names: tuple[str, ...], active: tuple[str, ...]) -> np.ndarray:
+    out = np.array([names.index(a) for a in active], dtype=int)
+    out.flags.writeable = False
+    return out
 
 
 class StepMetrics(Mapping):

@@ -54,12 +54,12 @@ import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import (Ledger, StepSample, blocks, group_codes, sample_codes, stack_range,
-                                              stacked)
+from reward_lens.measure.ledger.price import (Ledger, LedgerArrays, LedgerBlock, StepSample, blocks, group_codes,
+                                              sample_codes, stack_range, stacked)
 
 
 # Each direction's effective sample size must reach this many per prompt group (on average):
@@ -96,6 +96,9 @@ class PairedLedger(Ledger):
     # and its SE, where the record has the sampler's log-probabilities (vLLM); None where it has not
     sampler_kl: float | None = None
     sampler_kl_se: float | None = None
+    # the block of ledgers this one was made in, and its row there (``price.LedgerBlock``)
+    block: LedgerBlock | None = field(default=None, repr=False)
+    row: int = field(default=-1, repr=False)
 
     @property
     def n_heldout(self) -> int:
@@ -311,11 +314,20 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
         # every ledger's dz, SE and covariance are rows of one array per layout, filled batch by
         # batch: the books stack them back (``ledger_arrays``) without a copy
         into = (np.empty((len(members), k)), np.empty((len(members), k)), np.empty((len(members), k, k)))
+        n = np.array([len(items[i][2].codes) for i in members], dtype=np.int64)
+        block = LedgerBlock(LedgerArrays(
+            names=names, step_pairs=np.array([(items[i][2].prev, items[i][0].step) for i in members],
+                                             dtype=np.int64).reshape(len(members), 2),
+            delta_z=into[0], se=into[1], cov_delta=into[2], n_pre=n, n_post=n,
+            units=np.zeros(len(members), dtype=np.int64), matched=np.zeros(len(members), dtype=bool),
+            learning_rate=[items[i][3] for i in members], kind="paired"))
         for lo in range(0, len(members), LEDGER_BATCH):
             part = members[lo:lo + LEDGER_BATCH]
             rows = tuple(a[lo:lo + len(part)] for a in into)
-            for i, lg in zip(part, _ledgers([items[i] for i in part], rows)):
+            for i, lg in zip(part, _ledgers([items[i] for i in part], rows, (block, lo))):
                 ledgers[i] = lg
+        for a in into:
+            a.flags.writeable = False  # read-only from here: ledger_arrays hands out slices of them
     return ledgers, why
 
 
@@ -393,7 +405,8 @@ def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool
 
 
 def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, float | None]],
-             into: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> list[PairedLedger]:
+             into: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+             block: tuple[LedgerBlock, int] | None = None) -> list[PairedLedger]:
     """The paired ledgers of samples whose kept rows share one group layout (and one split into
     rollouts and held-out rows), as one batch: every sample's weights, dz by group, its
     covariance, D_t, D_hat and k-hats by stacked arithmetic. Where every row is kept and there
@@ -490,7 +503,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             heldout=heldout, kl=kls[j], d_hat=float(d_hat[j]), d_t=d_t[j], d_t_se=d_t_se[j],
             pareto_k=float(khat[j]), pareto_k_max=threshold, ess=(float(ess_p[j]), float(ess_q[j])),
             dropped_rollouts=prep.dropped, sampler_kl=sampler_kl,
-            sampler_kl_se=sampler_se))
+            sampler_kl_se=sampler_se, block=None if block is None else block[0],
+            row=-1 if block is None else block[1] + j))
     return out
 
 

@@ -235,11 +235,37 @@ class LedgerSeries(Sequence):
                                          a.n_pre[keep], a.n_post[keep], a.units[keep], a.matched[keep], lr, a.kind))
 
 
+@dataclass(frozen=True, eq=False)
+class LedgerBlock:
+    """Ledgers made together (the paired ledgers of one group layout), their numbers held as one
+    ``LedgerArrays``: the ledger of row i carries ``block`` and ``row`` = i, and its dz, SE and
+    covariance are views of row i. ``ledger_arrays`` hands back a run of consecutive rows as
+    slices instead of restacking 10,000 ledgers' attributes."""
+
+    arrays: LedgerArrays
+
+    def rows(self, ledgers: Sequence[Ledger]) -> LedgerArrays | None:
+        """The arrays of ``ledgers`` when they are rows r0, r0 + 1, ... of this block, else None."""
+        r0 = getattr(ledgers[0], "row", -1) if ledgers else -1
+        a = self.arrays
+        if r0 < 0 or r0 + len(ledgers) > len(a.step_pairs) or not all(
+                getattr(lg, "block", None) is self and lg.row == r0 + j for j, lg in enumerate(ledgers)):
+            return None
+        cut = slice(r0, r0 + len(ledgers))
+        return LedgerArrays(a.names, a.step_pairs[cut], a.delta_z[cut], a.se[cut], a.cov_delta[cut], a.n_pre[cut],
+                            a.n_post[cut], a.units[cut], a.matched[cut], a.learning_rate[cut], a.kind)
+
+
 def ledger_arrays(ledgers: Sequence[Ledger]) -> LedgerArrays:
-    """The ledgers' numbers as stacked arrays: a ``LedgerSeries``'s own, or stacked from the
-    ledgers (paired ones included: their per-rollout arrays stay on the ledgers)."""
+    """The ledgers' numbers as stacked arrays: a ``LedgerSeries``'s own, the rows of the
+    ``LedgerBlock`` they were made in, or stacked from the ledgers (paired ones included: their
+    per-rollout arrays stay on the ledgers)."""
     if isinstance(ledgers, LedgerSeries):
         return ledgers.arrays
+    block = getattr(ledgers[0], "block", None) if ledgers else None
+    got = block.rows(ledgers) if block is not None else None
+    if got is not None:
+        return got
     k = len(ledgers[0].names) if ledgers else 0
     names = ledgers[0].names if ledgers else ()
     kinds = {lg.kind for lg in ledgers}
