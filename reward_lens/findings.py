@@ -104,10 +104,11 @@ class FindingData:
 
 
 def _sample_reward_stats(samples) -> tuple[dict[int, float], dict[int, float], dict[int, float]] | None:
-    """``_rollout_reward_stats`` from samples already read (a report's), where every one has
-    groups and finite rewards (else None: a null reward is a row the read drops, and these
-    samples keep it). The mean and SE are ``step_rewards``', the price book's own, worked out
-    once for both."""
+    """Per step: the mean reward and its SE as the price book states them (``step_rewards``, prompt
+    groups as the units, worked out once for both), and the share of prompt groups of two or
+    more rollouts whose rewards have zero spread; from samples where every one has groups and
+    finite rewards, else None (a report's read keeps a row without a reward, which
+    ``_rollout_reward_stats`` drops)."""
     from reward_lens.measure.ledger.price import stacked, unit_ids
     from reward_lens.measure.price_book import step_rewards
 
@@ -130,15 +131,13 @@ def _sample_reward_stats(samples) -> tuple[dict[int, float], dict[int, float], d
 
 
 def _rollout_reward_stats(run) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-    """Per step: the mean reward and its SE as the price book states them (``step_rewards``:
-    prompt groups as the units), and the share of prompt groups of two or more rollouts whose
-    rewards have zero spread. One read of the rollouts' step, group and reward columns, coded
-    by (step, group) and reduced by segments."""
+    """``_sample_reward_stats`` from a read of its own (a record without a report's read: ``check``):
+    the rollouts' step, group and reward columns, rows without a reward dropped, each step's
+    groups coded in one segmented pass."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from reward_lens.measure.ledger.price import StepSample
-    from reward_lens.measure.price_book import step_rewards
+    from reward_lens.measure.ledger.price import StepSample, segment_codes
 
     tables = list(run.iter_rollouts(["group_id", "reward"]))
     if not tables:
@@ -155,19 +154,12 @@ def _rollout_reward_stats(run) -> tuple[dict[int, float], dict[int, float], dict
         return {}, {}, {}
     order = np.lexsort((codes, steps))  # by step, then group
     steps, codes, rewards = steps[order], codes[order], rewards[order]
-    step_starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
-    samples = [StepSample(int(steps[a]), ("reward",), r[:, None], rewards=r, groups=g)
-               for a, r, g in zip(step_starts, np.split(rewards, step_starts[1:]), np.split(codes, step_starts[1:]))]
-    stats = step_rewards(samples)
-    cell_starts = np.flatnonzero(np.r_[True, (steps[1:] != steps[:-1]) | (codes[1:] != codes[:-1])])
-    size = np.diff(np.r_[cell_starts, len(rewards)])
-    flat = np.maximum.reduceat(rewards, cell_starts) == np.minimum.reduceat(rewards, cell_starts)
-    cell_step = np.searchsorted(step_starts, cell_starts, side="right") - 1
-    sized = size > 1
-    n_sized = np.bincount(cell_step, weights=sized, minlength=len(step_starts))
-    n_flat = np.bincount(cell_step, weights=sized & flat, minlength=len(step_starts))
-    zero = {int(steps[a]): float(f / n) for a, f, n in zip(step_starts, n_flat, n_sized) if n}
-    return ({st: m for st, (m, _) in stats.items()}, {st: se for st, (_, se) in stats.items()}, zero)
+    starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
+    local, counts = segment_codes(starts, len(steps), codes)  # each step's groups, 0..G-1
+    cut = starts[1:]
+    samples = [StepSample(int(steps[a]), ("reward",), r[:, None], rewards=r, groups=g, n_groups=int(c))
+               for a, r, g, c in zip(starts, np.split(rewards, cut), np.split(local, cut), counts.tolist())]
+    return _sample_reward_stats(samples) or ({}, {}, {})
 
 
 def _ordered(series: Mapping[int, float]) -> tuple[np.ndarray, np.ndarray]:

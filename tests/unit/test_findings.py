@@ -271,6 +271,14 @@ def test_the_reports_samples_give_the_findings_the_rewards_their_own_read_gives(
     for a, b in zip(got, want):
         assert sorted(a) == sorted(b) and len(a) > 5
         np.testing.assert_allclose([a[s] for s in sorted(a)], [b[s] for s in sorted(b)], rtol=1e-12, atol=1e-15)
+    # the share of flat groups, written plainly from the record's rows
+    rows = run.read_rollouts(["group_id", "reward"]).to_pylist()
+    by: dict = {}
+    for x in rows:
+        by.setdefault(x["step"], {}).setdefault(x["group_id"], []).append(x["reward"])
+    plain = {st: sum(max(v) == min(v) for v in g.values() if len(v) > 1) / sum(len(v) > 1 for v in g.values())
+             for st, g in by.items() if any(len(v) > 1 for v in g.values())}
+    assert sorted(plain) == sorted(got[2]) and all(plain[st] == pytest.approx(got[2][st], abs=1e-15) for st in plain)
     nulled = list(samples)
     nulled[2] = replace(nulled[2], rewards=np.where(np.arange(nulled[2].n) == 0, np.nan, nulled[2].rewards))
     assert _sample_reward_stats(nulled) is None
