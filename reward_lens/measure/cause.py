@@ -116,6 +116,36 @@ def selection_differentials(samples: Sequence[StepSample]) -> dict[int, tuple[np
     return {x.step: (a, b) for x, a, b in zip(samples, s_all, se)}
 
 
+class _WithinGroups:
+    """Features z (n, k) and a response a (n,) centred on their prompt groups' means (``uid``: each
+    row's group, 0..total-1), handed out a block of groups at a time (``spans``) where the groups
+    lie in equal consecutive blocks, TRL's layout (broadcasting: no gather of the means and no
+    n x k temporary); else in one span, the group means gathered to every row."""
+
+    def __init__(self, z: np.ndarray, a: np.ndarray, uid: np.ndarray, total: int):
+        self.z, self.a, self.uid, self.total, self.k = z, a, uid, total, z.shape[1]
+        self.size = np.bincount(uid, minlength=total).astype(float)
+        self.gm = group_sums(z, uid, total) / self.size[:, None]
+        self.am = np.bincount(uid, weights=a, minlength=total) / self.size
+        self.m = blocks(uid, total)
+        step = max(1, GROUP_BLOCK_ROWS // self.m) if self.m else max(total, 1)
+        self.spans = [(lo, min(total, lo + step)) for lo in range(0, total, step)]
+
+    def block(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """The centred rows of groups lo..hi-1 (every row where the groups are not in blocks)."""
+        m, k = self.m, self.k
+        if not m:
+            return self.z - self.gm[self.uid], self.a - self.am[self.uid]
+        zc = (self.z.reshape(self.total, m, k)[lo:hi] - self.gm[lo:hi, None, :]).reshape(-1, k)
+        return zc, (self.a.reshape(self.total, m)[lo:hi] - self.am[lo:hi, None]).reshape(-1)
+
+    def sums(self, rows: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Each group's sum of ``rows`` (a ``block(lo, hi)``'s rows, or a product of them)."""
+        if not self.m:
+            return group_sums(rows, self.uid, self.total)
+        return rows.reshape(hi - lo, self.m, self.k).sum(axis=1)
+
+
 def _selection_arrays(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """``selection_differentials`` as arrays (P, k): s and its SE, row i for samples[i]."""
     if not samples:
@@ -127,22 +157,15 @@ def _selection_arrays(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nda
     uid, gs = unit_ids(samples)  # every sample here has groups
     offsets = np.concatenate([[0], np.cumsum(gs)[:-1]])
     total = int(gs.sum())
-    size = np.bincount(uid, minlength=total).astype(float)
-    gm = group_sums(z, uid, total) / size[:, None]
-    am = np.bincount(uid, weights=a, minlength=total) / size
-    m = blocks(uid, total)
+    w = _WithinGroups(z, a, uid, total)
+    size = w.size
 
-    def products(lo: int, hi: int) -> np.ndarray:  # (z - zbar_g)(A - Abar_g) of groups lo..hi-1, (hi - lo, m, k)
-        return (z3[lo:hi] - gm[lo:hi, None, :]) * (a2[lo:hi] - am[lo:hi, None])[:, :, None]
+    def products(lo: int, hi: int) -> np.ndarray:  # (z - zbar_g)(A - Abar_g), rows of groups lo..hi-1
+        zc, ac = w.block(lo, hi)
+        zc *= ac[:, None]  # the block's own
+        return zc
 
-    if m:  # groups in equal consecutive blocks: centred by broadcasting, a block of groups at a time
-        z3, a2 = z.reshape(total, m, k), a.reshape(total, m)
-        step = max(1, GROUP_BLOCK_ROWS // m)
-        u = np.concatenate([products(lo, min(total, lo + step)).sum(axis=1) for lo in range(0, total, step)])
-        prod = None  # formed whole only if a step of one group needs it below
-    else:
-        prod = (z - gm[uid]) * (a - am[uid])[:, None]
-        u = group_sums(prod, uid, total)  # (groups, k)
+    u = np.concatenate([w.sums(products(lo, hi), lo, hi) for lo, hi in w.spans])  # (groups, k)
     s_all = np.add.reduceat(u, offsets, axis=0) / ns[:, None]
     step_of_group = np.repeat(np.arange(len(samples)), gs)
     resid = u - size[:, None] * s_all[step_of_group]
@@ -150,8 +173,7 @@ def _selection_arrays(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nda
         var_groups = gs[:, None] / (gs[:, None] - 1) * np.add.reduceat(resid ** 2, offsets, axis=0) / ns[:, None] ** 2
         var_rows = None
         if (gs < 2).any():  # a step of one prompt group: its rollouts' products are the units
-            if prod is None:
-                prod = products(0, total).reshape(-1, k)
+            prod = products(0, total)
             rstart = np.concatenate([[0], np.cumsum(ns)[:-1]])
             p1 = np.add.reduceat(prod, rstart, axis=0)
             p2 = np.add.reduceat(prod ** 2, rstart, axis=0)
@@ -195,28 +217,12 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     a = np.asarray(stacked(samples, attr), dtype=float)
     uid, gs = unit_ids(samples)
     total = int(gs.sum())
-    size = np.bincount(uid, minlength=total).astype(float)
-    gm = group_sums(z, uid, total) / size[:, None]
-    am = np.bincount(uid, weights=a, minlength=total) / size
-    k = z.shape[1]
-    m = blocks(uid, total)
-    # Groups in equal consecutive blocks (TRL's layout): centred by broadcasting a block of groups
-    # at a time, in two passes (the sums of squares and products, then the residuals' scores),
-    # so no n x k temporary is formed; else centred whole, by a gather of the group means.
-    spans = [(lo, min(total, lo + max(1, GROUP_BLOCK_ROWS // m))) for lo in range(0, total, max(1, GROUP_BLOCK_ROWS // m))] \
-        if m else [(0, total)]
-
-    def centred(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:  # (rows, k) and (rows,) of groups lo..hi-1
-        if not m:
-            return z - gm[uid], a - am[uid]
-        zb = (z.reshape(total, m, k)[lo:hi] - gm[lo:hi, None, :]).reshape(-1, k)
-        return zb, (a.reshape(total, m)[lo:hi] - am[lo:hi, None]).reshape(-1)
-
+    w = _WithinGroups(z, a, uid, total)  # centred a block of groups at a time: no n x k temporary
     # the sums of squares and products of the centred features by matrix products (a mean of
     # squares along the rows is a strided reduction 10x slower)
     zz, za, aa = np.zeros((k, k)), np.zeros(k), 0.0
-    for lo, hi in spans:
-        zc, ac = centred(lo, hi)
+    for lo, hi in w.spans:
+        zc, ac = w.block(lo, hi)
         zz += zc.T @ zc
         za += zc.T @ ac
         aa += float(ac @ ac)
@@ -235,11 +241,10 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     b_all = np.zeros(k)
     b_all[live] = b / unit[live]  # per unscaled centred feature
     scores = np.empty((total, k))
-    for lo, hi in spans:
-        zc, ac = centred(lo, hi)
-        e = ac - zc @ b_all
-        zc *= e[:, None]  # zc is this pass's own
-        scores[lo:hi] = zc.reshape(hi - lo, m, k).sum(axis=1) if m else group_sums(zc, uid, total)
+    for lo, hi in w.spans:  # a second pass: the residuals need the coefficients
+        zc, ac = w.block(lo, hi)
+        zc *= (ac - zc @ b_all)[:, None]  # the block's own
+        scores[lo:hi] = w.sums(zc, lo, hi)
     scores = scores[:, live] / unit[live]  # (G, k') per-cluster score sums, in scaled units
     meat = scores.T @ scores * total / (total - 1)
     v = inv @ meat @ inv
