@@ -80,7 +80,7 @@ def _jsonable(value: Any) -> Any:
     """``value`` as JSON types: dict keys as strings, tuples as lists, numpy scalars as Python
     numbers, anything else as its ``str``. Through the C encoder and back (a refusal may name
     10,000 step pairs); by hand where the encoder cannot take it (a key that is not a string,
-    number, bool or None)."""
+    number, bool or None). A bool or None key comes out as JSON spells it ("true", "null")."""
     try:
         return json.loads(json.dumps(value, default=_scalar))
     except (TypeError, ValueError):

@@ -30,7 +30,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import run_denominator_context
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.measure.ledger.price import StepSample, _moments, stacked
+from reward_lens.measure.ledger.price import StepSample, stacked, step_moment_arrays
 from reward_lens_spec import Subject, load_book, make_refusal, resolve
 from reward_lens_spec.render import render_template
 
@@ -68,8 +68,8 @@ class PriceSection(_M):
 def step_rewards(samples: Sequence[StepSample]) -> dict[int, tuple[float, float]]:
     """Each step's mean reward and its standard error, with prompt groups as the units
     (``step_moments`` on the reward as a one-feature sample): the moments of all steps with two
-    or more rollouts in one segmented pass (``_moments`` on the samples' rewards stacked, a view
-    of the report's one read where the samples are its own), no Python per step; NaN SE for a
+    or more rollouts in one segmented pass (``step_moment_arrays`` on the samples' rewards
+    stacked, a view of the report's one read where the samples are its own), no Python per step; NaN SE for a
     step of one rollout. Worked out once per run of samples (the price book and the findings
     both state them)."""
     samples = [s for s in samples if s.rewards is not None]
@@ -78,7 +78,7 @@ def step_rewards(samples: Sequence[StepSample]) -> dict[int, tuple[float, float]
         out = {s.step: (float(np.asarray(s.rewards, float).mean()), float("nan")) for s in samples if s.n < 2}
         two = [s for s in samples if s.n >= 2]
         if two:
-            means, covs, _ = _moments(two, np.asarray(stacked(two, "rewards"), dtype=float)[:, None])
+            means, covs, _ = step_moment_arrays(two, np.asarray(stacked(two, "rewards"), dtype=float)[:, None])
             ses = np.sqrt(covs[:, 0, 0])
             for s, m, se in zip(two, means[:, 0].tolist(), ses.tolist()):
                 out[s.step] = (m, se)

@@ -634,3 +634,30 @@ def test_ledger_arrays_of_a_blocks_rows_are_its_slices_and_of_anything_else_a_st
         assert a.step_pairs.tolist() == [list(lg.step_pair) for lg in part]
         assert a.learning_rate == [lg.learning_rate for lg in part] and a.kind == "paired"
         assert a.n_pre.tolist() == [lg.n_pre for lg in part] and not a.matched.any() and not a.units.any()
+
+
+def test_a_two_sided_series_prices_each_step_as_its_ledger_alone():
+    """Steps with held-out completions of pi_t (the rows of a batch not all the read's own):
+    priced as a series, in blocks, each ledger equals the two-sided ledger of its step alone,
+    D_t included."""
+    from reward_lens.measure.ledger.paired import paired_ledger_series
+
+    rng = np.random.default_rng(31)
+    samples, held = [], {}
+    for step in range(6):
+        s = _sample(step, rng, r_scale=0.3, n_groups=4, m=6)
+        s = StepSample(step, s.names, s.z, groups=np.repeat(np.arange(4), 6), logp=s.logp, logp_prev=s.logp_prev,
+                       kl_prev=s.kl_prev, n_groups=4)
+        samples.append(s)
+        zh = rng.normal(size=(8, 2))
+        lp0 = 0.2 * rng.normal(size=8)
+        held[step] = StepSample(step, s.names, zh, groups=np.repeat(np.arange(4), 2), logp=lp0 + 0.3 * zh[:, 0],
+                                logp_prev=lp0, kl_prev=np.abs(rng.normal(size=8)) * 0.1, n_groups=4)
+    ledgers, why = paired_ledger_series(samples, heldout=held)
+    assert not why and [lg.step_pair for lg in ledgers] == [(t - 1, t) for t in range(1, 6)]
+    for lg in ledgers:
+        want = paired_ledger(samples[lg.step_pair[1]], heldout=held[lg.step_pair[1]])
+        assert lg.sides == "two-sided" and lg.block is not None
+        np.testing.assert_allclose(lg.delta_z, want.delta_z, rtol=1e-10, atol=1e-15)
+        np.testing.assert_allclose(lg.cov_delta, want.cov_delta, rtol=1e-9, atol=1e-18)
+        assert (lg.d_t, lg.d_t_se) == pytest.approx((want.d_t, want.d_t_se), rel=1e-12)

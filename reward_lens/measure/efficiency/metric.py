@@ -484,7 +484,7 @@ def within_group_metric(ledgers) -> MetricG:
         codes, g = np.asarray(lg0.codes), lg0.n_groups
         z = stack_views([ledgers[q].z for q in members])  # (L, n, k): a view where a batch holds them so
         m = blocks(codes, g)
-        size = np.bincount(codes, minlength=g).astype(float)
+        size = None if m else np.bincount(codes, minlength=g).astype(float)
         for lo in range(0, len(members), LEDGER_BLOCK):  # small temporaries: reused, not faulted in
             zq = z[lo:lo + LEDGER_BLOCK]
             if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them,

@@ -313,20 +313,19 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
     for members in batches.values():
         # every ledger's dz, SE and covariance are rows of one array per layout, filled batch by
         # batch: the books stack them back (``ledger_arrays``) without a copy
-        into = (np.empty((len(members), k)), np.empty((len(members), k)), np.empty((len(members), k, k)))
-        n = np.array([len(items[i][2].codes) for i in members], dtype=np.int64)
+        count = len(members)
+        n = np.full(count, len(items[members[0]][2].codes), dtype=np.int64)  # one layout: one n
         block = LedgerBlock(LedgerArrays(
             names=names, step_pairs=np.array([(items[i][2].prev, items[i][0].step) for i in members],
-                                             dtype=np.int64).reshape(len(members), 2),
-            delta_z=into[0], se=into[1], cov_delta=into[2], n_pre=n, n_post=n,
-            units=np.zeros(len(members), dtype=np.int64), matched=np.zeros(len(members), dtype=bool),
+                                             dtype=np.int64).reshape(count, 2),
+            delta_z=np.empty((count, k)), se=np.empty((count, k)), cov_delta=np.empty((count, k, k)), n_pre=n, n_post=n,
+            units=np.zeros(count, dtype=np.int64), matched=np.zeros(count, dtype=bool),
             learning_rate=[items[i][3] for i in members], kind="paired"))
-        for lo in range(0, len(members), LEDGER_BATCH):
+        for lo in range(0, count, LEDGER_BATCH):
             part = members[lo:lo + LEDGER_BATCH]
-            rows = tuple(a[lo:lo + len(part)] for a in into)
-            for i, lg in zip(part, _ledgers([items[i] for i in part], rows, (block, lo))):
+            for i, lg in zip(part, _ledgers([items[i] for i in part], (block, lo))):
                 ledgers[i] = lg
-        for a in into:
+        for a in (block.arrays.delta_z, block.arrays.se, block.arrays.cov_delta):
             a.flags.writeable = False  # read-only from here: ledger_arrays hands out slices of them
     return ledgers, why
 
@@ -405,20 +404,22 @@ def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool
 
 
 def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, float | None]],
-             into: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
              block: tuple[LedgerBlock, int] | None = None) -> list[PairedLedger]:
     """The paired ledgers of samples whose kept rows share one group layout (and one split into
     rollouts and held-out rows), as one batch: every sample's weights, dz by group, its
     covariance, D_t, D_hat and k-hats by stacked arithmetic. Where every row is kept and there
     are no held-out rows, the samples' arrays are taken as they lie in the report's one read
-    (``stacked``: a view, no copy), and equal consecutive groups are summed by reshape."""
+    (``stacked``: a view, no copy), and equal consecutive groups are summed by reshape.
+    ``block``: the ``LedgerBlock`` and the row of it the first item is (its dz, SE and
+    covariance are written there, and the ledgers are views of them)."""
     first = items[0][2]
     codes, n_groups, side = first.codes, first.n_groups, first.side
     n = len(codes)
     two_sided = bool(side.any())
-    onehot = np.zeros((n, n_groups))
-    onehot[np.arange(n), codes] = 1.0
     m = blocks(codes, n_groups)
+    if not m:
+        onehot = np.zeros((n, n_groups))
+        onehot[np.arange(n), codes] = 1.0
     whole = all(prep.keep_heldout is None and not prep.dropped for _, _, prep, _ in items)
     samples = [s for s, _, _, _ in items]
 
@@ -466,14 +467,15 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
         first[codes[::-1]] = np.arange(n)[::-1]  # each group's first row
         constant = (z == z[:, first[codes], :]).all(axis=1)
     dz_g[np.broadcast_to(constant[:, None, :], dz_g.shape)] = 0.0
-    dz, se_out, cov_out = into if into is not None else (np.empty(dz_g.shape[::2]), None, None)
-    dz[...] = dz_g.mean(axis=1)
+    dz = dz_g.mean(axis=1)
     dev = dz_g - dz[:, None, :]
     cov = np.matmul(dev.transpose(0, 2, 1), dev) / (n_groups - 1) / n_groups  # Cov_g(dz_g) / G
     se = np.sqrt(np.clip(np.diagonal(cov, axis1=1, axis2=2), 0, None))
-    if into is not None:
-        cov_out[...], se_out[...] = cov, se
-        cov, se = cov_out, se_out
+    if block is not None:  # the block's rows hold them; the ledgers are views of those rows
+        b, lo = block[0].arrays, block[1]
+        cut = slice(lo, lo + len(items))
+        b.delta_z[cut], b.se[cut], b.cov_delta[cut] = dz, se, cov
+        dz, se, cov = b.delta_z[cut], b.se[cut], b.cov_delta[cut]
     d_hat = by_group(q * (log_q - log_p)).mean(axis=1)  # (P,) mean_g KL(q_g || p_g)
     # One-sided, the weights pi_t / pi_{t+1} = e^{-r} are unbounded: their tail is the premise.
     # Two-sided, every balance-heuristic weight is at most 1/n of its side, so the estimates

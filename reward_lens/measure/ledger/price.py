@@ -118,7 +118,7 @@ def stack_views(arrays: Sequence[np.ndarray]) -> np.ndarray:
         step = a0.nbytes
         start = a0.__array_interface__["data"][0]
         offset = start - base.__array_interface__["data"][0]
-        if step and offset % step == 0 and base.size * base.itemsize >= offset + step * len(arrays) and all(
+        if step and offset >= 0 and base.nbytes >= offset + step * len(arrays) and all(
                 x.base is base and x.shape == a0.shape and x.flags.c_contiguous
                 and x.__array_interface__["data"][0] == start + j * step for j, x in enumerate(arrays)):
             flat = base.reshape(-1)[offset // base.itemsize:(offset + step * len(arrays)) // base.itemsize]
@@ -378,11 +378,12 @@ def all_step_moments(samples: Sequence[StepSample]) -> dict[int, tuple[np.ndarra
     group) summed by segment. Same definitions, same numbers to rounding."""
     if not samples:
         return {}
-    means, covs, units = _moments(samples)
+    means, covs, units = step_moment_arrays(samples)
     return {s.step: (m, c, g) for s, m, c, g in zip(samples, means, covs, units.tolist())}
 
 
-def _moments(samples: Sequence[StepSample], z: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def step_moment_arrays(samples: Sequence[StepSample], z: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``all_step_moments`` as arrays: means (P, k), covariances (P, k, k), units (P,); of the
     rows ``z`` (the samples' rows stacked, another column than their features) where given."""
     z = stacked(samples) if z is None else z
@@ -674,7 +675,7 @@ def ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int, float
     # each step's moments once (it sits in two pairs), all in one segmented pass; every pair's
     # dz and covariance by stacked arithmetic, then the pairs matched by prompt replace theirs
     two = [s for s in samples if s.n >= 2]
-    means, covs, units = _moments(two)
+    means, covs, units = step_moment_arrays(two)
     pos = {s.step: i for i, s in enumerate(two)}
     pre = np.array([pos[t] for t in pairs])
     post = np.array([pos[t + 1] for t in pairs])
