@@ -661,3 +661,56 @@ def test_a_two_sided_series_prices_each_step_as_its_ledger_alone():
         np.testing.assert_allclose(lg.delta_z, want.delta_z, rtol=1e-10, atol=1e-15)
         np.testing.assert_allclose(lg.cov_delta, want.cov_delta, rtol=1e-9, atol=1e-18)
         assert (lg.d_t, lg.d_t_se) == pytest.approx((want.d_t, want.d_t_se), rel=1e-12)
+
+
+def test_previous_steps_of_a_read_say_what_previous_step_says_of_each():
+    """``_previous_steps`` (the least and greatest finite logp_prev_step of each step of one read)
+    gives what ``previous_step`` (the unique finite value) gives: one value below the step, a
+    NaN or infinite row ignored; two values, the step itself, or a negative step not formed. A
+    step whose column is null throughout (absent) takes the way one sample at a time."""
+    from reward_lens.measure.ledger.paired import NotFormed, _previous_steps, previous_step
+    from reward_lens.measure.ledger.price import _samples
+
+    steps = np.repeat([1, 2, 3, 4, 5, 6], 3)
+    prev = np.array([0, 0, np.nan, 0, 1, 1, 3, 3, 3, -1, -1, -1, 4, np.inf, 4, 2, 5, 5])
+    samples = _samples(steps, np.ones((18, 1)), {"logp_prev_step": prev}, {"logp_prev_step"}, ("f",))
+    got = _previous_steps(samples)
+    assert got == [previous_step(s) for s in samples]
+    assert got == [0, NotFormed("prev_step", 2), NotFormed("prev_step", 3), NotFormed("prev_step", 4), 4,
+                   NotFormed("prev_step", 6)]
+    absent = prev.copy()
+    absent[3:6] = np.nan  # step 2 has none: the stack has no array of its own for it
+    samples = _samples(steps, np.ones((18, 1)), {"logp_prev_step": absent}, {"logp_prev_step"}, ("f",))
+    assert samples[1].logp_prev_step is None
+    assert _previous_steps(samples) == [previous_step(s) for s in samples] == [0, 1, *got[2:]]
+
+
+def test_estimates_of_a_two_sided_series_equal_each_ledgers_own():
+    """``paired_estimates`` and ``rollout_tests`` take the ledgers of one batch together (one
+    gather, the jackknife as array arithmetic); each number is the one its ledger gets alone, to
+    the rounding of a matrix product over a different number of rows."""
+    from reward_lens.measure.efficiency.eta import paired_estimates, rollout_tests
+    from reward_lens.measure.ledger.paired import paired_ledger_series
+
+    rng = np.random.default_rng(37)
+    samples, held = [], {}
+    for step in range(9):
+        s = _sample(step, rng, r_scale=0.3, n_groups=4, m=6)
+        s = StepSample(step, s.names, s.z, groups=np.repeat(np.arange(4), 6), logp=s.logp, logp_prev=s.logp_prev,
+                       kl_prev=s.kl_prev, n_groups=4)
+        samples.append(s)
+        zh = rng.normal(size=(8, 2))
+        lp0 = 0.2 * rng.normal(size=8)
+        held[step] = StepSample(step, s.names, zh, groups=np.repeat(np.arange(4), 2), logp=lp0 + 0.3 * zh[:, 0],
+                                logp_prev=lp0, kl_prev=np.abs(rng.normal(size=8)) * 0.1, n_groups=4)
+    ledgers, _ = paired_ledger_series(samples, heldout=held)
+    for idx in (np.arange(2), np.array([1])):
+        items = [(lg, idx) for lg in ledgers]
+        together = paired_estimates(items)
+        assert rollout_tests(items) == [rollout_tests([it])[0] for it in items]
+        for it, est in zip(items, together):
+            alone = paired_estimates([it])[0]
+            assert (est.kl_min, est.kl_min_debiased, est.d_t, est.p_value) == pytest.approx(
+                (alone.kl_min, alone.kl_min_debiased, alone.d_t, alone.p_value), rel=1e-12, abs=1e-15)
+            assert est.converged == alone.converged and est.step_pair == alone.step_pair
+            np.testing.assert_allclose(est.cov, alone.cov, rtol=1e-10, atol=1e-18)

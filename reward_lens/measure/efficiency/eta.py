@@ -200,50 +200,79 @@ def paired_estimate(lg: PairedLedger, active_idx: np.ndarray) -> EtaEstimate:
 def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[EtaEstimate]:
     """``paired_estimate`` of many step pairs: those whose samples share a group layout, a
     split into sides and an active set are projected in one batch (``i_projections``), the
-    same numbers to rounding."""
+    same numbers to rounding. The ledgers of one ``paired_ledger_series`` batch hold the same
+    codes and sides (the very arrays): their order and key are worked out once, their rows
+    gathered in one operation, and their jackknife done as array arithmetic."""
     out: list[EtaEstimate | None] = [None] * len(items)
     p_values = rollout_tests(items)
     batches: dict[tuple, list[int]] = {}
-    orders = []
+    layouts: dict[tuple, tuple] = {}  # (id of codes, of sides, of idx) -> (batch key, order)
+    order_of = []
     for q, (lg, idx) in enumerate(items):
         if lg.kl is None:
             raise ValueError(f"step pair {lg.step_pair}: the paired estimate needs the token-level KL along the "
                              "sample (the record's kl_prev) for its denominator")
-        order = np.argsort(lg.codes, kind="stable")  # groups contiguous, as i_projections needs
-        orders.append(order)
-        side = None if lg.heldout is None else np.asarray(lg.heldout)[order]
-        key = (lg.n_groups, np.asarray(lg.codes)[order].tobytes(), None if side is None else side.tobytes(),
-               tuple(np.asarray(idx).tolist()))
-        batches.setdefault(key, []).append(q)
+        # the arrays are alive for the whole call (``items`` holds them), so their ids are theirs
+        mk = (id(lg.codes), id(lg.heldout), id(idx), lg.n_groups)
+        got = layouts.get(mk)
+        if got is None:
+            order = np.argsort(lg.codes, kind="stable")  # groups contiguous, as i_projections needs
+            side = None if lg.heldout is None else np.asarray(lg.heldout)[order]
+            key = (lg.n_groups, np.asarray(lg.codes)[order].tobytes(), None if side is None else side.tobytes(),
+                   tuple(np.asarray(idx).tolist()))
+            got = layouts[mk] = (key, order)
+        order_of.append(got[1])
+        batches.setdefault(got[0], []).append(q)
     for (g, _, side_key, idx), members in batches.items():
         idx = np.array(idx, dtype=int)
         lg0 = items[members[0]][0]
-        codes = np.asarray(lg0.codes)[orders[members[0]]]
-        side = None if side_key is None else np.asarray(lg0.heldout)[orders[members[0]]]
+        order = order_of[members[0]]
+        codes = np.asarray(lg0.codes)[order]
+        side = None if side_key is None else np.asarray(lg0.heldout)[order]
         weights = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])
-        z = np.stack([items[q][0].z[orders[q]][:, idx] for q in members])
-        r = np.stack([np.asarray(items[q][0].log_ratio, dtype=np.float64)[orders[q]] for q in members])
+        lgs = [items[q][0] for q in members]
+        if all(order_of[q] is order for q in members):  # one gather for the batch
+            z = _laid_out_as(lgs[0].z[order][:, idx], stack_views([lg.z for lg in lgs])[:, order][:, :, idx])
+            r = np.ascontiguousarray(np.asarray(stack_views([lg.log_ratio for lg in lgs]), dtype=np.float64)[:, order])
+            kl = np.ascontiguousarray(np.asarray(stack_views([lg.kl for lg in lgs]), dtype=np.float64)[:, order])
+        else:
+            z = np.stack([lg.z[order_of[q]][:, idx] for q, lg in zip(members, lgs)])
+            r = np.stack([np.asarray(lg.log_ratio, dtype=np.float64)[order_of[q]] for q, lg in zip(members, lgs)])
+            kl = np.stack([np.asarray(lg.kl, dtype=np.float64)[order_of[q]] for q, lg in zip(members, lgs)])
         projs = i_projections(z, r, codes, g, weights, side)
         log_q = mis_log_weights(r, side, codes, g)[0]
-        kl = np.stack([np.asarray(items[q][0].kl, dtype=np.float64)[orders[q]] for q in members])
         onehot = np.zeros((len(codes), g))
         onehot[np.arange(len(codes)), codes] = 1.0
         d_g = (np.exp(log_q) * kl) @ onehot  # (P, G) token-level D per group
         d_jk = (d_g.sum(axis=1, keepdims=True) - d_g) / (g - 1)  # (P, G) D with group j deleted
-        for j, (q, proj) in enumerate(zip(members, projs)):
-            lg = items[q][0]
-            k_full, k_del = float(proj.kl_min[0]), proj.kl_min[1:]
-            k_jk = g * k_full - (g - 1) * float(k_del.mean())
-            if abs(k_jk - k_full) <= 4 * g * VALUE_RTOL * (1.0 + abs(k_full)):
-                # each of the g + 1 dual values is good to VALUE_RTOL (1 + |K|): a correction
-                # below what their combination can cancel to is zero, not -1e-14 nats
-                k_jk = k_full
-            theta = np.stack([k_del, d_jk[j]], axis=1)  # (G, 2) the replicates
-            dev = theta - theta.mean(axis=0)
-            cov = (g - 1) / g * dev.T @ dev
-            out[q] = EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=k_full, kl_min_debiased=k_jk,
-                                 d_t=float(d_g[j].mean()), p_value=p_values[q], cov=cov, dof=g - 1,
-                                 converged=bool(proj.converged.all()), steps=lg.step_pair[1] - lg.step_pair[0])
+        values = np.stack([proj.kl_min for proj in projs])  # (P, G + 1): the full sample, then each deletion
+        k_full, k_del = values[:, 0], values[:, 1:]
+        k_jk = g * k_full - (g - 1) * k_del.mean(axis=1)
+        # each of the g + 1 dual values is good to VALUE_RTOL (1 + |K|): a correction below what
+        # their combination can cancel to is zero, not -1e-14 nats
+        k_jk = np.where(np.abs(k_jk - k_full) <= 4 * g * VALUE_RTOL * (1.0 + np.abs(k_full)), k_full, k_jk)
+        theta = np.stack([k_del, d_jk], axis=2)  # (P, G, 2) the replicates
+        dev = theta - theta.mean(axis=1, keepdims=True)
+        covs = np.matmul((g - 1) / g * dev.transpose(0, 2, 1), dev)  # (P, 2, 2)
+        d_t = d_g.mean(axis=1)
+        converged = np.stack([proj.converged for proj in projs]).all(axis=1)
+        for q, lg, kf, kj, dt, cov, conv in zip(members, lgs, k_full.tolist(), k_jk.tolist(), d_t.tolist(), covs,
+                                                converged.tolist()):
+            out[q] = EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=kf, kl_min_debiased=kj, d_t=dt,
+                                 p_value=p_values[q], cov=cov, dof=g - 1, converged=conv,
+                                 steps=lg.step_pair[1] - lg.step_pair[0])
+    return out
+
+
+def _laid_out_as(one: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``rows`` (P, ...) in the memory layout ``np.stack`` gives P arrays laid out as ``one``
+    (a column gather is Fortran-ordered): the projections' matrix products then take the same
+    paths, and give the same numbers to the last bit, as on the stacked arrays."""
+    if one.ndim == 2 and one.flags.f_contiguous and not one.flags.c_contiguous:
+        out = np.empty((len(rows), *one.shape[::-1])).transpose(0, 2, 1)
+    else:
+        out = np.empty(rows.shape)
+    out[...] = rows
     return out
 
 
@@ -262,34 +291,42 @@ ROLLOUT_TEST_BATCH = 2048
 
 def rollout_tests(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[float]:
     """``rollout_test`` of many step pairs: those whose rollout sides share a group layout and an
-    active set are fitted in one batched SVD (``within_group_r2_tests``), the same numbers."""
+    active set are fitted in one batched SVD (``within_group_r2_tests``), the same numbers. The
+    ledgers of one ``paired_ledger_series`` batch hold the same codes and sides (the very
+    arrays): their layout is worked out once and their rows gathered in one operation."""
     out = [1.0] * len(items)
-    batches: dict[tuple, list[tuple[int, np.ndarray, np.ndarray]]] = {}
-    layouts: dict[tuple, tuple[np.ndarray, int]] = {}
+    batches: dict[tuple, list[int]] = {}
+    layouts: dict[tuple, tuple] = {}  # (id of codes, of sides, of idx) -> (key, rows, g, n_groups, every)
     for q, (lg, idx) in enumerate(items):
-        rows = slice(None) if lg.heldout is None else ~np.asarray(lg.heldout)
-        codes = np.asarray(lg.codes)[rows]
-        present = np.bincount(codes, minlength=lg.n_groups) > 0 if len(codes) else np.zeros(0, dtype=bool)
-        if present.all() and len(present) == lg.n_groups:
-            g, n_groups = codes, lg.n_groups  # already 0..G-1, every group present
-        else:
-            kept, g = np.unique(codes, return_inverse=True)
-            n_groups = len(kept)
-        key = (n_groups, g.tobytes(), tuple(np.asarray(idx).tolist()))
-        layouts.setdefault(key, (g, n_groups))
-        every = lg.heldout is None and len(idx) == lg.z.shape[1] and (np.diff(idx) == 1).all()
-        # a sample of rollouts alone, every feature active: its own arrays (views of the ledgers'
-        # batch, which ``stack_views`` hands back without a copy)
-        z = lg.z if every else lg.z[rows][:, idx]
-        batches.setdefault(key, []).append((q, z, np.asarray(lg.log_ratio, dtype=np.float64)[rows]))
-    for key, members in batches.items():
-        g, n_groups = layouts[key]
+        mk = (id(lg.codes), id(lg.heldout), id(idx), lg.n_groups, lg.z.shape[1])  # alive for the call: ids are theirs
+        got = layouts.get(mk)
+        if got is None:
+            rows = slice(None) if lg.heldout is None else ~np.asarray(lg.heldout)
+            codes = np.asarray(lg.codes)[rows]
+            present = np.bincount(codes, minlength=lg.n_groups) > 0 if len(codes) else np.zeros(0, dtype=bool)
+            if present.all() and len(present) == lg.n_groups:
+                g, n_groups = codes, lg.n_groups  # already 0..G-1, every group present
+            else:
+                kept, g = np.unique(codes, return_inverse=True)
+                n_groups = len(kept)
+            # a sample of rollouts alone, every feature active: its own arrays (views of the
+            # ledgers' batch, which ``stack_views`` hands back without a copy)
+            every = lg.heldout is None and len(idx) == lg.z.shape[1] and bool((np.diff(idx) == 1).all())
+            got = layouts[mk] = ((n_groups, g.tobytes(), tuple(np.asarray(idx).tolist())), rows, g, n_groups, every)
+        batches.setdefault(mk, []).append(q)
+    for mk, members in batches.items():
+        _, rows, g, n_groups, every = layouts[mk]
+        idx = items[members[0]][1]
         for a in range(0, len(members), ROLLOUT_TEST_BATCH):
-            part = members[a:a + ROLLOUT_TEST_BATCH]
-            _, p, _ = within_group_r2_tests(stack_views([m[1] for m in part]), stack_views([m[2] for m in part]), g,
-                                            n_groups)
-            for (q, _, _), pv in zip(part, p):
-                out[q] = float(pv)
+            part = [items[q][0] for q in members[a:a + ROLLOUT_TEST_BATCH]]
+            z = stack_views([lg.z for lg in part])
+            r = stack_views([np.asarray(lg.log_ratio, dtype=np.float64) for lg in part])
+            if not every:  # laid out as the stack of each one's gather, so the fit's sums run alike
+                z = _laid_out_as(part[0].z[rows][:, idx], z[:, rows][:, :, idx])
+                r = np.ascontiguousarray(r[:, rows])
+            _, p, _ = within_group_r2_tests(z, r, g, n_groups)
+            for q, pv in zip(members[a:a + ROLLOUT_TEST_BATCH], p.tolist()):
+                out[q] = pv
     return out
 
 

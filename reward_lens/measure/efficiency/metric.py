@@ -491,9 +491,11 @@ def within_group_metric(ledgers) -> MetricG:
                 # and centred by broadcasting (a gather of the means to every row costs 3-20x more)
                 zb = zq.reshape(len(zq), g, m, k)
                 zc = (zb - (zb.sum(axis=2) / m)[:, :, None, :]).reshape(zq.shape)
-            else:
-                means = np.stack([group_sums(x, codes, g) for x in zq]) / size[:, None]
-                zc = zq - means[:, codes]
+            else:  # every ledger's groups as ids of their own: one bincount per feature for the block,
+                # each bin summed in the same order as a bincount of the ledger alone
+                uid = (np.arange(len(zq))[:, None] * g + codes[None, :]).reshape(-1)
+                sums = group_sums(zq.reshape(-1, k), uid, len(zq) * g).reshape(len(zq), g, k)
+                zc = zq - (sums / size[:, None])[:, codes]
             rows = members[lo:lo + LEDGER_BLOCK]
             cs[rows] = zc.transpose(0, 2, 1) @ zc / max(len(codes) - g, 1)
             mean_z[rows] = zq.mean(axis=1)

@@ -271,6 +271,24 @@ def previous_step(sample: StepSample) -> int | NotFormed:
     return int(prev[0])
 
 
+def _previous_steps(samples: Sequence[StepSample]) -> list[int | NotFormed]:
+    """``previous_step`` of each sample: for samples that lie one after another in one read
+    (``stack_range``), by the least and greatest finite ``logp_prev_step`` of each (one value
+    exactly when they are equal), in one pass over the column."""
+    where = stack_range(samples, "logp_prev_step")
+    if where is None:
+        return [previous_step(s) for s in samples]
+    st, i0, i1 = where
+    lo, hi = int(st.starts[i0]), int(st.starts[i1 - 1] + st.ns[i1 - 1])
+    v = st.arrays["logp_prev_step"][lo:hi]
+    finite = np.isfinite(v)
+    seg = st.starts[i0:i1] - lo
+    least = np.minimum.reduceat(np.where(finite, v, np.inf), seg)
+    most = np.maximum.reduceat(np.where(finite, v, -np.inf), seg)
+    return [int(a) if a == b and math.isfinite(a) and 0 <= a < s.step else NotFormed("prev_step", s.step)
+            for s, a, b in zip(samples, least.tolist(), most.tolist())]
+
+
 def paired_ledger(sample: StepSample, learning_rate: float | None = None, heldout: StepSample | None = None
                   ) -> PairedLedger | NotFormed:
     """The paired ledger of the step pair (previous step, sample.step) -- (t-1, t), or a
@@ -296,14 +314,22 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
     items = []
     later = [s for s in samples if s.step != 0]
     scored = _scored_flags(later)
+    prevs = _previous_steps(later)
+    hos = [heldout.get(s.step) for s in later]
+    # each held-out side's checks (scored, scored under the same previous policy), for those
+    # that _prepare reads: one pass over the held-out read's columns
+    ho_ok: list[bool | None] = [None] * len(later)
+    looked = [j for j, h in enumerate(hos) if h is not None and h.n and h.groups is not None]
+    if looked:
+        seen = [hos[j] for j in looked]
+        for j, ok, prev in zip(looked, _scored_flags(seen), _previous_steps(seen)):
+            ho_ok[j] = ok and prev == prevs[j]
     for s in samples:
         if s.names != names:
             raise ValueError(f"step {s.step} is in basis {s.names}, not {names}: one feature basis per ledger")
-    for s, ok in zip(later, scored):
-        ho = heldout.get(s.step)
-        prep = _prepare(s, ho, ok)
+    for s, ok, prev, ho, hok in zip(later, scored, prevs, hos, ho_ok):
+        prep = _prepare(s, ho, ok, prev, hok)
         if isinstance(prep, NotFormed):
-            prev = previous_step(s)
             why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = prep
             continue
         batches.setdefault((prep.n_groups, prep.codes.tobytes(), prep.side.tobytes()), []).append(len(items))
@@ -366,13 +392,15 @@ def _scored(s: StepSample) -> bool:
             and bool(np.isfinite(s.logp_prev).all()))
 
 
-def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool | None = None
-             ) -> _Prepared | NotFormed:
+def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool | None = None,
+             prev: int | NotFormed | None = None, heldout_ok: bool | None = None) -> _Prepared | NotFormed:
     """The checks and the group layout of one sample (and its held-out rows), before any
-    arithmetic. ``scored``: ``has_paired_sample(sample)`` where the caller worked it out for many."""
+    arithmetic. ``scored``, ``prev`` and ``heldout_ok``: ``has_paired_sample(sample)``,
+    ``previous_step(sample)``, and whether the held-out rows are scored under that same previous
+    policy, where the caller worked them out for many."""
     if not (has_paired_sample(sample) if scored is None else scored):
         return NotFormed("no_logp_prev", sample.step)
-    prev = previous_step(sample)
+    prev = previous_step(sample) if prev is None else prev
     if isinstance(prev, NotFormed):
         return prev
     codes, n_groups = sample_codes(sample)
@@ -387,7 +415,7 @@ def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool
     keep = sizes[codes] >= 2
     ho_keep = None
     if heldout is not None and heldout.n and heldout.groups is not None:
-        if not _scored(heldout) or previous_step(heldout) != prev:
+        if not (_scored(heldout) and previous_step(heldout) == prev if heldout_ok is None else heldout_ok):
             return NotFormed("heldout_unscored", sample.step)
         ho_codes = np.asarray(heldout.groups, dtype=np.int64)
         ho_keep = (ho_codes < n_groups) & (sizes[np.minimum(ho_codes, n_groups - 1)] >= 2)
