@@ -576,7 +576,7 @@ def cost_series(
         idx = active_index(g.names, g.active_of(pair[0]))
         if kind == "paired":
             est = series.estimates[pair]
-            violation = _paired_envelope(series[i], lg, est)
+            violation = _paired_envelope(series, i, lg, est)
         else:
             violation = _envelope(series[i], lg, d_t) if _outside(kl_of[i], d_t) else None
             est = None if violation else _eta.unpaired_estimate(
@@ -650,10 +650,14 @@ def _premise_numbers(lg: PairedLedger) -> dict[str, Any]:
             "d_t": lg.d_t if lg.d_t is not None else lg.d_hat}
 
 
-def _paired_envelope(row: KlMinRow, lg: PairedLedger, est: _eta.EtaEstimate) -> dict[str, Any] | None:
-    """None unless the paired row's KL_min exceeds its D_t beyond noise (``eta.ENVELOPE_Z``
-    standard errors of the difference), or its D_t is not a positive number."""
+def _paired_envelope(series: KlMinSeries, i: int, lg: PairedLedger, est: _eta.EtaEstimate) -> dict[str, Any] | None:
+    """None unless the paired row ``series[i]``'s KL_min exceeds its D_t beyond noise
+    (``eta.ENVELOPE_Z`` standard errors of the difference), or its D_t is not a positive number.
+    The row is made only to name a violation."""
     d_t = est.d_t
+    if math.isfinite(d_t) and d_t > 0 and not est.excess_z > _eta.ENVELOPE_Z:
+        return None
+    row = series[i]
     base = {"step_pair": list(row.step_pair), "kl_min": est.kl_min_debiased, "d_t": d_t, "noise_floor": est.null_kl,
             "clears_noise_floor": row.clears_noise_floor, "leading_feature": row.leading_feature,
             "leading_delta": row.leading_delta, "leading_se": row.leading_se, "leading_t": row.leading_t,

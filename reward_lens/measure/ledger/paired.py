@@ -161,7 +161,12 @@ def _group_lse(x: np.ndarray, codes: np.ndarray, onehot: np.ndarray) -> np.ndarr
         xb = x.reshape(*x.shape[:-1], g, m)
         gmax = xb.max(axis=-1)  # (..., G)
         return np.repeat(gmax + np.log(np.exp(xb - gmax[..., None]).sum(axis=-1)), m, axis=-1)
-    gmax = np.where(onehot.T > 0, x[..., None, :], -np.inf).max(axis=-1)  # (..., G)
+    # each group's maximum (a maximum is the same in any order): its rows made contiguous, one
+    # reduceat, instead of a (..., G, n) temporary
+    order = np.argsort(codes, kind="stable")
+    starts = np.flatnonzero(np.r_[True, np.diff(codes[order]) != 0])
+    gmax = np.full((*x.shape[:-1], g), -np.inf)
+    gmax[..., codes[order[starts]]] = np.maximum.reduceat(x[..., order], starts, axis=-1)
     return (gmax + np.log(np.exp(x - gmax[..., codes]) @ onehot))[..., codes]
 
 
@@ -371,6 +376,7 @@ class _Prepared:
     n_groups: int
     side: np.ndarray  # (n_kept,) True for held-out rows
     dropped: int = 0  # rollouts in groups of one
+    every_heldout: bool = False  # held-out rows, every one of them kept
 
 
 def _scored_flags(samples: Sequence[StepSample]) -> list[bool]:
@@ -426,7 +432,8 @@ def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool
     side[int(keep.sum()):] = True
     dropped = int(len(keep) - int(keep.sum()))
     if not dropped and (ho_keep is None or not (sizes < 2).any()):
-        return _Prepared(prev, keep, ho_keep, np.asarray(all_codes, dtype=np.int64), n_groups, side)
+        return _Prepared(prev, keep, ho_keep, np.asarray(all_codes, dtype=np.int64), n_groups, side,
+                         every_heldout=ho_keep is not None and bool(ho_keep.all()))
     recoded, g = group_codes(all_codes)
     return _Prepared(prev, keep, ho_keep, recoded, g, side, dropped)
 
@@ -449,6 +456,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
         onehot = np.zeros((n, n_groups))
         onehot[np.arange(n), codes] = 1.0
     whole = all(prep.keep_heldout is None and not prep.dropped for _, _, prep, _ in items)
+    # every rollout and every held-out row kept: each side's rows as they lie in its read, joined
+    both = not whole and all(prep.every_heldout and not prep.dropped for _, _, prep, _ in items)
     samples = [s for s, _, _, _ in items]
 
     def rows(s: StepSample, ho: StepSample | None, prep: _Prepared, attr: str) -> np.ndarray | None:
@@ -470,6 +479,13 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
                 return None
             a = stacked(samples, attr)
             return a.reshape(len(items), n, *a.shape[1:])
+        if both:
+            held = [ho for _, ho, _, _ in items]
+            if any(getattr(s, attr) is None for s in samples) or any(getattr(h, attr) is None for h in held):
+                return None
+            a, b = stacked(samples, attr), stacked(held, attr)
+            return np.concatenate([a.reshape(len(items), -1, *a.shape[1:]), b.reshape(len(items), -1, *b.shape[1:])],
+                                  axis=1)
         parts = [rows(s, ho, prep, attr) for s, ho, prep, _ in items]
         return None if any(x is None for x in parts) else np.stack(parts)
 
