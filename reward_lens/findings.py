@@ -228,12 +228,16 @@ def kl_spikes(d: FindingData, window: int = 10, factor: float = 10.0, min_se: fl
     steps, x = _ordered(d.series("kl_to_previous"))
     se = d.series("kl_to_previous_se")
     spikes = []
-    for i in range(window, len(x)):
-        med = float(np.median(x[i - window:i]))
-        limit = factor * med
-        s = se.get(int(steps[i]))
-        if med > 0 and x[i] > limit and (s is None or not s > 0 or (x[i] - limit) > min_se * s):
-            spikes.append((int(steps[i]), float(x[i]), med))
+    x = np.asarray(x, dtype=float)
+    if len(x) > window:  # the median of the previous ``window`` steps of each step past the first ones
+        meds = np.median(np.lib.stride_tricks.sliding_window_view(x, window)[:-1], axis=1)
+        over = np.flatnonzero((meds > 0) & (x[window:] > factor * meds))
+        for j, med in zip(over.tolist(), meds[over].tolist()):
+            i = window + j
+            limit = factor * med
+            s = se.get(int(steps[i]))
+            if s is None or not s > 0 or (x[i] - limit) > min_se * s:
+                spikes.append((int(steps[i]), float(x[i]), med))
     if not spikes:
         return Outcome(False, evidence={"steps": len(steps), "factor": factor, "window": window})
     return Outcome(True, spikes[0][0], {"spikes": spikes[:5], "n_spikes": len(spikes), "factor": factor,

@@ -68,6 +68,28 @@ def test_kl_spikes_against_the_running_median_and_the_se():
     assert not PREDICATES["kl_spikes"](FindingData(noisy), window=10, factor=10, min_se=3).holds
 
 
+def test_kl_spikes_are_the_steps_a_loop_over_each_window_finds():
+    """The running medians are taken for every step at once; the spikes, their count and the
+    first five are those of a plain loop taking each step's previous ten one at a time."""
+    rng = np.random.default_rng(5)
+    d = rng.gamma(2.0, 0.005, size=400)
+    d[rng.choice(np.arange(10, 400), 12, replace=False)] *= rng.uniform(5, 60, size=12)
+    d[50:60] = 0.0  # a stretch with a median of 0: nothing is a spike against it
+    se = rng.uniform(0.0, 0.05, size=400)
+    se[::7] = np.nan
+    want = []
+    for i in range(10, len(d)):
+        med = float(np.median(d[i - 10:i]))
+        s = se[i] if np.isfinite(se[i]) else None
+        if med > 0 and d[i] > 10 * med and (s is None or not s > 0 or d[i] - 10 * med > 3 * s):
+            want.append((i, float(d[i]), med))
+    assert len(want) >= 3  # the case is not empty
+    out = PREDICATES["kl_spikes"](FindingData(_series(kl_to_previous=d, kl_to_previous_se=se)), window=10, factor=10,
+                                  min_se=3)
+    assert out.holds and out.onset == want[0][0] and out.evidence["n_spikes"] == len(want)
+    assert [tuple(x) for x in out.evidence["spikes"]] == want[:5]
+
+
 def test_clipping_saturation_on_most_recent_steps():
     un = np.r_[np.full(10, 0.5), np.full(15, 3.0)]
     data = FindingData(_series(grad_norm_unclipped=un, max_grad_norm=np.full(25, 1.0)))
