@@ -714,3 +714,26 @@ def test_estimates_of_a_two_sided_series_equal_each_ledgers_own():
                 (alone.kl_min, alone.kl_min_debiased, alone.d_t, alone.p_value), rel=1e-12, abs=1e-15)
             assert est.converged == alone.converged and est.step_pair == alone.step_pair
             np.testing.assert_allclose(est.cov, alone.cov, rtol=1e-10, atol=1e-18)
+
+
+def test_projections_over_equal_groups_broadcast_to_the_numbers_a_gather_gives(monkeypatch):
+    """Where every group is m rows in a row (rollouts and held-out rows sorted by group), the
+    Newton's per-group means are taken to the rows by broadcasting; forced to gather by codes
+    instead, every dual value, tilt and convergence flag is the same to the last bit."""
+    import reward_lens.measure.efficiency.iproj as iproj
+
+    rng = np.random.default_rng(41)
+    n_groups, m, k = 5, 6, 3
+    z = rng.normal(size=(4, n_groups * m, k))
+    r = 0.3 * z[:, :, 0] + 0.1 * rng.normal(size=(4, n_groups * m))
+    codes = np.repeat(np.arange(n_groups), m)
+    side = np.tile([False] * 4 + [True] * 2, n_groups)
+    weights = np.vstack([np.ones((1, n_groups)), 1.0 - np.eye(n_groups)])
+    fast = iproj.i_projections(z, r, codes, n_groups, weights, side)
+    monkeypatch.setattr(iproj, "blocks", lambda codes, n_groups: 0)
+    slow = iproj.i_projections(z, r, codes, n_groups, weights, side)
+    for a, b in zip(fast, slow):
+        np.testing.assert_array_equal(a.kl_min, b.kl_min)
+        np.testing.assert_array_equal(a.lam, b.lam)
+        np.testing.assert_array_equal(a.converged, b.converged)
+    assert all(a.kl_min[0] > 0 for a in fast)  # a tilt that moved something

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from reward_lens.measure.ledger.paired import mis_log_weights
+from reward_lens.measure.ledger.price import blocks
 
 # Newton stops when the constraint is met to this many within-group standard deviations
 # (the features are standardised first): far below any sampling error of dz.
@@ -104,9 +105,10 @@ def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_gro
     q = np.exp(log_q)
     # Centre each group on its target mean E_q[z] (the pooled constraint is then 0), and
     # standardise by the within-group SD: the I-projection is invariant, Newton is not.
+    by_group = _with_groups(codes, n_groups)
     target = np.add.reduceat(q[:, :, None] * z, starts, axis=1)  # (P, G, k)
-    zc = z - target[:, codes]
-    dev = z - (np.add.reduceat(z, starts, axis=1) / size[:, None])[:, codes]
+    zc = by_group(np.subtract, z, target)
+    dev = by_group(np.subtract, z, np.add.reduceat(z, starts, axis=1) / size[:, None])
     sd = np.sqrt((dev ** 2).sum(axis=1) / max(n - n_groups, 1))  # (P, k)
     zs = zc / np.where(sd > 0, sd, 1.0)[:, None, :]
     d_g = np.add.reduceat(q * (log_q - logp), starts, axis=1)  # (P, G) KL(q_g || p_g)
@@ -130,6 +132,18 @@ def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_gro
     return [proj for part in parts for proj in part]
 
 
+def _with_groups(codes: np.ndarray, n_groups: int):
+    """``lambda op, x, per_group: op(x, per_group[:, codes])`` for rows x (P, n) or (P, n, k) and
+    per-group arrays (P, G) or (P, G, k). Where the groups are equal consecutive blocks of m
+    rows, by broadcasting over a (P, G, m, ...) view of x: the same numbers, without the gather
+    along the rows (10-15x slower than the arithmetic it feeds)."""
+    m = blocks(codes, n_groups)
+    if not m:
+        return lambda op, x, per_group: op(x, per_group[:, codes])
+    return lambda op, x, per_group: op(x.reshape(x.shape[0], n_groups, m, *x.shape[2:]),
+                                       per_group[:, :, None]).reshape(x.shape)
+
+
 def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndarray, c: np.ndarray):
     """The dual's damped Newton ascent for every replicate of every sample in ``zs`` (P, n, k):
     replicate j of sample p is row p * B + j (B = len(c)). Returns each row's dual value,
@@ -138,15 +152,16 @@ def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndar
     b = len(c)
     pair = np.repeat(np.arange(n_pairs), b)  # each replicate's sample
     c_all = np.tile(c, (n_pairs, 1))
+    by_group = _with_groups(codes, len(starts))
 
     def evaluate(lam_, rows):
         p_ = pair[rows]
         a = logp[p_] + np.matmul(zs[p_], lam_[:, :, None])[:, :, 0]  # (R', n)
         amax = np.maximum.reduceat(a, starts, axis=1)  # (R', G)
-        e = np.exp(a - amax[:, codes])
+        e = np.exp(by_group(np.subtract, a, amax))
         zg = np.add.reduceat(e, starts, axis=1)
         value = -(c_all[rows] * (amax + np.log(zg))).sum(axis=1)
-        return value, e / zg[:, codes]  # the dual value, and q: within-group tilted probabilities
+        return value, by_group(np.divide, e, zg)  # the dual value, and q: within-group tilted probabilities
 
     rows_all = np.arange(len(pair))
     lam = np.zeros((len(pair), k))
@@ -166,8 +181,8 @@ def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndar
         i, ci, qi, zi, grad, mean_g = i[~done], ci[~done], qi[~done], zi[~done], grad[~done], mean_g[~done]
         if not len(i):
             break
-        dev = zi - mean_g[:, codes, :]
-        hess = np.matmul(dev.transpose(0, 2, 1), (qi * ci[:, codes])[:, :, None] * dev) + 1e-12 * np.eye(k)
+        dev = by_group(np.subtract, zi, mean_g)
+        hess = np.matmul(dev.transpose(0, 2, 1), by_group(np.multiply, qi, ci)[:, :, None] * dev) + 1e-12 * np.eye(k)
         step = np.linalg.solve(hess, grad[..., None])[..., 0]
         # Newton's predicted gain (half the squared decrement) below the value's own rounding:
         # the maximum is reached to float64 precision, and backtracking there only sees noise.
