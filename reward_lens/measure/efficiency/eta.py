@@ -41,6 +41,7 @@ reproducible.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -48,7 +49,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
 
-from reward_lens.measure.efficiency.iproj import VALUE_RTOL, i_projections
+from reward_lens.measure.efficiency.iproj import THREADS, VALUE_RTOL, i_projections
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
 from reward_lens.measure.ledger.price import Ledger, blocks, stack_views
 
@@ -285,8 +286,9 @@ def rollout_test(lg: PairedLedger, idx: np.ndarray) -> float:
     return rollout_tests([(lg, idx)])[0]
 
 
-# Step pairs tested in one batched SVD at most (z of 2,048 pairs x 64 rollouts x 9 features is 9 MiB).
-ROLLOUT_TEST_BATCH = 2048
+# Step pairs tested in one batched SVD at most (z of 1,024 pairs x 64 rollouts x 9 features is 4.5 MiB),
+# the batches on up to THREADS threads.
+ROLLOUT_TEST_BATCH = 1024
 
 
 def rollout_tests(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[float]:
@@ -314,19 +316,30 @@ def rollout_tests(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[floa
             every = lg.heldout is None and len(idx) == lg.z.shape[1] and bool((np.diff(idx) == 1).all())
             got = layouts[mk] = ((n_groups, g.tobytes(), tuple(np.asarray(idx).tolist())), rows, g, n_groups, every)
         batches.setdefault(mk, []).append(q)
-    for mk, members in batches.items():
+    tasks = [(mk, members[a:a + ROLLOUT_TEST_BATCH]) for mk, members in batches.items()
+             for a in range(0, len(members), ROLLOUT_TEST_BATCH)]
+
+    def fit(task: tuple) -> np.ndarray:
+        mk, qs = task
         _, rows, g, n_groups, every = layouts[mk]
-        idx = items[members[0]][1]
-        for a in range(0, len(members), ROLLOUT_TEST_BATCH):
-            part = [items[q][0] for q in members[a:a + ROLLOUT_TEST_BATCH]]
-            z = stack_views([lg.z for lg in part])
-            r = stack_views([np.asarray(lg.log_ratio, dtype=np.float64) for lg in part])
-            if not every:  # laid out as the stack of each one's gather, so the fit's sums run alike
-                z = _laid_out_as(part[0].z[rows][:, idx], z[:, rows][:, :, idx])
-                r = np.ascontiguousarray(r[:, rows])
-            _, p, _ = within_group_r2_tests(z, r, g, n_groups)
-            for q, pv in zip(members[a:a + ROLLOUT_TEST_BATCH], p.tolist()):
-                out[q] = pv
+        idx = items[qs[0]][1]
+        part = [items[q][0] for q in qs]
+        z = stack_views([lg.z for lg in part])
+        r = stack_views([np.asarray(lg.log_ratio, dtype=np.float64) for lg in part])
+        if not every:  # laid out as the stack of each one's gather, so the fit's sums run alike
+            z = _laid_out_as(part[0].z[rows][:, idx], z[:, rows][:, :, idx])
+            r = np.ascontiguousarray(r[:, rows])
+        return within_group_r2_tests(z, r, g, n_groups)[1]
+
+    # each pair's fit is its own (one SVD per matrix): batches on threads give the same numbers
+    if len(tasks) > 1 and THREADS > 1:
+        with ThreadPoolExecutor(min(THREADS, len(tasks))) as pool:
+            fitted = list(pool.map(fit, tasks))
+    else:
+        fitted = [fit(t) for t in tasks]
+    for (_, qs), p in zip(tasks, fitted):
+        for q, pv in zip(qs, p.tolist()):
+            out[q] = pv
     return out
 
 
