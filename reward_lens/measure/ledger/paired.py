@@ -341,6 +341,7 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
         items.append((s, ho, prep, None if eta_by_step is None else eta_by_step.get(prep.prev)))
     ledgers: list[PairedLedger | None] = [None] * len(items)
     k = len(names)
+    blocks_made, tasks = [], []
     for members in batches.values():
         # every ledger's dz, SE and covariance are rows of one array per layout, filled batch by
         # batch: the books stack them back (``ledger_arrays``) without a copy
@@ -352,10 +353,24 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
             delta_z=np.empty((count, k)), se=np.empty((count, k)), cov_delta=np.empty((count, k, k)), n_pre=n, n_post=n,
             units=np.zeros(count, dtype=np.int64), matched=np.zeros(count, dtype=bool),
             learning_rate=[items[i][3] for i in members], kind="paired"))
-        for lo in range(0, count, LEDGER_BATCH):
-            part = members[lo:lo + LEDGER_BATCH]
-            for i, lg in zip(part, _ledgers([items[i] for i in part], (block, lo))):
-                ledgers[i] = lg
+        blocks_made.append(block)
+        tasks += [(members[lo:lo + LEDGER_BATCH], block, lo) for lo in range(0, count, LEDGER_BATCH)]
+
+    def price(task: tuple) -> list[PairedLedger]:
+        part, block, lo = task
+        return _ledgers([items[i] for i in part], (block, lo))
+
+    # every batch is its own arithmetic, written to its own rows of its block: on threads, the
+    # same numbers (numpy releases the GIL inside each array operation)
+    if len(tasks) > 1 and KHAT_THREADS > 1:
+        with ThreadPoolExecutor(min(KHAT_THREADS, len(tasks))) as pool:
+            priced = list(pool.map(price, tasks))
+    else:
+        priced = [price(t) for t in tasks]
+    for (part, _, _), got in zip(tasks, priced):
+        for i, lg in zip(part, got):
+            ledgers[i] = lg
+    for block in blocks_made:
         for a in (block.arrays.delta_z, block.arrays.se, block.arrays.cov_delta):
             a.flags.writeable = False  # read-only from here: ledger_arrays hands out slices of them
     return ledgers, why
