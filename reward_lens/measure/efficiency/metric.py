@@ -29,10 +29,12 @@ not priced.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import math
+import os
 
 import numpy as np
 
@@ -455,6 +457,7 @@ def _per_step(samples: Sequence[StepSample]) -> MetricG:
 
 # Ledgers centred at a time by ``within_group_metric`` (see ``paired.LEDGER_BATCH``).
 LEDGER_BLOCK = 1024
+METRIC_THREADS = os.cpu_count() or 1
 
 
 def within_group_metric(ledgers) -> MetricG:
@@ -479,26 +482,38 @@ def within_group_metric(ledgers) -> MetricG:
     layouts: dict[tuple[int, bytes], list[int]] = {}  # ledgers whose samples share a group layout
     for q, lg in enumerate(ledgers):
         layouts.setdefault((lg.n_groups, np.asarray(lg.codes).tobytes()), []).append(q)
+    tasks = []
     for members in layouts.values():
         lg0 = ledgers[members[0]]
         codes, g = np.asarray(lg0.codes), lg0.n_groups
         z = stack_views([ledgers[q].z for q in members])  # (L, n, k): a view where a batch holds them so
         m = blocks(codes, g)
         size = None if m else np.bincount(codes, minlength=g).astype(float)
-        for lo in range(0, len(members), LEDGER_BLOCK):  # small temporaries: reused, not faulted in
-            zq = z[lo:lo + LEDGER_BLOCK]
-            if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them,
-                # and centred by broadcasting (a gather of the means to every row costs 3-20x more)
-                zb = zq.reshape(len(zq), g, m, k)
-                zc = (zb - (zb.sum(axis=2) / m)[:, :, None, :]).reshape(zq.shape)
-            else:  # every ledger's groups as ids of their own: one bincount per feature for the block,
-                # each bin summed in the same order as a bincount of the ledger alone
-                uid = (np.arange(len(zq))[:, None] * g + codes[None, :]).reshape(-1)
-                sums = group_sums(zq.reshape(-1, k), uid, len(zq) * g).reshape(len(zq), g, k)
-                zc = zq - (sums / size[:, None])[:, codes]
-            rows = members[lo:lo + LEDGER_BLOCK]
-            cs[rows] = zc.transpose(0, 2, 1) @ zc / max(len(codes) - g, 1)
-            mean_z[rows] = zq.mean(axis=1)
+        # small temporaries: reused, not faulted in; each block its own rows of cs and mean_z, so
+        # the blocks go to threads (numpy releases the GIL inside each array operation)
+        tasks += [(z[lo:lo + LEDGER_BLOCK], members[lo:lo + LEDGER_BLOCK], codes, g, m, size)
+                  for lo in range(0, len(members), LEDGER_BLOCK)]
+
+    def block(task: tuple) -> None:
+        zq, rows, codes, g, m, size = task
+        if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them,
+            # and centred by broadcasting (a gather of the means to every row costs 3-20x more)
+            zb = zq.reshape(len(zq), g, m, k)
+            zc = (zb - (zb.sum(axis=2) / m)[:, :, None, :]).reshape(zq.shape)
+        else:  # every ledger's groups as ids of their own: one bincount per feature for the block,
+            # each bin summed in the same order as a bincount of the ledger alone
+            uid = (np.arange(len(zq))[:, None] * g + codes[None, :]).reshape(-1)
+            sums = group_sums(zq.reshape(-1, k), uid, len(zq) * g).reshape(len(zq), g, k)
+            zc = zq - (sums / size[:, None])[:, codes]
+        cs[rows] = zc.transpose(0, 2, 1) @ zc / max(len(codes) - g, 1)
+        mean_z[rows] = zq.mean(axis=1)
+
+    if len(tasks) > 1 and METRIC_THREADS > 1:
+        with ThreadPoolExecutor(min(METRIC_THREADS, len(tasks))) as pool:
+            list(pool.map(block, tasks))
+    else:
+        for t in tasks:
+            block(t)
     sets = _active_sets(cs, mean_z, names)
     sample_of = {lg.step_pair[0]: lg.step_pair[1] for lg in ledgers}
     by_step = StepMetrics([lg.step_pair[0] for lg in ledgers], cs, sets, ns, names,
