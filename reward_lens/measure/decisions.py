@@ -165,14 +165,16 @@ def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpai
     moved[identified] = benjamini_hochberg(p[identified], FDR_Q)
     priced, resolved, kl, shares = [], [], {}, {}
     cols = series.columns if series is not None else None
-    if cols is not None:
-        for i, pair in enumerate(tuple(q) for q in cols.step_pair.tolist()):
-            if pair in refused or not cols.priced[i].any():
+    if cols is not None:  # the columns as lists once: 10,000 rows read element by element otherwise
+        on_rows, share_rows = cols.priced.tolist(), cols.shares.tolist()
+        for pair, on_row, share_row, kl_i, res in zip((tuple(q) for q in cols.step_pair.tolist()), on_rows,
+                                                      share_rows, cols.kl_min.tolist(), cols.resolved.tolist()):
+            if pair in refused or not any(on_row):
                 continue
             priced.append(pair)
-            kl[pair] = float(cols.kl_min[i])
-            shares[pair] = {n: float(v) for n, v, on in zip(cols.names, cols.shares[i].tolist(), cols.priced[i]) if on}
-            if cols.resolved[i]:
+            kl[pair] = kl_i
+            shares[pair] = {n: v for n, v, on in zip(cols.names, share_row, on_row) if on}
+            if res:
                 resolved.append(pair)
     ledger = ledger if ledgers or not_formed else "none"
     return Decisions(names, ledger, refused, usable, dz, se, t, p, identified, moved, tuple(priced), tuple(resolved),
