@@ -737,3 +737,37 @@ def test_projections_over_equal_groups_broadcast_to_the_numbers_a_gather_gives(m
         np.testing.assert_array_equal(a.lam, b.lam)
         np.testing.assert_array_equal(a.converged, b.converged)
     assert all(a.kl_min[0] > 0 for a in fast)  # a tilt that moved something
+
+
+def test_a_layout_worked_out_once_is_what_each_step_gets_alone():
+    """``paired_ledger_series`` works out each distinct group layout once (``layouts``) and
+    hands every step of it the same read-only arrays: for a step with every group kept, one
+    with a group of one rollout dropped, one with held-out rows (one of them in that dropped
+    group), and one with too few groups, ``_prepare`` says what it says without the memo."""
+    from reward_lens.measure.ledger.paired import NotFormed, _prepare
+
+    def sample(step, groups, heldout_groups=None):
+        n = len(groups)
+        s = StepSample(step, ("f",), np.arange(n, dtype=float)[:, None], groups=np.array(groups), logp=np.zeros(n),
+                       logp_prev=np.zeros(n), n_groups=max(groups) + 1)
+        if heldout_groups is None:
+            return s, None
+        k = len(heldout_groups)
+        return s, StepSample(step, ("f",), np.ones((k, 1)), groups=np.array(heldout_groups), logp=np.zeros(k),
+                             logp_prev=np.zeros(k), n_groups=max(heldout_groups) + 1)
+
+    cases = [sample(1, [0, 0, 1, 1, 2, 2]), sample(2, [0, 0, 1, 1, 2, 2]), sample(3, [0, 0, 1, 2, 2]),
+             sample(4, [0, 0, 1, 2, 2], [0, 1, 2, 2]), sample(5, [0, 0, 1, 1, 2, 2], [0, 0, 1, 2]),
+             sample(6, [0, 1, 2, 2])]
+    layouts: dict = {}
+    for s, ho in cases + cases:  # each layout twice: the second time from the memo
+        got, want = _prepare(s, ho, layouts=layouts), _prepare(s, ho)
+        if isinstance(want, NotFormed):
+            assert got == want == NotFormed("few_groups", s.step, 1)
+            continue
+        for f in ("prev", "n_groups", "dropped", "every_heldout"):
+            assert getattr(got, f) == getattr(want, f)
+        for f in ("keep", "keep_heldout", "codes", "side"):
+            a, b = getattr(got, f), getattr(want, f)
+            assert (a is None and b is None) or (np.array_equal(a, b) and not a.flags.writeable)
+    assert len(layouts) == 5  # steps 1 and 2 share one

@@ -332,8 +332,9 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
     for s in samples:
         if s.names != names:
             raise ValueError(f"step {s.step} is in basis {s.names}, not {names}: one feature basis per ledger")
+    layouts: dict = {}
     for s, ok, prev, ho, hok in zip(later, scored, prevs, hos, ho_ok):
-        prep = _prepare(s, ho, ok, prev, hok)
+        prep = _prepare(s, ho, ok, prev, hok, layouts)
         if isinstance(prep, NotFormed):
             why[(prev if isinstance(prev, int) else s.step - 1, s.step)] = prep
             continue
@@ -414,43 +415,76 @@ def _scored(s: StepSample) -> bool:
 
 
 def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool | None = None,
-             prev: int | NotFormed | None = None, heldout_ok: bool | None = None) -> _Prepared | NotFormed:
+             prev: int | NotFormed | None = None, heldout_ok: bool | None = None,
+             layouts: dict | None = None) -> _Prepared | NotFormed:
     """The checks and the group layout of one sample (and its held-out rows), before any
     arithmetic. ``scored``, ``prev`` and ``heldout_ok``: ``has_paired_sample(sample)``,
     ``previous_step(sample)``, and whether the held-out rows are scored under that same previous
-    policy, where the caller worked them out for many."""
+    policy, where the caller worked them out for many. ``layouts``: the layouts worked out so
+    far, by the group codes of both sides (a run's steps nearly all share one)."""
     if not (has_paired_sample(sample) if scored is None else scored):
         return NotFormed("no_logp_prev", sample.step)
     prev = previous_step(sample) if prev is None else prev
     if isinstance(prev, NotFormed):
         return prev
     codes, n_groups = sample_codes(sample)
+    has_heldout = heldout is not None and heldout.n and heldout.groups is not None
+    ho_codes = np.asarray(heldout.groups, dtype=np.int64) if has_heldout else None
+    if layouts is None:
+        paired_groups, layout = _layout(codes, n_groups, ho_codes)
+    else:
+        key = (n_groups, np.asarray(codes).tobytes(), None if ho_codes is None else ho_codes.tobytes())
+        if key not in layouts:
+            layouts[key] = _layout(codes, n_groups, ho_codes, shared=True)
+        paired_groups, layout = layouts[key]
+    if paired_groups < 2:
+        return NotFormed("few_groups", sample.step, paired_groups)
+    if has_heldout and not (_scored(heldout) and previous_step(heldout) == prev if heldout_ok is None else heldout_ok):
+        return NotFormed("heldout_unscored", sample.step)
+    return _Prepared(prev, *layout)
+
+
+def _layout(codes: np.ndarray, n_groups: int, ho_codes: np.ndarray | None, shared: bool = False) -> tuple[int, tuple]:
+    """The groups of two or more rollouts, and (where there are two or more such groups) the
+    arrays of a ``_Prepared`` after its previous step: the rows kept, the codes of the kept rows
+    of both sides, their sides, the rollouts dropped. ``shared``: the arrays are made read-only,
+    for every sample of the same layout to hold."""
     sizes = np.bincount(codes, minlength=n_groups)
     paired_groups = int((sizes >= 2).sum())  # every such group has its rows among the kept
     if paired_groups < 2:
-        return NotFormed("few_groups", sample.step, paired_groups)
-    if paired_groups == n_groups and (heldout is None or not heldout.n or heldout.groups is None):
+        return paired_groups, ()
+    if paired_groups == n_groups and ho_codes is None:
         # every group of two or more, no held-out rows: every row kept, in its own codes
-        return _Prepared(prev, np.ones(len(codes), dtype=bool), None, np.asarray(codes, dtype=np.int64), n_groups,
-                         np.zeros(len(codes), dtype=bool))
-    keep = sizes[codes] >= 2
-    ho_keep = None
-    if heldout is not None and heldout.n and heldout.groups is not None:
-        if not (_scored(heldout) and previous_step(heldout) == prev if heldout_ok is None else heldout_ok):
-            return NotFormed("heldout_unscored", sample.step)
-        ho_codes = np.asarray(heldout.groups, dtype=np.int64)
-        ho_keep = (ho_codes < n_groups) & (sizes[np.minimum(ho_codes, n_groups - 1)] >= 2)
-        all_codes = np.concatenate([codes[keep], ho_codes[ho_keep]])
+        layout = (np.ones(len(codes), dtype=bool), None, np.asarray(codes, dtype=np.int64), n_groups,
+                  np.zeros(len(codes), dtype=bool))
     else:
-        all_codes = codes[keep]
-    side = np.zeros(len(all_codes), dtype=bool)
-    side[int(keep.sum()):] = True
-    dropped = int(len(keep) - int(keep.sum()))
-    if not dropped and (ho_keep is None or not (sizes < 2).any()):
-        return _Prepared(prev, keep, ho_keep, np.asarray(all_codes, dtype=np.int64), n_groups, side,
-                         every_heldout=ho_keep is not None and bool(ho_keep.all()))
-    recoded, g = group_codes(all_codes)
-    return _Prepared(prev, keep, ho_keep, recoded, g, side, dropped)
+        keep = sizes[codes] >= 2
+        ho_keep = None
+        if ho_codes is not None:
+            ho_keep = (ho_codes < n_groups) & (sizes[np.minimum(ho_codes, n_groups - 1)] >= 2)
+            all_codes = np.concatenate([codes[keep], ho_codes[ho_keep]])
+        else:
+            all_codes = codes[keep]
+        side = np.zeros(len(all_codes), dtype=bool)
+        side[int(keep.sum()):] = True
+        dropped = int(len(keep) - int(keep.sum()))
+        if not dropped and (ho_keep is None or not (sizes < 2).any()):
+            layout = (keep, ho_keep, np.asarray(all_codes, dtype=np.int64), n_groups, side, 0,
+                      ho_keep is not None and bool(ho_keep.all()))
+        else:
+            recoded, g = group_codes(all_codes)
+            layout = (keep, ho_keep, recoded, g, side, dropped)
+    if shared:
+        layout = tuple(_read_only(x) for x in layout)
+    return paired_groups, layout
+
+
+def _read_only(x):
+    """An array as a read-only copy (a copy: never a view that would lock its base), else itself."""
+    if isinstance(x, np.ndarray):
+        x = x.copy()
+        x.flags.writeable = False
+    return x
 
 
 def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, float | None]],
