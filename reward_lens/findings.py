@@ -228,7 +228,6 @@ def kl_spikes(d: FindingData, window: int = 10, factor: float = 10.0, min_se: fl
     steps, x = _ordered(d.series("kl_to_previous"))
     se = d.series("kl_to_previous_se")
     spikes = []
-    x = np.asarray(x, dtype=float)
     if len(x) > window:  # the median of the previous ``window`` steps of each step past the first ones
         meds = np.median(np.lib.stride_tricks.sliding_window_view(x, window)[:-1], axis=1)
         over = np.flatnonzero((meds > 0) & (x[window:] > factor * meds))

@@ -636,15 +636,11 @@ def test_ledger_arrays_of_a_blocks_rows_are_its_slices_and_of_anything_else_a_st
         assert a.n_pre.tolist() == [lg.n_pre for lg in part] and not a.matched.any() and not a.units.any()
 
 
-def test_a_two_sided_series_prices_each_step_as_its_ledger_alone():
-    """Steps with held-out completions of pi_t (the rows of a batch not all the read's own):
-    priced as a series, in blocks, each ledger equals the two-sided ledger of its step alone,
-    D_t included."""
-    from reward_lens.measure.ledger.paired import paired_ledger_series
-
-    rng = np.random.default_rng(31)
+def _two_sided(rng, steps: int) -> tuple[list[StepSample], dict[int, StepSample]]:
+    """Steps of 4 prompt groups x 6 rollouts, each with 2 held-out completions of pi_t per group
+    (their groups coded as the step's)."""
     samples, held = [], {}
-    for step in range(6):
+    for step in range(steps):
         s = _sample(step, rng, r_scale=0.3, n_groups=4, m=6)
         s = StepSample(step, s.names, s.z, groups=np.repeat(np.arange(4), 6), logp=s.logp, logp_prev=s.logp_prev,
                        kl_prev=s.kl_prev, n_groups=4)
@@ -653,6 +649,17 @@ def test_a_two_sided_series_prices_each_step_as_its_ledger_alone():
         lp0 = 0.2 * rng.normal(size=8)
         held[step] = StepSample(step, s.names, zh, groups=np.repeat(np.arange(4), 2), logp=lp0 + 0.3 * zh[:, 0],
                                 logp_prev=lp0, kl_prev=np.abs(rng.normal(size=8)) * 0.1, n_groups=4)
+    return samples, held
+
+
+def test_a_two_sided_series_prices_each_step_as_its_ledger_alone():
+    """Steps with held-out completions of pi_t (the rows of a batch not all the read's own):
+    priced as a series, in blocks, each ledger equals the two-sided ledger of its step alone,
+    D_t included."""
+    from reward_lens.measure.ledger.paired import paired_ledger_series
+
+    rng = np.random.default_rng(31)
+    samples, held = _two_sided(rng, 6)
     ledgers, why = paired_ledger_series(samples, heldout=held)
     assert not why and [lg.step_pair for lg in ledgers] == [(t - 1, t) for t in range(1, 6)]
     for lg in ledgers:
@@ -693,16 +700,7 @@ def test_estimates_of_a_two_sided_series_equal_each_ledgers_own():
     from reward_lens.measure.ledger.paired import paired_ledger_series
 
     rng = np.random.default_rng(37)
-    samples, held = [], {}
-    for step in range(9):
-        s = _sample(step, rng, r_scale=0.3, n_groups=4, m=6)
-        s = StepSample(step, s.names, s.z, groups=np.repeat(np.arange(4), 6), logp=s.logp, logp_prev=s.logp_prev,
-                       kl_prev=s.kl_prev, n_groups=4)
-        samples.append(s)
-        zh = rng.normal(size=(8, 2))
-        lp0 = 0.2 * rng.normal(size=8)
-        held[step] = StepSample(step, s.names, zh, groups=np.repeat(np.arange(4), 2), logp=lp0 + 0.3 * zh[:, 0],
-                                logp_prev=lp0, kl_prev=np.abs(rng.normal(size=8)) * 0.1, n_groups=4)
+    samples, held = _two_sided(rng, 9)
     ledgers, _ = paired_ledger_series(samples, heldout=held)
     for idx in (np.arange(2), np.array([1])):
         items = [(lg, idx) for lg in ledgers]

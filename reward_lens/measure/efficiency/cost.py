@@ -655,8 +655,21 @@ def _paired_envelope(series: KlMinSeries, i: int, lg: PairedLedger, est: _eta.Et
     (``eta.ENVELOPE_Z`` standard errors of the difference), or its D_t is not a positive number.
     The row is made only to name a violation."""
     d_t = est.d_t
-    if math.isfinite(d_t) and d_t > 0 and not est.excess_z > _eta.ENVELOPE_Z:
+    if not math.isfinite(d_t):
+        why = {"premise": "nonfinite_denominator", "ratio": None}
+    elif d_t <= 0:
+        why = {"premise": "nonpositive_denominator", "ratio": None}
+    elif est.excess_z > _eta.ENVELOPE_Z:
+        why = {"premise": "kl_min_above_d_t", "ratio": est.eta_debiased, "excess_z": est.excess_z,
+               "envelope_z": _eta.ENVELOPE_Z}
+    else:
         return None
+    row = series[i]
+    return {"step_pair": list(row.step_pair), "kl_min": est.kl_min_debiased, "d_t": d_t, "noise_floor": est.null_kl,
+            "clears_noise_floor": row.clears_noise_floor, "leading_feature": row.leading_feature,
+            "leading_delta": row.leading_delta, "leading_se": row.leading_se, "leading_t": row.leading_t,
+            "n_pre": lg.n_pre, "n_post": lg.n_post, "max_abs_t": float(np.max(np.abs(lg.t))) if len(lg.t) else 0.0,
+            **why}
     row = series[i]
     base = {"step_pair": list(row.step_pair), "kl_min": est.kl_min_debiased, "d_t": d_t, "noise_floor": est.null_kl,
             "clears_noise_floor": row.clears_noise_floor, "leading_feature": row.leading_feature,

@@ -41,7 +41,6 @@ reproducible.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,9 +48,9 @@ from functools import lru_cache
 import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
 
-from reward_lens.measure.efficiency.iproj import THREADS, VALUE_RTOL, i_projections
+from reward_lens.measure.efficiency.iproj import VALUE_RTOL, i_projections
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
-from reward_lens.measure.ledger.price import Ledger, blocks, stack_views
+from reward_lens.measure.ledger.price import Ledger, blocks, in_threads, stack_views
 
 # Monte Carlo draws (unpaired KL_min variance; the headline median's interval): the 2.5 %
 # and 97.5 % percentiles of 400 draws are each set by ~10 draws, enough for an interval
@@ -287,7 +286,7 @@ def rollout_test(lg: PairedLedger, idx: np.ndarray) -> float:
 
 
 # Step pairs tested in one batched SVD at most (z of 1,024 pairs x 64 rollouts x 9 features is 4.5 MiB),
-# the batches on up to THREADS threads.
+# the batches on threads (``in_threads``).
 ROLLOUT_TEST_BATCH = 1024
 
 
@@ -332,12 +331,7 @@ def rollout_tests(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[floa
         return within_group_r2_tests(z, r, g, n_groups)[1]
 
     # each pair's fit is its own (one SVD per matrix): batches on threads give the same numbers
-    if len(tasks) > 1 and THREADS > 1:
-        with ThreadPoolExecutor(min(THREADS, len(tasks))) as pool:
-            fitted = list(pool.map(fit, tasks))
-    else:
-        fitted = [fit(t) for t in tasks]
-    for (_, qs), p in zip(tasks, fitted):
+    for (_, qs), p in in_threads(iter(tasks), fit):
         for q, pv in zip(qs, p.tolist()):
             out[q] = pv
     return out

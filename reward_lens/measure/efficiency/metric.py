@@ -29,16 +29,15 @@ not priced.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import lru_cache
 
 import math
-import os
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import StepSample, blocks, group_sums, segment_scatter, stack_views, stacked
+from reward_lens.measure.ledger.price import (StepSample, blocks, group_sums, in_threads, segment_scatter, stack_views,
+                                              stacked)
 
 # Relative SD below which a feature counts as constant: 1e-12 of max(1, |mean|), i.e. at
 # float64 round-off, so that only genuinely constant features are excluded.
@@ -457,7 +456,6 @@ def _per_step(samples: Sequence[StepSample]) -> MetricG:
 
 # Ledgers centred at a time by ``within_group_metric`` (see ``paired.LEDGER_BATCH``).
 LEDGER_BLOCK = 1024
-METRIC_THREADS = os.cpu_count() or 1
 
 
 def within_group_metric(ledgers) -> MetricG:
@@ -508,12 +506,8 @@ def within_group_metric(ledgers) -> MetricG:
         cs[rows] = zc.transpose(0, 2, 1) @ zc / max(len(codes) - g, 1)
         mean_z[rows] = zq.mean(axis=1)
 
-    if len(tasks) > 1 and METRIC_THREADS > 1:
-        with ThreadPoolExecutor(min(METRIC_THREADS, len(tasks))) as pool:
-            list(pool.map(block, tasks))
-    else:
-        for t in tasks:
-            block(t)
+    for _ in in_threads(iter(tasks), block):
+        pass
     sets = _active_sets(cs, mean_z, names)
     sample_of = {lg.step_pair[0]: lg.step_pair[1] for lg in ledgers}
     by_step = StepMetrics([lg.step_pair[0] for lg in ledgers], cs, sets, ns, names,

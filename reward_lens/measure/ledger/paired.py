@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from reward_lens.measure.ledger.price import (Ledger, LedgerArrays, LedgerBlock, StepSample, blocks, group_codes,
-                                              sample_codes, stack_range, stacked)
+                                              in_threads, sample_codes, stack_range, stacked)
 
 
 # Each direction's effective sample size must reach this many per prompt group (on average):
@@ -363,12 +363,7 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
 
     # every batch is its own arithmetic, written to its own rows of its block: on threads, the
     # same numbers (numpy releases the GIL inside each array operation)
-    if len(tasks) > 1 and KHAT_THREADS > 1:
-        with ThreadPoolExecutor(min(KHAT_THREADS, len(tasks))) as pool:
-            priced = list(pool.map(price, tasks))
-    else:
-        priced = [price(t) for t in tasks]
-    for (part, _, _), got in zip(tasks, priced):
+    for (part, _, _), got in in_threads(iter(tasks), price):
         for i, lg in zip(part, got):
             ledgers[i] = lg
     for block in blocks_made:
