@@ -26,6 +26,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats, watch_samples
 from reward_lens_spec import load_findings
 from reward_lens_spec.models import FindingSpec
 from reward_lens_spec.render import render_template
@@ -67,11 +68,12 @@ class FindingData:
     field is absent and the rollouts hold it, from the rollouts (reward mean, zero-spread share)."""
 
     def __init__(self, series: Mapping[str, Mapping[int, float]], *, report=None, config: Mapping[str, Any] | None = None,
-                 reward_se: Mapping[int, float] | None = None):
+                 reward_se: Mapping[int, float] | None = None, watch: RunWatch | None = None):
         self._series = {k: dict(v) for k, v in series.items()}
         self.report = report
         self.config = dict(config or {})
         self.reward_se = dict(reward_se or {})
+        self.watch = watch  # the sequential watch of the rollouts (measure.sequential), step by step
 
     def series(self, name: str) -> dict[int, float]:
         return self._series.get(name, {})
@@ -100,7 +102,8 @@ class FindingData:
         cfg = dict(run.manifest.trainer_config or {})
         if not series["max_grad_norm"] and isinstance(cfg.get("max_grad_norm"), (int, float)):
             series["max_grad_norm"] = {s: float(cfg["max_grad_norm"]) for s in series["grad_norm_unclipped"]}
-        return cls(series, report=report, config=cfg, reward_se=reward_se)
+        watch = watch_samples(samples, WatchBasis.of(report.basis)) if samples and report is not None else None
+        return cls(series, report=report, config=cfg, reward_se=reward_se, watch=watch)
 
 
 def _sample_reward_stats(samples) -> tuple[dict[int, float], dict[int, float], dict[int, float]] | None:
@@ -291,86 +294,172 @@ def reward_plateau(d: FindingData, window: int = 5, fraction: float = 0.25, z: f
                    {"price_first": p1, "se_first": s1, "price_last": p3, "se_last": s3, "fraction": fraction})
 
 
-def _agreement_features(d: FindingData, verdicts: Sequence[str]) -> list:
-    agreement = d.book("agreement")
-    if agreement is None:
-        return []
-    return [f for f in agreement.features if f.verdict in verdicts]
+# ------------------------------------------------------------------------- sequential (the watch)
+# The book-grounded findings below read the run's sequential watch (``measure.sequential``): each
+# behaviour's level and the reward's, step by step, against a reference from before any change,
+# with the selection differential summed over the steps so far. They hold while a one-sided CUSUM
+# is at ``h`` or above, so the false-alarm rate is held over every look (docs/findings.md), and
+# their onset is where the sustained movement began, not where the sum crossed ``h``.
+def _too_short(d: FindingData) -> bool:
+    return d.watch is None or d.watch.steps < 2
 
 
-def _cumulative_onset(d: FindingData, feature: str, sign: float, z: float) -> int | None:
-    """The first step u at which the movement of ``feature`` summed over the usable step pairs
-    (t, u) so far is ``z`` standard errors from zero in the direction ``sign`` (a sequential
-    test: the sum's SE from the pairs' SEs; ``z`` = 3 allows for looking at every step). The
-    run-level verdict is the effect book's: this only dates it. Later noisy pairs widen the
-    sum's SE, so the first crossing is the onset, not a stretch that lasts to the end."""
-    effect = d.book("effect")
-    if effect is None or feature not in effect.rows.delta_z:
+def _movement(d: FindingData, name: str, direction: int, h: float) -> dict[str, Any] | None:
+    """The movement of ``name`` in ``direction`` while its CUSUM is at ``h`` or above: where it
+    began, the reference level and the stretch's mean, and the change in units of the
+    behaviour's within-step standard deviation (``size``)."""
+    w = d.watch
+    s = w.series[name].side(direction) if name in w.series else None
+    if s is None or s.c < h:
         return None
-    dz = np.array([v if v is not None else 0.0 for v in effect.rows.delta_z[feature]], dtype=float)
-    se = np.array([v if v is not None and v == v else 0.0 for v in effect.rows.se[feature]], dtype=float)
-    steps = np.array([p[1] for p in effect.rows.step_pair], dtype=np.int64)
-    if not len(dz):
+    ref, to = s.reference, s.level
+    if ref is None or to is None:
         return None
-    s, v = np.cumsum(dz), np.cumsum(se ** 2)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        t = np.where(v > 0, s / np.sqrt(v), 0.0)
-    crossed = np.flatnonzero(sign * t >= z)
-    return int(steps[crossed[0]]) if len(crossed) else None
+    spread = s.spread
+    return {"feature": name, "unit": w.basis.units.get(name, ""), "onset": s.since, "from": ref, "to": to,
+            "change": to - ref, "size": (to - ref) / spread if spread else None, "cusum": s.c}
 
 
-def moving_against_reward(d: FindingData, z: float = 3.0) -> Outcome:
-    """A feature the reward selects on directly (the cause book's selection gradient, resolved)
-    moved the other way over the run (the effect book's drift, resolved)."""
-    feats = _agreement_features(d, ("asked for, moved the other way",))
-    if not feats:
-        return Outcome(False)
-    rows, onsets = [], []
-    effect = d.book("effect")
-    ends = {x.feature: (x.first, x.last) for x in effect.drift} if effect is not None else {}
-    for f in feats:
-        onset = _cumulative_onset(d, f.feature, 1.0 if f.drift > 0 else -1.0, z)
-        onsets.append(onset)
-        first, last = ends.get(f.feature, (None, None))
-        rows.append({"feature": f.feature, "drift": f.drift, "unit": f.unit, "asked": "more" if (f.gradient or 0) > 0
-                     else "less", "onset": onset, "first": first, "last": last})
-    known = [o for o in onsets if o is not None]
-    return Outcome(True, min(known) if known else None, {"features": rows, "z": z})
+def _big(row: dict[str, Any], min_size: float) -> bool:
+    return row["size"] is not None and abs(row["size"]) >= min_size
 
 
-def collateral(d: FindingData, z: float = 3.0) -> Outcome:
-    """A feature moved over the run (resolved) with neither direct nor indirect selection on it:
-    the reward-hacking signature in the named basis."""
-    feats = _agreement_features(d, ("collateral",))
-    if not feats:
-        return Outcome(False)
-    rows = []
-    for f in feats:
-        onset = _cumulative_onset(d, f.feature, 1.0 if f.drift > 0 else -1.0, z)
-        rows.append({"feature": f.feature, "drift": f.drift, "unit": f.unit, "onset": onset})
+def _relative(row: dict[str, Any]) -> float | None:
+    """The stretch's change as a fraction of the reference level (None from a level of 0)."""
+    return abs(row["change"]) / abs(row["from"]) if row["from"] else None
+
+
+def _onset(rows: Sequence[dict[str, Any]]) -> int | None:
     known = [r["onset"] for r in rows if r["onset"] is not None]
-    return Outcome(True, min(known) if known else None, {"features": rows, "z": z})
+    return min(known) if known else None
 
 
-def length_drift(d: FindingData, min_relative: float = 0.1, z: float = 3.0) -> Outcome:
-    """A length feature moved (resolved) by at least ``min_relative`` of its starting mean with
-    no direct selection on it (not asked for: carried along or collateral)."""
-    if d.report is None:
-        return Outcome(False)
-    lengths = {f.name for f in d.report.basis.features if f.kind == "length"}
-    effect = d.book("effect")
-    first = {x.feature: x.first for x in effect.drift} if effect is not None else {}
+def moving_against_reward(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_size: float = 0.25) -> Outcome:
+    """A behaviour the reward selects (its selection differential summed over the steps so far is
+    ``z_sel`` SE from zero) has moved the other way: its level's CUSUM against the selection is at
+    ``h`` or above, by at least ``min_size`` of its within-step standard deviation."""
+    if _too_short(d):
+        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
     rows = []
-    for f in _agreement_features(d, ("carried along", "collateral")):
-        base = abs(first.get(f.feature) or 0.0)
-        if f.feature in lengths and base > 0 and abs(f.drift) / base >= min_relative:
-            onset = _cumulative_onset(d, f.feature, 1.0 if f.drift > 0 else -1.0, z)
-            rows.append({"feature": f.feature, "drift": f.drift, "unit": f.unit, "first": first.get(f.feature),
-                         "relative": f.drift / base, "verdict": f.verdict, "onset": onset})
-    if not rows:
-        return Outcome(False, evidence={"min_relative": min_relative})
-    known = [r["onset"] for r in rows if r["onset"] is not None]
-    return Outcome(True, min(known) if known else None, {"features": rows, "min_relative": min_relative})
+    for name in d.watch.basis.names:
+        sel, z = d.watch.selected(name, z_sel)
+        if not sel:
+            continue
+        row = _movement(d, name, -sel, h)
+        if row is not None and _big(row, min_size):
+            rows.append({**row, "asked": "more" if sel > 0 else "less", "z_selection": z})
+    return Outcome(bool(rows), _onset(rows), {"features": rows, "h": h, "z_sel": z_sel, "min_size": min_size})
+
+
+def _unexplained(d: FindingData, name: str, direction: int, z_explain: float, z_sel: float) -> tuple[bool, float | None]:
+    """No selection explains a movement of ``name`` in ``direction``: its summed selection
+    differential is under ``z_explain`` SE in that direction, and not ``z_sel`` SE against it
+    (that is a movement against the reward, another finding's)."""
+    _, z = d.watch.selected(name, z_sel)
+    along = direction * z if z is not None else 0.0
+    return (along < z_explain and along > -z_sel), z
+
+
+def collateral(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_explain: float = 2.0,
+               z_sel: float = 3.0) -> Outcome:
+    """A behaviour moved (its CUSUM at ``h`` or above, by ``min_size`` within-step SDs or more)
+    that no selection explains: its summed selection differential is under ``z_explain`` SE in the
+    direction it moved (the reward-hacking signature in the named basis)."""
+    if _too_short(d):
+        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
+    rows = []
+    for name in d.watch.basis.names:
+        for direction in (1, -1):
+            row = _movement(d, name, direction, h)
+            if row is None or not _big(row, min_size):
+                continue
+            free, z = _unexplained(d, name, direction, z_explain, z_sel)
+            if free:
+                rows.append({**row, "z_selection": z})
+    return Outcome(bool(rows), _onset(rows), {"features": rows, "h": h, "min_size": min_size,
+                                               "z_explain": z_explain})
+
+
+def length_drift(d: FindingData, h: float = 4.0, min_relative: float = 0.1, z_explain: float = 2.0,
+                 z_sel: float = 3.0) -> Outcome:
+    """A length feature moved (its CUSUM at ``h`` or above) by at least ``min_relative`` of its
+    reference level, with no selection explaining it (as ``collateral``)."""
+    if _too_short(d):
+        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0,
+                                        "min_relative": min_relative})
+    rows = []
+    for name in d.watch.basis.names:
+        if d.watch.basis.kinds.get(name) != "length":
+            continue
+        for direction in (1, -1):
+            row = _movement(d, name, direction, h)
+            rel = _relative(row) if row is not None else None
+            if row is None or rel is None or rel < min_relative:
+                continue
+            free, z = _unexplained(d, name, direction, z_explain, z_sel)
+            if free:
+                rows.append({**row, "relative": rel, "z_selection": z})
+    return Outcome(bool(rows), _onset(rows), {"features": rows, "min_relative": min_relative, "h": h})
+
+
+def _bought(d: FindingData, h: float, min_size: float) -> list[dict[str, Any]]:
+    """The declared targets that moved the way the user wants them (sustained, sized)."""
+    out = []
+    for name, want in d.watch.basis.targets.items():
+        row = _movement(d, name, 1 if want == "higher" else -1, h)
+        if row is not None and _big(row, min_size):
+            out.append(row)
+    return out
+
+
+def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25) -> Outcome:
+    """The reward rose (its level's CUSUM up at ``h`` or above) while a declared target moved
+    against what the user wants (its CUSUM at ``h``, by ``min_size`` within-step SDs or more): the
+    proxy climbs while the gold falls (Gao et al. 2022). Onset: the later of the two onsets, the
+    step from which both go their ways."""
+    if _too_short(d):
+        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
+    reward = d.watch.reward
+    rose = reward.cusum(1) >= h
+    rows = []
+    for name, want in d.watch.basis.targets.items():
+        row = _movement(d, name, -1 if want == "higher" else 1, h)
+        if row is not None and _big(row, min_size):
+            rows.append({**row, "want": want})
+    evidence = {"features": rows, "h": h, "reward_rose": rose, "reward_from": reward.up_side.reference,
+                "reward_to": reward.up_side.level, "reward_onset": reward.since(1),
+                "targets": list(d.watch.basis.targets)}
+    if not (rose and rows):
+        return Outcome(False, evidence=evidence)
+    onset = max(reward.since(1), _onset(rows))
+    return Outcome(True, onset, evidence)
+
+
+def paid_for_drift(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_relative: float = 0.5,
+                   min_size: float = 0.25) -> Outcome:
+    """A behaviour that is not a target grew, in the direction the reward selects it (summed
+    selection differential ``z_sel`` SE from zero), by at least ``min_relative`` of its reference
+    level and ``min_size`` within-step SDs (its CUSUM at ``h`` or above), while no declared target
+    moved the way the user wants: the reward buys its own proxy, not the target."""
+    if _too_short(d):
+        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
+    bought = _bought(d, h, min_size)
+    rows = []
+    for name in d.watch.basis.names:
+        if name in d.watch.basis.targets:
+            continue
+        sel, z = d.watch.selected(name, z_sel)
+        if not sel:
+            continue
+        row = _movement(d, name, sel, h)
+        if row is None or not _big(row, min_size) or not abs(row["to"]) > abs(row["from"]):
+            continue
+        rel = _relative(row)
+        if rel is None or rel >= min_relative:
+            rows.append({**row, "relative": rel, "z_selection": z})
+    evidence = {"features": rows, "bought": bought, "targets": list(d.watch.basis.targets), "h": h,
+                "min_relative": min_relative}
+    return Outcome(bool(rows) and not bought, _onset(rows) if rows and not bought else None, evidence)
 
 
 def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: float = 0.1) -> Outcome:
@@ -398,7 +487,7 @@ def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: flo
 
 PREDICATES: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
     entropy_collapse, advantage_collapse, kl_spikes, clipping_saturation, reward_plateau, moving_against_reward,
-    collateral, length_drift, spending_without_buying)}
+    collateral, length_drift, spending_without_buying, proxy_gaming, paid_for_drift)}
 
 
 # ------------------------------------------------------------------------------------ evaluation
@@ -415,6 +504,23 @@ def missing_inputs(spec: FindingSpec, present: Callable[[str], bool], book_statu
         out += [f"the {b} book ({book_status.get(b, 'not computed')})" for b in spec.books
                 if book_status.get(b) not in ("computed", "partial", "unresolved")]
     return out
+
+
+# What a finding that reads the declared targets lacks where the basis declares none.
+TARGET = "`target:` on a feature of the basis (the behaviour the user wants, e.g. correctness; --features)"
+
+
+def missing_target(spec: FindingSpec, targets: Mapping[str, str] | None) -> list[str]:
+    """``[TARGET]`` for a finding that reads the declared targets (``needs_target``) when there are
+    none (``targets`` None: the basis is not known here, as in an audit of a config: nothing)."""
+    return [TARGET] if spec.needs_target and targets is not None and not targets else []
+
+
+def reads_weighted_reward(spec: FindingSpec, present: Callable[[str], bool]) -> bool:
+    """The finding reads the rollouts' weighted `reward`: the first alternative of its inputs that
+    the record supplies names ``rollout.reward``."""
+    alt = next((a for a in spec.inputs if all(present(f) for f in a)), None)
+    return alt is not None and "rollout.reward" in alt
 
 
 def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> FindingOut:
@@ -438,10 +544,14 @@ def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> Fi
 def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, samples=None) -> list[FindingOut]:
     """Every finding on a finished record (with its report's books where a finding reads them,
     and its read of the rollouts, ``samples``, where it made one)."""
+    from reward_lens.record.importers.trl_output import assumed_reward_weights
+
     specs = specs if specs is not None else load_findings()
     fields = run.fields()
     data = FindingData.from_run(run, report, samples)
     status = {b.id: b.status for b in report.books} if report is not None else {}
+    targets = {f.name: f.target for f in report.basis.features if f.target} if report is not None else {}
+    assumed = assumed_reward_weights(run.manifest.notes)
 
     def present(f: str) -> bool:
         if f in ("reward_mean", "frac_reward_zero_std") and not (fields.get(f) and fields[f].any):
@@ -451,7 +561,14 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
         p = fields.get(f)
         return bool(p is not None and p.any)
 
-    return [evaluate_one(s, data, missing_inputs(s, present, status)) for s in specs.values()]
+    out = []
+    for s in specs.values():
+        f = evaluate_one(s, data, missing_inputs(s, present, status) + missing_target(s, targets))
+        if assumed is not None and f.status != "not_evaluated" and reads_weighted_reward(s, present):
+            f = f.model_copy(update={"evidence": f"{f.evidence} " + " ".join(render_template(
+                "findings/assumed_reward_weights.j2", {"note": assumed}).split())})
+        out.append(f)
+    return out
 
 
 def evaluate_live(series: Mapping[str, Mapping[int, float]], config: Mapping[str, Any] | None = None,
@@ -467,6 +584,115 @@ def evaluate_live(series: Mapping[str, Mapping[int, float]], config: Mapping[str
             continue
         out.append(evaluate_one(s, data, missing_inputs(s, lambda f: bool(data.series(f)), None)))
     return out
+
+
+class LiveFindings:
+    """The findings while training, step by step: what ``reward-lens check`` says on the record
+    of the steps so far, at the cost of each new step's rollouts.
+
+    ``observe(step, rollouts, heldout, telemetry)`` after each step hands over what is new: the
+    rollouts of the steps that finished (a ``pyarrow`` table in the record's rollouts schema, or
+    the ``Rollout`` rows a tap writes; any steps up to ``step``, each step once), and telemetry
+    rows by step (late values, such as D_t, replace earlier ones). It returns the live findings'
+    outcomes. The book-grounded ones (moving against the reward, proxy gaming, paid-for drift,
+    collateral, length drift) read the sequential watch (``measure.sequential``): each new step
+    is summarised once (its features in ``basis``, its reward, its selection differential within
+    prompt groups) and the run is never re-read, so at every prefix their outcome and onset are
+    what ``check`` says on that prefix of the record (tests/unit/test_live_findings.py). The
+    telemetry ones (entropy, zero-spread groups, D_t spikes, clipping) read the series so far,
+    with the reward and zero-spread share taken from the rollouts as ``check`` takes them.
+    Held-out completions (pi_t's, the paired ledger's second side) are accepted and not read:
+    no live finding needs them.
+
+    ``basis``: the feature basis (``check``'s ``--features``; default the surface basis, its
+    default too); ``config``: the trainer's settings (``max_grad_norm``,
+    ``max_completion_length``); ``eos_token_id``: the model's, for features that need it."""
+
+    def __init__(self, basis=None, config: Mapping[str, Any] | None = None, *, eos_token_id: int | None = None,
+                 specs: Mapping[str, FindingSpec] | None = None):
+        from reward_lens.measure.ledger.features import SurfaceFeatures
+
+        self.basis = basis if basis is not None else SurfaceFeatures()
+        self.config = dict(config or {})
+        self.context = {"eos_token_id": eos_token_id, "max_completion_length": self.config.get("max_completion_length")}
+        self.specs = {k: v for k, v in (specs if specs is not None else load_findings()).items() if v.live}
+        self.watch = RunWatch(WatchBasis.of(self.basis))
+        self.series: dict[str, dict[int, float]] = {}
+        self.reward_se: dict[int, float] = {}
+        self.columns: set[str] = set()  # rollout columns seen with values
+
+    def observe(self, step: int, rollouts=None, heldout=None, telemetry: Mapping[int, Mapping[str, Any]] | None = None
+                ) -> list[FindingOut]:
+        """Take the new steps' rollouts and telemetry; the live findings as of ``step``."""
+        for s, row in (telemetry or {}).items():
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self.series.setdefault(k, {})[int(s)] = float(v)
+        for sample in self._samples(rollouts):
+            st = step_stats(sample)
+            if st is not None:
+                self.watch.observe(st)
+            stats = _sample_reward_stats([sample]) if sample.rewards is not None else None
+            if stats is not None:
+                (mean, se, zero) = stats
+                self.series.setdefault("\0reward_mean", {}).update(mean)
+                self.reward_se.update(se)
+                self.series.setdefault("\0frac_reward_zero_std", {}).update(zero)
+        return self.outcomes()
+
+    def _samples(self, rollouts) -> list:
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        from reward_lens.measure.ledger.price import OPTIONAL_COLUMNS, StepSample, group_codes
+
+        if rollouts is None:
+            return []
+        if not isinstance(rollouts, pa.Table):
+            from reward_lens.record.writer import _rollouts_table
+
+            rollouts = _rollouts_table(list(rollouts))
+        if not rollouts.num_rows:
+            return []
+        self.columns |= {c for c in rollouts.column_names if rollouts.column(c).null_count < rollouts.num_rows}
+        steps = rollouts.column("step").to_numpy()
+        out = []
+        for t in np.unique(steps):
+            table = rollouts.filter(pc.equal(rollouts.column("step"), int(t)))
+            if int(t) <= (self.watch.last_step if self.watch.last_step is not None else -1):
+                continue
+            z = self.basis.compute(table, source=f"rollouts of step {int(t)}", context=self.context)
+            cols = {}
+            for c in ("reward", "advantage"):
+                col = table.column(c) if c in table.column_names else None
+                if col is not None and col.null_count < len(col):
+                    cols[OPTIONAL_COLUMNS[c]] = col.cast(pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False)
+            groups = n_groups = None
+            if "group_id" in table.column_names and not table.column("group_id").null_count:
+                groups, n_groups = group_codes(np.asarray(table.column("group_id").cast(pa.string()).to_pylist()))
+            if "rewards" in cols and not np.isfinite(cols["rewards"]).all():
+                del cols["rewards"]  # a step with a reward missing: no reward level (check drops it too)
+            out.append(StepSample(int(t), tuple(self.basis.names), z, groups=groups, n_groups=n_groups, **cols))
+        return out
+
+    def outcomes(self) -> list[FindingOut]:
+        """The live findings on the steps observed so far."""
+        series = {k: v for k, v in self.series.items() if not k.startswith("\0")}
+        for name in ("reward_mean", "frac_reward_zero_std"):  # from the rollouts where telemetry lacks them
+            if not series.get(name) and self.series.get("\0" + name):
+                series[name] = self.series["\0" + name]
+        if not series.get("max_grad_norm") and isinstance(self.config.get("max_grad_norm"), (int, float)):
+            series["max_grad_norm"] = {s: float(self.config["max_grad_norm"]) for s in series.get("grad_norm_unclipped", {})}
+        data = FindingData(series, config=self.config, reward_se=self.reward_se,
+                           watch=self.watch if self.watch.steps else None)
+
+        def present(f: str) -> bool:  # as ``evaluate`` asks the record: a column with a value on some row
+            if f.startswith("rollout."):
+                return f.removeprefix("rollout.") in self.columns
+            return bool(series.get(f))
+
+        return [evaluate_one(s, data, missing_inputs(s, present, None) + missing_target(s, self.basis.targets))
+                for s in self.specs.values()]
 
 
 def findings_table(specs: Mapping[str, FindingSpec] | None = None) -> str:
@@ -523,5 +749,5 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-__all__ = ["FindingOut", "FindingData", "Outcome", "PREDICATES", "evaluate", "evaluate_live", "exit_code",
-           "worst", "render_template"]
+__all__ = ["FindingOut", "FindingData", "LiveFindings", "Outcome", "PREDICATES", "evaluate", "evaluate_live",
+           "exit_code", "worst", "render_template"]

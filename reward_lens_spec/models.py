@@ -236,6 +236,8 @@ class FindingSpec(_Strict):
         "alternatives: the finding is evaluated when every field of one of them is present on the record"))
     books: list[str] = Field(default_factory=list, description="books whose output it reads (each must compute)")
     live: bool = Field(False, description="evaluable from the steps so far, by the tap while training")
+    needs_target: bool = Field(False, description="reads the declared targets of the feature basis (a feature with "
+                                                  "`target:`); without one it is not evaluated")
     predicate: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     params: dict[str, float | int | str | bool] = Field(default_factory=dict)
     evidence: str

@@ -116,6 +116,8 @@ class BasisFeature(_M):
     kind: str
     unit: str
     meaning: str
+    target: Literal["higher", "lower"] | None = Field(None, description="a declared target: what the user wants "
+                                                                        "of this behaviour (measure/ledger/basis.py)")
 
 
 class BasisOut(_M):

@@ -44,6 +44,9 @@ class TapSettings(BaseModel):
                                                         "(specs/findings/ with live: true) on the steps so far; 0: never")
     stop_on: Literal["warn", "critical"] | None = Field(None, description="stop training (TrainerControl) when a "
                                                                           "live finding of this severity or above holds")
+    features: str | None = Field(None, description="the feature basis the live findings read (a YAML file, as "
+                                                   "`reward-lens check --features`; default: the surface basis, "
+                                                   "check's default): the same basis gives the same findings")
 
     @model_validator(mode="before")
     @classmethod

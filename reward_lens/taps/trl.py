@@ -250,6 +250,7 @@ class RewardLensTap(TrainerCallback):
         n_exact, chunk, save_initial_checkpoint, overwrite, seed, model_description = (
             s.n_exact, s.chunk, s.save_initial_checkpoint, s.overwrite, s.seed, s.model_description)
         self.check_every, self.stop_on = s.check_every, s.stop_on
+        self._unchecked: list[Rollout] = []  # rollouts written since the last check of the live findings
         self.findings_warned: set[str] = set()  # live findings already warned about (once each)
         self.findings_log: dict[int, list[str]] = {}  # step -> live findings holding there
         acc = trainer.accelerator
@@ -311,6 +312,10 @@ class RewardLensTap(TrainerCallback):
         self._generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + 7 + self.rank)
         args = trainer.args
         cfg = record_config(args.to_dict())
+        from reward_lens.findings import LiveFindings
+        from reward_lens.measure.ledger.basis import load_basis
+
+        self.live = LiveFindings(load_basis(s.features) if s.features else None, cfg, eos_token_id=_eos_id(trainer))
         import trl
 
         model = trainer.model
@@ -977,17 +982,14 @@ class RewardLensTap(TrainerCallback):
         """The live findings on the steps so far (rank 0 holds the telemetry): each logged as
         ``reward_lens/finding/<id>`` (1 while it holds), a warning the first time one holds, and
         with ``stop_on`` the training stopped on every rank."""
-        from reward_lens.findings import RANK, evaluate_live
+        from reward_lens.findings import RANK
 
         stop = False
         if self.stream is not None:
-            series: dict[str, dict[int, float]] = {}
-            for step, row in self.stream._telemetry.items():
-                for k, v in row.model_dump(exclude_none=True).items():
-                    if k != "step" and isinstance(v, float):
-                        series.setdefault(k, {})[step] = v
+            rows, self._unchecked = self._unchecked, []
             held = []
-            for f in evaluate_live(series, {"max_grad_norm": self.trainer.args.max_grad_norm}):
+            tel = {step: row.model_dump(exclude_none=True) for step, row in self.stream._telemetry.items()}
+            for f in self.live.observe(t, rows, None, tel):  # the steps so far, as `check` would read them
                 if f.status == "not_evaluated":
                     continue
                 self._log_acc.setdefault(f"reward_lens/finding/{f.id}", []).append(1.0 if f.status == "holds" else 0.0)
@@ -1023,6 +1025,8 @@ class RewardLensTap(TrainerCallback):
             rows = [r for _, r in sorted(self._gather(list(zip(ready, rows))), key=lambda x: x[0])]
             held = sorted(self._gather(held), key=lambda r: (r.step, int(r.group_id.split(":")[1])))
         if self.stream is not None:
+            if rows and self.check_every:
+                self._unchecked.extend(rows)
             if rows:
                 self.stream.add_rollouts(rows)
             if held:

@@ -16,6 +16,18 @@ A basis file lists features, each with a name, a kind, a unit and a one-line mea
       - name: reward_fmt          # the record's per-rollout score of reward function `fmt`
         kind: reward
         reward: fmt
+      - name: correct             # what the user actually wants: a declared target
+        kind: reward
+        reward: correctness       # e.g. a function scored on every rollout with reward weight 0
+        target: higher
+
+A feature may be declared a **target** (``target: higher`` or ``target: lower``): what the user
+actually wants of the policy, as opposed to what the reward pays for. Correctness on the task, a
+held-out check, a grader's score the reward does not see. The findings that tell reward hacking
+from learning (``proxy_gaming``, ``paid_for_drift``) read the targets; where the basis declares
+none, they are *not evaluated* and name the field. A target is a statement about the run's
+purpose, not a definition of a number: it is not part of the basis id, and books computed in
+bases that differ only in their targets are the same books.
 
 Kinds (every built-in kind is one vectorised ``pyarrow.compute`` pass over a column, except
 ``json``, which calls Python's JSON parser once per completion):
@@ -70,6 +82,9 @@ class _Def(BaseModel):
     name: str = Field(pattern=NAME)
     unit: str | None = None
     meaning: str | None = None
+    target: Literal["higher", "lower"] | None = Field(
+        None, description="what the user actually wants of this behaviour (more of it: higher; less: lower), as "
+                          "opposed to what the reward pays for; read by the findings, not part of the basis id")
 
 
 class RegexDef(_Def):
@@ -210,7 +225,8 @@ class FeatureBasis:
             if d.name in seen:
                 raise SpecError(f"{source}: feature `{d.name}` is declared twice")
             seen.add(d.name)
-        payload = [d.model_dump(by_alias=True, exclude={"meaning"}) | {"unit": _unit(d)} for d in self.defs]
+        # the prose and the declared targets say what the numbers are for, not what they are
+        payload = [d.model_dump(by_alias=True, exclude={"meaning", "target"}) | {"unit": _unit(d)} for d in self.defs]
         digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
         self.basis_id = f"basis:{digest[:12]}"
         self.names = BasisNames([d.name for d in self.defs], self.basis_id)
@@ -225,8 +241,14 @@ class FeatureBasis:
     def units(self) -> dict[str, str]:
         return {d.name: _unit(d) for d in self.defs}
 
-    def describe(self) -> list[dict[str, str]]:
-        return [{"name": d.name, "kind": d.kind, "unit": _unit(d), "meaning": _meaning(d)} for d in self.defs]
+    def describe(self) -> list[dict[str, str | None]]:
+        return [{"name": d.name, "kind": d.kind, "unit": _unit(d), "meaning": _meaning(d), "target": d.target}
+                for d in self.defs]
+
+    @property
+    def targets(self) -> dict[str, str]:
+        """The declared targets: feature name -> ``higher`` or ``lower`` (what the user wants)."""
+        return {d.name: d.target for d in self.defs if d.target is not None}
 
     @property
     def columns(self) -> list[str]:

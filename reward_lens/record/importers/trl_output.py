@@ -27,7 +27,7 @@ uses 0-based t = s - 1 for both.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,9 @@ from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_sch
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
 
+# The note a record carries when the importer had to assume the reward weights (its first words
+# are how a reader of the record finds it: ``assumed_reward_weights``).
+ASSUMED_WEIGHTS = "reward weights assumed"
 # torch.nn.utils.clip_grad_norm_ scales by max_norm / (total_norm + 1e-6), clamped at 1.
 _CLIP_EPS = 1e-6
 _COMPLETION_BASE = ("step", "prompt", "completion", "advantage")
@@ -149,6 +152,9 @@ def import_trl(
         rollouts = pa.Table.from_pylist([], schema=arrow_schema("rollouts"))
     else:
         rollouts = _rollouts(_read_completions(out), cfg, reward_names, logged, per_step)
+        assumed = _assumed_weights(cfg, reward_names)
+        if assumed is not None:
+            notes.append(assumed)
 
     optimizer = cfg.get("optim")
     framework = {"name": "trl", "version": framework_version}
@@ -191,12 +197,40 @@ def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path
     return [OptimizerTelemetry(**seen[s]) for s in sorted(seen)]
 
 
+def _weights(cfg: Mapping[str, Any], reward_names: list[str]) -> list[float]:
+    """The weight of each reward function in the rollouts' `reward`: the config's
+    ``reward_weights``, else 1 each (GRPOConfig's default when it is unset)."""
+    weights = cfg.get("reward_weights") or [1.0] * len(reward_names)
+    return list(weights) if len(weights) == len(reward_names) else [1.0] * len(reward_names)
+
+
+def _assumed_weights(cfg: Mapping[str, Any], reward_names: list[str]) -> str | None:
+    """The note saying which reward weights were assumed, or None when the config states them. A
+    config holding ``reward_weights: null`` states them too (GRPOConfig's default: 1 each, which
+    ``trainer.args.to_dict()`` writes out); a config without the key, or no config, does not."""
+    if not reward_names:
+        return None
+    given = cfg.get("reward_weights")
+    if "reward_weights" in cfg and (given is None or len(given) == len(reward_names)):
+        return None
+    pairs = ", ".join(f"`{n}` 1" for n in reward_names)
+    why = (f"the config's reward_weights {list(given)} do not match the {len(reward_names)} reward functions "
+           "logged" if given else "no trainer config said what they were (grpo_config.json beside the output, "
+           "or --config)")
+    return (f"{ASSUMED_WEIGHTS}: each rollout's `reward` is its reward functions' scores summed at weight 1 "
+            f"({pairs}: GRPOConfig's default), because {why}; if the run set reward_weights, the per-rollout "
+            "reward and every number read from it are wrong (pass the config to the import)")
+
+
+def assumed_reward_weights(notes: Sequence[str]) -> str | None:
+    """The record's note that its reward weights were assumed at import, if it has one."""
+    return next((n for n in notes if n.startswith(ASSUMED_WEIGHTS)), None)
+
+
 def _rollouts(files: list[tuple[Path, pa.Table]], cfg: Mapping[str, Any], reward_names: list[str],
               logged: set[int], per_step: bool) -> pa.Table:
     group_size = cfg.get("num_generations")
-    weights = cfg.get("reward_weights") or [1.0] * len(reward_names)
-    if len(weights) != len(reward_names):
-        weights = [1.0] * len(reward_names)
+    weights = _weights(cfg, reward_names)
     columns: dict[str, list[Any]] = {k: [] for k in ("step", "group_id", "prompt", "completion", "reward",
                                                      "rewards", "advantage")}
     for f, table in files:

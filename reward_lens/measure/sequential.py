@@ -1,0 +1,335 @@
+r"""Sequential watch: which behaviours moved from which step, judged at every step with a
+false-alarm rate held over the run.
+
+A finding checked at every step (the tap, while training; ``reward-lens check`` on every prefix
+of a record) looks at the data many times. A per-look test at 5 % raises a false alarm on most
+long runs, and its first crossing is not where the change began. This module is the one
+sequential rule the book-grounded findings share, built from the books' per-update statistics
+and updated at the cost of one step's rollouts.
+
+**Per step**, from that step's rollouts alone, with prompt groups as the independent units (as the
+effect and cause books count them): every feature's level (the mean of its group means), the
+reward's level, their between-group sums of squares, and the selection differential
+``s_t = Cov_t(z, A)`` within groups with its standard error (``cause.selection_differentials``:
+the cause book's own per-step numbers). Nothing else is kept: the watch never re-reads a step.
+
+**Levels: a self-starting CUSUM per series** (Page 1954, "Continuous inspection schemes",
+Biometrika 41; Hawkins 1987, "Self-starting CUSUM charts for location and scale", The
+Statistician 36). Each series keeps a *reference*: the precision-weighted mean of its level over
+the steps at which it was in control, and the pooled between-group variance. A new step's level
+is read against it as a recursive residual (Brown, Durbin & Evans 1975), standardised by the
+variance of the difference, ``sigma^2 (1/G_t + 1/G_ref)``, and turned into a normal score through
+Student's t on the pooled degrees of freedom (Hawkins's normal scores): under no change the scores
+are independent standard normals whatever the reference's own noise, so a first step that happens
+to be easy cannot drag every later one. Two one-sided sums run on them,
+
+    C+_t = max(0, C+_{t-1} + u_t - k),    C-_t = max(0, C-_{t-1} - u_t - k),
+
+and a series *has moved* up (down) while C+ (C-) is at least ``h``. The reference absorbs a step
+only while both sums are zero, so a sustained change is read against the level from before it,
+never against itself. ``k`` = ``K`` = 1 (Page's optimum for a shift of 2 standard errors per step);
+``h`` is each finding's parameter. The **onset** is the first step of the stretch over which the
+sum has stayed above zero up to now (the CUSUM's change-point estimate), not the step at which it
+crossed ``h``; a movement that comes back lets the sum fall by at least ``k`` per step until the
+finding clears.
+
+False alarms: for independent standard-normal scores, the probability that one one-sided sum
+crosses ``h`` within N steps follows from the Markov chain of Brook & Evans (1972, Biometrika 59):
+``false_alarm_probability`` computes it (``h`` = 4, ``k`` = 1: 0.26 % in 40 steps, 0.67 % in 100,
+per series and direction). The scores are approximately normal when a step has a handful of prompt
+groups (prompt difficulty is not Gaussian): tools/labelled_runs.py measures the rate on healthy
+runs, and docs/findings.md states both.
+
+**Selection: summed over the steps so far.** ``S = sum_t s_t`` with ``SE = sqrt(sum_t se_t^2)`` (the
+cause book's run-level differential on the steps so far); a feature is *selected* in the direction
+of ``S`` when ``|S| >= z_sel SE``. The differential is the *total* selection (direct, or through a
+behaviour it correlates with; Price's equation moves a feature mean along it to first order), so a
+feature that moves against it moves against what the reward selects, whichever way the reward
+reached it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy import special
+
+# Page's reference value, in standard errors of one step's level: optimal for a shift of 2 SE per
+# step (k = delta / 2); shifts of 2 SE and more are what a collapsing or hacked run shows within a
+# few steps on 8 prompt groups per step (tools/labelled_runs.py).
+K = 1.0
+# A step joins the reference while both sums are below this (no more evidence of a change than
+# one step 3 SE out, 2 = 3 - K): noise at the start of a stretch does not freeze the reference at
+# an unusual first step, and a sustained change is read against the level from before it.
+ABSORB = 2.0
+# The level a movement has reached: the mean over the stretch's last RECENT steps.
+RECENT = 3
+# A normal score is clipped here: a step whose level is more than 8 SE from the reference adds 8 to
+# the sum (no single step should carry a finding on its own beyond what 8 SE says).
+U_MAX = 8.0
+
+
+@dataclass(frozen=True)
+class WatchBasis:
+    """What the watch needs of a feature basis: names in order, units, kinds, declared targets."""
+
+    names: tuple[str, ...]
+    units: Mapping[str, str] = field(default_factory=dict)
+    kinds: Mapping[str, str] = field(default_factory=dict)
+    targets: Mapping[str, str] = field(default_factory=dict)  # name -> "higher" | "lower"
+
+    @classmethod
+    def of(cls, basis) -> WatchBasis:
+        """From a ``FeatureBasis`` or a report's ``BasisOut``."""
+        if hasattr(basis, "describe"):
+            rows = basis.describe()
+        else:
+            rows = [f.model_dump() for f in basis.features]
+        return cls(tuple(r["name"] for r in rows), {r["name"]: r["unit"] for r in rows},
+                   {r["name"]: r["kind"] for r in rows},
+                   {r["name"]: r["target"] for r in rows if r.get("target")})
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step's summary, from its rollouts alone (prompt groups as units). Series are the
+    features in basis order, then the reward; a series not observed at the step is NaN."""
+
+    step: int
+    level: np.ndarray  # (m,) mean of the group means
+    groups: int  # prompt groups G
+    ss_between: np.ndarray  # (m,) sum over groups of (group mean - level)^2
+    n: int  # rollouts
+    ss_rows: np.ndarray  # (m,) sum over rollouts of (value - the step's rollout mean)^2
+    selection: np.ndarray | None  # (k,) s_t = Cov_t(z, A) within groups; None without advantages
+    selection_se: np.ndarray | None  # (k,)
+
+
+def step_stats(sample) -> StepStats | None:
+    """``StepStats`` of one ``StepSample`` (features, rewards, advantages, groups); None for a
+    step without prompt groups (the units) or with fewer than two of them."""
+    from reward_lens.measure.cause import selection_differentials
+    from reward_lens.measure.ledger.price import sample_codes
+
+    if sample.groups is None or sample.n == 0:
+        return None
+    codes, g = sample_codes(sample)
+    if g < 2:
+        return None
+    z = np.asarray(sample.z, dtype=float)
+    r = (np.asarray(sample.rewards, dtype=float) if sample.rewards is not None
+         else np.full(sample.n, np.nan))
+    x = np.column_stack([z, r])  # (n, k + 1)
+    size = np.bincount(codes, minlength=g).astype(float)
+    gm = np.stack([np.bincount(codes, weights=x[:, j], minlength=g) for j in range(x.shape[1])], 1) / size[:, None]
+    level = gm.mean(axis=0)
+    ss_between = ((gm - level) ** 2).sum(axis=0)
+    ss_rows = ((x - x.mean(axis=0)) ** 2).sum(axis=0)
+    sel = se = None
+    if sample.advantages is not None and np.isfinite(np.asarray(sample.advantages, dtype=float)).all():
+        sel, se = selection_differentials([sample])[sample.step]
+        sel, se = np.asarray(sel, dtype=float), np.asarray(se, dtype=float)
+    return StepStats(int(sample.step), level, int(g), ss_between, int(sample.n), ss_rows, sel, se)
+
+
+def normal_score(w: float, df: float) -> float:
+    """Student's t on ``df`` degrees of freedom mapped to the standard normal with the same
+    tail probability (Hawkins's normal scores), clipped at ``U_MAX``."""
+    if not math.isfinite(w):
+        return math.copysign(U_MAX, w) if w == w else 0.0
+    tail = float(special.stdtr(df, -abs(w))) if df > 0 else float(special.ndtr(-abs(w)))
+    u = -float(special.ndtri(tail)) if tail > 0 else U_MAX  # a tail beyond float64: past the clip anyway
+    return max(-U_MAX, min(U_MAX, math.copysign(abs(u), w)))
+
+
+@dataclass
+class OneSided:
+    """One direction's self-starting CUSUM: its own reference (the steps it absorbed), its sum,
+    and the stretch over which the sum has been above zero."""
+
+    direction: int  # +1: watches for a rise; -1: for a fall
+    ref_sum: float = 0.0  # sum of G_t * level_t over the steps the reference absorbed
+    ref_n: float = 0.0  # sum of G_t over them
+    ss: float = 0.0  # pooled between-group sum of squares over them
+    df: float = 0.0  # its degrees of freedom, sum of (G_t - 1)
+    rows_ss: float = 0.0  # within-step sum of squares over rollouts (the behaviour's own spread)
+    rows_df: float = 0.0
+    c: float = 0.0  # the sum
+    since: int | None = None  # first step of the stretch with c > 0
+    recent: list = field(default_factory=list)  # (G_t, level_t) of the stretch's last RECENT steps
+    score: float | None = None  # the last step's normal score against this reference
+
+    @property
+    def reference(self) -> float | None:
+        return self.ref_sum / self.ref_n if self.ref_n > 0 else None
+
+    @property
+    def spread(self) -> float | None:
+        """The behaviour's within-step standard deviation over rollouts, pooled over the
+        reference's steps, or None."""
+        return math.sqrt(self.rows_ss / self.rows_df) if self.rows_df > 0 else None
+
+    @property
+    def level(self) -> float | None:
+        """The level over the last ``RECENT`` steps of the stretch (fewer if it is shorter)."""
+        n = sum(g for g, _ in self.recent)
+        return sum(g * x for g, x in self.recent) / n if n else None
+
+    def observe(self, step: int, level: float, groups: int, ss_between: float, n: int, ss_rows: float) -> None:
+        if self.ref_n > 0:
+            df = self.df + groups - 1
+            var = (self.ss + ss_between) / df if df > 0 else 0.0
+            u = 0.0
+            if var > 0:
+                w = (level - self.reference) / math.sqrt(var * (1.0 / groups + 1.0 / self.ref_n))
+                u = normal_score(w, df)
+            self.score = u
+            c = max(0.0, self.c + self.direction * u - K)
+            if c <= 0:
+                self.since, self.recent = None, []
+            else:
+                if self.c <= 0:
+                    self.since, self.recent = step, []
+                self.recent = [*self.recent, (groups, level)][-RECENT:]
+            self.c = c
+            if c >= ABSORB:  # evidence of a change: read what follows against the level from before it
+                return
+        self.ref_sum += groups * level
+        self.ref_n += groups
+        self.ss += ss_between
+        self.df += groups - 1
+        self.rows_ss += ss_rows
+        self.rows_df += n - 1
+
+
+@dataclass
+class SeriesWatch:
+    """A series (a feature's level, or the reward's) watched for a rise and for a fall, each by a
+    self-starting one-sided CUSUM with its own reference: a stretch above the start does not stop
+    the fall's reference from learning the level, nor the other way round."""
+
+    up_side: OneSided = field(default_factory=lambda: OneSided(1))
+    down_side: OneSided = field(default_factory=lambda: OneSided(-1))
+    steps: int = 0  # steps observed
+
+    def side(self, direction: int) -> OneSided:
+        return self.up_side if direction > 0 else self.down_side
+
+    @property
+    def up(self) -> float:
+        return self.up_side.c
+
+    @property
+    def down(self) -> float:
+        return self.down_side.c
+
+    @property
+    def last_score(self) -> float | None:
+        """The last step's score against the fall's reference (its sign is the step's direction)."""
+        return self.down_side.score
+
+    def cusum(self, direction: int) -> float:
+        return self.side(direction).c
+
+    def since(self, direction: int) -> int | None:
+        return self.side(direction).since
+
+    def observe(self, step: int, level: float, groups: int, ss_between: float, n: int, ss_rows: float) -> None:
+        if not math.isfinite(level):
+            return
+        self.steps += 1
+        self.up_side.observe(step, level, groups, ss_between, n, ss_rows)
+        self.down_side.observe(step, level, groups, ss_between, n, ss_rows)
+
+
+@dataclass
+class RunWatch:
+    """Every series of a run, and the selection summed over the steps so far. ``observe`` takes
+    one step's ``StepStats`` (steps in order; a step seen again is ignored)."""
+
+    basis: WatchBasis
+    series: dict[str, SeriesWatch] = field(default_factory=dict)
+    selection: np.ndarray | None = None  # (k,) sum of s_t
+    selection_var: np.ndarray | None = None  # (k,) sum of se_t^2
+    last_step: int | None = None
+    steps: int = 0
+
+    REWARD = "reward"  # the reward's series (a feature of this name would shadow it: see key())
+
+    def __post_init__(self):
+        for name in (*self.basis.names, self._reward_key()):
+            self.series.setdefault(name, SeriesWatch())
+
+    def _reward_key(self) -> str:
+        return self.REWARD if self.REWARD not in self.basis.names else "\0reward"
+
+    @property
+    def reward(self) -> SeriesWatch:
+        return self.series[self._reward_key()]
+
+    def observe(self, st: StepStats) -> None:
+        if self.last_step is not None and st.step <= self.last_step:
+            return
+        self.last_step = st.step
+        self.steps += 1
+        keys = (*self.basis.names, self._reward_key())
+        for j, name in enumerate(keys):
+            self.series[name].observe(st.step, float(st.level[j]), st.groups, float(st.ss_between[j]), st.n,
+                                      float(st.ss_rows[j]))
+        if st.selection is not None:
+            se2 = np.where(np.isfinite(st.selection_se), st.selection_se ** 2, 0.0)
+            sel = np.where(np.isfinite(st.selection), st.selection, 0.0)
+            self.selection = sel if self.selection is None else self.selection + sel
+            self.selection_var = se2 if self.selection_var is None else self.selection_var + se2
+
+    def selected(self, name: str, z_sel: float) -> tuple[int, float | None]:
+        """The direction in which the reward selects ``name`` (+1, -1; 0 when the summed
+        differential is not ``z_sel`` SE from zero) and its z."""
+        if self.selection is None:
+            return 0, None
+        j = self.basis.names.index(name)
+        v = self.selection_var[j]
+        if not v > 0:
+            return 0, None
+        z = float(self.selection[j] / math.sqrt(v))
+        return (1 if z > 0 else -1) if abs(z) >= z_sel else 0, z
+
+    def moved(self, name: str, h: float) -> int:
+        """+1 or -1 while the series has moved up or down (its CUSUM at ``h`` or above), else 0
+        (both at once cannot hold: a score feeds one sum and drains the other)."""
+        s = self.series[name]
+        if s.up >= h:
+            return 1
+        if s.down >= h:
+            return -1
+        return 0
+
+
+def watch_samples(samples: Sequence, basis: WatchBasis) -> RunWatch:
+    """A ``RunWatch`` fed every step of ``samples`` in order (what ``reward-lens check`` reads)."""
+    w = RunWatch(basis)
+    for s in sorted(samples, key=lambda x: x.step):
+        st = step_stats(s)
+        if st is not None:
+            w.observe(st)
+    return w
+
+
+def false_alarm_probability(h: float, steps: int, k: float = K, shift: float = 0.0, cells: int = 400) -> float:
+    """P(a one-sided CUSUM of independent N(shift, 1) scores reaches ``h`` within ``steps``
+    steps), by the Markov chain of Brook & Evans (1972) on ``cells`` states of [0, h). With
+    ``shift`` = 0: the false-alarm probability; with a shift: the probability of detecting it."""
+    w = h / cells
+    edges = np.arange(cells + 1) * w
+    mids = edges[:-1] + w / 2
+    cdf = special.ndtr(edges[None, :] - mids[:, None] + k - shift)
+    p = np.diff(cdf, axis=1)
+    p[:, 0] += special.ndtr(-mids + k - shift)
+    alive = np.diff(special.ndtr(edges + k - shift))
+    alive[0] += special.ndtr(k - shift)
+    for _ in range(steps - 1):
+        alive = alive @ p
+    return float(1.0 - alive.sum())
