@@ -316,6 +316,65 @@ def summary(rows: list[Scored]) -> str:
             + (f"; healthy seeds that break a ground-truth rule: {broken}" if broken else ""))
 
 
+SEQUENTIAL = ("moving_against_reward", "proxy_gaming", "paid_for_drift", "collateral_behaviour", "length_drift")
+
+
+def null_rate(h: float, runs: int = 1000, steps: int = 30, seed: int = 0) -> float:
+    """The share of simulated runs with no change in which one behaviour's one-sided sum reaches
+    ``h``: each step 8 prompts of Beta(3, 2) difficulty, 8 rollouts each scored 0/1 with it (group
+    means far from normal, the variance estimated as the watch estimates it)."""
+    import numpy as np
+
+    from reward_lens.measure.ledger.price import StepSample
+    from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats
+
+    rng = np.random.default_rng(seed)
+    groups = np.repeat(np.arange(8), 8)
+    hits = 0
+    for _ in range(runs):
+        w = RunWatch(WatchBasis(("x",)))
+        hit = False
+        for t in range(steps):
+            p = rng.beta(3, 2, size=8)
+            z = (rng.random((8, 8)) < p[:, None]).astype(float).reshape(-1, 1)
+            w.observe(step_stats(StepSample(t, ("x",), z, rewards=z[:, 0].copy(), groups=groups)))
+            hit |= w.series["x"].cusum(-1) >= h
+        hits += hit
+    return hits / runs
+
+
+def rates() -> str:
+    """The sequential rule's false-alarm rates (docs/findings.md quotes them)."""
+    from reward_lens.measure.sequential import K, false_alarm_probability
+    from reward_lens_spec import load_findings
+
+    specs = load_findings()
+    hs = sorted({float(specs[f].params["h"]) for f in SEQUENTIAL})
+    lines = [f"one behaviour, one direction: a CUSUM with k = {K:g} on independent normal scores reaches h within N "
+             "steps (Brook & Evans 1972)"]
+    for h in hs:
+        cells = ", ".join(f"N = {n}: {100 * false_alarm_probability(h, n):.3g} %" for n in (30, 100, 1000))
+        lines.append(f"  h = {h:g}: {cells}")
+        det = ", ".join(f"of {d:g} SE {100 * false_alarm_probability(h, 3, shift=d):.0f} %" for d in (2.0, 3.0, 4.0))
+        lines.append(f"  h = {h:g}: a sustained shift per step, detected within its first 3 steps: {det}")
+        runs = 1000
+        hit = null_rate(h, runs=runs)
+        lines.append(f"  h = {h:g}: measured on {runs} simulated runs of 30 steps with no change (8 prompts of "
+                     f"Beta(3, 2) difficulty x 8 rollouts a step): {round(hit * runs)} alarmed ({100 * hit:.2g} %)")
+    lines.append("per finding, in the task basis (6 behaviours), the union over the sums it reads:")
+    n_sums = {"moving_against_reward": 6, "proxy_gaming": 1, "paid_for_drift": 5, "collateral_behaviour": 12,
+              "length_drift": 2}
+    why = {"moving_against_reward": "each behaviour, against its selection",
+           "proxy_gaming": "the target's fall, and the reward's rise with it",
+           "paid_for_drift": "each behaviour but the target, with its selection",
+           "collateral_behaviour": "each behaviour, both ways", "length_drift": "the length feature, both ways"}
+    for fid in SEQUENTIAL:
+        h = float(specs[fid].params["h"])
+        bound = min(1.0, n_sums[fid] * false_alarm_probability(h, 30))
+        lines.append(f"  {fid}: h = {h:g}, {n_sums[fid]} sum(s) ({why[fid]}): at most {100 * bound:.2g} % over 30 steps")
+    return "\n".join(lines)
+
+
 def reported(workdir: Path, progress=print) -> list[Scored]:
     rows = []
     for mode in ("healthy", *FAILURES):
@@ -331,7 +390,11 @@ def main(argv=None) -> None:
     ap.add_argument("--quote", action="store_true", help="the block docs/findings.md quotes")
     ap.add_argument("--tune", action="store_true", help="the tuning seeds and the parameter grid")
     ap.add_argument("--keep", type=Path, help="keep the records here")
+    ap.add_argument("--rates", action="store_true", help="the sequential rule's false-alarm rates (no training)")
     a = ap.parse_args(argv)
+    if a.rates:
+        print(rates())
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = a.keep or Path(tmp)
         if a.tune:

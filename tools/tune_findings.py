@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import labelled_runs as lr  # noqa: E402
 
 FINDINGS = ("moving_against_reward", "proxy_gaming", "paid_for_drift", "collateral_behaviour", "length_drift")
-GRID = {"h": (3.0, 4.0, 5.0, 6.0), "min_size": (0.25, 0.4, 0.5), "paid_size": (0.5, 1.0),
+GRID = {"h": (3.0, 4.0, 4.5, 5.0, 5.5, 6.0), "min_size": (0.25, 0.4, 0.5, 0.6, 0.75), "paid_size": (0.5, 0.75),
         "paid_relative": (0.25, 0.5)}
 
 
@@ -114,7 +114,7 @@ def main(work: Path) -> None:
                 missed.append(f"{mode}-{key[1]}({d})")
             else:
                 delays.append(d)
-        print(f"{combo['h']:.0f}  {combo['min_size']:<8} {combo['paid_size']:<9} {combo['paid_relative']:<8} | "
+        print(f"{combo['h']:.1f}  {combo['min_size']:<8} {combo['paid_size']:<9} {combo['paid_relative']:<8} | "
               f"{max(delays) if delays else '-':>4} | {' '.join(missed) or 'none'} | {' '.join(false) or 'none'}")
 
 

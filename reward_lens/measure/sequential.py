@@ -16,29 +16,31 @@ the cause book's own per-step numbers). Nothing else is kept: the watch never re
 **Levels: a self-starting CUSUM per series** (Page 1954, "Continuous inspection schemes",
 Biometrika 41; Hawkins 1987, "Self-starting CUSUM charts for location and scale", The
 Statistician 36). Each series keeps a *reference*: the precision-weighted mean of its level over
-the steps at which it was in control, and the pooled between-group variance. A new step's level
-is read against it as a recursive residual (Brown, Durbin & Evans 1975), standardised by the
+every step so far, and the pooled between-group variance. A new step's level is read against the
+steps before it as a recursive residual (Brown, Durbin & Evans 1975), standardised by the
 variance of the difference, ``sigma^2 (1/G_t + 1/G_ref)``, and turned into a normal score through
-Student's t on the pooled degrees of freedom (Hawkins's normal scores): under no change the scores
-are independent standard normals whatever the reference's own noise, so a first step that happens
-to be easy cannot drag every later one. Two one-sided sums run on them,
+Student's t on the pooled degrees of freedom (Hawkins's normal scores). Under no change these
+scores are independent standard normals whatever the reference's own noise (a first step that
+happens to be easy drags nothing), which is why every step joins the reference: freezing it once
+a change is suspected makes later scores share its error, and measured on runs with no change it
+raised the false alarms twentyfold. Two one-sided sums run on the scores,
 
     C+_t = max(0, C+_{t-1} + u_t - k),    C-_t = max(0, C-_{t-1} - u_t - k),
 
-and a series *has moved* up (down) while C+ (C-) is at least ``h``. The reference absorbs a step
-only while both sums are zero, so a sustained change is read against the level from before it,
-never against itself. ``k`` = ``K`` = 1 (Page's optimum for a shift of 2 standard errors per step);
-``h`` is each finding's parameter. The **onset** is the first step of the stretch over which the
-sum has stayed above zero up to now (the CUSUM's change-point estimate), not the step at which it
-crossed ``h``; a movement that comes back lets the sum fall by at least ``k`` per step until the
-finding clears.
+and a series *has moved* up (down) while C+ (C-) is at least ``h``. ``k`` = ``K`` = 1 (Page's
+optimum for a shift of 2 standard errors per step); ``h`` is each finding's parameter. The
+**onset** is the first step of the stretch over which the sum has stayed above zero up to now (the
+CUSUM's change-point estimate), not the step at which it crossed ``h``; a movement is described
+against the reference and spread of the step before its stretch began, and the level it reached
+(the mean of its last ``RECENT`` steps). A movement that comes back lets the sum fall by at least
+``k`` per step until the finding clears.
 
 False alarms: for independent standard-normal scores, the probability that one one-sided sum
 crosses ``h`` within N steps follows from the Markov chain of Brook & Evans (1972, Biometrika 59):
-``false_alarm_probability`` computes it (``h`` = 4, ``k`` = 1: 0.26 % in 40 steps, 0.67 % in 100,
-per series and direction). The scores are approximately normal when a step has a handful of prompt
-groups (prompt difficulty is not Gaussian): tools/labelled_runs.py measures the rate on healthy
-runs, and docs/findings.md states both.
+``false_alarm_probability`` computes it (``h`` = 5, ``k`` = 1: 0.025 % in 30 steps, 0.09 % in 100,
+per series and direction). The scores are only approximately normal when a step has a handful of
+prompt groups (prompt difficulty is not Gaussian): tools/labelled_runs.py --rates measures the rate
+on simulated runs with no change, and its benchmark on healthy runs; docs/findings.md quotes both.
 
 **Selection: summed over the steps so far.** ``S = sum_t s_t`` with ``SE = sqrt(sum_t se_t^2)`` (the
 cause book's run-level differential on the steps so far); a feature is *selected* in the direction
@@ -61,10 +63,6 @@ from scipy import special
 # step (k = delta / 2); shifts of 2 SE and more are what a collapsing or hacked run shows within a
 # few steps on 8 prompt groups per step (tools/labelled_runs.py).
 K = 1.0
-# A step joins the reference while both sums are below this (no more evidence of a change than
-# one step 3 SE out, 2 = 3 - K): noise at the start of a stretch does not freeze the reference at
-# an unusual first step, and a sustained change is read against the level from before it.
-ABSORB = 2.0
 # The level a movement has reached: the mean over the stretch's last RECENT steps.
 RECENT = 3
 # A normal score is clipped here: a step whose level is more than 8 SE from the reference adds 8 to
@@ -147,30 +145,16 @@ def normal_score(w: float, df: float) -> float:
 
 @dataclass
 class OneSided:
-    """One direction's self-starting CUSUM: its own reference (the steps it absorbed), its sum,
-    and the stretch over which the sum has been above zero."""
+    """One direction's CUSUM over a series' normal scores, and the stretch over which it has been
+    above zero: where it began, the level before it (the reference and the behaviour's spread at
+    that step), and the level over its last ``RECENT`` steps."""
 
     direction: int  # +1: watches for a rise; -1: for a fall
-    ref_sum: float = 0.0  # sum of G_t * level_t over the steps the reference absorbed
-    ref_n: float = 0.0  # sum of G_t over them
-    ss: float = 0.0  # pooled between-group sum of squares over them
-    df: float = 0.0  # its degrees of freedom, sum of (G_t - 1)
-    rows_ss: float = 0.0  # within-step sum of squares over rollouts (the behaviour's own spread)
-    rows_df: float = 0.0
     c: float = 0.0  # the sum
     since: int | None = None  # first step of the stretch with c > 0
+    reference: float | None = None  # the series' reference when the stretch began
+    spread: float | None = None  # the behaviour's within-step SD over rollouts then
     recent: list = field(default_factory=list)  # (G_t, level_t) of the stretch's last RECENT steps
-    score: float | None = None  # the last step's normal score against this reference
-
-    @property
-    def reference(self) -> float | None:
-        return self.ref_sum / self.ref_n if self.ref_n > 0 else None
-
-    @property
-    def spread(self) -> float | None:
-        """The behaviour's within-step standard deviation over rollouts, pooled over the
-        reference's steps, or None."""
-        return math.sqrt(self.rows_ss / self.rows_df) if self.rows_df > 0 else None
 
     @property
     def level(self) -> float | None:
@@ -178,42 +162,41 @@ class OneSided:
         n = sum(g for g, _ in self.recent)
         return sum(g * x for g, x in self.recent) / n if n else None
 
-    def observe(self, step: int, level: float, groups: int, ss_between: float, n: int, ss_rows: float) -> None:
-        if self.ref_n > 0:
-            df = self.df + groups - 1
-            var = (self.ss + ss_between) / df if df > 0 else 0.0
-            u = 0.0
-            if var > 0:
-                w = (level - self.reference) / math.sqrt(var * (1.0 / groups + 1.0 / self.ref_n))
-                u = normal_score(w, df)
-            self.score = u
-            c = max(0.0, self.c + self.direction * u - K)
-            if c <= 0:
-                self.since, self.recent = None, []
-            else:
-                if self.c <= 0:
-                    self.since, self.recent = step, []
-                self.recent = [*self.recent, (groups, level)][-RECENT:]
-            self.c = c
-            if c >= ABSORB:  # evidence of a change: read what follows against the level from before it
-                return
-        self.ref_sum += groups * level
-        self.ref_n += groups
-        self.ss += ss_between
-        self.df += groups - 1
-        self.rows_ss += ss_rows
-        self.rows_df += n - 1
+    def add(self, step: int, u: float, groups: int, level: float, reference: float, spread: float | None) -> None:
+        c = max(0.0, self.c + self.direction * u - K)
+        if c <= 0:
+            self.since, self.reference, self.spread, self.recent = None, None, None, []
+        else:
+            if self.c <= 0:  # a stretch begins: keep the level from before it
+                self.since, self.reference, self.spread, self.recent = step, reference, spread, []
+            self.recent = [*self.recent, (groups, level)][-RECENT:]
+        self.c = c
 
 
 @dataclass
 class SeriesWatch:
-    """A series (a feature's level, or the reward's) watched for a rise and for a fall, each by a
-    self-starting one-sided CUSUM with its own reference: a stretch above the start does not stop
-    the fall's reference from learning the level, nor the other way round."""
+    """A series (a feature's level, or the reward's): its reference (every step so far, the
+    self-starting chart's running mean and pooled variance) and one CUSUM per direction."""
 
+    ref_sum: float = 0.0  # sum of G_t * level_t over the steps so far
+    ref_n: float = 0.0  # sum of G_t
+    ss: float = 0.0  # pooled between-group sum of squares
+    df: float = 0.0  # its degrees of freedom, sum of (G_t - 1)
+    rows_ss: float = 0.0  # within-step sum of squares over rollouts (the behaviour's own spread)
+    rows_df: float = 0.0
     up_side: OneSided = field(default_factory=lambda: OneSided(1))
     down_side: OneSided = field(default_factory=lambda: OneSided(-1))
+    last_score: float | None = None
     steps: int = 0  # steps observed
+
+    @property
+    def reference(self) -> float | None:
+        return self.ref_sum / self.ref_n if self.ref_n > 0 else None
+
+    @property
+    def spread(self) -> float | None:
+        """The behaviour's within-step standard deviation over rollouts, pooled, or None."""
+        return math.sqrt(self.rows_ss / self.rows_df) if self.rows_df > 0 else None
 
     def side(self, direction: int) -> OneSided:
         return self.up_side if direction > 0 else self.down_side
@@ -226,11 +209,6 @@ class SeriesWatch:
     def down(self) -> float:
         return self.down_side.c
 
-    @property
-    def last_score(self) -> float | None:
-        """The last step's score against the fall's reference (its sign is the step's direction)."""
-        return self.down_side.score
-
     def cusum(self, direction: int) -> float:
         return self.side(direction).c
 
@@ -241,8 +219,23 @@ class SeriesWatch:
         if not math.isfinite(level):
             return
         self.steps += 1
-        self.up_side.observe(step, level, groups, ss_between, n, ss_rows)
-        self.down_side.observe(step, level, groups, ss_between, n, ss_rows)
+        if self.ref_n > 0:
+            df = self.df + groups - 1
+            var = (self.ss + ss_between) / df if df > 0 else 0.0
+            u = 0.0
+            if var > 0:
+                w = (level - self.reference) / math.sqrt(var * (1.0 / groups + 1.0 / self.ref_n))
+                u = normal_score(w, df)
+            self.last_score = u
+            ref, spread = self.reference, self.spread
+            self.up_side.add(step, u, groups, level, ref, spread)
+            self.down_side.add(step, u, groups, level, ref, spread)
+        self.ref_sum += groups * level  # every step joins the reference: the recursive residuals stay independent
+        self.ref_n += groups
+        self.ss += ss_between
+        self.df += groups - 1
+        self.rows_ss += ss_rows
+        self.rows_df += n - 1
 
 
 @dataclass

@@ -111,14 +111,16 @@ def test_reward_plateau_when_the_last_third_buys_nothing():
     assert not PREDICATES["reward_plateau"](still, window=5, fraction=0.25, z=2.0).holds
 
 
-def test_live_findings_on_the_taps_series_skip_what_needs_books():
+def test_live_findings_on_the_taps_series_say_what_needs_rollouts():
     series = _series(frac_reward_zero_std=np.ones(12), grad_norm_unclipped=np.full(12, 0.1),
                      kl_to_previous=np.full(12, 0.01))
     found = {f.id: f for f in evaluate_live(series, {"max_grad_norm": 1.0})}
     assert found["advantage_collapse"].status == "holds" and found["advantage_collapse"].onset == 4
     assert found["clipping_saturation"].status == "clear" and found["kl_spikes"].status == "clear"
     assert found["entropy_collapse"].status == "not_evaluated" and "entropy" in found["entropy_collapse"].missing
-    assert "moving_against_reward" not in found  # reads books: after the run only
+    # the series alone cannot feed what reads each step's rollouts (LiveFindings hands them over)
+    assert found["moving_against_reward"].status == "not_evaluated" and "rollout.advantage" in found[
+        "moving_against_reward"].missing
 
 
 # ---------------------------------------------------------------- on records

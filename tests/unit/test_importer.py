@@ -31,9 +31,9 @@ def _trl_output(root: Path, steps=3, group=4, beta=0.0, logging_steps=1, grad=(0
         pd.DataFrame(rows).to_parquet(root / "completions" / f"completions_{s:05d}.parquet")
     history.append({"step": steps, "train_runtime": 1.0, "train_loss": 0.1, "epoch": 1.0})
     (root / "trainer_state.json").write_text(json.dumps({"log_history": history, "logging_steps": logging_steps}))
-    (root / "grpo_config.json").write_text(json.dumps({
+    (root / "grpo_config.json").write_text(json.dumps({  # reward_weights null: as trainer.args.to_dict() writes it
         "optim": "adamw_torch_fused", "beta": beta, "max_grad_norm": 1.0, "num_generations": group,
-        "learning_rate": 0.01, "logging_steps": logging_steps, "seed": 1}))
+        "learning_rate": 0.01, "logging_steps": logging_steps, "seed": 1, "reward_weights": None}))
     return root
 
 

@@ -74,35 +74,34 @@ def test_a_steps_summary_is_its_groups_written_out():
 
 
 def test_the_self_starting_cusum_is_its_recursion_by_hand():
-    """Levels with a known spread, watched for a fall: the first step is the reference; each later
-    score is the recursive residual standardised by the pooled variance and mapped through t; the
-    sum and the onset follow the recursion; the reference stops absorbing once the sum reaches
-    ABSORB. The rise's side keeps a reference of its own."""
+    """Levels with a known spread: the first step is the reference; each later score is the
+    recursive residual against the mean of every earlier step, standardised by the pooled variance
+    (the earlier steps' and its own) and mapped through t; the sums and the onset follow the
+    recursion; a stretch keeps the reference and spread of the step before it began."""
     s = sq.SeriesWatch()
     G = 4
     levels = [0.5, 0.52, 0.48, 0.2, 0.18, 0.19]
     ss = [0.03, 0.02, 0.04, 0.03, 0.02, 0.03]
-    ref_sum, ref_n, pool, df, down, since = 0.0, 0.0, 0.0, 0.0, 0.0, None
-    for t, (x, q) in enumerate(zip(levels, ss)):
-        s.observe(t, x, G, q, 4 * G, 1.0)
-        if t == 0:
-            ref_sum, ref_n, pool, df = G * x, G, q, G - 1
-            continue
-        var = (pool + q) / (df + G - 1)
-        w = (x - ref_sum / ref_n) / math.sqrt(var * (1 / G + 1 / ref_n))
-        u = stats.norm.isf(stats.t.sf(abs(w), df + G - 1)) * math.copysign(1, w)
-        new_down = max(0.0, down - u - sq.K)
-        if new_down > 0 and down == 0:
-            since = t
-        down = new_down
-        if down < sq.ABSORB:
-            ref_sum, ref_n, pool, df = ref_sum + G * x, ref_n + G, pool + q, df + G - 1
-        assert s.last_score == pytest.approx(u, rel=1e-9)
-        assert s.down == pytest.approx(down, rel=1e-9, abs=1e-12)
-        assert s.down_side.reference == pytest.approx(ref_sum / ref_n, rel=1e-12)
+    rows = [1.0, 1.2, 0.9, 1.1, 1.0, 0.8]
+    ref_sum, ref_n, pool, df, rss, rdf, up, down, since, base = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None, None
+    for t, (x, q, r) in enumerate(zip(levels, ss, rows)):
+        s.observe(t, x, G, q, 4 * G, r)
+        if t > 0:
+            var = (pool + q) / (df + G - 1)
+            w = (x - ref_sum / ref_n) / math.sqrt(var * (1 / G + 1 / ref_n))
+            u = stats.norm.isf(stats.t.sf(abs(w), df + G - 1)) * math.copysign(1, w)
+            new_down = max(0.0, down - u - sq.K)
+            if new_down > 0 and down == 0:
+                since, base = t, (ref_sum / ref_n, math.sqrt(rss / rdf))
+            up, down = max(0.0, up + u - sq.K), new_down
+            assert s.last_score == pytest.approx(u, rel=1e-9)
+            assert (s.up, s.down) == pytest.approx((up, down), rel=1e-9, abs=1e-12)
+        ref_sum, ref_n, pool, df, rss, rdf = ref_sum + G * x, ref_n + G, pool + q, df + G - 1, rss + r, rdf + 4 * G - 1
+        assert s.reference == pytest.approx(ref_sum / ref_n, rel=1e-12)
     assert s.down >= 4 and s.since(-1) == since == 3  # the fall began at step 3
+    assert (s.down_side.reference, s.down_side.spread) == pytest.approx(base, rel=1e-12)
+    assert s.down_side.reference == pytest.approx(np.mean(levels[:3]), rel=1e-12)  # the level before the fall
     assert s.down_side.level == pytest.approx(np.mean(levels[3:]), rel=1e-12)
-    assert s.up == 0 and s.up_side.reference == pytest.approx(np.average(levels, weights=[1] * 6), rel=1e-12)
 
 
 def test_a_dip_that_recovers_clears_and_a_fall_that_stays_holds():
@@ -115,7 +114,7 @@ def test_a_dip_that_recovers_clears_and_a_fall_that_stays_holds():
     dip = run([0.6] * 10 + [0.35, 0.45] + [0.6] * 10)
     assert dip.down < 4
     fall = run([0.6] * 10 + [0.3] * 5)
-    assert fall.down >= 4 and fall.since(-1) == 10 and fall.down_side.reference == pytest.approx(0.6)
+    assert fall.down >= 5 and fall.since(-1) == 10 and fall.down_side.reference == pytest.approx(0.6)
 
 
 def _synthetic_run(rng, steps=40, groups=8, per=8, fall_at=None, fall=0.0, advantages=True):
@@ -133,8 +132,8 @@ def _synthetic_run(rng, steps=40, groups=8, per=8, fall_at=None, fall=0.0, advan
 def test_no_change_raises_few_false_alarms_over_the_run():
     """300 runs of 40 steps with no change (prompt difficulty Beta(3, 2), 8 groups of 8 a step:
     group means far from normal): the share of runs in which either sum of the level reaches
-    h = 4 stays near the Brook-Evans probability for two one-sided sums (0.52 %) -- within a
-    few times it, the price of 8 groups a step."""
+    h = 4 stays near the Brook-Evans probability for two one-sided sums of independent normal
+    scores (0.52 %): the recursive residuals against every earlier step are independent."""
     rng = np.random.default_rng(3)
     basis = sq.WatchBasis(("correct",), targets={"correct": "higher"})
     alarms = 0
