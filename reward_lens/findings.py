@@ -12,8 +12,14 @@ never reported as clear. A refusal about the method (heavy-tailed weights, too f
 envelope violation) is a property of the estimate, not of the run: no finding reads one.
 
 The same predicates run after the run (``reward-lens check``, and at the top of every report)
-and while it trains (the tap evaluates the ``live`` findings on the steps so far, from the
-telemetry it records).
+and while it trains: the tap hands each step's rollouts and telemetry to ``LiveFindings``, which
+evaluates the ``live`` findings on the steps so far. The book-grounded ones (moving against the
+reward, proxy gaming, paid-for drift, collateral behaviour, length drift) read one sequential rule
+(``measure.sequential``: a self-starting CUSUM on each behaviour's per-step level, the selection
+differential summed over the steps), built from each step's rollouts once: live, at the cost of
+that step; after the run, over the same steps in order, so both say the same at every prefix. Two
+of them read the *targets* the feature basis declares (``target:``) and are not evaluated
+without one.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Literal
 
 import numpy as np
@@ -573,7 +580,8 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
 
 def evaluate_live(series: Mapping[str, Mapping[int, float]], config: Mapping[str, Any] | None = None,
                   specs: Mapping[str, FindingSpec] | None = None) -> list[FindingOut]:
-    """The ``live`` findings on the steps so far (the tap's telemetry), while training."""
+    """The ``live`` findings that telemetry alone feeds, on its series so far (those that read the
+    rollouts are not evaluated here: ``LiveFindings`` takes the rollouts too)."""
     specs = specs if specs is not None else load_findings()
     data = FindingData(series, config=config)
     if not data.series("max_grad_norm") and isinstance((config or {}).get("max_grad_norm"), (int, float)):
@@ -731,10 +739,17 @@ class _Evidence(dict):
 
 
 def render_template_string(text: str, ctx: dict[str, Any]) -> str:
+    return _compiled(text).render(**ctx)
+
+
+@lru_cache(maxsize=256)
+def _compiled(text: str):
+    """A spec's template, compiled once: the tap renders every live finding at every step, and
+    compiling took most of a check's time."""
     from reward_lens_spec.render import _env
     from reward_lens_spec.paths import templates_dir
 
-    return _env(str(templates_dir())).from_string(text).render(**ctx)
+    return _env(str(templates_dir())).from_string(text)
 
 
 def _jsonable(v: Any) -> Any:
