@@ -372,7 +372,7 @@ def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = Fa
     also say which of its features the logging setup supports; with ``model_parameters`` (the
     policy's trainable parameters), the bytes the tap's snapshot of pi_t will take."""
     result, pr, record = _audit(Path(path), framework, with_tap, model_parameters)
-    result.findings = _finding_support(result, pr)
+    result.findings = _finding_support(result, pr, features.targets if features is not None else None)
     if features is not None:
         result.basis = features.basis_id
         result.features = _feature_verdicts(features, result, pr, record)
@@ -461,10 +461,11 @@ def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None
                           field=section) from None
 
 
-def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
+def _finding_support(result: AuditOut, pr: Projection, targets=None) -> list[FindingSupport]:
     """Each finding: evaluated when one alternative of its fields is supplied and its books will
-    compute (the same resolution as the books'), and never for a config the trainer rejects."""
-    from reward_lens.findings import missing_inputs
+    compute (the same resolution as the books'), and never for a config the trainer rejects; with a
+    basis (``targets``: its declared targets), a finding that reads a target needs one declared."""
+    from reward_lens.findings import missing_inputs, missing_target
     from reward_lens_spec import load_findings
 
     books = {b.book: ("computed" if b.verdict == "will compute" else "refused") for b in result.books}
@@ -477,7 +478,7 @@ def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
     for spec in load_findings().values():
         # a config the trainer rejects logs nothing: no finding evaluates, whatever it would read
         lack = ([_say("run_rejected", key=pr.rejected.key)] if pr.rejected is not None
-                else missing_inputs(spec, present, books))
+                else missing_inputs(spec, present, books) + missing_target(spec, targets))
         out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
                                   verdict="will not evaluate" if lack else "will evaluate", missing=lack))
     return out

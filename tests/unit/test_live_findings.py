@@ -162,3 +162,20 @@ def test_without_a_target_the_findings_that_need_one_are_not_evaluated(hacked, t
         for f in (after[fid], now[fid]):
             assert f.status == "not_evaluated" and f.missing == [TARGET] and "`target:`" in f.evidence
     assert after["moving_against_reward"].status == "holds"  # it needs no target
+
+
+def test_the_audit_says_a_finding_that_reads_a_target_needs_one(tmp_path):
+    from reward_lens.audit import audit
+    from reward_lens.findings import TARGET
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("num_generations: 8\nlogging_steps: 1\nmax_steps: 50\nlog_completions: true\n")
+    task = {f.finding: f for f in audit(cfg, with_tap=True, features=load_basis(REPO / "examples" / "features"
+                                                                               / "task.yaml")).findings}
+    surface = {f.finding: f for f in audit(cfg, with_tap=True, features=SurfaceFeatures()).findings}
+    for fid in ("proxy_gaming", "paid_for_drift"):
+        assert task[fid].verdict == "will evaluate"
+        assert surface[fid].verdict == "will not evaluate" and surface[fid].missing == [TARGET]
+    assert surface["moving_against_reward"].verdict == "will evaluate"
