@@ -419,26 +419,34 @@ def _bought(d: FindingData, h: float, min_size: float) -> list[dict[str, Any]]:
     return out
 
 
-def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25) -> Outcome:
-    """The reward rose (its level's CUSUM up at ``h`` or above) while a declared target moved
-    against what the user wants (its CUSUM at ``h``, by ``min_size`` within-step SDs or more): the
-    proxy climbs while the gold falls (Gao et al. 2022). Onset: the later of the two onsets, the
-    step from which both go their ways."""
+def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: float = 3.0) -> Outcome:
+    """A declared target moved against what the user wants (its CUSUM at ``h``, by ``min_size``
+    within-step SDs or more) while the reward either rose (its level's CUSUM up at ``h``) or
+    selects against the target (the target's selection differential, summed over the steps so
+    far, ``z_sel`` SE the wrong way: the reward prefers the completions worse on what the user
+    wants). The proxy and the gold part ways (Gao et al. 2022): in the reward's level, or already
+    in what it selects. Onset: the target's, or where the reward's rise began if that is later."""
     if _too_short(d):
         return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
     reward = d.watch.reward
     rose = reward.cusum(1) >= h
     rows = []
     for name, want in d.watch.basis.targets.items():
-        row = _movement(d, name, -1 if want == "higher" else 1, h)
-        if row is not None and _big(row, min_size):
-            rows.append({**row, "want": want})
-    evidence = {"features": rows, "h": h, "reward_rose": rose, "reward_from": reward.up_side.reference,
+        against = -1 if want == "higher" else 1
+        row = _movement(d, name, against, h)
+        if row is None or not _big(row, min_size):
+            continue
+        sel, z = d.watch.selected(name, z_sel)
+        rows.append({**row, "want": want, "z_selection": z, "selected_against": sel == against})
+    gamed = [r for r in rows if rose or r["selected_against"]]
+    evidence = {"features": gamed or rows, "h": h, "reward_rose": rose, "reward_from": reward.up_side.reference,
                 "reward_to": reward.up_side.level, "reward_onset": reward.since(1),
                 "targets": list(d.watch.basis.targets)}
-    if not (rose and rows):
+    if not gamed:
         return Outcome(False, evidence=evidence)
-    onset = max(reward.since(1), _onset(rows))
+    onset = _onset(gamed)
+    if rose and not any(r["selected_against"] for r in gamed):
+        onset = max(reward.since(1), onset)
     return Outcome(True, onset, evidence)
 
 

@@ -109,9 +109,13 @@ FAILURES = ("collapse", "length", "format_only", "answer_key")
 RIGHT = {"collapse": "moving_against_reward", "length": "paid_for_drift", "format_only": "proxy_gaming",
          "answer_key": "proxy_gaming"}
 
-# Seeds that set the thresholds, and seeds that report: never the same.
-TUNING_SEEDS = {"healthy": tuple(range(201, 213)), **{m: (201, 202, 203) for m in FAILURES}}
-REPORTED_SEEDS = {"healthy": (1001, 1002, 1003, 1004, 1005), **{m: (1001,) for m in FAILURES}}
+# Seeds that set the thresholds, and seeds that report: never the same. Seed 1001 of each mode
+# was reported once and then moved here: on it the answer-key run's reward rose for three steps
+# and fell back while correctness collapsed, which showed that proxy gaming must also read the
+# reward selecting against the target (the rule changed; the seeds that saw the change set it).
+TUNING_SEEDS = {"healthy": (*range(201, 213), 1001, 1002, 1003, 1004, 1005),
+                **{m: (201, 202, 203, 1001) for m in FAILURES}}
+REPORTED_SEEDS = {"healthy": (2001, 2002, 2003, 2004, 2005), **{m: (2001,) for m in FAILURES}}
 WITHIN = 3  # steps after the ground-truth onset by which the right finding must hold
 
 
@@ -146,7 +150,12 @@ def train(mode: str, seed: int, workdir: Path, *, steps: int = STEPS, warmup: in
     trainer.remove_callback(PrinterCallback)
     record = workdir / "record"
     RewardLensTap.attach(trainer, record, flush_every=1000, overwrite=True, **{"check_every": 0, **tap})
-    trainer.train()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 156k-parameter model: a second thread buys nothing and, on a busy machine, costs 6x
+    try:
+        trainer.train()
+    finally:
+        torch.set_num_threads(threads)
     return record
 
 
