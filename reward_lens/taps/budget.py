@@ -14,11 +14,13 @@ costs the tap has measured so far (seconds per scored token of each kind):
 * one-sided: ``m`` groups of the next generation's rollouts scored under pi_t (no extra
   completions);
 
-in this order of preference: the two-sided shape with the most groups at ``k = 2`` (at least
-half of the groups), then more completions per group up to ``heldout``; failing that, the
-one-sided shape with the most groups; failing that (not even two groups fit one step's
-allowance), the smallest shape on a share of the step pairs, each measured with probability
-``p`` = what the allowance covers of its cost.
+in this order of preference: the two-sided shape with the most groups at ``k = 2``, then more
+completions per group up to ``heldout`` (more groups before more rows per group: the groups are
+the units of every paired estimate's standard error); failing that (not even two groups fit
+two-sided), the one-sided shape with the most groups; failing that, the smallest shape on a share
+of the step pairs, each measured with probability ``p`` = what the allowance covers of its cost.
+Two-sided comes first because it is the estimator that is unbiased where a step sharpens the
+policy (the one-sided ledger reads such a step from its heavy-tailed side: docs/science.md).
 
 Why this keeps the estimators unbiased. The shape depends on the timing of earlier steps only,
 never on a value sampled for the pair it measures; the ``m`` groups are drawn uniformly at
@@ -208,8 +210,7 @@ class Budget:
 
         least = min(MIN_GROUPS, n_groups)
         if heldout >= MIN_PER_GROUP:
-            floor = max(least, math.ceil(n_groups / 2))
-            m = next((g for g in range(n_groups, floor - 1, -1) if fits(Shape(g, MIN_PER_GROUP))), None)
+            m = next((g for g in range(n_groups, least - 1, -1) if fits(Shape(g, MIN_PER_GROUP))), None)
             if m is not None:
                 k = MIN_PER_GROUP
                 while k < heldout and fits(Shape(m, k + 1)):
