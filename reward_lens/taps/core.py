@@ -195,24 +195,28 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Clock:
-    """Seconds the tap spends, by kind: ``fixed`` (paid every step) and ``measure``."""
+    """Seconds the tap spends, by kind: ``fixed`` (paid every step, whatever is measured) and
+    ``measure`` (what the budget sizes). Nested, the time goes to the innermost kind."""
 
     def __init__(self):
         self.spent = {"fixed": 0.0, "measure": 0.0}
-        self._depth = 0
+        self._stack: list[list] = []  # [kind, started]
 
     @contextmanager
     def __call__(self, kind: str):
-        if self._depth:  # nested: counted by the outer one
-            yield
-            return
-        self._depth += 1
-        t0 = time.perf_counter()
+        now = time.perf_counter()
+        if self._stack:  # the outer kind stops counting while this one runs
+            outer = self._stack[-1]
+            self.spent[outer[0]] += now - outer[1]
+        self._stack.append([kind, now])
         try:
             yield
         finally:
-            self._depth -= 1
-            self.spent[kind] += time.perf_counter() - t0
+            kind_, started = self._stack.pop()
+            now = time.perf_counter()
+            self.spent[kind_] += now - started
+            if self._stack:
+                self._stack[-1][1] = now
 
     def add(self, kind: str, seconds: float) -> None:
         self.spent[kind] += seconds
@@ -273,6 +277,8 @@ class TapCore:
         self._generation: int | None = None  # the step whose generation is under way
         self._asked: list[tuple[str, Row]] = []  # the extras asked for at this generation, in order
         self._captured: list[torch.Tensor] = []
+        self._generation_timed: tuple[float, int | None, int] | None = None
+        self._row_tokens = 1.0  # tokens of a row of the last generation, on average
         self._awaiting: _Awaiting | None = None
         self._row: dict[str, Any] = {}
         self._late: dict[int, dict[str, Any]] = {}
@@ -390,9 +396,9 @@ class TapCore:
                    advantage=None, order=(step, side, g, j), drawn_by=step, example=example)
 
     def _tokens_per_row(self) -> float:
-        """About how many tokens a scored row has: the last recorded rollouts' prompts and completions."""
-        last = list(self._pending.values())[-64:]
-        return float(np.mean([len(p.prompt_ids) + len(p.completion_ids) for p in last])) if last else 1.0
+        """About how many tokens a scored row has: the last generation's prompts and completions
+        (before the first generation, one: the first pair is measured whole anyway)."""
+        return self._row_tokens
 
     @contextmanager
     def capture(self, n_rows: int | None = None, batch: int | None = None):
@@ -403,6 +409,7 @@ class TapCore:
         The states are handed on to ``extras_generated``."""
         n = len(self._asked) if n_rows is None else n_rows
         self._captured = []
+        self._generation_timed = None
         if not (self.captured and n):
             yield
             return
@@ -414,10 +421,14 @@ class TapCore:
                 self._captured.append(h[-n:, -1:, :].detach())
 
         handle = head.register_forward_pre_hook(keep)
+        t0 = time.perf_counter()
         try:
             yield
         finally:
             handle.remove()
+            # the generation's time, rows and decoding steps, for the budget (an adapter that
+            # generates inside capture() need not time it)
+            self._generation_timed = (time.perf_counter() - t0, batch, len(self._captured))
 
     def extras_generated(self, completions: Sequence[Sequence[int]], logp_sampler: Sequence[float | None] | None = None,
                          *, seconds: float | None = None, rows: int | None = None, decode_steps: int | None = None
@@ -433,6 +444,9 @@ class TapCore:
                                    f"{len(completions)} back")
             captured, self._captured = self._captured, []
             hidden = torch.cat(captured, dim=1) if captured and len(captured[0]) == len(asked) else None
+            timed, self._generation_timed = self._generation_timed, None
+            if seconds is None and timed is not None and timed[1] and timed[2]:
+                seconds, rows, decode_steps = timed
             texts = self.decode([list(c) for c in completions]) if completions else []
             for i, ((side, row), ids) in enumerate(zip(asked, completions)):
                 row.completion_ids = torch.as_tensor(list(ids), dtype=torch.long)
@@ -479,6 +493,8 @@ class TapCore:
                     p.logp_sampler = batch.logp_sampler[i]
                 fresh.append(p)
             self._name_prompts(fresh, offset, group)
+            if fresh:
+                self._row_tokens = float(np.mean([len(p.prompt_ids) + len(p.completion_ids) for p in fresh]))
         if self.paired and training:
             was = self.model.training
             self.model.eval()
@@ -535,9 +551,11 @@ class TapCore:
             self._awaiting = _Awaiting(t, prev_step, params, fresh, scored)
             return
         rows = [p for p in fresh if id(p) in scored] if params is not None else []
-        rest = [p for p in fresh if id(p) not in scored] if params is not None else fresh
-        ent = [self._score(rows, params, prev_step), self._score(rest, None, t)]
-        total_ent, tokens = (sum(x) for x in zip(*self.gather([(sum(e for e, _ in ent), sum(k for _, k in ent))])))
+        with self._clock("fixed"):  # every rollout's own numbers: paid whatever the budget measures
+            own = self._score(fresh, None, t)
+        if rows:  # one-sided: the measured rows under the kept policy as well (their own side again)
+            self._score(rows, params, prev_step)
+        total_ent, tokens = (sum(x) for x in zip(*self.gather([own])))
         if tokens > 0:
             self._set_late(t, {"entropy": total_ent / tokens})
         if params is not None:
@@ -676,7 +694,7 @@ class TapCore:
         """A micro-batch of the awaiting generation (rows ``ids``, TRL's padded layout: prompts
         left-padded, completions right-padded): log pi_t and entropy from the loss forward's hidden
         states; one-sided, the scored rows under the kept policy by a functional call."""
-        with self._clock("measure"):
+        with self._clock("fixed"):  # the rollouts' own numbers: paid whatever the budget measures
             aw = self._awaiting
             rows = [self._pending[i] for i in ids]
             full_ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -698,14 +716,13 @@ class TapCore:
             if aw.params is not None:
                 sel = [j for j, r in enumerate(rows) if id(r) in aw.scored]
                 if sel:
-                    idx = torch.tensor(sel)
-                    t0 = time.perf_counter()
-                    new_s = new.rows(idx)
-                    old = self._forward(aw.params, full_ids[idx], att[idx]).positions(pw - 1, -1)
-                    s2 = score_blocked(new_s, old, targets[idx], comp[idx])
-                    _keep_scores([rows[j] for j in sel], s2, aw.prev_step)
-                    passes = int(att[idx].sum())
-                    self._unit_samples.append(("forward", time.perf_counter() - t0, passes))
+                    with self._clock("measure"):  # one-sided: the measured rows under the kept policy
+                        idx = torch.tensor(sel)
+                        t0 = time.perf_counter()
+                        old = self._forward(aw.params, full_ids[idx], att[idx]).positions(pw - 1, -1)
+                        s2 = score_blocked(new.rows(idx), old, targets[idx], comp[idx])
+                        _keep_scores([rows[j] for j in sel], s2, aw.prev_step)
+                        self._unit_samples.append(("forward", time.perf_counter() - t0, int(att[idx].sum())))
 
     def _finish_awaiting(self) -> None:
         """After the step's micro-batches (every process): what no micro-batch scored, the step's
