@@ -15,16 +15,26 @@ def shown(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else f"{text[:limit - 1]}… ({len(text):,} characters)"
 
 
-def finite_number(value: Any, where: str | Path, key: str, step: int) -> float:
-    """A logged metric as a finite float, or a RecordError naming where, which key and step."""
+def finite_number(value: Any, where: str | Path, key: str, step: int, step_key: str | None = "step") -> float:
+    """A logged metric as a finite float within the record's magnitude limit (specs/fields.yaml),
+    or a RecordError naming where, which key and which step: ``step`` is the user's own number
+    from the file (its ``step_key``), the one they will find there, not the record's 0-based t."""
+    from reward_lens_spec import load_fields
+
+    at = {"field": key, "steps": [step], "step_key": step_key}
+    if isinstance(value, bool):
+        raise RecordError(where, f"`{key}` is {shown(value)}, not a number", **at)
     try:
         v = float(value)
     except (TypeError, ValueError):
-        raise RecordError(where, f"`{key}` is {shown(value)}, not a number", field=key, steps=[step]) from None
+        raise RecordError(where, f"`{key}` is {shown(value)}, not a number", **at) from None
     except OverflowError:  # an int beyond float range
-        raise RecordError(where, f"`{key}` is {shown(value)}, beyond a float's range", field=key, steps=[step]) from None
+        raise RecordError(where, f"`{key}` is {shown(value)}, beyond a float's range", **at) from None
     if not math.isfinite(v):
-        raise RecordError(where, f"`{key}` is {v}", field=key, steps=[step])
+        raise RecordError(where, f"`{key}` is {v}", **at)
+    mag = load_fields().magnitude
+    if mag is not None and abs(v) > mag.limit:
+        raise RecordError(where, f"`{key}` is {v:.3g}, beyond ±{mag.limit:g}: {mag.why}", **at)
     return v
 
 
@@ -43,6 +53,20 @@ def whole_number(value: Any, where: str | Path, key: str, *, minimum: int = 0) -
     if not minimum <= v <= INT64_MAX:
         raise RecordError(where, f"`{key}` is {v}, outside [{minimum}, 2^63 - 1]", field=key)
     return v
+
+
+def one_based_step(value: Any, where: str | Path, key: str = "step") -> int:
+    """A framework's 1-based step (TRL's ``global_step``, veRL's ``global_steps``: the update just
+    made) as the record's 0-based t = step - 1, or a RecordError naming where and the key, quoting
+    the value as the file has it: a whole number from 1, with t within the record's step limit
+    (specs/fields.yaml)."""
+    from reward_lens_spec import load_fields
+
+    step = whole_number(value, where, key, minimum=1)
+    spec = load_fields().fields["step"].constraints
+    if spec.maximum is not None and step - 1 > spec.maximum:
+        raise RecordError(where, f"`{key}` is {step}, beyond {int(spec.maximum) + 1} ({spec.maximum_why})", field=key)
+    return step - 1
 
 
 # What a value of each argument type must be, in the words an error uses.
