@@ -316,7 +316,19 @@ def cmd_diff(args) -> int:
     if bad or not formats:
         raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
     out = Path(args.out)
-    sides = [Path(args.run_a), Path(args.run_b)]
+    from reward_lens.examples import example_features, example_record
+
+    given = [p for p in (args.run_a, args.run_b) if p]
+    examples = args.example or []
+    if len(given) + len(examples) != 2:
+        raise ValueError(f"diff compares two runs: give two of RUN_A, RUN_B and --example NAME (got "
+                         f"{len(given)} director{'y' if len(given) == 1 else 'ies'} and {len(examples)} --example)")
+    sides = [Path(p) for p in given] + [example_record(n) for n in examples]
+    spec = args.features
+    if spec is None and examples:
+        # the examples' own basis (`task` has one) when every example named shares it
+        bases = {example_features(n) for n in examples}
+        spec = str(bases.pop()) if len(bases) == 1 and None not in bases else None
     for side in sides:
         r_out, r_side = out.resolve(), side.resolve()
         if r_out == r_side or r_out in r_side.parents or r_side in r_out.parents:
@@ -328,8 +340,8 @@ def cmd_diff(args) -> int:
                          "directories, whose books were computed in the basis each report.json names). Give record "
                          "directories to read both in this basis")
     check_owned(out, "report")  # before any work
-    features = features_from(args.features)
-    (a, la), (b, lb) = load_side(Path(args.run_a), features), load_side(Path(args.run_b), features)
+    features = features_from(spec)
+    (a, la), (b, lb) = load_side(sides[0], features), load_side(sides[1], features)
     if la == lb:
         la, lb = f"A ({la})", f"B ({lb})"
     d = diff_reports(a, b, (la, lb))
@@ -509,8 +521,11 @@ def parser() -> argparse.ArgumentParser:
     a.set_defaults(func=cmd_audit)
 
     dfp = sub.add_parser("diff", help="the books of two runs side by side (same feature basis required)")
-    dfp.add_argument("run_a", help="a record directory, or a report directory (report.json)")
-    dfp.add_argument("run_b", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("run_a", nargs="?", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("run_b", nargs="?", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("--example", metavar="NAME", action="append", help="a bundled reference record (task, long, "
+                     "short, tapped, paired) in place of a directory; twice for two (e.g. --example short "
+                     "--example long); examples that share a basis of their own (task) are read in it")
     dfp.add_argument("--features", metavar="FILE", help="the feature basis both records are read in (default: "
                      "specs/features/surface.yaml); not for report directories." + CALLABLE_NOTE)
     dfp.add_argument("--out", default="reward-lens-diff", help="output directory (default: ./reward-lens-diff)")
@@ -561,12 +576,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stdout = sys.stdout
+    sys.stdout = QuietPipe(stdout)  # from the first byte: `--help | head -1` is quiet too
+    try:
+        return _main(argv)
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = stdout
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     from reward_lens.record.errors import RecordError
     from reward_lens_spec import SpecError
 
-    stdout = sys.stdout
-    sys.stdout = QuietPipe(stdout)
     try:
         with _fewer_collections():
             code = args.func(args)
@@ -588,8 +613,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"reward-lens: internal error: {msg} (a bug in reward-lens; --debug shows the traceback)",
               file=sys.stderr)
         return EXIT_INTERNAL
-    finally:
-        sys.stdout = stdout
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from reward_lens import __version__
 from reward_lens.record.writer import recover_swap, swap_into_place
-from reward_lens_spec.files import read_text
+from reward_lens_spec.files import kind_of, read_text
 
 MARKER = ".reward-lens"
 
@@ -48,6 +49,12 @@ def _files_under(root: Path) -> set[str]:
         for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
             out.add(Path(dirpath, n).relative_to(root).as_posix())
     return out
+
+
+def _named(root: Path, rel: str) -> str:
+    """``rel`` as a refusal names it: with what it is, where it is not a regular file."""
+    mode = os.lstat(root / rel).st_mode
+    return rel if stat.S_ISREG(mode) else f"{rel} ({kind_of(mode)})"
 
 
 def check_owned(dest: Path, kind: str) -> None:
@@ -76,7 +83,8 @@ def check_owned(dest: Path, kind: str) -> None:
         listed = set()
     foreign = sorted(present - listed - {MARKER})
     if not marker_ok or foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        shown = ", ".join(_named(dest, f) for f in foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                                                  if len(foreign) > 3 else "")
         why = f"holds {shown}, which reward-lens did not write" if foreign else \
             "is not a folder reward-lens wrote (no .reward-lens marker)"
         raise OutputRefused(f"{dest}: {why}; choose a new or empty folder for the {kind} (nothing was changed)")
