@@ -203,6 +203,8 @@ def _check_checkpoints(root: Path, manifest: RunManifest) -> None:
                 for n in dirnames + filenames:
                     rel = Path(dirpath, n).relative_to(root).as_posix()
                     _inside(root, rel, where, f"checkpoints[{i}].path")
+                for n in filenames:  # a policy loader opens them all: none may be a FIFO
+                    _regular(Path(dirpath, n), f"in checkpoint {ck.path}")
 
 
 def _sha256_handle(handle: pa.NativeFile) -> str:

@@ -216,8 +216,15 @@ def _fifo_in_checkpoint(tmp_path):
     return ["import", "trl", str(out), str(tmp_path / "rec"), "--checkpoint", str(ck)], ["tokenizer.model", "FIFO"]
 
 
+def _fifo_in_record_checkpoint(tmp_path):
+    rec = _short(tmp_path)
+    os.mkfifo(rec / "checkpoints" / "step-0" / "tokenizer.model")  # a policy loader would open it
+    return ["check", str(rec), "--quiet"], ["tokenizer.model", "FIFO", "checkpoint"]
+
+
 FIFOS = [
     ("manifest", _fifo_in_record("manifest.json")),
+    ("record-checkpoint", _fifo_in_record_checkpoint),
     ("telemetry", _fifo_in_record("telemetry.parquet")),
     ("rollouts", _fifo_in_record("rollouts.parquet")),
     ("rollouts-link-to-fifo", _fifo_in_record("rollouts.parquet", link=True)),
