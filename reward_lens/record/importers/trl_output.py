@@ -99,7 +99,7 @@ def load_trainer_config(path: Path) -> dict[str, Any]:
     return data
 
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT = re.compile(r"^checkpoint-([0-9]+)$")  # ASCII digits only, as transformers names them
 
 
 def state_file(output_dir: Path) -> Path | None:
