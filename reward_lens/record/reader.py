@@ -104,7 +104,7 @@ def _open_once(root: Path, run_id: str | None) -> Run:
         if Path(name).is_absolute() or ".." in parts or len(parts) != 1:
             raise RecordError(root / MANIFEST_FILE, f"lists {name!r}: a record's files are plain names inside its "
                               "own directory", field="files")
-        f = root / name
+        f = _inside(root, name, root / MANIFEST_FILE, f"files[{name!r}]")  # no link out of the record either
         if telemetry is not None and telemetry_name(name):
             size = telemetry.size()  # opened above: removed since by a writer or not, this is its size
         else:

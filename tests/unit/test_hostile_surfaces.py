@@ -150,7 +150,13 @@ def _link_file_out(rec, ck):
     (rec / ck["path"] / "extra.json").symlink_to(rec.parent / "config.json")
 
 
+def _data_link_out(rec, ck):
+    shutil.move(str(rec / "rollouts.parquet"), str(rec.parent / "rollouts.parquet"))
+    (rec / "rollouts.parquet").symlink_to(rec.parent / "rollouts.parquet")
+
+
 MANIFEST_PATHS = [
+    ("data-file-link-out", _checkpoint_path(_data_link_out), ["`files['rollouts.parquet']`", "symbolic link"]),
     ("parent", _checkpoint_path(lambda rec, ck: ck.update(path="../outside")), ["`checkpoints[0].path`", "'../outside'"]),
     ("absolute", _checkpoint_path(lambda rec, ck: ck.update(path="/etc")), ["`checkpoints[0].path`", "absolute"]),
     ("file-name", _checkpoint_path(_rename_file), ["`checkpoints[0].files['../../x']`"]),
