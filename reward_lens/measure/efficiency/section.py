@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from typing_extensions import TypedDict
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -103,13 +105,47 @@ class FeatureMeans(_M):
     se: dict[str, list[float]] = Field(description="by feature: the standard error of the step's mean")
 
 
+_Count = Annotated[int, Field(ge=0)]
+_Pair = Annotated[list[float], Field(min_length=2, max_length=2)]
+
+
+class CostSummary(TypedDict):
+    """The cost book's counts and run-level numbers (a dict in Python, each key typed: a report
+    whose summary holds text where a number belongs is not a report of this version)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+
+    ledger: Literal["paired", "unpaired"]
+    window: str
+    ledger_fallback: str | None
+    two_sided: _Count
+    rows_total: _Count
+    rows_resolved: _Count
+    rows_unresolved: _Count
+    rows_refused: _Count
+    rows_nothing_priced: _Count
+    eta_run: float | None
+    eta_run_interval: _Pair | None
+    eta_run_rows: _Count
+    kl_min_total: float | None
+    d_t_total: float | None
+    eta_median: float | None
+    eta_interval: _Pair | None
+    false_discoveries_expected: float | None
+    step_pairs: _Count
+    kl_min_rows: _Count
+    kl_min_resolved: _Count
+    median_kl_min: float | None
+    median_noise_floor: float | None
+
+
 class CostSection(_M):
     features: list[FeatureOut]
     metric: MetricOut
     kl_min: KlMinRows
     efficiency: EfficiencyRows
     feature_means: FeatureMeans
-    summary: dict[str, float | int | str | list[float] | None] = Field(description=(
+    summary: CostSummary = Field(description=(
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
         "rows_nothing_priced, eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
         "when none is priced), eta_run_interval ([lo, hi]), kl_min_total and d_t_total (nats over those rows), "
