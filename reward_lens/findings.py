@@ -38,7 +38,9 @@ RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
 class FindingOut(BaseModel):
-    """One finding, evaluated: ``holds``, ``clear`` or ``not_evaluated`` (with what is missing)."""
+    """One finding, evaluated: ``holds``; ``clear`` (judged, and resolved as not holding); or
+    ``not_evaluated`` (too little to judge: an input missing, too few steps, a number not resolved
+    from noise), with what would enable it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -51,8 +53,9 @@ class FindingOut(BaseModel):
     evidence: str = Field("", description="what it cites: steps, features, numbers")
     remedy: str | None = Field(None, description="what to change (only where it holds)")
     reference: str | None = None
-    missing: list[str] = Field(default_factory=list, description="not evaluated: the fields or books that would "
-                                                                 "enable it (one alternative)")
+    missing: list[str] = Field(default_factory=list, description=(
+        "not evaluated: what would enable it -- the fields or books it lacks (one alternative), or, where the "
+        "record has them, what would let it judge (more steps, a number resolved from noise)"))
     values: dict[str, Any] = Field(default_factory=dict, description="the numbers the evidence cites")
 
 

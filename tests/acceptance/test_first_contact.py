@@ -280,3 +280,21 @@ def test_the_headline_curve_of_what_was_needed_never_dips_below_zero(example):
     assert needed, name
     for s in needed:
         assert min(s.y) >= 0 and (s.lo is None or min(s.lo) >= 0), (name, s.label, min(s.y))
+
+
+def test_the_needed_curve_of_a_short_noisy_run_is_its_positive_part():
+    """Three updates whose debiased KL_min is noise below zero at first: the sum is -0.01, -0.03,
+    +0.02 nats; the curve is drawn at 0, 0, 0.02, its band from the rows' variances, clipped at 0."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from reward_lens.report.build import required_so_far
+
+    est = [SimpleNamespace(kl_min_debiased=k, cov=np.array([[v, 0.0], [0.0, 1.0]]))
+           for k, v in ((-0.01, 1e-4), (-0.02, 1e-4), (0.05, 1e-4))]
+    lo, mid, hi = required_so_far(est)
+    assert mid == pytest.approx([0.0, 0.0, 0.02])
+    se = np.sqrt([1e-4, 2e-4, 3e-4])
+    assert hi == pytest.approx(np.maximum(np.array([-0.01, -0.03, 0.02]) + 1.96 * se, 0).tolist())
+    assert lo == [0.0, 0.0, 0.0] and min(hi) >= 0
