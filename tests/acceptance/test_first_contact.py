@@ -298,3 +298,17 @@ def test_the_needed_curve_of_a_short_noisy_run_is_its_positive_part():
     se = np.sqrt([1e-4, 2e-4, 3e-4])
     assert hi == pytest.approx(np.maximum(np.array([-0.01, -0.03, 0.02]) + 1.96 * se, 0).tolist())
     assert lo == [0.0, 0.0, 0.0] and min(hi) >= 0
+
+
+def test_the_diff_keeps_its_headlines_code_spans(tmp_path):
+    """diff.md quoted the books' headlines with escaped backticks (\\`frac\\_lower\\`): they are
+    prose from templates, and keep their code spans; the HTML shows them as code."""
+    from reward_lens.cli import main as cli
+
+    out = tmp_path / "diff"
+    assert cli(["diff", str(example_record("tapped")), str(example_record("paired")), "--out", str(out),
+                "--quiet"]) in (0, 1)
+    md = (out / "diff.md").read_text()
+    assert "\\`" not in md and "`frac_lower`" in md
+    text = "".join(_read((out / "diff.html").read_text()).text)
+    assert "`" not in text and "**" not in text
