@@ -466,8 +466,9 @@ def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None
 
 
 def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
-    """Each finding: evaluated when one alternative of its fields is supplied and its books will
-    compute (the same resolution as the books'), and never for a config the trainer rejects."""
+    """Each finding: evaluated when one alternative of its fields is supplied, its books will
+    compute (the same resolution as the books') and the run will log them on at least the
+    finding's ``min_steps`` steps; never for a config the trainer rejects."""
     from reward_lens.findings import missing_inputs
     from reward_lens_spec import load_findings
 
@@ -482,9 +483,28 @@ def _finding_support(result: AuditOut, pr: Projection) -> list[FindingSupport]:
         # a config the trainer rejects logs nothing: no finding evaluates, whatever it would read
         lack = ([_say("run_rejected", key=pr.rejected.key)] if pr.rejected is not None
                 else missing_inputs(spec, present, books))
+        if not lack:  # a run shorter than the finding judges on: not evaluated, as the report will say
+            lack = _too_short_for(spec, pr)
         out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
                                   verdict="will not evaluate" if lack else "will evaluate", missing=lack))
     return out
+
+
+def _too_short_for(spec, pr: Projection) -> list[str]:
+    """What a finding with a ``min_steps`` lacks where the run will log its inputs on fewer steps
+    than that (the best of its alternatives whose fields are all supplied); nothing where the run's
+    length is not known."""
+    need = spec.params.get("min_steps")
+    if not isinstance(need, int) or pr.steps is None:
+        return []
+    best: tuple[int, list[str]] | None = None
+    for alt in spec.inputs:
+        counts = [pr.supplied[f].count for f in alt if f in pr.supplied and pr.supplied[f].any]
+        if len(counts) == len(alt) and (best is None or min(counts) > best[0]):
+            best = (min(counts), alt)
+    if best is None or best[0] >= need:
+        return []
+    return [_say("too_few_steps", need=need, fields=best[1], steps=best[0])]
 
 
 def _coverage(pr: Projection) -> dict[str, FieldCoverage]:

@@ -262,6 +262,10 @@ class FindingSpec(_Strict):
     predicate: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     params: dict[str, float | int | str | bool] = Field(default_factory=dict)
     evidence: str
+    needs: str | None = Field(None, description=(
+        "Jinja over the predicate's evidence: what would let it judge, where it cannot (too few steps, a number "
+        "not resolved from noise); the finding is then *not evaluated*, never clear. A `min_steps` parameter "
+        "is the fewest steps of its inputs it judges on, which the audit checks against a config's run length"))
     remedy: str
     reference: str | None = None
     validated: str = Field(description="how the finding was validated, in words (the docs' table)")
