@@ -99,6 +99,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--save", action="store_true", help="also write the output to bench/results/tap_overhead.txt")
     a = ap.parse_args()
     run("untapped")  # throwaway: the first training in a process pays one-off initialisation
     names = list(CONFIGS)
@@ -109,14 +110,20 @@ def main() -> None:
         for n in order:
             times[n].append(run(n, own.get(n)))
     base = times["untapped"]
-    print(f"untapped step: median {statistics.median(base) * 1e3:.0f} ms over {a.reps} interleaved rounds "
-          f"(round medians {min(base) * 1e3:.0f}-{max(base) * 1e3:.0f} ms)")
+    lines = [f"untapped step: median {statistics.median(base) * 1e3:.0f} ms over {a.reps} interleaved rounds "
+             f"(round medians {min(base) * 1e3:.0f}-{max(base) * 1e3:.0f} ms)"]
     for n in names[1:]:
         ratios = [t / b for t, b in zip(times[n], base)]
         inside = statistics.median(own[n]) / statistics.median(base)
-        print(f"{n:40s}: wall ratio median {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}-"
-              f"{max(ratios):.2f}x); time inside the tap {statistics.median(own[n]) * 1e3:.0f} ms per step = "
-              f"{inside:.2f} of an untapped step")
+        lines.append(f"{n:40s}: wall ratio median {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}-"
+                     f"{max(ratios):.2f}x); the tap's own time {statistics.median(own[n]) * 1e3:.0f} ms per step = "
+                     f"{inside:.2f} of an untapped step")
+    text = "\n".join(lines)
+    print(text)
+    if a.save:
+        out = REPO / "bench" / "results" / "tap_overhead.txt"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

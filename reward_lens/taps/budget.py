@@ -78,7 +78,8 @@ class Plan:
     probability: float
     # "unbounded" (no budget), "first" (whole, the unit costs are learned from it), "fits" (the
     # largest shape the allowance covers), "share" (the smallest shape on a share of the pairs),
-    # "skipped" (the coin said no), "few_groups" (under MIN_GROUPS groups in the generation)
+    # "skipped" (the coin said no), "few_groups" (under MIN_GROUPS groups in the generation),
+    # "no_side_b" (planned two-sided, but the next generation could not take the extra completions)
     reason: str
 
     @property

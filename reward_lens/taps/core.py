@@ -347,7 +347,8 @@ class TapCore:
             out: list[list[int]] = []
             done = self._completing
             # side b of the pair planned at the previous generation (its pi kept), for its groups
-            if done is not None and done.plan.shape.per_group and self._prev is not None and self._prev[0] == done.step:
+            if (can_draw and done is not None and done.plan.shape.per_group and self._prev is not None
+                    and self._prev[0] == done.step):
                 for g in done.groups:
                     text, ids, example = done.prompts[g]
                     for j in range(done.plan.shape.per_group):
@@ -529,6 +530,10 @@ class TapCore:
         prev_step, params = kept
         if done.plan.shape.per_group:  # two-sided, on the extra completions of both generations
             self._await_or_score(t, fresh, None, None, set(), fuse)
+            if not sum(self.gather([len(side_b)])):  # this generation could not take side b: no pair
+                self.plans[prev_step] = Plan(None, (), done.plan.probability, "no_side_b")
+                self._set_late(prev_step, {"tap_groups": 0})
+                return
             side_a = done.side_a
             self._score_extras(side_b, params, prev_step, drawn_by_new=True)
             self._score_extras(side_a, params, prev_step, drawn_by_new=False)
