@@ -1,22 +1,29 @@
-"""The tap's forward passes over the rollouts at a size where forward passes dominate, in
-forward-pass equivalents (issue 30's target: at most 1.1 per rollout beyond what the trainer
-already does, the held-out draw measured separately).
+"""The tap's price at a size where forward passes and decoding dominate: its wall-time ratio to
+an untapped step, and its own time as a share of one, per cost budget (issue 38's targets: the
+default tap at most 1.10x an untapped step, its own time at most 0.10 of one).
 
-A Qwen3 of about 31M parameters built from a config in code (10 layers, hidden 512, the
+A Qwen3 of about 31.7M parameters built from a config in code (10 layers, hidden 512, the
 reference records' 260-token byte vocabulary; seeded, nothing downloaded), trained by TRL's
-GRPOTrainer on 64 rollouts a step (8 prompts x 8) of up to 64 tokens, on the CPU. In one
-process, interleaved over ``--rounds`` rounds, each round trains once per configuration:
+GRPOTrainer on 64 rollouts a step (8 prompts x 8) of up to 64 tokens, on the CPU. In one process,
+interleaved over ``--rounds`` rounds (each round trains every configuration once, in a rotated
+order):
 
 * untapped;
-* the tap with ``heldout=0`` and ``loss_forward=True`` (the default way of scoring the
-  rollouts: pi_{t+1}'s side from TRL's own loss forward, pi_t's by one pass of the tap);
-* the same with ``loss_forward=False`` (a pass of the tap's own for each policy);
-* the tap with ``heldout=4`` (the default), for the held-out draw's cost.
+* the tap with its default budget (0.10 of an untapped step);
+* the tap with ``budget=None`` (every step pair measured whole: 4 completions per prompt group
+  from each policy);
+* the tap with two other budgets (0.05 and 0.25).
 
-Two numbers per configuration: the wall ratio to the untapped step of the same round, and
-the time spent inside the tap's methods per step divided by the time of one no-gradient
-forward pass over the step's 64 rollouts, measured in the same process on the same batch
-shape (a "forward-pass equivalent"). The first step of each training is dropped.
+Per configuration: the median over rounds of (median tapped step / median untapped step of the
+same round), with its range; the tap's own time per step (the core's clock, recorded in the
+telemetry as ``tap_seconds``: its callbacks, its scoring, and the extra completions' marginal
+share of the trainer's generation) as a share of the untapped step and in forward-pass
+equivalents (one no-gradient forward pass over the step's 64 rollouts, timed in the same
+process); and what the budget bought (prompt groups measured of 8, completions per group and
+policy). The first ``--skip`` steps of each training are dropped: warm-up, and the first two step
+pairs, which the tap measures whole to learn its unit costs.
+
+    python bench/tap_forward.py --rounds 3 --steps 9 --save   # also writes bench/results/tap_forward.txt
 """
 
 from __future__ import annotations
@@ -31,13 +38,27 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tools"))
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
 
 import make_reference_records as gen  # noqa: E402
-from tap_overhead import TAP_METHODS, Timer, _time_inside  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 PROMPTS = ("ab", "cd", "ef", "gh", "ij", "kl", "mn", "op")
 COMPLETION = 64
+RESULTS = REPO / "bench" / "results" / "tap_forward.txt"
+
+
+class Timer(TrainerCallback):
+    """Each optimizer step's wall time (on_step_begin to on_step_end: generation included)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.t0 = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.times.append(time.perf_counter() - self.t0)
 
 
 def build_model(tok, seed: int = 1):
@@ -66,11 +87,13 @@ def forward_pass_seconds(model, tok, repeats: int = 3) -> float:
     return statistics.median(times[1:])
 
 
-def training(init: Path, tok, steps: int, tap: dict | None) -> tuple[float, float]:
-    """Median seconds per step (first dropped) and median seconds inside the tap per step."""
+def training(init: Path, tok, steps: int, skip: int, tap: dict | None) -> dict:
+    """Median seconds per step after ``skip``; with the tap, the median of its recorded
+    tap_seconds and what it measured over the same steps."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from reward_lens.record import open_run
     from reward_lens.taps.trl import RewardLensTap
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,31 +102,35 @@ def training(init: Path, tok, steps: int, tap: dict | None) -> tuple[float, floa
                           bf16=False, report_to="none", use_cpu=True, seed=1, save_strategy="no", disable_tqdm=True)
         trainer = GRPOTrainer(model=str(init), reward_funcs=[gen.lowercase], args=args,
                               train_dataset=Dataset.from_dict({"prompt": list(PROMPTS)}), processing_class=tok)
-        timer, spent = Timer(), [0.0]
+        timer = Timer()
         if tap is not None:
-            t = RewardLensTap.attach(trainer, Path(tmp) / "rec", flush_every=100, **tap)
-            for name in TAP_METHODS:
-                _time_inside(t, name, spent)
+            RewardLensTap.attach(trainer, Path(tmp) / "rec", flush_every=100, **tap)
         trainer.add_callback(timer)
-        timer.spent = spent
         trainer.train()
-        return statistics.median(timer.times[1:]), statistics.median(timer.own[1:])
+        out = {"step": statistics.median(timer.times[skip:])}
+        if tap is not None:
+            t = open_run(Path(tmp) / "rec").telemetry.to_pydict()
+            rows = [i for i, s in enumerate(t["step"]) if skip <= s < steps - 1]  # the last pair never completes
+            out["tap"] = statistics.median(t["tap_seconds"][i] for i in rows)
+            out["groups"] = statistics.median(t["tap_groups"][i] or 0 for i in rows)
+            out["per_group"] = statistics.median(t["tap_per_group"][i] or 0 for i in rows)
+        return out
 
 
 CONFIGS = {"untapped": None,
-           "tap heldout=0, loss_forward (default scoring)": {"heldout": 0},
-           "tap heldout=0, a pass of its own per policy": {"heldout": 0, "loss_forward": False},
-           "tap heldout=4 (default)": {"heldout": 4}}
+           "tap, default budget (0.10)": {},
+           "tap, budget=None (everything)": {"budget": None},
+           "tap, budget=0.05": {"budget": 0.05},
+           "tap, budget=0.25": {"budget": 0.25}}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--save", action="store_true", help=f"also write the output to {RESULTS.relative_to(REPO)}")
     a = ap.parse_args()
-    import torch
-
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = gen.build_tokenizer()
     with tempfile.TemporaryDirectory() as tmp:
         init = Path(tmp) / "init"
@@ -113,26 +140,32 @@ def main() -> None:
         tok.save_pretrained(init)
         fwd = forward_pass_seconds(model, tok)
         names = list(CONFIGS)
-        step: dict[str, list[float]] = {n: [] for n in names}
-        inside: dict[str, list[float]] = {n: [] for n in names}
+        got: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(a.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
-                s, own = training(init, tok, a.steps, CONFIGS[n])
-                step[n].append(s)
-                inside[n].append(own)
+                got[n].append(training(init, tok, a.steps, a.skip, CONFIGS[n]))
         fwd_after = forward_pass_seconds(model, tok)
     unit = statistics.median([fwd, fwd_after])
-    base = step["untapped"]
-    print(f"Qwen3 {n_params / 1e6:.1f}M parameters, 64 rollouts x up to {COMPLETION} tokens a step, "
-          f"{a.rounds} interleaved rounds of {a.steps} steps (first dropped)")
-    print(f"one no-gradient forward pass over the step's rollouts: {unit:.2f} s (before {fwd:.2f}, after "
-          f"{fwd_after:.2f}); untapped step: median {statistics.median(base):.1f} s "
-          f"({min(base):.1f}-{max(base):.1f})")
+    base = [x["step"] for x in got["untapped"]]
+    lines = [f"Qwen3 {n_params / 1e6:.1f}M parameters, 64 rollouts x up to {COMPLETION} tokens a step, "
+             f"{a.rounds} interleaved rounds of {a.steps} steps (first {a.skip} dropped)",
+             f"one no-gradient forward pass over the step's rollouts: {unit:.2f} s; untapped step: median "
+             f"{statistics.median(base):.1f} s ({min(base):.1f}-{max(base):.1f})"]
     for n in names[1:]:
-        ratios = [s / b for s, b in zip(step[n], base)]
-        own = statistics.median(inside[n])
-        print(f"{n:48s}: wall ratio {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}); "
-              f"inside the tap {own:.2f} s a step = {own / unit:.2f} forward-pass equivalents")
+        ratios = [x["step"] / b for x, b in zip(got[n], base)]
+        share = [x["tap"] / b for x, b in zip(got[n], base)]
+        own = statistics.median(x["tap"] for x in got[n])
+        groups = statistics.median(x["groups"] for x in got[n])
+        k = statistics.median(x["per_group"] for x in got[n])
+        lines.append(f"{n:32s}: wall ratio {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}); "
+                     f"the tap's own time {statistics.median(share):.3f} of an untapped step "
+                     f"({own:.2f} s = {own / unit:.2f} forward-pass equivalents); measured {groups:g} of 8 groups, "
+                     f"{k:g} completions per group and policy")
+    text = "\n".join(lines)
+    print(text)
+    if a.save:
+        RESULTS.parent.mkdir(exist_ok=True)
+        RESULTS.write_text(text + "\n")
 
 
 if __name__ == "__main__":

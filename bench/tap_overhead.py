@@ -1,5 +1,5 @@
-"""The TRL tap's cost per optimizer step, as a ratio to the untapped step, per estimator and
-per number of held-out completions (the cost the default ``heldout=4`` is chosen from).
+"""The TRL tap's cost per optimizer step at the reference records' tiny size, as a ratio to the
+untapped step, per estimator, budget and number of extra completions.
 
 Runs the same tiny GRPO training (the reference records' tiny Qwen3, 260-token byte
 vocabulary, 8 completions of 32 tokens per step) without the tap and with it for each D_t
@@ -9,9 +9,9 @@ is at the mercy of the machine (repeated, the untapped step ranged 0.98-1.52x it
 * **interleaved wall time**: ``--reps`` rounds (default 5), each training every
   configuration once in a rotated order; per round, each tapped configuration's median step
   time is divided by that round's untapped median. Prints the median ratio and its range.
-* **the tap's own time**: every tap method the trainer calls (its callbacks and the
-  generation hook) is timed from inside, per step, and divided by the untapped step: what
-  the tap adds, whatever else the machine does.
+* **the tap's own time**: its core's clock per step (the record's ``tap_seconds``: its
+  callbacks, its scoring, and the extra completions' marginal share of the generation), divided
+  by the untapped step: what the tap adds, whatever else the machine does.
 
 The first steps of each run are dropped (warm-up).
 """
@@ -32,37 +32,30 @@ import make_reference_records as gen  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 STEPS, WARMUP = 24, 4
-# Every method of the tap the trainer calls into: its callbacks, the generation hook, and the
-# scoring it does inside the trainer's compute_loss (loss_forward).
-TAP_METHODS = ("_on_generation", "_score_from_loss", "on_pre_optimizer_step", "on_optimizer_step", "on_step_end",
-               "on_log", "on_train_begin", "on_train_end")
 
 
 class Timer(TrainerCallback):
     def __init__(self):
         self.times: list[float] = []
-        self.own: list[float] = []
-        self.spent = [0.0]
         self.t0 = None
-        self.s0 = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.t0 = time.perf_counter()
-        self.s0 = self.spent[0]
 
     def on_step_end(self, args, state, control, **kwargs):
         self.times.append(time.perf_counter() - self.t0)
-        self.own.append(self.spent[0] - self.s0)
 
 
 def timed_training(*, batch: int = 8, prompts=("ab", "cd"), lr: float = 1e-3, steps: int = STEPS,
                    tap: dict | None = None, own: list[float] | None = None) -> float:
     """Median seconds per step (after WARMUP) of a tiny GRPO training, with the tap attached
     with ``tap`` as its keyword arguments, or without the tap when ``tap`` is None. With
-    ``own``, the seconds spent inside the tap's methods are appended per step."""
+    ``own``, the tap's own seconds per step (its core's clock, the record's ``tap_seconds``) are
+    appended."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
+    from reward_lens.record import open_run
     from reward_lens.taps.trl import RewardLensTap
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,39 +70,22 @@ def timed_training(*, batch: int = 8, prompts=("ab", "cd"), lr: float = 1e-3, st
         trainer = GRPOTrainer(model=str(tmp / "init"), reward_funcs=[gen.lowercase], args=args,
                               train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=tok)
         timer = Timer()
-        spent = [0.0]
         if tap is not None:
-            t = RewardLensTap.attach(trainer, tmp / "rec", **tap)
-            for name in TAP_METHODS:
-                _time_inside(t, name, spent)
+            RewardLensTap.attach(trainer, tmp / "rec", **tap)
         trainer.add_callback(timer)  # after the tap: its on_step_end (flushes) runs inside the timing
-        timer.spent = spent
         trainer.train()
-        if own is not None:
-            own.extend(timer.own[WARMUP:])
+        if own is not None and tap is not None:
+            own.extend(open_run(tmp / "rec").telemetry.column("tap_seconds").to_pylist()[WARMUP:])
         return statistics.median(timer.times[WARMUP:])
-
-
-def _time_inside(obj, name: str, spent: list[float]) -> None:
-    method = getattr(obj, name)
-
-    def timed(*a, **kw):
-        t0 = time.perf_counter()
-        try:
-            return method(*a, **kw)
-        finally:
-            spent[0] += time.perf_counter() - t0
-
-    setattr(obj, name, timed)
 
 
 CONFIGS = {"untapped": None,
            "tap, no estimator": {"estimator": None},
-           "tap, next generation only (heldout=0)": {"heldout": 0},
-           "tap, heldout=2": {"heldout": 2},
-           "tap, heldout=4 (default)": {"heldout": 4},
-           "tap, heldout=8": {"heldout": 8},
-           "tap, exact": {"estimator": "exact", "heldout": 0}}
+           "tap, default budget (0.10)": {},
+           "tap, budget=None, one-sided (heldout=0)": {"budget": None, "heldout": 0},
+           "tap, budget=None, heldout=2": {"budget": None, "heldout": 2},
+           "tap, budget=None, heldout=4": {"budget": None, "heldout": 4},
+           "tap, exact": {"estimator": "exact", "heldout": 0, "budget": None}}
 
 
 def run(name: str, own: list[float] | None = None) -> float:
@@ -123,6 +99,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--save", action="store_true", help="also write the output to bench/results/tap_overhead.txt")
     a = ap.parse_args()
     run("untapped")  # throwaway: the first training in a process pays one-off initialisation
     names = list(CONFIGS)
@@ -133,14 +110,20 @@ def main() -> None:
         for n in order:
             times[n].append(run(n, own.get(n)))
     base = times["untapped"]
-    print(f"untapped step: median {statistics.median(base) * 1e3:.0f} ms over {a.reps} interleaved rounds "
-          f"(round medians {min(base) * 1e3:.0f}-{max(base) * 1e3:.0f} ms)")
+    lines = [f"untapped step: median {statistics.median(base) * 1e3:.0f} ms over {a.reps} interleaved rounds "
+             f"(round medians {min(base) * 1e3:.0f}-{max(base) * 1e3:.0f} ms)"]
     for n in names[1:]:
         ratios = [t / b for t, b in zip(times[n], base)]
         inside = statistics.median(own[n]) / statistics.median(base)
-        print(f"{n:40s}: wall ratio median {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}-"
-              f"{max(ratios):.2f}x); time inside the tap {statistics.median(own[n]) * 1e3:.0f} ms per step = "
-              f"{inside:.2f} of an untapped step")
+        lines.append(f"{n:40s}: wall ratio median {statistics.median(ratios):.2f}x (rounds {min(ratios):.2f}-"
+                     f"{max(ratios):.2f}x); the tap's own time {statistics.median(own[n]) * 1e3:.0f} ms per step = "
+                     f"{inside:.2f} of an untapped step")
+    text = "\n".join(lines)
+    print(text)
+    if a.save:
+        out = REPO / "bench" / "results" / "tap_overhead.txt"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reward_lens.measure.efficiency.cost import denominator_context, rollouts_context
 from reward_lens.record.errors import RecordError
-from reward_lens.record.importers import whole_number
+from reward_lens.record.importers import validate_config, whole_number
 from reward_lens_spec import (Presence, Refusal, Subject, load_books, load_fields, load_frameworks, load_taps,
                               make_refusal, resolve)
 from reward_lens_spec.models import BookSpec, Condition, FrameworkSpec
+from reward_lens_spec.files import UnreadableFile, read_text
 from reward_lens_spec.render import first_sentence, render_macro
 from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
 
@@ -347,13 +348,15 @@ def _prompt_groups(pg, cfg: dict[str, Any], d: dict[str, Any], pr: Projection, w
 # ---------------------------------------------------------------- loading
 
 def load_config(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise RecordError(path, "is a directory without a manifest.json: not a reward-lens record")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)  # a FIFO is refused, never waited on
         data = json.loads(text) if path.suffix == ".json" else safe_load_bounded(text)
     except FileNotFoundError:
         raise RecordError(path, "no such file") from None
-    except IsADirectoryError:
-        raise RecordError(path, "is a directory without a manifest.json: not a reward-lens record") from None
+    except UnreadableFile as exc:
+        raise RecordError(path, exc.problem) from None
     except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
         msg = " ".join(str(exc).split())[:200]
         raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg})") from None
@@ -399,6 +402,7 @@ def _audit(path: Path, framework: str | None, with_tap: bool, model_parameters: 
     if framework not in frameworks:
         raise RecordError(path, f"unknown framework {framework!r}; known: {', '.join(sorted(frameworks))}")
     spec = frameworks[framework]
+    cfg = validate_config(cfg, spec, path)  # the one typed model the importer reads it with too
     taps = load_taps()
     tap = None
     if with_tap or any(t.section in cfg for t in taps.values()):
@@ -462,9 +466,10 @@ def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None
 
 
 def _finding_support(result: AuditOut, pr: Projection, targets=None) -> list[FindingSupport]:
-    """Each finding: evaluated when one alternative of its fields is supplied and its books will
-    compute (the same resolution as the books'), and never for a config the trainer rejects; with a
-    basis (``targets``: its declared targets), a finding that reads a target needs one declared."""
+    """Each finding: evaluated when one alternative of its fields is supplied, its books will
+    compute (the same resolution as the books') and the run will log them on at least the
+    finding's ``min_steps`` steps; never for a config the trainer rejects; with a basis
+    (``targets``: its declared targets), a finding that reads a target needs one declared."""
     from reward_lens.findings import missing_inputs, missing_target
     from reward_lens_spec import load_findings
 
@@ -479,9 +484,28 @@ def _finding_support(result: AuditOut, pr: Projection, targets=None) -> list[Fin
         # a config the trainer rejects logs nothing: no finding evaluates, whatever it would read
         lack = ([_say("run_rejected", key=pr.rejected.key)] if pr.rejected is not None
                 else missing_inputs(spec, present, books) + missing_target(spec, targets))
+        if not lack:  # a run shorter than the finding judges on: not evaluated, as the report will say
+            lack = _too_short_for(spec, pr)
         out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
                                   verdict="will not evaluate" if lack else "will evaluate", missing=lack))
     return out
+
+
+def _too_short_for(spec, pr: Projection) -> list[str]:
+    """What a finding with a ``min_steps`` lacks where the run will log its inputs on fewer steps
+    than that (the best of its alternatives whose fields are all supplied); nothing where the run's
+    length is not known."""
+    need = spec.params.get("min_steps")
+    if not isinstance(need, int) or pr.steps is None:
+        return []
+    best: tuple[int, list[str]] | None = None
+    for alt in spec.inputs:
+        counts = [pr.supplied[f].count for f in alt if f in pr.supplied and pr.supplied[f].any]
+        if len(counts) == len(alt) and (best is None or min(counts) > best[0]):
+            best = (min(counts), alt)
+    if best is None or best[0] >= need:
+        return []
+    return [_say("too_few_steps", need=need, fields=best[1], steps=best[0])]
 
 
 def _coverage(pr: Projection) -> dict[str, FieldCoverage]:
@@ -532,7 +556,7 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
     if fw not in frameworks:
         raise RecordError(path, f"a manifest without its data files can only be audited through its trainer "
                           f"config, and framework {fw!r} has no spec in specs/frameworks/")
-    tc = cfg.get("trainer_config") or {}
+    tc = validate_config(cfg.get("trainer_config") or {}, frameworks[fw], path)
     pr = project(frameworks[fw], tc, path)
     subject = "a run logged with the trainer configuration this manifest keeps"
     books = _verdicts(pr, subject=subject, audit_words=True, optimizer=cfg.get("optimizer"),

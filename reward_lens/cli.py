@@ -1,4 +1,4 @@
-"""The ``reward-lens`` command.
+"""reward-lens: what each optimizer step of an RL fine-tuning run spent (nats of policy divergence), what the behaviour change required, on which behaviours, and whether the run is healthy.
 
 Exit codes (all subcommands):
   0  computed: nothing --fail-on counts (by default, no book is refused and the record lacks
@@ -173,9 +173,9 @@ def cmd_report(args) -> int:
     progress.done()
     if not args.quiet:
         for b in report.books:
-            print(f"{b.function}: {b.status}" + (f": {b.headline}" if b.headline else ""))
+            _emit(f"{b.function}: {b.status}" + (f": {b.headline}" if b.headline else ""))
         for p in written:
-            print(f"wrote {p}")
+            _emit(f"wrote {p}")
     return _exit_for(report, args.fail_on)
 
 
@@ -261,15 +261,49 @@ def cmd_audit(args) -> int:
 
 def _emit(text: str) -> None:
     """Print to stdout; a reader that closed the pipe early (``| head``) ends the output
-    quietly, and the exit code stays that of the command."""
-    try:
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
+    quietly, and the exit code stays that of the command (``QuietPipe``)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+class QuietPipe:
+    """stdout for the length of one command: once the reader has closed the pipe (``| head -1``,
+    ``| true``), every further write is dropped instead of raising BrokenPipeError, and the file
+    descriptor is pointed at /dev/null so the interpreter's last flush cannot fail either. The
+    command finishes its work and its exit code is kept, whatever it prints and wherever."""
+
+    def __init__(self, stream):
+        self._stream = stream
+        self.broken = False
+
+    def _quiet(self) -> None:
         import os
 
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail again
+        self.broken = True
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError, AttributeError):  # a stream without a descriptor (a test's capture)
+            pass
+
+    def write(self, text: str) -> int:
+        if not self.broken:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._quiet()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.broken:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._quiet()
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 def cmd_diff(args) -> int:
@@ -282,7 +316,19 @@ def cmd_diff(args) -> int:
     if bad or not formats:
         raise ValueError(f"--format takes a comma-separated subset of {','.join(FORMATS)}, not {args.format!r}")
     out = Path(args.out)
-    sides = [Path(args.run_a), Path(args.run_b)]
+    from reward_lens.examples import example_features, example_record
+
+    given = [p for p in (args.run_a, args.run_b) if p]
+    examples = args.example or []
+    if len(given) + len(examples) != 2:
+        raise ValueError(f"diff compares two runs: give two of RUN_A, RUN_B and --example NAME (got "
+                         f"{len(given)} director{'y' if len(given) == 1 else 'ies'} and {len(examples)} --example)")
+    sides = [Path(p) for p in given] + [example_record(n) for n in examples]
+    spec = args.features
+    if spec is None and examples:
+        # the examples' own basis (`task` has one) when every example named shares it
+        bases = {example_features(n) for n in examples}
+        spec = str(bases.pop()) if len(bases) == 1 and None not in bases else None
     for side in sides:
         r_out, r_side = out.resolve(), side.resolve()
         if r_out == r_side or r_out in r_side.parents or r_side in r_out.parents:
@@ -294,22 +340,23 @@ def cmd_diff(args) -> int:
                          "directories, whose books were computed in the basis each report.json names). Give record "
                          "directories to read both in this basis")
     check_owned(out, "report")  # before any work
-    features = features_from(args.features)
-    (a, la), (b, lb) = load_side(Path(args.run_a), features), load_side(Path(args.run_b), features)
+    features = features_from(spec)
+    (a, la), (b, lb) = load_side(sides[0], features), load_side(sides[1], features)
     if la == lb:
         la, lb = f"A ({la})", f"B ({lb})"
     d = diff_reports(a, b, (la, lb))
     render = {"md": ("diff.md", diff_markdown), "html": ("diff.html", diff_html), "json": ("diff.json", diff_json)}
     written = replace_dir_atomically(out, {render[f][0]: render[f][1](d) for f in formats}, kind="report")
     if not args.quiet:
-        print(d.refusal if d.refusal else f"compared {len(d.books)} books of {la} and {lb}")
+        _emit(d.refusal if d.refusal else f"compared {len(d.books)} books of {la} and {lb}")
         for p in written:
-            print(f"wrote {p}")
+            _emit(f"wrote {p}")
     return EXIT_REFUSED if d.status == "refused" else EXIT_OK
 
 
 def cmd_publish(args) -> int:
     from reward_lens.record.reader import open_run
+    from reward_lens.report.model import SCHEMA_VERSION as REPORT_SCHEMA
     from reward_lens.report.site import publish
 
     from reward_lens.report.output import check_owned
@@ -324,13 +371,16 @@ def cmd_publish(args) -> int:
     runs = [open_run(p) for p in args.run_dirs]
     for run in runs:
         run.verify()
-    files, kept = publish(runs, site, progress, ledger=args.ledger, window=window, features=features,
-                          prune=args.prune)
+    files, kept, older = publish(runs, site, progress, ledger=args.ledger, window=window, features=features,
+                                 prune=args.prune)
     progress.done()
     if not args.quiet:
-        print(f"wrote {len(files)} files to {args.site} (open {Path(args.site) / 'index.html'})")
+        _emit(f"wrote {len(files)} files to {args.site} (open {Path(args.site) / 'index.html'})")
         if kept:
-            print(f"kept {len(kept)} run(s) already on the site ({', '.join(kept)}); --prune drops them")
+            _emit(f"kept {len(kept)} run(s) already on the site ({', '.join(kept)}); --prune drops them")
+        for slug, version in older:
+            _emit(f"  {slug}: a report of schema {version} (this reward-lens writes {REPORT_SCHEMA}), listed without "
+                  "numbers; publish its record again to show them")
     return EXIT_OK
 
 
@@ -339,13 +389,17 @@ def _open_for_check(path: Path, tmp: Path):
     record of its logged scalars: the findings that need only those are evaluated, the rest are
     not evaluated and name what they lack."""
     from reward_lens.record.reader import open_run
+    from reward_lens.record.importers.trl_output import state_file
 
-    if path.is_dir() and not (path / "manifest.json").is_file() and (
-            (path / "trainer_state.json").is_file() or any(path.glob("checkpoint-*/trainer_state.json"))):
+    manifest = path / "manifest.json"
+    state = state_file(path) if path.is_dir() and not (manifest.exists() or manifest.is_symlink()) else None
+    if state is not None:
         from reward_lens.record.importers.trl_output import import_trl
 
         import_trl(path, tmp / "record", scalars_only_ok=True)
-        return open_run(tmp / "record"), f"{path} (a TRL output directory, read through `reward-lens import trl`)"
+        read = state.relative_to(path).as_posix()
+        return open_run(tmp / "record"), (f"{path} (a TRL output directory, read through `reward-lens import trl`: "
+                                          f"its log from {read})")
     return open_run(path), str(path)
 
 
@@ -358,7 +412,7 @@ def cmd_check(args) -> int:
 
     specs = load_findings()
     if args.list:
-        print(render_findings_list(specs))
+        _emit(render_findings_list(specs))
         return EXIT_OK
     formats = [f.strip() for f in args.format.split(",") if f.strip()]
     if not formats or any(f not in ("md", "json") for f in formats):
@@ -377,11 +431,13 @@ def cmd_check(args) -> int:
     if "md" in formats:
         from reward_lens_spec.render import render_template
 
-        print(render_template("report/check.md.j2", {"f": found, "n": finding_counts(found), "source": source,
+        _emit(render_template("report/check.md.j2", {"f": found, "n": finding_counts(found), "source": source,
                                                       "run_id": run.run_id, "fail_on": args.fail_on}, prose=False))
     if "json" in formats:
-        print(json.dumps({"run_id": run.run_id, "source": source, "counts": finding_counts(found),
-                          "findings": [x.model_dump(mode="json") for x in found]}, ensure_ascii=False))
+        from reward_lens.report.check import CheckOut
+
+        _emit(CheckOut(run_id=run.run_id, source=source, counts=finding_counts(found),
+                       findings=list(found)).model_dump_json())
     return exit_code(found, args.fail_on)
 
 
@@ -392,6 +448,12 @@ def render_findings_list(specs) -> str:
 
 
 def cmd_import(args) -> int:
+    dest = Path(args.record_dir)
+    if (dest.exists() or dest.is_symlink()) and not args.overwrite:  # before any work
+        from reward_lens.record.errors import RecordError
+
+        raise RecordError(dest, "a record already exists here; pass --overwrite to replace it (a record reward-lens "
+                          "wrote is replaced, your own files in its folder are kept; another folder is never touched)")
     if args.rollouts and args.framework != "verl":
         raise ValueError("--rollouts reads veRL's generation dumps; a TRL output directory holds its own "
                          "completions_<step>.parquet")
@@ -406,9 +468,9 @@ def cmd_import(args) -> int:
         m = import_trl(args.source, args.record_dir, config=args.config, checkpoint=args.checkpoint,
                        framework_version=args.framework_version, overwrite=args.overwrite)
     if not args.quiet:
-        print(f"wrote record {args.record_dir} ({m.run_id})")
+        _emit(f"wrote record {args.record_dir} ({m.run_id})")
         for note in m.notes:
-            print(f"  note: {_visible(note)}")
+            _emit(f"  note: {_visible(note)}")
     return EXIT_OK
 
 
@@ -459,8 +521,11 @@ def parser() -> argparse.ArgumentParser:
     a.set_defaults(func=cmd_audit)
 
     dfp = sub.add_parser("diff", help="the books of two runs side by side (same feature basis required)")
-    dfp.add_argument("run_a", help="a record directory, or a report directory (report.json)")
-    dfp.add_argument("run_b", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("run_a", nargs="?", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("run_b", nargs="?", help="a record directory, or a report directory (report.json)")
+    dfp.add_argument("--example", metavar="NAME", action="append", help="a bundled reference record (task, long, "
+                     "short, tapped, paired) in place of a directory; twice for two (e.g. --example short "
+                     "--example long); examples that share a basis of their own (task) are read in it")
     dfp.add_argument("--features", metavar="FILE", help="the feature basis both records are read in (default: "
                      "specs/features/surface.yaml); not for report directories." + CALLABLE_NOTE)
     dfp.add_argument("--out", default="reward-lens-diff", help="output directory (default: ./reward-lens-diff)")
@@ -511,13 +576,27 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stdout = sys.stdout
+    sys.stdout = QuietPipe(stdout)  # from the first byte: `--help | head -1` is quiet too
+    try:
+        return _main(argv)
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            sys.stdout = stdout
+
+
+def _main(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     from reward_lens.record.errors import RecordError
     from reward_lens_spec import SpecError
 
     try:
         with _fewer_collections():
-            return args.func(args)
+            code = args.func(args)
+        sys.stdout.flush()  # inside the guard: a closed pipe is quiet here too
+        return code
     except (RecordError, SpecError, ValueError, FileNotFoundError, OSError) as exc:
         if args.debug:
             raise

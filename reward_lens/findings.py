@@ -7,8 +7,10 @@ evidence it cites and the remedy. A predicate returns an ``Outcome``: whether th
 at the end of what it was given, the first step of the stretch over which it holds (its
 *onset*, evaluated as the run goes), and the numbers its templates cite.
 
-A finding whose inputs the record lacks is *not evaluated*, naming what would enable it; it is
-never reported as clear. A refusal about the method (heavy-tailed weights, too few groups, an
+Three outcomes, each with a strict meaning: *holds*; *clear* -- judged, and resolved as not
+holding; *not evaluated* -- the record lacks an input, the run is too short for the predicate
+(fewer than its ``min_steps``), or the number it judges on is not resolved from noise; it names
+what would enable it (the spec's ``needs``) and is never counted as clear. A refusal about the method (heavy-tailed weights, too few groups, an
 envelope violation) is a property of the estimate, not of the run: no finding reads one.
 
 The same predicates run after the run (``reward-lens check``, and at the top of every report)
@@ -43,7 +45,9 @@ RANK = {s: i for i, s in enumerate(SEVERITIES)}
 
 
 class FindingOut(BaseModel):
-    """One finding, evaluated: ``holds``, ``clear`` or ``not_evaluated`` (with what is missing)."""
+    """One finding, evaluated: ``holds``; ``clear`` (judged, and resolved as not holding); or
+    ``not_evaluated`` (too little to judge: an input missing, too few steps, a number not resolved
+    from noise), with what would enable it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -56,16 +60,36 @@ class FindingOut(BaseModel):
     evidence: str = Field("", description="what it cites: steps, features, numbers")
     remedy: str | None = Field(None, description="what to change (only where it holds)")
     reference: str | None = None
-    missing: list[str] = Field(default_factory=list, description="not evaluated: the fields or books that would "
-                                                                 "enable it (one alternative)")
+    missing: list[str] = Field(default_factory=list, description=(
+        "not evaluated: what would enable it -- the fields or books it lacks (one alternative), or, where the "
+        "record has them, what would let it judge (more steps, a number resolved from noise)"))
     values: dict[str, Any] = Field(default_factory=dict, description="the numbers the evidence cites")
 
 
 @dataclass
 class Outcome:
+    """What a predicate decided. ``judged`` False: it could not decide (too few steps, a number not
+    resolved from noise); the finding is then not evaluated, whatever ``holds`` says."""
+
     holds: bool
     onset: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
+    judged: bool = True
+
+
+def unjudged(**evidence: Any) -> Outcome:
+    """A predicate that cannot decide: not evaluated, with what it saw (the spec's ``needs`` says
+    what would let it decide)."""
+    return Outcome(False, None, evidence, judged=False)
+
+
+def _too_short(n: int, min_steps: int, structural: int, name: str) -> Outcome | None:
+    """Not evaluated when fewer than ``min_steps`` steps feed the predicate; a spec that sets
+    ``min_steps`` below what the predicate's windows need (``structural``) is a spec error."""
+    if min_steps < structural:
+        raise ValueError(f"specs/findings: {name}: min_steps = {min_steps} is under the {structural} steps its "
+                         "windows need")
+    return unjudged(steps=n, min_steps=min_steps, too_short=True) if n < min_steps else None
 
 
 # ------------------------------------------------------------------------------------ data
@@ -197,7 +221,7 @@ def _final_stretch(steps: np.ndarray, holds: np.ndarray) -> tuple[bool, int | No
 
 
 # ------------------------------------------------------------------------------------ predicates
-def entropy_collapse(d: FindingData, window: int = 5, min_fall: float = 0.5) -> Outcome:
+def entropy_collapse(d: FindingData, window: int = 5, min_fall: float = 0.5, min_steps: int = 10) -> Outcome:
     """The policy's token entropy fell by ``min_fall`` of its starting level (a mean over the
     first ``window`` steps) while the reward bought with it did not rise: R = -a e^H + b (Cui
     et al. 2025) says entropy is what RL spends to buy reward; spent without a gain, it is lost
@@ -205,8 +229,8 @@ def entropy_collapse(d: FindingData, window: int = 5, min_fall: float = 0.5) -> 
     steps, h = _ordered(d.series("entropy"))
     rs = d.series("reward_mean")
     steps = np.array([s for s in steps if int(s) in rs], dtype=np.int64)
-    if len(steps) < 2 * window:
-        return Outcome(False, evidence={"steps": len(steps), "too_short": True})
+    if (short := _too_short(len(steps), min_steps, 2 * window, "entropy_collapse")) is not None:
+        return short
     h = np.array([d.series("entropy")[int(s)] for s in steps])
     r = np.array([rs[int(s)] for s in steps])
     h0, r0 = float(h[:window].mean()), float(r[:window].mean())
@@ -218,12 +242,12 @@ def entropy_collapse(d: FindingData, window: int = 5, min_fall: float = 0.5) -> 
                                   "r0": r0, "r_end": float(rk[-1]), "window": window, "min_fall": min_fall})
 
 
-def advantage_collapse(d: FindingData, window: int = 5, share: float = 0.5) -> Outcome:
+def advantage_collapse(d: FindingData, window: int = 5, share: float = 0.5, min_steps: int = 5) -> Outcome:
     """Over the last ``window`` steps, at least ``share`` of the prompt groups had rewards with
     zero spread: their advantages are zero and they give no gradient."""
     steps, z = _ordered(d.series("frac_reward_zero_std"))
-    if len(steps) < window:
-        return Outcome(False, evidence={"steps": len(steps), "too_short": True})
+    if (short := _too_short(len(steps), min_steps, window, "advantage_collapse")) is not None:
+        return short
     zk = _rolling(z, window)
     cond = zk >= share
     cond[: window - 1] = False
@@ -232,10 +256,14 @@ def advantage_collapse(d: FindingData, window: int = 5, share: float = 0.5) -> O
                                   "share_max": float(z.max())})
 
 
-def kl_spikes(d: FindingData, window: int = 10, factor: float = 10.0, min_se: float = 3.0) -> Outcome:
+def kl_spikes(d: FindingData, window: int = 10, factor: float = 10.0, min_se: float = 3.0,
+              min_steps: int = 11) -> Outcome:
     """D_t at a step exceeds ``factor`` times the median of the previous ``window`` steps' D_t,
-    by more than ``min_se`` of its own standard error where one is recorded."""
+    by more than ``min_se`` of its own standard error where one is recorded. A step is judged
+    only after ``window`` steps before it: a run of ``window`` steps or fewer is not evaluated."""
     steps, x = _ordered(d.series("kl_to_previous"))
+    if (short := _too_short(len(steps), min_steps, window + 1, "kl_spikes")) is not None:
+        return short
     se = d.series("kl_to_previous_se")
     spikes = []
     if len(x) > window:  # the median of the previous ``window`` steps of each step past the first ones
@@ -253,14 +281,14 @@ def kl_spikes(d: FindingData, window: int = 10, factor: float = 10.0, min_se: fl
                                         "window": window})
 
 
-def clipping_saturation(d: FindingData, window: int = 10, share: float = 0.8) -> Outcome:
+def clipping_saturation(d: FindingData, window: int = 10, share: float = 0.8, min_steps: int = 10) -> Outcome:
     """The gradient norm before clipping exceeded ``max_grad_norm`` on at least ``share`` of the
     last ``window`` steps: the update's size is set by the clip, not by the gradient."""
     un = d.series("grad_norm_unclipped")
     mx = d.series("max_grad_norm")
     steps = np.array(sorted(s for s in un if s in mx and mx[s] > 0), dtype=np.int64)
-    if len(steps) < window:
-        return Outcome(False, evidence={"steps": len(steps), "too_short": True})
+    if (short := _too_short(len(steps), min_steps, window, "clipping_saturation")) is not None:
+        return short
     clipped = np.array([un[int(s)] > mx[int(s)] for s in steps], dtype=float)
     ck = _rolling(clipped, window)
     cond = ck >= share
@@ -271,15 +299,19 @@ def clipping_saturation(d: FindingData, window: int = 10, share: float = 0.8) ->
                                   "median_unclipped": float(np.median([un[int(s)] for s in steps[-window:]]))})
 
 
-def reward_plateau(d: FindingData, window: int = 5, fraction: float = 0.25, z: float = 2.0) -> Outcome:
+def reward_plateau(d: FindingData, window: int = 5, fraction: float = 0.25, z: float = 2.0,
+                   min_steps: int = 30) -> Outcome:
     """Reward per nat falling to zero: the first third of the run bought reward (its price,
     the reward change per nat of D_t, is above ``z`` standard errors), and the last third's
-    price is below ``fraction`` of it and not resolved above zero."""
+    price is below ``fraction`` of it and not resolved above zero. Clear only when the last
+    third's price is resolved above zero (it still buys reward); not evaluated when the first
+    third's purchase is not resolved (there is no rate to fall from), or when the last third's
+    price is resolved neither above zero nor under ``fraction`` of the first's."""
     r, kl = d.series("reward_mean"), d.series("kl_to_previous")
     steps = np.array(sorted(s for s in r if s in kl), dtype=np.int64)
     n = len(steps)
-    if n < 6 * window:
-        return Outcome(False, evidence={"steps": n, "too_short": True})
+    if (short := _too_short(n, min_steps, 6 * window, "reward_plateau")) is not None:
+        return short
 
     def price(lo: int, hi: int) -> tuple[float, float]:
         a, b = steps[lo:lo + window], steps[hi - window:hi]
@@ -294,11 +326,16 @@ def reward_plateau(d: FindingData, window: int = 5, fraction: float = 0.25, z: f
     third = n // 3
     p1, s1 = price(0, third)
     p3, s3 = price(n - third, n)
+    seen = {"price_first": p1, "se_first": s1, "price_last": p3, "se_last": s3, "fraction": fraction}
     first_bought = s1 > 0 and p1 / s1 > z
-    last_flat = not (s3 > 0 and p3 / s3 > z) and p3 < fraction * p1
-    holds = bool(first_bought and last_flat)
-    return Outcome(holds, int(steps[n - third]) if holds else None,
-                   {"price_first": p1, "se_first": s1, "price_last": p3, "se_last": s3, "fraction": fraction})
+    still_buys = s3 > 0 and p3 / s3 > z
+    if not first_bought:
+        return unjudged(**seen, first_unresolved=True)
+    if still_buys:
+        return Outcome(False, None, seen)
+    if p3 < fraction * p1:
+        return Outcome(True, int(steps[n - third]), seen)
+    return unjudged(**seen, last_unresolved=True)
 
 
 # ------------------------------------------------------------------------- sequential (the watch)
@@ -307,8 +344,11 @@ def reward_plateau(d: FindingData, window: int = 5, fraction: float = 0.25, z: f
 # with the selection differential summed over the steps so far. They hold while a one-sided CUSUM
 # is at ``h`` or above, so the false-alarm rate is held over every look (docs/findings.md), and
 # their onset is where the sustained movement began, not where the sum crossed ``h``.
-def _too_short(d: FindingData) -> bool:
-    return d.watch is None or d.watch.steps < 2
+def _watch_short(d: FindingData, min_steps: int) -> Outcome | None:
+    """Not evaluated on fewer than ``min_steps`` steps of rollouts: a step's level is read against
+    the steps before it, so one step alone says nothing (2 at the least)."""
+    n = d.watch.steps if d.watch is not None else 0
+    return _too_short(n, min_steps, 2, "sequential findings")
 
 
 def _movement(d: FindingData, name: str, direction: int, h: float) -> dict[str, Any] | None:
@@ -341,12 +381,13 @@ def _onset(rows: Sequence[dict[str, Any]]) -> int | None:
     return min(known) if known else None
 
 
-def moving_against_reward(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_size: float = 0.25) -> Outcome:
+def moving_against_reward(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_size: float = 0.25,
+                          min_steps: int = 2) -> Outcome:
     """A behaviour the reward selects (its selection differential summed over the steps so far is
     ``z_sel`` SE from zero) has moved the other way: its level's CUSUM against the selection is at
     ``h`` or above, by at least ``min_size`` of its within-step standard deviation."""
-    if _too_short(d):
-        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
+    if (short := _watch_short(d, min_steps)) is not None:
+        return short
     rows = []
     for name in d.watch.basis.names:
         sel, z = d.watch.selected(name, z_sel)
@@ -368,12 +409,12 @@ def _unexplained(d: FindingData, name: str, direction: int, z_explain: float, z_
 
 
 def collateral(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_explain: float = 2.0,
-               z_sel: float = 3.0) -> Outcome:
+               z_sel: float = 3.0, min_steps: int = 2) -> Outcome:
     """A behaviour moved (its CUSUM at ``h`` or above, by ``min_size`` within-step SDs or more)
     that no selection explains: its summed selection differential is under ``z_explain`` SE in the
     direction it moved (the reward-hacking signature in the named basis)."""
-    if _too_short(d):
-        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
+    if (short := _watch_short(d, min_steps)) is not None:
+        return short
     rows = []
     for name in d.watch.basis.names:
         for direction in (1, -1):
@@ -388,12 +429,11 @@ def collateral(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_explain
 
 
 def length_drift(d: FindingData, h: float = 4.0, min_relative: float = 0.1, z_explain: float = 2.0,
-                 z_sel: float = 3.0) -> Outcome:
+                 z_sel: float = 3.0, min_steps: int = 2) -> Outcome:
     """A length feature moved (its CUSUM at ``h`` or above) by at least ``min_relative`` of its
     reference level, with no selection explaining it (as ``collateral``)."""
-    if _too_short(d):
-        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0,
-                                        "min_relative": min_relative})
+    if (short := _watch_short(d, min_steps)) is not None:
+        return short
     rows = []
     for name in d.watch.basis.names:
         if d.watch.basis.kinds.get(name) != "length":
@@ -419,15 +459,16 @@ def _bought(d: FindingData, h: float, min_size: float) -> list[dict[str, Any]]:
     return out
 
 
-def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: float = 3.0) -> Outcome:
+def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: float = 3.0,
+                 min_steps: int = 2) -> Outcome:
     """A declared target moved against what the user wants (its CUSUM at ``h``, by ``min_size``
     within-step SDs or more) while the reward either rose (its level's CUSUM up at ``h``) or
     selects against the target (the target's selection differential, summed over the steps so
     far, ``z_sel`` SE the wrong way: the reward prefers the completions worse on what the user
     wants). The proxy and the gold part ways (Gao et al. 2022): in the reward's level, or already
     in what it selects. Onset: the target's, or where the reward's rise began if that is later."""
-    if _too_short(d):
-        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
+    if (short := _watch_short(d, min_steps)) is not None:
+        return short
     reward = d.watch.reward
     rose = reward.cusum(1) >= h
     rows = []
@@ -451,13 +492,13 @@ def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: 
 
 
 def paid_for_drift(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_relative: float = 0.5,
-                   min_size: float = 0.25) -> Outcome:
+                   min_size: float = 0.25, min_steps: int = 2) -> Outcome:
     """A behaviour that is not a target grew, in the direction the reward selects it (summed
     selection differential ``z_sel`` SE from zero), by at least ``min_relative`` of its reference
     level and ``min_size`` within-step SDs (its CUSUM at ``h`` or above), while no declared target
     moved the way the user wants: the reward buys its own proxy, not the target."""
-    if _too_short(d):
-        return Outcome(False, evidence={"too_short": True, "steps": d.watch.steps if d.watch else 0})
+    if (short := _watch_short(d, min_steps)) is not None:
+        return short
     bought = _bought(d, h, min_size)
     rows = []
     for name in d.watch.basis.names:
@@ -480,12 +521,17 @@ def paid_for_drift(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_relat
 def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: float = 0.1) -> Outcome:
     """The run spent at least ``min_nats`` of D_t and the upper end of the run-level eta's 95 %
     interval is below ``max_eta``: nearly all of the divergence went to behaviour the basis does
-    not name."""
+    not name. Clear when the run spent less than ``min_nats``, or when the interval's lower end is
+    at or above ``max_eta`` (resolved as not holding); an interval across ``max_eta`` is not
+    evaluated, and so is a run with no run-level eta."""
     cost = d.book("cost")
     s = cost.summary if cost is not None else {}
     eta, iv, total = s.get("eta_run"), s.get("eta_run_interval"), s.get("d_t_total")
     if eta is None or not iv or total is None:
-        return Outcome(False)
+        return unjudged(no_eta=True)
+    seen = {"eta": eta, "interval": list(iv), "d_t_total": total, "max_eta": max_eta, "min_nats": min_nats}
+    if total >= min_nats and iv[0] < max_eta <= iv[1]:
+        return unjudged(**seen, straddles=True)
     holds = bool(iv[1] < max_eta and total >= min_nats)
     onset = None
     if holds:
@@ -497,7 +543,7 @@ def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: flo
                 ratio = np.where(np.cumsum(dt) > 0, np.cumsum(kl) / np.cumsum(dt), np.nan)
             steps = np.array([p[1] for p in rows.step_pair], dtype=np.int64)
             _, onset = _final_stretch(steps, ratio < max_eta)
-    return Outcome(holds, onset, {"eta": eta, "interval": list(iv), "d_t_total": total, "max_eta": max_eta})
+    return Outcome(holds, onset, seen)
 
 
 PREDICATES: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
@@ -549,10 +595,18 @@ def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> Fi
         raise ValueError(f"specs/findings/{spec.id}.yaml: unknown predicate {spec.predicate!r}; known: "
                          f"{', '.join(sorted(PREDICATES))}")
     out = fn(data, **spec.params)
-    ctx = {"e": _Evidence(out.evidence), "onset": out.onset, "holds": out.holds, "p": spec.params}
+    holds = out.holds and out.judged
+    ctx = {"e": _Evidence(out.evidence), "onset": out.onset, "holds": holds, "judged": out.judged, "p": spec.params}
     evidence = " ".join(render_template_string(spec.evidence, ctx).split())
-    remedy = " ".join(render_template_string(spec.remedy, ctx).split()) if out.holds else None
-    return FindingOut(**base, status="holds" if out.holds else "clear", onset=out.onset, evidence=evidence,
+    if not out.judged:
+        if not spec.needs:
+            raise ValueError(f"specs/findings/{spec.id}.yaml: its predicate can leave it undecided, and the spec "
+                             "has no `needs` saying what would decide it")
+        needs = " ".join(render_template_string(spec.needs, ctx).split())
+        return FindingOut(**base, status="not_evaluated", evidence=evidence, missing=[needs],
+                          values=_jsonable(out.evidence))
+    remedy = " ".join(render_template_string(spec.remedy, ctx).split()) if holds else None
+    return FindingOut(**base, status="holds" if holds else "clear", onset=out.onset, evidence=evidence,
                       remedy=remedy, values=_jsonable(out.evidence))
 
 

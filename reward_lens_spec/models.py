@@ -45,9 +45,17 @@ class FieldSpec(_Strict):
         return self.name.split(".", 1)[1] if "." in self.name else self.name
 
 
+class Magnitude(_Strict):
+    """The largest absolute value any number in a record may have, and why."""
+
+    limit: float = Field(gt=0)
+    why: str
+
+
 class FieldsCatalog(_Strict):
     format_version: int
     units: dict[str, str]
+    magnitude: Magnitude | None = None
     fields: dict[str, FieldSpec]
 
     def by_source(self, source: str) -> dict[str, FieldSpec]:
@@ -201,6 +209,18 @@ class PromptGroups(_Strict):
     why: str
 
 
+class ArgType(_Strict):
+    """The type of one configuration argument, as the framework's own argument parser reads it
+    (numbers may come as strings, as from a YAML file): ``int`` a whole number, ``number`` a
+    finite number, ``steps_or_ratio`` a whole number >= 1 or a ratio in (0, 1) (transformers'
+    ``logging_steps``), ``numbers`` a list of finite numbers, ``bool``, ``string``,
+    ``string_or_bool``. Null always means "not set"."""
+
+    type: Literal["int", "number", "steps_or_ratio", "numbers", "bool", "string", "string_or_bool"]
+    minimum: float | None = None
+    maximum: float | None = None
+
+
 class FrameworkSpec(_Strict):
     """What a framework's training configuration makes the trainer log (specs/frameworks/)."""
 
@@ -212,6 +232,9 @@ class FrameworkSpec(_Strict):
     window_key: str | None = None
     steps_key: str | None = None  # the key that sets the run's number of optimizer steps
     record_config: list[str] = Field(default_factory=list)
+    # The arguments reward-lens reads, typed: one model built from this validates a config for
+    # the audit and the importer alike (reward_lens.record.importers.validate_config).
+    types: dict[str, ArgType] = Field(default_factory=dict)
     supplies: list[Supply]
     never: dict[str, str] = Field(default_factory=dict)
     rejects: list[Reject] = Field(default_factory=list)
@@ -241,6 +264,10 @@ class FindingSpec(_Strict):
     predicate: str = Field(pattern=r"^[a-z][a-z0-9_]*$")
     params: dict[str, float | int | str | bool] = Field(default_factory=dict)
     evidence: str
+    needs: str | None = Field(None, description=(
+        "Jinja over the predicate's evidence: what would let it judge, where it cannot (too few steps, a number "
+        "not resolved from noise); the finding is then *not evaluated*, never clear. A `min_steps` parameter "
+        "is the fewest steps of its inputs it judges on, which the audit checks against a config's run length"))
     remedy: str
     reference: str | None = None
     validated: str = Field(description="how the finding was validated, in words (the docs' table)")

@@ -1,9 +1,10 @@
 """Template rendering and the text / Markdown / HTML views of rendered prose.
 
-Templates write prose with a light markup: paragraphs separated by a blank line, code in
-backticks. The plain-text view wraps paragraphs; the Markdown view keeps them as they are;
-the HTML view escapes everything first and only then turns backtick spans into <code>, so
-text that came from a record can never become markup.
+Templates and specs write prose in a light Markdown: paragraphs separated by a blank line,
+code in backticks, **strong**, *emphasis* and links to anchors of the same page. The plain-text
+view wraps paragraphs; the Markdown view keeps them as they are; the HTML view escapes
+everything first and only then turns that Markdown into tags, so text that came from a record
+can never become markup, and no Markdown reaches a reader as literal characters.
 """
 
 from __future__ import annotations
@@ -105,11 +106,19 @@ def _env(root: str) -> jinja2.Environment:
     env.filters["plural"] = lambda n, one="", many="s": one if n == 1 else many
     env.filters["abs"] = abs
     env.filters["capitalize_first"] = lambda s: s[:1].upper() + s[1:]
+    env.filters["in_sentence"] = in_sentence
     env.filters["join_code"] = lambda xs: ", ".join(f"`{x}`" for x in xs)
     env.filters["num3"] = format_nats
     env.filters["pct"] = percent
     env.filters["codes"] = code_list
     return env
+
+
+def in_sentence(title: str) -> str:
+    """A title inside a sentence: its first letter lower-cased, unless its first word is an
+    abbreviation ("KL spikes" stays, "Reward plateau" becomes "reward plateau")."""
+    first = title.split(" ", 1)[0]
+    return title if first[1:2].isupper() else title[:1].lower() + title[1:]
 
 
 def percent(x: float | None) -> str:
@@ -180,18 +189,32 @@ def text_view(text: str, width: int = 90, indent: str = "    ", lead: str = "") 
     return "\n".join(out)
 
 
-_CODE = re.compile(r"`([^`]+)`")
+_CODE_SPAN = re.compile(r"(`[^`]+`)")
 # A link to a place on the same page, [words](#anchor): the only link prose may carry.
 _ANCHOR = re.compile(r"\[([^\]`]+)\]\(#([a-z0-9-]+)\)")
+_STRONG = re.compile(r"\*\*(?=\S)(.+?)(?<=\S)\*\*")
+_EM = re.compile(r"(?<![\w*])\*(?=[^\s*])(.+?)(?<=[^\s*])\*(?![\w*])")
+
+
+def inline_html(text: str) -> str:
+    """One paragraph of prose's light Markdown as HTML, everything escaped first: code spans
+    (nothing inside one is markup), **strong**, *emphasis* and [words](#anchor) links to the same
+    page. Underscores are never emphasis (``KL_min``, ``D_t``)."""
+    out = []
+    for i, part in enumerate(_CODE_SPAN.split(text)):
+        if i % 2:
+            out.append(f"<code>{html.escape(part[1:-1], quote=True)}</code>")
+            continue
+        e = html.escape(part, quote=True)
+        e = _STRONG.sub(r"<strong>\1</strong>", e)
+        e = _EM.sub(r"<em>\1</em>", e)
+        out.append(_ANCHOR.sub(lambda m: f'<a href="#{m.group(2)}">{m.group(1)}</a>', e))
+    return "".join(out)
 
 
 def html_view(text: str) -> str:
-    parts = []
-    for para in paragraphs(text):
-        escaped = html.escape(para, quote=True)
-        escaped = _CODE.sub(lambda m: f"<code>{m.group(1)}</code>", escaped)
-        parts.append("<p>" + _ANCHOR.sub(lambda m: f'<a href="#{m.group(2)}">{m.group(1)}</a>', escaped) + "</p>")
-    return "\n".join(parts)
+    """Prose as HTML paragraphs, each ``inline_html``."""
+    return "\n".join("<p>" + inline_html(para) + "</p>" for para in paragraphs(text))
 
 
 def markdown_view(text: str) -> str:

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from reward_lens_spec.errors import SpecError
+from reward_lens_spec.files import UnreadableFile, read_text
 
 Loc = tuple[Any, ...]
 
@@ -74,7 +75,10 @@ def safe_load_bounded(text: str) -> Any:
 
 
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[Loc, int]]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_text(path)  # a FIFO is refused unopened; bytes that are not UTF-8 are named with the file
+    except UnreadableFile as exc:
+        raise SpecError(str(exc)) from None
     try:
         node = yaml.compose(text, Loader=SafeLoader)
         check_expansion(node)

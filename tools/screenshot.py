@@ -4,26 +4,63 @@
 
 Builds the example's HTML report in a temporary folder and opens it in headless Chromium (the
 system browser, as the browser tests do; Playwright's own download is never used) at 1280 x 800.
+
+Beside the image it writes ``<image>.json``: the example, the viewport and a hash of what the
+first screen shows (``first_screen_hash``: the page's style and everything above the run's
+details -- the summary card, the headline figure's data, the books' statements, the findings --
+as the current templates, specs and fixtures render it). tests/unit/test_docs.py recomputes the
+hash and fails when the image is older than what it shows.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "docs" / "assets" / "first-screen.png"
+VIEWPORT = (1280, 800)
+_SVG = re.compile(r"<svg\b.*?</svg>", re.S)
+_FLOAT = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
+
+
+def first_screen(html: str, figure_json: str) -> str:
+    """What the first screen of a report's HTML shows, as text to hash: the <head> (its style) and
+    the body up to the run's details, the headline figure's SVG replaced by its data (numbers to 4
+    significant digits: the picture, not the last bits of a float)."""
+    top = html[:html.index('<details id="run-details">')]
+    data = _FLOAT.sub(lambda m: f"{float(m.group()):.4g}", figure_json)
+    return _SVG.sub(lambda _m: data, top)
+
+
+def first_screen_hash(example: str = "task") -> str:
+    """sha256 of ``first_screen`` of the example's report as the current code renders it."""
+    from reward_lens.examples import example_features, example_record
+    from reward_lens.measure.ledger.features import features_from
+    from reward_lens.record import open_run
+    from reward_lens.report import build_report, to_html
+
+    spec = example_features(example)
+    report = build_report(open_run(example_record(example)), features=features_from(str(spec) if spec else None))
+    figure = report.headline_figure.model_dump_json() if report.headline_figure is not None else ""
+    return hashlib.sha256(first_screen(to_html(report), figure).encode()).hexdigest()
+
+
+def stamp_path(image: Path) -> Path:
+    return image.with_suffix(".json")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--example", default="task")
-    ap.add_argument("--out", type=Path, default=REPO / "docs" / "assets" / "first-screen.png")
-    ap.add_argument("--width", type=int, default=1280)
-    ap.add_argument("--height", type=int, default=800)
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
 
     from playwright.sync_api import sync_playwright
@@ -36,21 +73,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report"
-        rc = cli(["report", "--example", args.example, "--out", str(out), "--format", "html",
+        rc = cli(["report", "--example", args.example, "--out", str(out), "--format", "html", "--quiet",
                   "--fail-on", "never"])
-        if rc not in (0, 1):
+        if rc != 0:
             print(f"report of --example {args.example} exited {rc}", file=sys.stderr)
             return rc
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=chromium, headless=True,
                                         args=["--no-sandbox", "--disable-gpu"])
-            page = browser.new_page(viewport={"width": args.width, "height": args.height})
+            page = browser.new_page(viewport={"width": VIEWPORT[0], "height": VIEWPORT[1]}, color_scheme="light")
             page.goto((out / "report.html").as_uri())
             page.wait_for_load_state("load")
             args.out.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(args.out))
             browser.close()
-    print(f"wrote {args.out}")
+    stamp = {"example": args.example, "viewport": list(VIEWPORT), "first_screen_sha256": first_screen_hash(args.example)}
+    stamp_path(args.out).write_text(json.dumps(stamp, indent=1) + "\n")
+    print(f"wrote {args.out} and {stamp_path(args.out).name}")
     return 0
 
 

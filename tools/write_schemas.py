@@ -11,6 +11,7 @@ from pathlib import Path
 
 from reward_lens.audit import json_schema as audit_schema
 from reward_lens.measure.books import import_object
+from reward_lens.report.check import CheckOut
 from reward_lens.report.diff import Diff
 from reward_lens_spec import load_books
 
@@ -27,8 +28,10 @@ def main() -> None:
 
 
 def schemas() -> dict[str, dict]:
-    """Every machine-readable output's schema, by file name under specs/schemas/."""
-    out = {"audit.schema.json": audit_schema(), "diff.schema.json": Diff.model_json_schema()}
+    """Every machine-readable output's schema, by file name under specs/schemas/: the shape each
+    is written in (serialization mode: a field the output leaves out is not in its schema)."""
+    out = {"audit.schema.json": audit_schema(), "diff.schema.json": Diff.model_json_schema(mode="serialization"),
+           "check.schema.json": CheckOut.model_json_schema(mode="serialization")}
     for book in load_books().values():
         if book.report is not None:  # a report's books[].data, per book
             out[f"books/{book.id}.schema.json"] = import_object(book.report.model).model_json_schema()

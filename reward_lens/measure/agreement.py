@@ -6,39 +6,49 @@ For each feature of the basis:
   run's decisions: the one place a share is computed; null when none is);
 - **moved?** -- the effect book's run-level drift is resolved (BH over the features);
 - **asked for?** -- the cause book's selection *gradient* is resolved (BH over the features):
-  the reward selected on this feature itself, in the direction of its sign;
+  the reward selected on this feature itself, in the direction of its sign; or, for features so
+  collinear within prompt groups that their gradients cannot be told apart, their joint test is
+  resolved: asked for *jointly* with them;
 - **selected?** -- the selection *differential* is resolved: the reward selected on it directly
   or through a feature it correlates with;
-- **verdict** -- moved and asked for in the same direction: *asked for and bought*; in the
-  opposite one: *asked for, moved the other way*; asked for, not moved: *asked for, not
-  bought*; moved with a resolved differential but no direct selection, or against its direct
-  selection but with its resolved total selection: *carried along* (it moved with what was asked
-  for); moved with neither: *collateral* (the reward-hacking
+- **verdict** -- one per behaviour, decided once (``measure.decisions.verdict_of``) and read the
+  same by every page, sign-aware: a behaviour is judged against the direction the reward selects
+  it in. Asked for (directly, or jointly with behaviours too collinear to tell apart) and moved
+  that way: *asked for and bought*; the other way: *asked for, moved the other way*; not moved:
+  *asked for, not bought*. Not asked for but selected through a correlated behaviour, and moved
+  with that selection: *carried along*; against it: *moved against what the reward selects*
+  (never carried along). Moved with no selection on it at all: *collateral* (the reward-hacking
   signature in the named basis); none of these: *neither*.
 
-Disagreements (collateral, not bought, the other way) are the headline of this book. Hand-made
-cases are in tests/unit/test_books.py: a feature that only correlates with the rewarded one is
-carried along, not asked for.
+Disagreements (not bought, the other way, against, collateral) are the headline of this book.
+Hand-made cases are in tests/unit/test_books.py: a feature that only correlates with the
+rewarded one is carried along, not asked for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from reward_lens.measure import decisions
 from reward_lens.measure.books import BookResult, RunContext
+from reward_lens.measure.decisions import Selection, asked_words, verdict_of
 from reward_lens_spec.render import render_template
 
+# The verdicts' words where no behaviour is asked for jointly (``templates/report/verdict.j2``).
 AGREE = "asked for and bought"
 CARRIED = "carried along"
 COLLATERAL = "collateral"
 NOT_BOUGHT = "asked for, not bought"
 OTHER_WAY = "asked for, moved the other way"
+AGAINST = "moved against what the reward selects"
 NEITHER = "neither"
-DISAGREEMENTS = (COLLATERAL, NOT_BOUGHT, OTHER_WAY)
-SUMMARY_KEYS = {AGREE: "asked_for_and_bought", CARRIED: "carried_along", COLLATERAL: "collateral",
-                NOT_BOUGHT: "asked_for_not_bought", OTHER_WAY: "asked_for_moved_the_other_way", NEITHER: "neither"}
+SUMMARY_KEYS = {decisions.BOUGHT: "asked_for_and_bought", decisions.CARRIED: "carried_along",
+                decisions.COLLATERAL: "collateral", decisions.NOT_BOUGHT: "asked_for_not_bought",
+                decisions.OTHER_WAY: "asked_for_moved_the_other_way", decisions.AGAINST: "moved_against_selection",
+                decisions.NEITHER: "neither"}
 
 
 class _M(BaseModel):
@@ -51,11 +61,20 @@ class FeatureVerdict(_M):
     share: float | None = Field(description="share of KL_min over the resolved step pairs (0..1)")
     moved: bool | None
     drift: float | None
-    asked: bool | None = Field(None, description="the selection gradient is resolved: the reward asked for it directly")
+    asked: Literal["directly", "jointly", "no"] | None = Field(None, description=(
+        "what the reward asked for of it (the selection gradient): directly, jointly with the features it is "
+        "collinear with, or no"))
+    asked_for: str | None = Field(None, description="``asked`` in words, with the direction: yes (more), jointly "
+                                                    "with ... (less), no")
+    direction: int | None = Field(None, description="the direction asked for: +1 more, -1 less, 0 not asked")
+    jointly_with: list[str] = Field(default_factory=list)
     gradient: float | None = Field(None, description="beta, advantage per feature unit")
     selected: bool | None = Field(description="the selection differential is resolved (directly or indirectly)")
     selection: float | None = Field(description="sum over steps of Cov(z, A) within groups")
-    verdict: str | None = Field(description="null when a book it needs is refused")
+    verdict_key: str | None = Field(None, description="one of measure.decisions.VERDICTS; null when a book it needs "
+                                                      "is refused")
+    verdict: str | None = Field(description="the verdict in words, the same on every page; null when a book it "
+                                            "needs is refused")
 
 
 class AgreementSection(_M):
@@ -63,44 +82,34 @@ class AgreementSection(_M):
     summary: dict[str, float | int | str | None]
 
 
-def verdict(moved: bool, drift: float, asked: bool, gradient: float | None, selected: bool,
-            selection: float | None = None) -> str:
-    """The agreement of one feature: moved (its drift resolved), asked for (its selection
-    gradient resolved, in the direction of the gradient's sign), selected (its differential
-    resolved: directly or through a correlated feature). A feature asked for in one direction
-    whose total selection (the differential, ``selection``) points the other way -- direct
-    selection outweighed by selection on what it correlates with -- and that moved with the total
-    was carried along, not moved against the reward: only a movement against both is."""
-    if asked:
-        if not moved:
-            return NOT_BOUGHT
-        if (drift > 0) == ((gradient or 0.0) > 0):
-            return AGREE
-        if selected and selection is not None and (drift > 0) == (selection > 0):
-            return CARRIED
-        return OTHER_WAY
-    if moved:
-        return CARRIED if selected else COLLATERAL
-    return NEITHER
-
-
 def agreement_table(features: Sequence[str], units: dict[str, str], shares: dict[str, float] | None,
-                    drift: dict[str, tuple[bool, float]] | None,
-                    selection: dict[str, tuple[bool, float, bool, float | None]] | None) -> AgreementSection:
-    """``drift``: feature -> (resolved, value); ``selection``: feature -> (differential resolved,
-    sum of differentials, gradient resolved, gradient); None when that book is refused."""
+                    drift: dict[str, tuple[bool, float]] | None, selection: dict[str, Selection] | None,
+                    gradients: dict[str, float | None] | None = None) -> AgreementSection:
+    """``drift``: feature -> (resolved, value); ``selection``: feature -> what the reward selected
+    of it (``decisions.Selection``); None when that book is refused. The verdicts are
+    ``decisions.verdict_of``'s."""
     out = []
     for n in features:
         mv = drift.get(n) if drift is not None else None
         sl = selection.get(n) if selection is not None else None
-        v = verdict(mv[0], mv[1], sl[2], sl[3], sl[0], sl[1]) if mv is not None and sl is not None else None
-        out.append(FeatureVerdict(feature=n, unit=units.get(n, ""), share=shares.get(n) if shares else None,
-                                  moved=mv[0] if mv else None, drift=mv[1] if mv else None,
-                                  asked=sl[2] if sl else None, gradient=sl[3] if sl else None,
-                                  selected=sl[0] if sl else None, selection=sl[1] if sl else None, verdict=v))
-    summary = {"features": len(out), "disagreements": sum(f.verdict in DISAGREEMENTS for f in out),
-               **{key: sum(f.verdict == v for f in out) for v, key in SUMMARY_KEYS.items()}}
+        v = verdict_of(mv[0], mv[1], sl) if mv is not None and sl is not None else None
+        out.append(FeatureVerdict(
+            feature=n, unit=units.get(n, ""), share=shares.get(n) if shares else None,
+            moved=mv[0] if mv else None, drift=mv[1] if mv else None, asked=sl.asked if sl else None,
+            asked_for=asked_words(sl) if sl else None, direction=sl.direction if sl else None,
+            jointly_with=list(sl.jointly_with) if sl else [], gradient=(gradients or {}).get(n),
+            selected=sl.selected if sl else None, selection=sl.differential if sl else None,
+            verdict_key=v.key if v else None, verdict=v.words if v else None))
+    summary = {"features": len(out), "disagreements": sum(f.verdict_key in decisions.DISAGREEMENTS for f in out),
+               "asked_jointly": sum(f.asked == decisions.ASKED_JOINTLY for f in out),
+               **{key: sum(f.verdict_key == v for f in out) for v, key in SUMMARY_KEYS.items()}}
     return AgreementSection(features=out, summary=summary)
+
+
+def selection_from_cause(x) -> Selection:
+    """The cause book's row of one behaviour (``cause.SelectedOut``) as a ``decisions.Selection``."""
+    return Selection(x.asked, x.direction, tuple(x.collinear_with) if x.asked == decisions.ASKED_JOINTLY else (),
+                     x.selected, x.total)
 
 
 def agreement_section(ctx: RunContext) -> BookResult:
@@ -108,17 +117,18 @@ def agreement_section(ctx: RunContext) -> BookResult:
     names = list(ctx.features.names)
     units = ctx.features.units()
     drift = {d.feature: (d.moved, d.drift) for d in effect.data.drift} if effect.data is not None else None
-    selection = ({x.feature: (x.selected, x.total, x.direct, x.gradient) for x in cause.data.selected}
-                 if cause.data is not None and cause.data.selected else None)
-    sec = agreement_table(names, units, ctx.decisions.resolved_shares, drift, selection)
+    rows = cause.data.selected if cause.data is not None and cause.data.selected else None
+    selection = {x.feature: selection_from_cause(x) for x in rows} if rows else None
+    sec = agreement_table(names, units, ctx.decisions.resolved_shares, drift, selection,
+                          {x.feature: x.gradient for x in rows} if rows else None)
     refusals = [r for b in (effect, cause) if b.data is None for r in b.refusals]
     if drift is None or selection is None:
         status = "refused" if drift is None and selection is None else "partial"
     else:  # something to agree on needs something resolved: a move or an ask
-        status = "computed" if any(f.moved or f.asked for f in sec.features) else "unresolved"
-    ctxt = {"a": sec, "s": sec.summary, "dis": [f for f in sec.features if f.verdict in DISAGREEMENTS],
-            "agree": [f for f in sec.features if f.verdict == AGREE],
-            "carried": [f for f in sec.features if f.verdict == CARRIED], "status": status}
+        status = "computed" if any(f.moved or f.asked != decisions.NOT_ASKED for f in sec.features) else "unresolved"
+    ctxt = {"a": sec, "s": sec.summary, "dis": [f for f in sec.features if f.verdict_key in decisions.DISAGREEMENTS],
+            "agree": [f for f in sec.features if f.verdict_key == decisions.BOUGHT],
+            "carried": [f for f in sec.features if f.verdict_key == decisions.CARRIED], "status": status}
     headline = render_template("report/books/agreement.headline.j2", ctxt).strip()
     # the refusals belong to the books that made them: this one only says it depends on them
     return BookResult(status, headline, refusals, sec, [])

@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 from scipy import special
 
 from reward_lens.measure.books import BookResult, RunContext, status_of
+from reward_lens.measure.decisions import asked_words, selection_of
 from reward_lens.measure.efficiency.section import premise_refusals
 from reward_lens.measure.efficiency.cost import rollouts_refusal
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
@@ -83,11 +85,21 @@ class SelectedOut(_M):
                                                      "on the feature (advantage per feature unit); null when the "
                                                      "feature is constant within groups")
     gradient_se: float | None = None
-    gradient_p: float | None = Field(None, description="of beta = 0 (jointly with the features collinear with it)")
-    direct: bool = Field(False, description="BH at q = 0.05 over the features rejects beta = 0: the reward asked "
-                                            "for this feature itself")
+    gradient_p: float | None = Field(None, description="of beta = 0, its own test (1 for a beta of 0 to rounding)")
+    joint_p: float | None = Field(None, description="of the betas of it and the features collinear with it, all 0 "
+                                                    "(their joint Wald test); null when it has none")
+    direct: bool = Field(False, description="BH at q = 0.05 over the features rejects beta = 0 for this feature on "
+                                            "its own: the reward asked for this feature itself")
+    jointly: bool = Field(False, description="BH at q = 0.05 rejects the joint test of its cluster of collinear "
+                                             "features: the reward asked for the cluster, and which member cannot "
+                                             "be told apart")
     collinear_with: list[str] = Field(default_factory=list, description="features too collinear within groups "
                                                                         "to tell apart from this one")
+    asked: Literal["directly", "jointly", "no"] = Field("no", description="what the reward asked for of it: "
+                                                                          "direct, jointly or no")
+    direction: int = Field(0, description="the direction asked for: +1 more, -1 less, 0 not asked")
+    asked_for: str | None = Field(None, description="``asked`` in the words every page uses (measure/decisions.py): "
+                                                    "yes (more|less), jointly with ..., no")
 
 
 class CauseSection(_M):
@@ -195,18 +207,34 @@ COLLINEAR_R = 0.95
 ZERO_GRADIENT = 1e-6
 
 
-def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+class Gradient(NamedTuple):
+    """The selection gradient of every feature (arrays over the basis): ``beta``, its SE, ``p`` of
+    its own Wald test (1 for a coefficient of 0 to rounding: never a p of 0 beside an SE of
+    rounding), the collinear ``clusters`` (index lists of 2 or more), and for a member of a
+    cluster ``p_joint``, the joint Wald p-value of the cluster's betas (NaN for the others), and
+    ``direction``: the sign (+1/-1) in which the cluster's fitted reward covaries with it (0 for
+    the others)."""
+
+    beta: np.ndarray
+    se: np.ndarray
+    p: np.ndarray
+    clusters: list[list[int]]
+    p_joint: np.ndarray
+    direction: np.ndarray
+
+
+def selection_gradient(samples: Sequence[StepSample]) -> Gradient:
     """beta, its cluster-robust SE, its p-value and the collinear clusters, pooled over the
     samples: the least-squares regression of the within-group centred reward (the advantage
     where the record has no rewards) on the
     within-group centred features over every rollout, with the prompt groups as clusters
     (V = (X'X)^-1 (sum_g X_g' e_g e_g' X_g) (X'X)^-1 G / (G - 1)). A feature constant within
-    every group gets NaN; a cluster of collinear features gets the joint Wald p-value of its
-    betas (chi^2 with as many degrees of freedom as members) for each member."""
+    every group gets NaN; a cluster of collinear features also gets the joint Wald p-value of
+    its betas (chi^2 with as many degrees of freedom as members), the test its members share."""
     k = samples[0].z.shape[1] if samples else 0
     nan = np.full(k, np.nan)
     if not samples:
-        return nan, nan, nan, []
+        return Gradient(nan, nan, nan, [], nan, np.zeros(k, dtype=int))
     z = stacked(samples)
     # The response is the reward where the record has it: within a group the advantage is the
     # centred reward divided by the group's spread (GRPO), a scale that differs from group to
@@ -229,9 +257,10 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     n = len(z)
     scale = np.sqrt(np.clip(np.diag(zz), 0, None) / n)
     live = scale > 1e-12 * np.maximum(1.0, np.maximum(z.max(axis=0), -z.min(axis=0)))
-    beta, se, p = nan.copy(), nan.copy(), nan.copy()
+    beta, se, p, p_joint = nan.copy(), nan.copy(), nan.copy(), nan.copy()
+    direction = np.zeros(k, dtype=int)
     if not live.any() or total < 3:
-        return beta, se, p, []
+        return Gradient(beta, se, p, [], p_joint, direction)
     # dead features (no spread within any group) keep a scale of 1 and a coefficient of 0: they
     # are dropped from the k x k products only, and no column of the n x k rows is gathered
     unit = np.where(live, scale, 1.0)
@@ -259,24 +288,29 @@ def selection_gradient(samples: Sequence[StepSample]) -> tuple[np.ndarray, np.nd
     # however close to 0, looks significant: a standardised beta (response units per feature SD)
     # below ZERO_GRADIENT of the response's spread is 0, not a selection.
     zero = np.abs(b) <= ZERO_GRADIENT * max(float(np.sqrt(aa / n)), 1e-300)
+    # each coefficient's own test; one of 0 to rounding is 0, with p = 1, whatever its SE
+    dv = np.diag(v)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        own = np.where(dv > 0, 2 * special.ndtr(-np.abs(b / np.sqrt(np.where(dv > 0, dv, 1.0)))), 1.0)
+    p[live_idx] = np.where(zero, 1.0, own)
     for members in clusters:
-        if zero[members].all():
-            p[live_idx[members]] = 1.0
-            beta[live_idx[members]] = 0.0  # shown as the 0 it is taken for, not -1.8e-10 beside an SE of 4e-11
-            continue
-        bm, vm = b[members], v[np.ix_(members, members)]
         if len(members) == 1:
-            t = bm[0] / np.sqrt(vm[0, 0]) if vm[0, 0] > 0 else 0.0
-            pv = float(2 * special.ndtr(-abs(t))) if vm[0, 0] > 0 else 1.0
+            continue
+        idx = live_idx[members]
+        if zero[members].all():
+            p_joint[idx] = 1.0
         else:
-            w = float(bm @ np.linalg.pinv(vm) @ bm)
-            pv = float(special.chdtrc(len(members), w))
-        p[live_idx[members]] = pv
+            bm, vm = b[members], v[np.ix_(members, members)]
+            p_joint[idx] = float(special.chdtrc(len(members), float(bm @ np.linalg.pinv(vm) @ bm)))
+        # the direction the reward asks the cluster's members in: the sign of the covariance of
+        # each member with the cluster's part of the fitted reward
+        fitted = xtx[np.ix_(members, members)] @ b[members]
+        direction[idx] = np.where(fitted > 0, 1, np.where(fitted < 0, -1, 0))
     # within a cluster the reward does pay for, a member whose own coefficient is 0 to rounding
     # (a duplicate of the member the fit gave the weight) is shown as that 0: its sign, +-2e-13,
     # is the summation order's and would decide whether it "moved as asked"
     beta[live_idx[zero]] = 0.0
-    return beta, se, p, [[int(live_idx[m]) for m in c] for c in clusters if len(c) > 1]
+    return Gradient(beta, se, p, [[int(live_idx[m]) for m in c] for c in clusters if len(c) > 1], p_joint, direction)
 
 
 def _clusters(adjacent: np.ndarray) -> list[list[int]]:
@@ -382,20 +416,29 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
             tt = np.where(se > 0, tot / se, 0.0)
         p = np.where(se > 0, 2 * special.ndtr(-np.abs(tt)), 1.0)
         rej = benjamini_hochberg(p, FDR_Q)
-        beta, beta_se, beta_p, clusters = selection_gradient(sel)
-        testable = ~np.isnan(beta_p)
-        direct = np.zeros(len(names), dtype=bool)
-        direct[testable] = benjamini_hochberg(beta_p[testable], FDR_Q)
-        partners = {j: [names[m] for m in c if m != j] for c in clusters for j in c}
-        selected = [SelectedOut(feature=n, total=float(tot[j]), se=float(se[j]), t=float(tt[j]), p=float(p[j]),
-                                selected=bool(rej[j]), gradient=_num(beta[j]), gradient_se=_num(beta_se[j]),
-                                gradient_p=_num(beta_p[j]), direct=bool(direct[j]),
-                                collinear_with=partners.get(j, [])) for j, n in enumerate(names)]
+        g = selection_gradient(sel)
+        # one BH over the features: each feature's own test, a cluster's members their joint one
+        in_cluster = ~np.isnan(g.p_joint)
+        decided = np.where(in_cluster, g.p_joint, g.p)
+        testable = ~np.isnan(decided)
+        rejected = np.zeros(len(names), dtype=bool)
+        rejected[testable] = benjamini_hochberg(decided[testable], FDR_Q)
+        partners = {j: [names[m] for m in c if m != j] for c in g.clusters for j in c}
+        selected = []
+        for j, n in enumerate(names):
+            direct, jointly = bool(rejected[j] and not in_cluster[j]), bool(rejected[j] and in_cluster[j])
+            sel_j = selection_of(direct, jointly, _num(g.beta[j]), int(g.direction[j]), partners.get(j, []),
+                                 bool(rej[j]), float(tot[j]))
+            selected.append(SelectedOut(
+                feature=n, total=float(tot[j]), se=float(se[j]), t=float(tt[j]), p=float(p[j]),
+                selected=bool(rej[j]), gradient=_num(g.beta[j]), gradient_se=_num(g.se[j]), gradient_p=_num(g.p[j]),
+                joint_p=_num(g.p_joint[j]), direct=direct, jointly=jointly, collinear_with=partners.get(j, []),
+                asked=sel_j.asked, direction=sel_j.direction, asked_for=asked_words(sel_j)))
     res = [i for i, r in enumerate(resolved) if r]
     kq = sum(kl[i] for i in res)
     cosines = [cos[i] for i in res if cos[i] is not None]
     summary = {"rows": len(pairs), "rows_resolved": len(res), "features_selected": sum(x.selected for x in selected),
-               "features_direct": sum(x.direct for x in selected),
+               "features_direct": sum(x.direct for x in selected), "features_jointly": sum(x.jointly for x in selected),
                "median_cosine": float(np.median(cosines)) if cosines else None,
                "fraction_along": (sum(along[i] for i in res) / kq) if kq > 0 else None}
     return CauseSection(rows=rows, selected=selected, summary=summary)
@@ -451,7 +494,11 @@ def cause_section(ctx: RunContext) -> BookResult:
     sec = cause_series(ledgers, samples, priced.metric, set(d.resolved))
     refusals = premise_refusals(run, priced, "cause")
     status = status_of(bool(sec.rows.step_pair), refusals, sec.summary["features_selected"] > 0)
+    groups: list[list[SelectedOut]] = []  # the clusters asked for jointly, each once, in basis order
+    for x in sec.selected:
+        if x.jointly and not any(x in grp for grp in groups):
+            groups.append([y for y in sec.selected if y is x or y.feature in x.collinear_with])
     ctxt = {"s": sec.summary, "c": sec, "sel": [x for x in sec.selected if x.selected],
-            "direct": [x for x in sec.selected if x.direct]}
+            "direct": [x for x in sec.selected if x.direct], "jointly": groups}
     headline = render_template("report/books/cause.headline.j2", ctxt).strip()
     return BookResult(status, headline, refusals, sec, cause_figures(sec))

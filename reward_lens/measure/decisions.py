@@ -179,3 +179,103 @@ def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpai
     ledger = ledger if ledgers or not_formed else "none"
     return Decisions(names, ledger, refused, usable, dz, se, t, p, identified, moved, tuple(priced), tuple(resolved),
                      kl, shares)
+
+
+# ------------------------------------------------------------------------ verdicts, one per behaviour
+# What the reward asked for of one behaviour (the cause book's selection gradient, decided by BH):
+# ``directly`` -- its own gradient; ``jointly`` -- the joint test of a cluster of behaviours too
+# collinear within prompt groups to tell apart (``COLLINEAR_R``): the reward asked for the cluster,
+# and which member it asked for cannot be read; ``no``.
+ASKED_DIRECTLY, ASKED_JOINTLY, NOT_ASKED = "directly", "jointly", "no"
+
+# The verdict of one behaviour, by key. Its words are ``templates/report/verdict.j2``'s.
+BOUGHT = "bought"  # asked for, moved as asked
+NOT_BOUGHT = "not_bought"  # asked for, no net movement resolved
+OTHER_WAY = "other_way"  # asked for, moved against what was asked
+CARRIED = "carried"  # not asked for; selected through a correlated behaviour, and moved with that selection
+AGAINST = "against"  # not asked for; selected through a correlated behaviour, and moved against that selection
+COLLATERAL = "collateral"  # moved with no selection on it, direct or indirect
+NEITHER = "neither"  # neither moved nor asked for
+VERDICTS = (BOUGHT, NOT_BOUGHT, OTHER_WAY, CARRIED, AGAINST, COLLATERAL, NEITHER)
+ASKED_VERDICTS = (BOUGHT, NOT_BOUGHT, OTHER_WAY)
+# A disagreement between what the reward selects and what moved: the agreement book's headline.
+DISAGREEMENTS = (NOT_BOUGHT, OTHER_WAY, AGAINST, COLLATERAL)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What the reward selected of one behaviour, from the cause book: ``asked`` (directly,
+    jointly, no) and the direction asked for (+1 more, -1 less; 0 when not asked); ``selected``:
+    the selection differential (direct and indirect together) is resolved, in the direction of
+    the sign of ``differential``."""
+
+    asked: str
+    direction: int
+    jointly_with: tuple[str, ...]
+    selected: bool
+    differential: float | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One behaviour's verdict, the same on every page: ``key`` (one of ``VERDICTS``), what the reward
+    asked for of it (``asked``, ``direction``, ``jointly_with``) and its words."""
+
+    key: str
+    asked: str
+    direction: int
+    jointly_with: tuple[str, ...]
+    words: str
+
+    @property
+    def asked_words(self) -> str:
+        """What the cause book says of it: "yes (more)", "jointly with `b` (more)", "no"."""
+        return _words("asked", self)
+
+
+def _words(macro: str, v: Verdict | Selection) -> str:
+    from reward_lens_spec.render import render_macro
+
+    return render_macro("report/verdict.j2", macro, key=getattr(v, "key", None), asked=v.asked,
+                        direction=v.direction, jointly_with=list(v.jointly_with))
+
+
+def asked_words(sel: Selection) -> str:
+    """What the reward asked for of a behaviour, in the words of every page: "yes (more)",
+    "jointly with `b` (more)", "no" (the cause book's column, the verdict's first half)."""
+    return _words("asked", sel)
+
+
+def verdict_of(moved: bool, drift: float, sel: Selection) -> Verdict:
+    """The verdict of one behaviour, sign-aware: a behaviour is judged against the direction the
+    reward selects it in -- what it asked for of it (directly or jointly) where it asked, else its
+    selection differential -- and one that moved against that direction is never carried along.
+
+    - asked for: moved that way *bought*; not moved *not bought*; moved the other way *other way*;
+    - not asked for, selected through a correlated behaviour: moved with the differential
+      *carried along*; against it *moved against what the reward selects*;
+    - moved with no resolved selection at all: *collateral*; else *neither*."""
+    up = drift > 0
+    if sel.asked != NOT_ASKED:
+        key = NOT_BOUGHT if not moved else BOUGHT if up == (sel.direction > 0) else OTHER_WAY
+    elif not moved:
+        key = NEITHER
+    elif not sel.selected or sel.differential is None or sel.differential == 0:
+        key = COLLATERAL
+    else:
+        key = CARRIED if up == (sel.differential > 0) else AGAINST
+    shell = Verdict(key, sel.asked, sel.direction if sel.asked != NOT_ASKED else 0, sel.jointly_with, "")
+    return dataclasses.replace(shell, words=_words("verdict", shell))
+
+
+def selection_of(direct: bool, jointly: bool, gradient: float | None, joint_direction: int,
+                 collinear_with: Sequence[str], selected: bool, differential: float | None) -> Selection:
+    """The cause book's decisions about one behaviour (its gradient's own test, its cluster's joint
+    test, its differential's test) as a ``Selection``. A behaviour asked for directly is asked in
+    the sign of its own gradient; one asked for jointly, in the sign its cluster's fitted reward
+    covaries with it (``joint_direction``)."""
+    if direct:
+        return Selection(ASKED_DIRECTLY, 1 if (gradient or 0.0) > 0 else -1, (), selected, differential)
+    if jointly:
+        return Selection(ASKED_JOINTLY, joint_direction or 1, tuple(collinear_with), selected, differential)
+    return Selection(NOT_ASKED, 0, (), selected, differential)

@@ -12,6 +12,7 @@ and row group by row group, and every error names the file, the field and the st
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -41,14 +42,26 @@ from reward_lens.record.schema import (
 )
 from reward_lens.record.writer import sha256_file
 from reward_lens_spec import Presence, load_fields
+from reward_lens_spec.files import UnreadableFile, is_regular, read_bytes, read_text, require_regular
 from reward_lens_spec.models import FieldSpec
 
 
 def _manifest_bytes(root: Path) -> bytes | None:
     try:
-        return (root / MANIFEST_FILE).read_bytes()
-    except OSError:
+        return read_bytes(root / MANIFEST_FILE)  # a FIFO in its place is never waited on
+    except (OSError, UnreadableFile):
         return None
+
+
+def _regular(path: Path, what: str = "listed in manifest.json") -> os.stat_result:
+    """``stat`` of a file the record lists, checked to be a regular file before anything opens
+    it (a FIFO would block the reader for ever)."""
+    try:
+        return require_regular(path)
+    except FileNotFoundError:
+        raise RecordError(path, f"{what} but missing") from None
+    except UnreadableFile as exc:
+        raise RecordError(path, f"{what}, but {exc.problem}") from None
 
 
 def open_run(path: str | Path, run_id: str | None = None) -> Run:
@@ -91,16 +104,15 @@ def _open_once(root: Path, run_id: str | None) -> Run:
         if Path(name).is_absolute() or ".." in parts or len(parts) != 1:
             raise RecordError(root / MANIFEST_FILE, f"lists {name!r}: a record's files are plain names inside its "
                               "own directory", field="files")
-        f = root / name
+        f = _inside(root, name, root / MANIFEST_FILE, f"files[{name!r}]")  # no link out of the record either
         if telemetry is not None and telemetry_name(name):
             size = telemetry.size()  # opened above: removed since by a writer or not, this is its size
-        elif not f.is_file():
-            raise RecordError(f, "listed in manifest.json but missing")
         else:
-            size = f.stat().st_size
+            size = _regular(f).st_size
         if size != entry.bytes:
             raise RecordError(f, f"is {size} bytes but manifest.json records {entry.bytes}: truncated or replaced")
     telemetry_file(manifest, root)
+    _check_checkpoints(root, manifest)
     if not rollout_segments(manifest, root):
         raise RecordError(root / MANIFEST_FILE, f"does not list `{ROLLOUTS_FILE}` (or rollouts-NNNNN.parquet "
                           "segments)", field="files")
@@ -154,10 +166,45 @@ def _open_listed(root: Path, manifest: RunManifest) -> pa.NativeFile | None:
     names = [n for n in manifest.files if telemetry_name(n)]
     if len(names) != 1 or len(Path(names[0]).parts) != 1:
         return None
+    _regular(root / names[0])  # before opening: a FIFO would block the open
     try:
         return pa.OSFile(str(root / names[0]), "r")
     except OSError:
         raise RecordError(root / names[0], "listed in manifest.json but missing") from None
+
+
+def _inside(root: Path, rel: str, where: Path, field: str) -> Path:
+    """``root / rel``, checked to stay inside the record: ``rel`` is relative, has no ``..``,
+    and, links resolved, still lands under ``root`` (a symlink cannot lead out)."""
+    p = Path(rel)
+    if not rel or p.is_absolute() or ".." in p.parts:
+        raise RecordError(where, f"{rel!r} is {'absolute' if p.is_absolute() else 'not a path inside the record'}: "
+                          "every path a manifest names stays inside the record directory", field=field)
+    target = root / p
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(target)]) != real_root:
+        raise RecordError(where, f"{rel!r} leads out of the record through a symbolic link (to "
+                          f"{os.path.realpath(target)}): every path a manifest names stays inside the record "
+                          "directory", field=field)
+    return target
+
+
+def _check_checkpoints(root: Path, manifest: RunManifest) -> None:
+    """Every checkpoint directory and file the manifest names resolves inside the record, and
+    every file in a checkpoint directory too (a policy loader reads the whole folder): nothing
+    the whitebox loads or ``verify`` hashes lies outside it."""
+    where = root / MANIFEST_FILE
+    for i, ck in enumerate(manifest.checkpoints):
+        folder = _inside(root, ck.path, where, f"checkpoints[{i}].path")
+        for name in ck.files:
+            _inside(root, f"{ck.path}/{name}", where, f"checkpoints[{i}].files[{name!r}]")
+        if folder.is_dir():
+            for dirpath, dirnames, filenames in os.walk(folder):
+                for n in dirnames + filenames:
+                    rel = Path(dirpath, n).relative_to(root).as_posix()
+                    _inside(root, rel, where, f"checkpoints[{i}].path")
+                for n in filenames:  # a policy loader opens them all: none may be a FIFO
+                    _regular(Path(dirpath, n), f"in checkpoint {ck.path}")
 
 
 def _sha256_handle(handle: pa.NativeFile) -> str:
@@ -175,14 +222,18 @@ def _sha256_handle(handle: pa.NativeFile) -> str:
 
 def _read_manifest(root: Path) -> RunManifest:
     path = root / MANIFEST_FILE
-    if not path.is_file():
-        if (root / "trainer_state.json").is_file() or any(root.glob("checkpoint-*/trainer_state.json")):
+    if not path.exists():
+        if (root / "trainer_state.json").exists() or any(root.glob("checkpoint-*/trainer_state.json")):
             raise RecordError(path, f"missing: this looks like a TRL output directory, not a reward-lens record; "
                               f"convert it first: reward-lens import trl {root} RECORD_DIR")
         raise RecordError(path, "missing: a record directory needs manifest.json")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        data = json.loads(read_text(path))  # its type checked first: a FIFO is never opened blocking
+    except UnreadableFile as exc:
+        raise RecordError(path, exc.problem) from None
+    except OSError as exc:
+        raise RecordError(path, f"cannot be read ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
         raise RecordError(path, f"not valid JSON ({exc})") from None
     except RecursionError:
         raise RecordError(path, "JSON nested too deeply to be a manifest") from None
@@ -262,11 +313,13 @@ class Run:
     # ------------------------------------------------------------------ files and types
     def _open_parquet(self, name: str, source: str, handle: pa.NativeFile | None = None) -> pq.ParquetFile:
         path = self.path / name
+        if handle is None:
+            _regular(path)
         try:
             pf = pq.ParquetFile(handle if handle is not None else path)
         except (pa.ArrowInvalid, OSError) as exc:
             entry = self.manifest.files.get(name)
-            if entry is not None and path.is_file() and sha256_file(path) != entry.sha256:
+            if entry is not None and is_regular(path) and sha256_file(path) != entry.sha256:
                 # a committed file that no longer parses: say first that it is not the file committed
                 raise RecordError(path, f"sha256 differs from manifest.json: the file was changed, and it is not a "
                                   f"readable Parquet file ({exc})") from None
@@ -367,6 +420,11 @@ class Run:
 
     def _validate_rollout_steps(self) -> None:
         steps = self.rollout_steps
+        top = self._fields_spec.fields["rollout.step"].constraints.maximum
+        if len(steps) and top is not None and steps.max() > top:
+            first = int(np.flatnonzero(steps > top)[0])
+            raise RecordError(self._segment_of(first), f"step {int(steps.max())} above {int(top)} "
+                              f"({self._fields_spec.fields['rollout.step'].constraints.maximum_why})", field="step")
         if len(steps) and steps.min() < 0:
             first = int(np.flatnonzero(steps < 0)[0])
             raise RecordError(self._segment_of(first), "negative step", field="step",
@@ -528,13 +586,14 @@ class Run:
             if name == self.telemetry_name and self._telemetry_handle is not None:
                 digest = _sha256_handle(self._telemetry_handle)  # the file this snapshot opened
             else:
+                _regular(self.path / name)
                 digest = sha256_file(self.path / name)
             if digest != entry.sha256:
                 raise RecordError(self.path / name, "sha256 differs from manifest.json: the file was changed")
         for ck in self.manifest.checkpoints:
             for name, entry in ck.files.items():
                 p = self.path / ck.path / name
-                if not p.is_file() or sha256_file(p) != entry.sha256:
+                if not is_regular(p) or sha256_file(p) != entry.sha256:
                     raise RecordError(p, "checkpoint file missing or changed since the record was written")
 
 
@@ -616,6 +675,23 @@ def _check_values(column: pa.ChunkedArray, spec: FieldSpec, steps: np.ndarray, p
     if spec.constraints.maximum is not None:
         bad = valid & (values > spec.constraints.maximum)
         if bad.any():
-            raise RecordError(path, f"value {values[bad].max():.3g} above {spec.constraints.maximum:g} {spec.unit}"
+            integral = pa.types.is_integer(column.type)
+            top = int(pc.max(column).as_py()) if integral else values[bad].max()
+            shown = f"{top}" if integral else f"{top:.3g}"
+            limit = f"{int(spec.constraints.maximum)}" if integral else f"{spec.constraints.maximum:g}"
+            raise RecordError(path, f"value {shown} above {limit} {spec.unit}"
                               f"{' (' + spec.constraints.maximum_why + ')' if spec.constraints.maximum_why else ''}",
                               field=spec.column, steps=np.unique(steps[bad]))
+    _check_magnitude(values, valid, spec, steps, path)
+
+
+def _check_magnitude(values: np.ndarray, valid: np.ndarray, spec: FieldSpec, steps: np.ndarray, path: Path) -> None:
+    """No number beyond the catalogue's magnitude limit (specs/fields.yaml, ``magnitude``)."""
+    mag = load_fields().magnitude
+    if mag is None:
+        return
+    with np.errstate(invalid="ignore"):
+        bad = valid & (np.abs(values) > mag.limit)
+    if bad.any():
+        raise RecordError(path, f"value {values[bad][0]:.3g} beyond ±{mag.limit:g}: {mag.why}", field=spec.column,
+                          steps=np.unique(steps[bad]))

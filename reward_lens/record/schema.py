@@ -63,6 +63,14 @@ class OptimizerTelemetry(BaseModel):
     frac_reward_zero_std: float | None = Field(None, description="share of prompt groups with zero reward spread")
     ppo_kl: float | None = Field(None, description="nats_per_token: in-loop k1 KL(pi_old || pi_theta)")
     beta: float | None = Field(None, description="dimensionless: KL-to-reference coefficient")
+    # what the tap measured of the step pair (t, next generation) under its cost budget, and what it cost
+    tap_budget: float | None = Field(None, description="dimensionless: the tap's budget, a fraction of an untapped step")
+    tap_groups: int | None = Field(None, ge=0, description="count: prompt groups measured for the step pair (t, next)")
+    tap_groups_total: int | None = Field(None, ge=0, description="count: prompt groups the generation had")
+    tap_per_group: int | None = Field(None, ge=0, description="count: completions per group and policy (0: one-sided)")
+    tap_probability: float | None = Field(None, description="dimensionless: probability the pair was measured")
+    tap_seconds: float | None = Field(None, ge=0, description="seconds: the tap's time inside this step")
+    step_seconds: float | None = Field(None, ge=0, description="seconds: this step's wall time, the tap's included")
 
 
 class Rollout(BaseModel):
@@ -88,6 +96,10 @@ class Rollout(BaseModel):
     # not the policy itself (an inference engine such as vLLM: TRL's sampling_per_token_logps,
     # summed); the paired ledger compares it with logp_pre
     logp_sampler: float | None = None
+    # held-out rows only: the step whose policy drew the completion -- logp_prev_step (pi_t: the
+    # step pair's side a) or the row's own step (pi_{t+1}: side b, drawn beside the generation that
+    # the step's rollouts came from, never trained on); null in records of earlier taps: pi_t's
+    drawn_by_step: int | None = Field(None, ge=0)
 
 
 class FileEntry(BaseModel):

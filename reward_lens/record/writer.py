@@ -171,9 +171,11 @@ def _carry_over(old: Path, new: Path) -> None:
     """Move what is not reward-lens's from the replaced record ``old`` into the new one: a
     user's notes, a README, their own folders. ``checkpoints/`` is the record's own only where
     the old manifest listed checkpoints."""
+    from reward_lens_spec.files import read_text
+
     try:
-        listed = json.loads((old / MANIFEST_FILE).read_text(encoding="utf-8")).get("checkpoints") or []
-    except (OSError, ValueError, AttributeError):
+        listed = json.loads(read_text(old / MANIFEST_FILE)).get("checkpoints") or []
+    except (OSError, ValueError, AttributeError, RecursionError):
         listed = []
     for p in old.iterdir():
         if record_file_name(p.name) or (p.name == "checkpoints" and listed) or (new / p.name).exists():
@@ -182,9 +184,11 @@ def _carry_over(old: Path, new: Path) -> None:
 
 
 def _is_our_record(path: Path) -> bool:
+    from reward_lens_spec.files import read_text
+
     try:
-        data = json.loads((path / MANIFEST_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        data = json.loads(read_text(path / MANIFEST_FILE))  # a FIFO in its place is refused, not waited on
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(data, dict) and str(data.get("created_by", "")).startswith("reward-lens")
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from reward_lens import __version__
 from reward_lens.measure.books import RunContext
+from reward_lens.measure.decisions import ASKED_DIRECTLY, ASKED_JOINTLY
 from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.record.reader import Run, Window
@@ -37,6 +38,8 @@ from reward_lens_spec.render import first_sentence, render_template
 
 Progress = Callable[[str], None]
 SAMPLES_PER_END = 6
+# The summary card states the largest shares of what the behaviours needed, this many.
+CARD_SHARES = 3
 
 
 def _summary(run: Run) -> RunSummary:
@@ -206,13 +209,24 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
     p = price.data.summary if price is not None and price.data is not None else {}
     agreement = books.get("agreement")
     verdicts: dict[str, list[str]] = {}
+    directly: list[str] = []
+    jointly: list[list[str]] = []
+    still: set[str] = set()
     if agreement is not None and agreement.data is not None:
         for f in agreement.data.features:
-            if f.verdict is not None:
-                verdicts.setdefault(f.verdict, []).append(f.feature)
+            if f.verdict_key is None:
+                continue
+            verdicts.setdefault(f.verdict_key, []).append(f.feature)
+            if f.asked == ASKED_DIRECTLY:
+                directly.append(f.feature)
+            elif f.asked == ASKED_JOINTLY and not any(f.feature in c for c in jointly):
+                jointly.append([n for n in ctx.features.names if n == f.feature or n in f.jointly_with])
+            if f.moved is False:
+                still.add(f.feature)
     effect = books.get("effect")
     moved = [x.feature for x in effect.data.drift if x.moved] if effect is not None and effect.data is not None else []
     shares = sorted((d.resolved_shares or {}).items(), key=lambda kv: -kv[1])
+    stated = [Share(feature=n, share=v) for n, v in shares if v > 0][:CARD_SHARES]
     interval = c.get("eta_run_interval")
     return Glance(
         ledger=d.ledger, ledger_fallback=d.fallback, features=len(d.names), updates=d.n_pairs, usable=len(d.usable), refused=len(d.refused),
@@ -224,7 +238,8 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
         shares=[Share(feature=n, share=v) for n, v in shares if v > 0],
         reward_change=p.get("total_reward_change"), reward_per_nat=p.get("reward_per_nat"),
         reward_per_nat_se=p.get("reward_per_nat_se"), reward_resolved=bool(p.get("resolved")), moved=moved,
-        verdicts=verdicts)
+        verdicts=verdicts, asked_directly=directly, asked_jointly=jointly,
+        no_net_change=[s for s in stated if s.feature in still])
 
 
 def summary_card(g: Glance | None, books: list[BookOut]) -> list[str]:
@@ -245,6 +260,18 @@ def summary_card(g: Glance | None, books: list[BookOut]) -> list[str]:
     return [" ".join(line.split()) for line in lines]
 
 
+def required_so_far(est) -> tuple[list[float], list[float], list[float]]:
+    """What the named behaviours needed, summed over the updates so far, with a 95 % band: the sum
+    of the debiased KL_min (noise's expected share taken out) and its SE from the rows' variances
+    (independent rows: they add). A KL is never negative, so neither is the curve: where noise
+    takes the debiased sum below 0 it is drawn at 0 (the positive part, which is never further
+    from the truth than the sum itself), and so is the band's lower edge."""
+    mid = np.cumsum([e.kl_min_debiased for e in est])
+    se = np.sqrt(np.cumsum([max(float(e.cov[0, 0]), 0.0) for e in est]))
+    return (np.maximum(mid - 1.96 * se, 0.0).tolist(), np.maximum(mid, 0.0).tolist(),
+            np.maximum(mid + 1.96 * se, 0.0).tolist())
+
+
 def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | None:
     """What each update spent and what the named behaviours required, cumulated over the run,
     beside the reward gained against the run's path length (the price book's frontier)."""
@@ -255,12 +282,13 @@ def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | N
     if est:
         x = [float(e.step_pair[1]) for e in est]
         spent = np.cumsum([e.d_t for e in est]).tolist()
-        required = np.cumsum([e.kl_min_debiased for e in est]).tolist()
-        panels.append(Panel(title="nats spent (Σ D_t, solid) and required (Σ KL_min, dashed)",
+        lo, mid, hi = required_so_far(est)
+        panels.append(Panel(title="nats spent (Σ D_t, solid) and needed (Σ KL_min, dashed, 95 % band)",
                             y_label="nats per sequence", series=[
+                                Series(label="needed: 95 % band", x=x, y=mid, lo=lo, hi=hi, color="#1f7a4d",
+                                       style="band"),
                                 Series(label="spent: Σ D_t", x=x, y=spent, color="#1f5fa8"),
-                                Series(label="required: Σ KL_min", x=x, y=required, color="#1f7a4d",
-                                       style="dashed")]))
+                                Series(label="needed: Σ KL_min", x=x, y=mid, color="#1f7a4d", style="dashed")]))
     price = books.get("price")
     if price is not None and price.data is not None and len(price.data.frontier.d) > 1:
         f = price.data.frontier
@@ -271,5 +299,6 @@ def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | N
         return None
     return FigureOut(id="headline", x_label="left: step; right: cumulative √D_t (root-nats)", columns=len(panels),
                      panels=panels, caption=(
-                         "Left: what the updates spent and what the named behaviours required, cumulated; the gap "
-                         "went to behaviour the basis does not name. Right: the price book's frontier."))
+                         "Left: what the updates spent and what the named behaviours needed, summed (a KL is never "
+                         "below 0); the gap went to behaviour the basis does not name. Right: reward gained against "
+                         "path length."))

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from reward_lens.report.model import Report
+from reward_lens.report.model import SCHEMA_VERSION, Report
+from reward_lens_spec.files import UnreadableFile, read_text
 from reward_lens_spec.paths import templates_dir
 
 DIFF_SCHEMA_VERSION = "1.0"
@@ -42,19 +43,41 @@ class Diff(BaseModel):
     books: list[BookPair] = Field(default_factory=list)
 
 
+def _there(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
 def is_report_dir(path: Path) -> bool:
-    return (path / "report.json").is_file() and not (path / "manifest.json").is_file()
+    return _there(path / "report.json") and not _there(path / "manifest.json")
 
 
 def read_report(path: Path) -> Report:
-    """``report.json`` of a report directory, validated whole: the report's model, every book's
-    data against the model its spec names, and the books' feature lists against the report's
-    basis. A report directory is data someone may have sent: it is never trusted further."""
+    """``report.json`` of a report directory, validated whole: its ``schema_version`` is this
+    reward-lens's (a report of another version is refused by name: its books may mean other
+    things), then the report's model, every book's data against the model its spec names, and
+    the books' feature lists against the report's basis. A report directory is data someone may
+    have sent: it is never trusted further."""
     where = path / "report.json"
     try:
-        report = Report.model_validate_json(where.read_text(encoding="utf-8"))
+        text = read_text(where)  # a FIFO is refused unopened
+        data = json.loads(text)
+    except UnreadableFile as exc:
+        raise ValueError(str(exc)) from None
+    except (ValueError, RecursionError) as exc:
+        msg = " ".join(str(exc).split())[:200]
+        raise ValueError(f"{where}: not valid JSON ({msg})") from None
+    version = data.get("schema_version") if isinstance(data, dict) else None
+    if version != SCHEMA_VERSION:
+        from reward_lens.record.importers import shown
+
+        said = "has no `schema_version`" if version is None else f"is of schema_version {shown(version)}"
+        raise ValueError(f"{where}: {said}, and this reward-lens reads reports of {SCHEMA_VERSION} only (books of "
+                         "another version may mean other things): compute it again with this version (reward-lens "
+                         "report on its record), or diff the two record directories")
+    try:
+        report = Report.model_validate(data)
         books = [b.model_copy(update={"data": b.typed()}) for b in report.books]  # each book's own model
-    except (ValueError, UnicodeDecodeError, OSError) as exc:
+    except ValueError as exc:
         msg = " ".join(str(exc).split())[:200]
         raise ValueError(f"{where}: not a reward-lens report of this version ({msg})") from None
     names = [f.name for f in report.basis.features]

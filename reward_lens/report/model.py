@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, WithJsonSchem
 from reward_lens.findings import FindingOut
 from reward_lens.measure.figures import FigureOut
 
-SCHEMA_VERSION = "6.1"
+SCHEMA_VERSION = "7.0"
 
 
 class _M(BaseModel):
@@ -162,7 +162,14 @@ class Glance(_M):
     reward_per_nat_se: float | None
     reward_resolved: bool
     moved: list[str] = Field(description="behaviours whose drift over the run is resolved")
-    verdicts: dict[str, list[str]] = Field(description="the agreement book's verdict -> behaviours")
+    verdicts: dict[str, list[str]] = Field(description=(
+        "each behaviour's verdict (measure/decisions.py), by key (measure.decisions.VERDICTS) -> behaviours"))
+    asked_directly: list[str] = Field(default_factory=list, description="behaviours the reward asked for directly")
+    asked_jointly: list[list[str]] = Field(default_factory=list, description=(
+        "groups of behaviours the reward asked for jointly: too collinear within prompt groups to tell apart"))
+    no_net_change: list[Share] = Field(default_factory=list, description=(
+        "of the shares the first screen states, those of behaviours with no net change over the run resolved "
+        "from noise (a share counts movement update by update, in either direction)"))
 
 
 class Report(_M):

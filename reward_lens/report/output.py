@@ -25,12 +25,14 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from reward_lens import __version__
 from reward_lens.record.writer import recover_swap, swap_into_place
+from reward_lens_spec.files import kind_of, read_text
 
 MARKER = ".reward-lens"
 
@@ -40,7 +42,19 @@ class OutputRefused(ValueError):
 
 
 def _files_under(root: Path) -> set[str]:
-    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink()}
+    """Everything under ``root`` that is not a directory itself: files, links (to a folder too,
+    never descended into), FIFOs, sockets. Each is either listed in the marker or foreign."""
+    out = set()
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk does not follow links to folders
+        for n in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            out.add(Path(dirpath, n).relative_to(root).as_posix())
+    return out
+
+
+def _named(root: Path, rel: str) -> str:
+    """``rel`` as a refusal names it: with what it is, where it is not a regular file."""
+    mode = os.lstat(root / rel).st_mode
+    return rel if stat.S_ISREG(mode) else f"{rel} ({kind_of(mode)})"
 
 
 def check_owned(dest: Path, kind: str) -> None:
@@ -48,7 +62,11 @@ def check_owned(dest: Path, kind: str) -> None:
     lists every file in it."""
     if not dest.exists() and not dest.is_symlink():
         return
-    if dest.is_symlink() or not dest.is_dir():
+    if dest.is_symlink():
+        raise OutputRefused(f"{dest}: is a symbolic link (to {os.readlink(dest)}); reward-lens writes a {kind} only "
+                            "into a folder itself, new or one it wrote before, never through a link: give the "
+                            "folder's own path (nothing was changed)")
+    if not dest.is_dir():
         raise OutputRefused(f"{dest}: exists and is not a folder; reward-lens writes a {kind} only into a new "
                             "folder or one it wrote before")
     present = _files_under(dest)
@@ -56,15 +74,17 @@ def check_owned(dest: Path, kind: str) -> None:
         return
     marker = dest / MARKER
     listed: set[str] = set()
-    if marker.is_file():
-        try:
-            data = json.loads(marker.read_text(encoding="utf-8"))
-            listed = set(data.get("files", [])) if isinstance(data, dict) else set()
-        except (OSError, ValueError):
-            listed = set()
+    marker_ok = False
+    try:
+        data = json.loads(read_text(marker, follow_links=False, limit=1 << 24))  # never a FIFO, never a link
+        listed = set(data.get("files", [])) if isinstance(data, dict) else set()
+        marker_ok = True
+    except (OSError, ValueError, RecursionError, TypeError):
+        listed = set()
     foreign = sorted(present - listed - {MARKER})
-    if not marker.is_file() or foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+    if not marker_ok or foreign:
+        shown = ", ".join(_named(dest, f) for f in foreign[:3]) + (f" and {len(foreign) - 3} more"
+                                                                  if len(foreign) > 3 else "")
         why = f"holds {shown}, which reward-lens did not write" if foreign else \
             "is not a folder reward-lens wrote (no .reward-lens marker)"
         raise OutputRefused(f"{dest}: {why}; choose a new or empty folder for the {kind} (nothing was changed)")

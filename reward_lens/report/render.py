@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from reward_lens.report.model import Report
 from reward_lens_spec.paths import templates_dir
 from reward_lens_spec.render import (code_list, compiled_templates, first_sentence, format_nats, html_view,
-                                     markdown_view, percent)
+                                     in_sentence, inline_html, markdown_view, percent)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 _MD_SPECIAL = re.compile(r"([\\`*_\[\]|~])")
@@ -64,6 +64,18 @@ def fmt(x, digits: int = 4) -> str:
 def prose_cell(text: str) -> str:
     """Prose from the templates (code spans kept) for one GFM table cell: pipes escaped, one line."""
     return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;")
+
+
+def prose_cell_capped(text: str, limit: int = 300) -> str:
+    """``prose_cell`` of prose read back from a report (a diff's headlines), at most ``limit``
+    characters: cut at a word outside a code span, so no code span is left open."""
+    cell = prose_cell(text)
+    if len(cell) <= limit:
+        return cell
+    cut = cell[: limit - 1]
+    if cut.count("`") % 2:  # inside a code span: end before it
+        cut = cut[: cut.rfind("`")]
+    return cut.rstrip() + "…"
 
 
 def fmt_all(values, digits: int = 4) -> list[str]:
@@ -152,7 +164,8 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
                        fmt_all=fmt_all, text_all=text_all, pairs_all=pairs_all, fmt_columns=fmt_columns,
                        md_rows=md_rows, html_rows=html_rows, fmt_interval_all=fmt_interval_all, with_note=with_note,
                        md_cell_all=md_cell_all, prefixed=prefixed,
-                       prose_html=lambda t: Markup(html_view(t)), first_sentence=first_sentence,
+                       prose_html=lambda t: Markup(html_view(t)), md_inline=lambda t: Markup(inline_html(t)),
+                       prose_cell_capped=prose_cell_capped, in_sentence=in_sentence, first_sentence=first_sentence,
                        rest_after_first=lambda t: t[len(first_sentence(t)):].strip())
     return env
 

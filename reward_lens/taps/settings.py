@@ -22,8 +22,14 @@ class TapSettings(BaseModel):
     estimator: Literal["independent", "exact"] | None = Field(
         "independent", description="how D_t is measured: along the next generation's rollouts and pi_t's held-out "
                                    "completions ('independent'), from fresh samples of pi_{t+1} ('exact'), or not at all")
-    heldout: StrictInt = Field(4, ge=0, description="completions per prompt drawn from pi_t and never trained on: the "
-                                                    "paired ledger's second side (0: the next generation alone)")
+    heldout: StrictInt = Field(4, ge=0, description="the most completions per prompt group and per policy the tap adds "
+                                                    "to the trainer's own generation (pi_t's at step t, pi_{t+1}'s at "
+                                                    "the next), never trained on: the paired ledger's two sides (0: "
+                                                    "one-sided, the next generation's rollouts scored under pi_t)")
+    budget: float | None = Field(0.10, gt=0, le=10, allow_inf_nan=False,
+                                 description="the tap's time as a fraction of an untapped optimizer step: it measures "
+                                             "as much of each step pair as that buys, chosen from timing alone "
+                                             "(None: every step pair measured whole)")
     n_exact: StrictInt = Field(16, ge=2, description="sequences the 'exact' estimator samples per step")
     flush_every: StrictInt = Field(10, ge=1, description="steps between commits of the record")
     chunk: StrictInt = Field(16, ge=1, description="sequences per forward pass when scoring")

@@ -1,7 +1,8 @@
 """The audit predicts the report: each of several small TRL GRPO configurations is audited
 before training (``audit CONFIG --with-tap``), trained with the tap, then reported; the
 audit's verdict for every book, the ledger it names and the cause of each refusal are the
-report's. The record's own audit says the same again."""
+report's, and so are the findings it says a run this short will not evaluate. The record's own
+audit says the same again."""
 
 from __future__ import annotations
 
@@ -83,10 +84,22 @@ def test_the_audit_of_a_config_and_of_its_record_say_what_the_report_does(tmp_pa
     cfg = {**BASE, **CONFIGS[name]}
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
-    before = _said(audit(path, framework="trl", with_tap=True))
+    predicted = audit(path, framework="trl", with_tap=True)
+    before = _said(predicted)
     rec = _train(tmp_path, CONFIGS[name])
-    report = _reported(build_report(open_run(rec)))
+    built = build_report(open_run(rec))
+    report = _reported(built)
     after = _said(audit(rec))
+    # the findings too: what the audit says will not evaluate (here: too few steps for those with
+    # a `min_steps`) is not evaluated on the report, and every finding the report leaves
+    # unjudged for too few steps, the audit said beforehand
+    found = {f.id: f for f in built.findings}
+    for f in predicted.findings:
+        if f.verdict == "will not evaluate":
+            assert found[f.finding].status == "not_evaluated", (name, f.finding, f.missing)
+        if found[f.finding].values.get("too_short"):
+            assert f.verdict == "will not evaluate", (name, f.finding)
+    assert any(f.verdict == "will not evaluate" for f in predicted.findings)  # 4 steps: under every min_steps
     for book, (verdict, ledger, missing) in report.items():
         assert before[book][0] == verdict == after[book][0], (name, book, before[book], report[book], after[book])
         assert before[book][2] == missing == after[book][2], (name, book, before[book], report[book])

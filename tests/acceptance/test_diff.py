@@ -65,8 +65,7 @@ def test_markup_in_a_report_json_is_escaped_in_every_format(tmp_path):
             for f in book["data"]["features"]:
                 f["verdict"] = tag
         if book["id"] == "cost" and book["data"]:
-            book["data"]["summary"]["ledger"] = tag
-            book["data"]["summary"]["rows_resolved"] = tag  # text where a count belongs
+            book["data"]["summary"]["ledger_fallback"] = tag  # text where text belongs (a count refuses: typed)
         book["status"] = book["status"]
     (b / "report.json").write_text(json.dumps(data))
     r = _cli("diff", str(a), str(b), "--out", str(tmp_path / "d"))

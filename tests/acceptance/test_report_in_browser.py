@@ -152,3 +152,53 @@ def test_summary_card_first_and_the_rollout_browser_filters(browser, tmp_path, n
     vals = [float(t) for t in page.locator("#browser-rows tr td:last-child").all_inner_texts() if t not in ("", "—")]
     assert vals == sorted(vals) and len(vals) > 1
     page.close()
+
+
+def test_the_main_commands_first_screen_shows_eta_the_shares_and_the_verdicts(browser, tmp_path):
+    """The README's main command (its `reward-lens report ...` part, run as written) and its HTML's
+    first screen at 1280 x 800, as a new user sees it: the run-level η with what it means, the
+    shares, every behaviour's verdict, and no raw Markdown anywhere on the page outside record
+    text."""
+    import json
+    import re
+    import shlex
+
+    from reward_lens.cli import main as cli
+
+    readme = (REPO / "README.md").read_text()
+    main = re.search(r"<!-- main-command:start -->\n```\n(.+?)\n```", readme, re.S).group(1)
+    args = shlex.split(main.split("reward-lens ", 1)[1])
+    out = tmp_path / "out"
+    args[args.index("--out") + 1] = str(out)
+    assert cli(args + ["--quiet"]) == 0
+    data = json.loads((out / "report.json").read_text())
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto((out / "report.html").as_uri())
+    page.wait_for_load_state("load")
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "first-screen-main-command.png"))
+    assert errors == []
+    card = page.locator("#summary-card")
+    box = card.bounding_box()
+    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 800, box  # on the first screen
+    text = card.inner_text()
+    g = data["glance"]
+    eta = f"η = {round(100 * g['eta_run'])} % [{round(100 * g['eta_run_interval'][0])} %, " \
+          f"{round(100 * g['eta_run_interval'][1])} %], the share of the divergence the named behaviours needed"
+    assert eta in text
+    for s in g["shares"][:3]:
+        assert f"{s['feature']} took {round(100 * s['share'])} %" in text, s
+    words = {"bought": "moved as asked", "not_bought": "(asked for, not bought)", "carried": "carried along",
+             "other_way": "moved the other way", "against": "moved against", "collateral": "collateral"}
+    for key, names in g["verdicts"].items():
+        if key != "neither":
+            assert words[key] in text and all(n in text for n in names), (key, names)
+    for names in g["asked_jointly"]:
+        assert " and ".join(names) + " jointly" in text
+    # no raw Markdown on the page a reader sees (record text, the samples and the browser, aside)
+    seen = page.evaluate("""() => { const b = document.body.cloneNode(true);
+        b.querySelectorAll('#samples, #browser, script, style').forEach(e => e.remove()); return b.innerText; }""")
+    assert "**" not in seen and "`" not in seen, re.findall(r".{30}(?:\*\*|`).{30}", seen)[:3]
+    page.close()

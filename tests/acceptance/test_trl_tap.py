@@ -28,7 +28,7 @@ sys.path.pop(0)
 
 def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimator="independent", heldout=4, n_exact=16,
            flush_every=2, seed=3, batch=8, keep=False, prompts=("ab", "cd", "ef", "gh"), sampler_shift=None,
-           **tap_settings):
+           budget=None, engine=False, **tap_settings):
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -46,8 +46,12 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
                           train_dataset=Dataset.from_dict({"prompt": list(prompts)}), processing_class=tok)
     if sampler_shift is not None:
         _as_if_an_engine_sampled(trainer, sampler_shift)
+    if engine:
+        trainer.vllm_generation = _StandInEngine(trainer)
+        trainer.use_vllm, trainer.vllm_mode, trainer._last_loaded_step = True, "colocate", -1
+    # budget=None: every step pair measured whole, so that what is recorded does not depend on timing
     tap = RewardLensTap.attach(trainer, tmp / "rec", estimator=estimator, heldout=heldout, n_exact=n_exact,
-                               flush_every=flush_every, save_initial_checkpoint=True, **tap_settings)
+                               flush_every=flush_every, save_initial_checkpoint=True, budget=budget, **tap_settings)
     tap.policies = {}
     if keep:  # every pi_t, to recompute what the tap measured from the weights alone
         from transformers import TrainerCallback
@@ -65,16 +69,75 @@ def _train(tmp: Path, *, steps=4, beta=0.0, ga=1, iterations=1, lr=1e-2, estimat
     return open_run(tmp / "rec"), tap, tok
 
 
+class _StandInEngine:
+    """Stands in for TRL's ``VLLMGeneration`` at its boundary (``sync_weights``, ``generate``): a
+    copy of the policy, loaded only when TRL syncs the weights (before each generation), sampled
+    from at the trainer's temperature, its per-token log-probabilities handed back as vLLM's are.
+    vLLM itself was not run: this tests the order of weight sync and draw, and the data path."""
+
+    def __init__(self, trainer):
+        import copy
+
+        self.trainer, self.model = trainer, copy.deepcopy(trainer.model).eval()
+        self.loaded, self.calls = None, []
+
+    def sync_weights(self):
+        self.model.load_state_dict(self.trainer.model.state_dict())
+        self.loaded = self.trainer.state.global_step
+
+    def generate(self, prompts, images, num_generations, profiler=None):
+        tr = self.trainer
+        self.calls.append((tr.state.global_step, self.loaded, len(prompts)))
+        eos = tr.processing_class.eos_token_id
+        completions, logprobs = [], []
+        for p in prompts:
+            ids, out, lps = list(p), [], []
+            for _ in range(tr.max_completion_length):
+                with torch.no_grad():
+                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].double() / tr.temperature
+                probs = torch.softmax(logits, -1)
+                y = int(torch.multinomial(probs, 1))
+                out.append(y)
+                lps.append([float(torch.log(probs[y]))])
+                ids.append(y)
+                if y == eos:
+                    break
+            completions.append(out)
+            logprobs.append(lps)
+        return prompts, completions, logprobs, None
+
+
+def test_under_an_engine_the_extra_completions_are_its_samples_with_the_weights_it_holds(tmp_path):
+    """With vLLM (a stand-in at its client boundary), the tap's extra completions ride in the
+    engine's own call, after TRL has synced that generation's weights: pi_t's at step t's
+    generation (side a), pi_{t+1}'s at the next (side b). Their engine log-probabilities are
+    recorded as logp_sampler, equal to the drawing policy's own; the drawing policy's side is
+    scored by a forward pass (an engine hands over no hidden states)."""
+    run, tap, _ = _train(tmp_path, steps=3, batch=16, engine=True)
+    engine = tap.trainer.vllm_generation
+    assert not tap.core.captured
+    # one engine call per generation, after the sync of that step; 16 rows + 2 groups x 4 a side
+    assert engine.calls == [(0, 0, 16 + 8), (1, 1, 16 + 16), (2, 2, 16 + 16)]
+    held = run.heldout().read_rollouts(["logp_pre", "logp_prev", "logp_sampler", "drawn_by_step"]).to_pylist()
+    assert len(held) == 2 * 16
+    for x in held:
+        own = x["logp_pre"] if x["drawn_by_step"] == x["step"] else x["logp_prev"]
+        assert x["logp_sampler"] == pytest.approx(own, abs=1e-4)
+    assert sorted(run.telemetry_column("kl_to_previous")) == [0, 1]
+
+
 def _as_if_an_engine_sampled(trainer, shift: float) -> None:
-    """Make TRL's own ``_generate`` hand over per-token sampling log-probabilities, as it does
-    with vLLM (its 5th return value, which TRL pads into ``sampling_per_token_logps``): the
-    policy's own log-probabilities at the sampling temperature, plus ``shift`` nats per token (an
-    engine that departs from the policy). vLLM itself cannot run here; this is its data path."""
-    original = trainer._generate
+    """Make TRL's ``_generate_single_turn`` hand over per-token sampling log-probabilities, as it
+    does with vLLM (which TRL pads into ``sampling_per_token_logps``): the policy's own
+    log-probabilities at the sampling temperature, plus ``shift`` nats per token (an engine that
+    departs from the policy). Patched before the tap attaches, so the tap's extra completions,
+    which ride in the same call, get them too, as they would from vLLM. vLLM itself cannot run
+    here; this is its data path."""
+    original = trainer._generate_single_turn
     trainer.fed_sampler = []
 
-    def _generate(prompts):
-        prompt_ids, completion_ids, tool_mask, completions, logprobs, extra, images, tool_images = original(prompts)
+    def _generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *a, **kw):
+        completion_ids, logprobs = original(prompt_ids, images, multimodal_fields, num_generations, *a, **kw)
         assert logprobs is None  # the trainer's own generation hands none over
         fed = []
         with torch.no_grad():
@@ -83,26 +146,30 @@ def _as_if_an_engine_sampled(trainer, shift: float) -> None:
                 logits = trainer.model(input_ids=ids).logits[0, len(p) - 1:-1].double() / trainer.temperature
                 lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(list(c))[:, None])[:, 0]
                 fed.append([float(x) + shift for x in lp])
-        trainer.fed_sampler.extend(fed)
-        return prompt_ids, completion_ids, tool_mask, completions, fed, extra, images, tool_images
+        trainer.fed_sampler.append((len(prompt_ids), fed))
+        return completion_ids, fed
 
-    trainer._generate = _generate
+    trainer._generate_single_turn = _generate_single_turn
 
 
 def test_an_engines_log_probabilities_are_recorded_and_a_departing_engine_is_refused(tmp_path):
-    """vLLM's data path (issue 30): TRL hands over the sampler's per-token log-probabilities;
-    the tap records their sum per rollout as logp_sampler, and the paired ledger reads
-    KL(pi_sampler || pi_{t+1}) along the rollouts. An engine equal to the policy passes; one
-    that puts 0.3 nats more per token on its samples than the policy (about 5 nats a sequence,
-    far above a tenth of D_t) has every step pair refused by name in every book that reads dz."""
+    """vLLM's data path (issue 30, issue 38): the engine's per-token log-probabilities are
+    recorded, summed, as logp_sampler on the rollouts and on the tap's extra completions (which the
+    engine draws in the same call), and the paired ledger reads KL(pi_sampler || pi) along both
+    sides of each step pair. An engine equal to the policy passes; one that puts 0.3 nats more per
+    token on its samples than the policy (about 5 nats a sequence, far above a tenth of D_t) has
+    every step pair refused by name in every book that reads dz."""
     same_run, same_tap, _ = _train(tmp_path / "same", steps=3, batch=16, sampler_shift=0.0)
     rows = same_run.read_rollouts(["logp_pre", "logp_sampler"]).to_pylist()
-    assert len(rows) == len(same_tap.trainer.fed_sampler) == 3 * 16
-    assert [x["logp_sampler"] for x in rows] == pytest.approx([sum(f) for f in same_tap.trainer.fed_sampler])
+    assert len(rows) == 3 * 16
     assert [x["logp_sampler"] for x in rows] == pytest.approx([x["logp_pre"] for x in rows], abs=1e-4)
-    assert all(x["logp_sampler"] is None for x in same_run.heldout().read_rollouts(["logp_sampler"]).to_pylist())
+    held = same_run.heldout().read_rollouts(["logp_pre", "logp_prev", "logp_sampler", "drawn_by_step"]).to_pylist()
+    assert held and all(x["logp_sampler"] is not None for x in held)
+    for x in held:  # the engine's numbers are those of the policy that drew the row
+        own = x["logp_pre"] if x["drawn_by_step"] == x["step"] else x["logp_prev"]
+        assert x["logp_sampler"] == pytest.approx(own, abs=1e-4)
     assert any("sampled by an inference engine" in n for n in same_run.manifest.notes)
-    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.efficiency.of_run import paired_samples, price_run
     from reward_lens.measure.ledger.features import SurfaceFeatures
     from reward_lens.measure.ledger.price import steps_from_run
 
@@ -117,10 +184,15 @@ def test_an_engines_log_probabilities_are_recorded_and_a_departing_engine_is_ref
     off_run, off_tap, _ = _train(tmp_path / "off", steps=3, batch=16, sampler_shift=0.3)
     failed, ledgers = premises(off_run)
     assert failed == {(0, 1): "sampler_mismatch", (1, 2): "sampler_mismatch"}
-    tokens = [len(x) for x in off_tap.trainer.fed_sampler]
-    for (_, t), lg in ledgers.items():  # 0.3 nats a token along step t's rollouts, by hand (groups of equal size)
+    sides = {s.step: s for s in paired_samples(steps_from_run(off_run, SurfaceFeatures()))}
+    for (_, t), lg in ledgers.items():  # 0.3 nats a token along either side's rows, by hand
         assert lg.sampler_kl > 0.1 * lg.d_t
-        assert lg.sampler_kl == pytest.approx(0.3 * np.mean(tokens[16 * t:16 * (t + 1)]), rel=1e-4)
+        rows = [x for x in off_run.heldout().read_rollouts(["completion_ids", "drawn_by_step"]).to_pylist()
+                if x["step"] == t]
+        by_side = [0.3 * np.mean([len(x["completion_ids"]) for x in rows if (x["drawn_by_step"] == t) == b])
+                   for b in (False, True)]  # equal groups: the mean over groups is the mean over rows
+        assert any(lg.sampler_kl == pytest.approx(v, rel=1e-4) for v in by_side), (lg.sampler_kl, by_side)
+        assert sides[t].drawn_by is not None  # priced on the extra completions
     out = tmp_path / "rep"
     from reward_lens import cli
 
@@ -190,7 +262,8 @@ def test_rollouts_carry_exact_ids_rewards_and_log_probs(plain):
         assert x["reward"] == pytest.approx(gen.lowercase([x["completion"]])[0], rel=1e-6)
         assert dict(x["rewards"]) == {"lowercase": pytest.approx(x["reward"])}
         assert math.isfinite(x["logp_pre"]) and x["logp_post"] is None  # nothing in-sample is recorded
-        assert (x["logp_prev"] is None) == (x["step"] == 0)
+        # two-sided, the step pairs are measured on the tap's extra completions, not on the rollouts
+        assert x["logp_prev"] is None
     # log pi_0(y) of a step-0 rollout, recomputed independently from the saved checkpoint.
     from transformers import AutoModelForCausalLM
 
@@ -218,10 +291,12 @@ def test_cost_book_from_the_tapped_record_alone(plain):
 
 
 def test_d_t_and_the_scores_are_the_policies_own(plain):
-    """What the tap measured for the step pair (1, 2), recomputed from pi_1 and pi_2 alone: each
-    rollout of step 2 and each held-out completion filed under it has logp_pre = log pi_2(y),
-    logp_prev = log pi_1(y) and kl_prev = the token KL(pi_2 || pi_1) summed along y; D_1 is their
-    balance-heuristic combination; the held-out completions' rewards are the reward function's."""
+    """What the tap measured for the step pair (1, 2), recomputed from pi_1 and pi_2 alone: the
+    extra completions filed under step 2 -- 4 drawn by pi_1 in step 1's generation, 4 by pi_2 in
+    step 2's, for step 1's prompt, never trained on -- each have logp_pre = log pi_2(y),
+    logp_prev = log pi_1(y) (the drawing policy's side taken from its own generation, the other's
+    from a forward pass) and kl_prev = the token KL(pi_2 || pi_1) summed along y; D_1 is their
+    balance-heuristic combination; their rewards are the reward function's."""
     from transformers import AutoModelForCausalLM
 
     run, tap, tok = plain
@@ -230,13 +305,14 @@ def test_d_t_and_the_scores_are_the_policies_own(plain):
     m1.load_state_dict(tap.policies[1])
     m2.load_state_dict(tap.policies[2])
     cols = ["prompt", "completion", "completion_ids", "reward", "advantage", "logp_pre", "logp_prev", "kl_prev",
-            "logp_prev_step"]
-    rows = [(x, False) for x in run.read_rollouts(cols).to_pylist() if x["step"] == 2]
+            "logp_prev_step", "drawn_by_step", "group_id"]
     held = [x for x in run.heldout().read_rollouts(cols).to_pylist() if x["step"] == 2]
-    assert len(held) == 4 and all(x["advantage"] is None and x["logp_prev_step"] == 1 for x in held)
-    rows += [(x, True) for x in held]
+    assert sorted(x["drawn_by_step"] for x in held) == [1] * 4 + [2] * 4
+    assert all(x["advantage"] is None and x["logp_prev_step"] == 1 and x["group_id"] == "2:h0" for x in held)
+    step_1_prompt = {x["prompt"] for x in run.read_rollouts(["prompt"]).to_pylist() if x["step"] == 1}
+    assert {x["prompt"] for x in held} == step_1_prompt
     q = []
-    for x, is_held in rows:
+    for x in held:
         prompt = tok(x["prompt"], add_special_tokens=False)["input_ids"]
         ids = torch.tensor([prompt + x["completion_ids"]])
         with torch.no_grad():
@@ -246,40 +322,28 @@ def test_d_t_and_the_scores_are_the_policies_own(plain):
         assert x["logp_pre"] == pytest.approx(lp2.gather(-1, tgt).sum().item(), abs=1e-4)
         assert x["logp_prev"] == pytest.approx(lp1.gather(-1, tgt).sum().item(), abs=1e-4)
         assert x["kl_prev"] == pytest.approx((lp2.exp() * (lp2 - lp1)).sum().item(), rel=1e-4, abs=1e-7)
-        if is_held:
-            assert x["reward"] == pytest.approx(gen.lowercase([x["completion"]])[0], rel=1e-6)
+        assert x["reward"] == pytest.approx(gen.lowercase([x["completion"]])[0], rel=1e-6)
         r = x["logp_pre"] - x["logp_prev"]
-        q.append((1.0 / (4 * math.exp(-r) + 8), x["kl_prev"]))
+        q.append((1.0 / (4 * math.exp(-r) + 4), x["kl_prev"]))  # n_a = n_b = 4
     w = np.array([a for a, _ in q])
     d_1 = float((w / w.sum()) @ np.array([b for _, b in q]))
     assert run.telemetry_column("kl_to_previous")[1] == pytest.approx(d_1, rel=1e-9)
 
 
-def test_held_out_completions_are_drawn_from_the_previous_policy(plain):
-    """Replaying the tap's draws from pi_{t-1} itself -- the same sampler and seed, the weights
-    recomputed from the kept policies -- gives exactly the held-out completions the record holds
-    at every step; replaying them from pi_t does not."""
-    from transformers import AutoModelForCausalLM
-
-    from reward_lens.measure.whitebox.policy import sample_prompts
-
-    run, tap, tok = plain
-    model = AutoModelForCausalLM.from_pretrained(run.path / run.manifest.checkpoints[0].path).eval()
-    rollouts = run.read_rollouts(["prompt", "group_id"]).to_pylist()
+def test_the_extra_completions_are_never_trained_on(plain):
+    """The tap's extra completions ride in TRL's generation and leave the batch before anything
+    trains on them: every micro-batch TRL's loss saw holds the step's own 8 rollouts (the global
+    batch), the record's rollouts are those, and the telemetry says what each pair was measured on."""
+    run, tap, _ = plain
+    assert np.unique(run.rollout_steps, return_counts=True)[1].tolist() == [8, 8, 8, 8]
+    t = run.telemetry.to_pydict()
+    assert t["tap_groups"] == [1, 1, 1, 1] and t["tap_per_group"] == [4, 4, 4, 4]
+    assert t["tap_groups_total"] == [1, 1, 1, 1] and t["tap_probability"] == [1.0] * 4
+    assert all(x is not None and x >= 0 for x in t["tap_seconds"])
+    assert all(a >= b for a, b in zip(t["step_seconds"], t["tap_seconds"]))
+    assert t["tap_budget"] == [None] * 4
     held = run.heldout().read_rollouts(["completion_ids"]).to_pylist()
-
-    def replay(offset: int) -> list[list[int]]:
-        gen_ = torch.Generator().manual_seed(0 * 1_000_003 + 7)  # the tap's seed 0, rank 0
-        out = []
-        for t in range(1, 4):
-            model.load_state_dict(tap.policies[t - 1 + offset])
-            prompts = list(dict.fromkeys(x["prompt"] for x in rollouts if x["step"] == t))
-            ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-            out += sample_prompts(model, ids, 4, 16, tok.eos_token_id, tok.pad_token_id, gen_)
-        return out
-
-    assert [x["completion_ids"] for x in held] == replay(0)
-    assert [x["completion_ids"] for x in held] != replay(1)
+    assert len(held) == 3 * 8  # the last generation's side a has no next generation: not written
 
 
 def test_beta_and_gradient_accumulation(tmp_path):
@@ -289,8 +353,8 @@ def test_beta_and_gradient_accumulation(tmp_path):
     assert set(run.telemetry_column("beta").values()) == {0.04}
     steps, counts = np.unique(run.rollout_steps, return_counts=True)
     assert steps.tolist() == [0, 1, 2] and set(counts) == {16}  # the whole generation batch, once
-    # every micro-batch's rollouts enter the next estimate, with 4 held-out per prompt group
-    assert all(tap.estimates[t]["independent_two_sided"].n == 16 + 2 * 4 for t in range(2))
+    # both prompt groups measured, 4 completions per group from each policy
+    assert all(tap.estimates[t]["independent_two_sided"].n == 2 * 2 * 4 for t in range(2))
 
 
 def test_reuse_across_iterations(tmp_path):
@@ -311,13 +375,16 @@ def test_paired_scoring_with_reused_rollouts_prices_the_window_between_generatio
     from reward_lens.measure.ledger.price import steps_from_run
 
     run, _, _ = _train(tmp_path, steps=6, iterations=2, batch=16)
-    t = run.read_rollouts(["logp_prev", "logp_prev_step", "kl_prev"]).to_pydict()
+    assert np.unique(run.rollout_steps).tolist() == [0, 2, 4]
+    t = run.heldout().read_rollouts(["logp_prev", "logp_prev_step", "kl_prev", "drawn_by_step"]).to_pydict()
     by_step = {}
-    for s, p, ps in zip(t["step"], t["logp_prev"], t["logp_prev_step"]):
-        by_step.setdefault(s, set()).add(ps if p is not None else None)
-    assert by_step == {0: {None}, 2: {0}, 4: {2}}
+    for s, p, ps, d in zip(t["step"], t["logp_prev"], t["logp_prev_step"], t["drawn_by_step"]):
+        by_step.setdefault(s, set()).add((ps if p is not None else None, d))
+    # pi_0's completions drawn in step 0's generation and pi_2's in step 2's, for step 0's prompts, ...
+    assert by_step == {2: {(0, 0), (0, 2)}, 4: {(2, 2), (2, 4)}}
     samples = steps_from_run(run, SurfaceFeatures())
     assert {s.step: s.heldout.n for s in samples if s.heldout is not None} == {2: 8, 4: 8}
+    assert {s.step: s.fresh.n for s in samples if s.fresh is not None} == {2: 8, 4: 8}
     priced = price_run(run, samples, ledger="paired")
     assert [r.step_pair for r in priced.book.kl_min.rows] == [(0, 2), (2, 4)]
     assert all(lg.n_heldout == 8 for lg in priced.ledgers)
@@ -402,42 +469,45 @@ def test_a_snapshot_in_host_memory_measures_what_one_beside_the_model_does(plain
 
 
 def test_the_loss_forward_gives_the_rollouts_pi_t_plus_1_side(plain, tmp_path):
-    """loss_forward=True (the default): the rollouts' log pi_{t+1}, entropy and pi_{t+1}'s side of
-    their token KL come from the hidden states of TRL's own loss forward, so the tap's own forward
-    passes under the live policy cover the held-out rows only (one pass per rollout remains: pi_t's).
-    The same run with loss_forward=False (a pass of the tap's own) records the same numbers."""
-    from reward_lens.taps.trl import RewardLensTap
+    """loss_forward=True (the default): the rollouts' log pi_{t+1} and entropy come from the hidden
+    states of TRL's own loss forward, and each extra completion's drawing policy's side from the
+    hidden states of the generation that drew it, so the tap's own forward passes cover one side of
+    each extra completion only: the live policy's for pi_t's, the kept pi_t's for pi_{t+1}'s. The
+    same run with loss_forward=False (a pass of the tap's own over the rollouts) records the same
+    numbers."""
+    from reward_lens.taps.core import TapCore
 
     run, tap, _ = plain
-    assert tap.loss_forward
+    assert tap.loss_forward and tap.core.captured
     counted = {"live": 0, "kept": 0}
-    original = RewardLensTap._forward
+    original = TapCore._forward
 
     def counting(self, params, ids, mask, **kw):
         counted["live" if params is None else "kept"] += int(ids.shape[0])
         return original(self, params, ids, mask, **kw)
 
-    RewardLensTap._forward = counting
+    TapCore._forward = counting
     try:
         own_run, own_tap, _ = _train(tmp_path / "own", loss_forward=False)
         own_counts = dict(counted)
         counted.update(live=0, kept=0)
         fused_run, fused_tap, _ = _train(tmp_path / "fused")
     finally:
-        RewardLensTap._forward = original
+        TapCore._forward = original
     assert not own_tap.loss_forward and fused_tap.loss_forward
-    rollouts, held = 4 * 8, 3 * 4  # 8 rollouts a step; 4 held-out rows at each of 3 generations after the first
-    assert own_counts == {"live": rollouts + held, "kept": (rollouts - 8) + held}
-    assert counted == {"live": held, "kept": (rollouts - 8) + held}
+    rollouts, side = 4 * 8, 3 * 4  # 8 rollouts a step; 4 extra rows a side for each of 3 pairs
+    assert own_counts == {"live": rollouts + side, "kept": side}
+    assert counted == {"live": side, "kept": side}
     for col in ("kl_to_previous", "kl_to_previous_se", "entropy"):
         a, b = own_run.telemetry_column(col), fused_run.telemetry_column(col)
         assert a.keys() == b.keys() and [a[k] for k in a] == pytest.approx([b[k] for k in a], rel=1e-6), col
     cols = ["logp_pre", "logp_prev", "kl_prev"]
-    xa, xb = own_run.read_rollouts(cols).to_pylist(), fused_run.read_rollouts(cols).to_pylist()
-    for col in cols:
-        va = [np.nan if x[col] is None else x[col] for x in xa]
-        vb = [np.nan if x[col] is None else x[col] for x in xb]
-        assert np.allclose(va, vb, rtol=1e-6, atol=1e-8, equal_nan=True), col
+    for a_run, b_run in ((own_run, fused_run), (own_run.heldout(), fused_run.heldout())):
+        xa, xb = a_run.read_rollouts(cols).to_pylist(), b_run.read_rollouts(cols).to_pylist()
+        for col in cols:
+            va = [np.nan if x[col] is None else x[col] for x in xa]
+            vb = [np.nan if x[col] is None else x[col] for x in xb]
+            assert np.allclose(va, vb, rtol=1e-6, atol=1e-8, equal_nan=True), col
 
 
 def test_the_snapshot_plan_says_the_bytes_and_refuses_what_cannot_fit():

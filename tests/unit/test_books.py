@@ -8,10 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from reward_lens.measure.agreement import (AGREE, CARRIED, COLLATERAL, NEITHER, NOT_BOUGHT, OTHER_WAY, agreement_table,
-                                           verdict)
+from reward_lens.measure import decisions as dec
+from reward_lens.measure.agreement import (AGAINST, AGREE, CARRIED, COLLATERAL, NEITHER, NOT_BOUGHT, OTHER_WAY,
+                                           agreement_table, selection_from_cause)
 from reward_lens.measure.cause import cause_series, selection_differential, selection_gradient
-from reward_lens.measure.decisions import decide_from
+from reward_lens.measure.decisions import Selection, decide_from, verdict_of
 from reward_lens.measure.effect import effect_series
 from reward_lens.measure.efficiency import metric_g
 from reward_lens.measure.ledger.price import StepSample, ledger_series
@@ -127,7 +128,7 @@ def _verdicts(samples, names):
     effect = effect_series(decide_from(ledger_series(samples), names), samples)
     cause = cause_series(ledger_series(samples), samples, metric_g(samples, method="covariance_bound"))
     return agreement_table(names, {}, None, {d.feature: (d.moved, d.drift) for d in effect.drift},
-                           {x.feature: (x.selected, x.total, x.direct, x.gradient) for x in cause.selected})
+                           {x.feature: selection_from_cause(x) for x in cause.selected})
 
 
 def test_agreement_verdicts_on_the_known_world():
@@ -154,9 +155,31 @@ def test_a_behaviour_that_only_correlates_with_the_rewarded_one_is_carried_along
         samples.append(StepSample(t, names, z, advantages=a, rewards=r,
                                   groups=np.array([f"{t}:{g}" for g in codes], dtype=object)))
     got = {f.feature: f for f in _verdicts(samples, names).features}
-    assert got["paid"].verdict == AGREE and got["paid"].asked
-    assert got["echo"].verdict == CARRIED and got["echo"].selected and not got["echo"].asked
+    assert got["paid"].verdict == AGREE and got["paid"].asked == "directly"
+    assert got["echo"].verdict == CARRIED and got["echo"].selected and got["echo"].asked == "no"
     assert got["noise"].verdict == NEITHER
+
+
+def test_a_behaviour_that_falls_while_selected_for_through_a_correlate_moved_against_it():
+    """`echo` correlates with `paid` within every prompt group, so the reward selects for more of
+    it through `paid` (its differential is resolved and positive), but something else pulls its
+    mean down 1.0 a step: it moved against what the reward selects, never "carried along"."""
+    rng = np.random.default_rng(8)
+    names = ("paid", "echo")
+    samples = []
+    for t in range(12):
+        n, per = 16 * 8, 8
+        paid = rng.normal(size=n) + 0.3 * t
+        z = np.column_stack([paid, paid + 0.6 * rng.normal(size=n) - 1.0 * t])
+        codes = np.repeat(np.arange(16), per)
+        a = paid - (np.bincount(codes, weights=paid) / per)[codes]
+        samples.append(StepSample(t, names, z, advantages=a, rewards=paid.copy(),
+                                  groups=np.array([f"{t}:{g}" for g in codes], dtype=object)))
+    got = {f.feature: f for f in _verdicts(samples, names).features}
+    assert got["paid"].verdict == AGREE
+    echo = got["echo"]
+    assert echo.asked == "no" and echo.selected and echo.selection > 0 and echo.moved and echo.drift < 0
+    assert echo.verdict == AGAINST and echo.verdict_key == dec.AGAINST
 
 
 def test_selection_gradient_by_least_squares_and_its_cluster_robust_se():
@@ -169,7 +192,7 @@ def test_selection_gradient_by_least_squares_and_its_cluster_robust_se():
     z = rng.normal(size=(180, 2))
     r = 2.0 * z[:, 0] - 0.5 * z[:, 1] + rng.normal(size=180)
     s = StepSample(0, names, z, rewards=r, advantages=r, groups=groups, n_groups=30)
-    beta, se, p, clusters = selection_gradient([s])
+    beta, se, p, clusters = selection_gradient([s])[:4]
     zc = z - np.array([z[groups == g].mean(0) for g in groups])
     rc = r - np.array([r[groups == g].mean() for g in groups])
     want = np.linalg.lstsq(zc, rc, rcond=None)[0]
@@ -180,30 +203,55 @@ def test_selection_gradient_by_least_squares_and_its_cluster_robust_se():
     np.testing.assert_allclose(se, np.sqrt(np.diag(bread @ meat @ bread) * 30 / 29), rtol=1e-8)
     assert clusters == [] and (p < 1e-6).all()
     exact = StepSample(0, names, z, rewards=z[:, 0].copy(), advantages=z[:, 0].copy(), groups=groups, n_groups=30)
-    beta, _, p, _ = selection_gradient([exact])
+    beta, _, p, _ = selection_gradient([exact])[:4]
     assert beta[0] == pytest.approx(1.0) and p[1] == 1.0 and beta[1] == 0.0
     # a near duplicate of the paid feature (r > 0.95: one cluster, tested jointly) takes a
     # coefficient of rounding whose sign the summation order sets; it is shown as 0, whatever
-    # the order of the rows, and keeps the cluster's p-value
+    # the order of the rows, with p = 1 of its own (never p = 0 beside an SE of rounding); the
+    # cluster's joint test is its own field, shared by both, and both are asked for "more"
     dup = np.column_stack([z[:, 0], z[:, 0] + 0.05 * rng.normal(size=180)])
     for order in (np.arange(180), np.argsort(groups[::-1], kind="stable")[::-1]):
         s = StepSample(0, names, dup[order], rewards=z[order, 0].copy(), advantages=z[order, 0].copy(),
                        groups=groups[order])
-        beta, _, p, clusters = selection_gradient([s])
-        assert clusters == [[0, 1]] and beta[0] == pytest.approx(1.0) and beta[1] == 0.0 and p[1] == p[0] < 1e-6
+        g = selection_gradient([s])
+        assert g.clusters == [[0, 1]] and g.beta[0] == pytest.approx(1.0) and g.beta[1] == 0.0
+        assert g.p[1] == 1.0 and g.p[0] < 1e-6 and g.p_joint[0] == g.p_joint[1] < 1e-6
+        assert list(g.direction) == [1, 1]
+    # the same against the reward: the cluster is asked for "less"
+    s = StepSample(0, names, dup, rewards=-z[:, 0].copy(), advantages=-z[:, 0].copy(), groups=groups)
+    assert list(selection_gradient([s]).direction) == [-1, -1]
 
 
-def test_moved_against_what_was_asked_is_a_disagreement():
-    assert verdict(True, -1.0, True, +2.0, True) == OTHER_WAY
-    assert verdict(True, +1.0, True, +2.0, True) == AGREE
-    assert verdict(True, -1.0, True, -2.0, True) == AGREE
-    assert verdict(True, +1.0, False, None, True) == CARRIED
-    assert verdict(True, +1.0, False, None, False) == COLLATERAL
-    # asked for more directly, but selected against in total (it correlates with what the reward
-    # pays against), and it fell with the total: carried along, not moving against the reward
-    assert verdict(True, -1.0, True, +2.0, True, -3.0) == CARRIED
-    assert verdict(True, -1.0, True, +2.0, True, +3.0) == OTHER_WAY  # against both
-    assert verdict(True, -1.0, True, +2.0, False, -3.0) == OTHER_WAY  # the total is not resolved
+def _v(moved: bool, drift: float, asked: str, direction: int, selected: bool, differential: float | None,
+       jointly_with: tuple[str, ...] = ()) -> str:
+    return verdict_of(moved, drift, Selection(asked, direction, jointly_with, selected, differential)).words
+
+
+def test_verdicts_are_sign_aware():
+    """Each verdict by hand: judged against the direction the reward selects the behaviour in
+    (what it asked for where it asked; its selection differential otherwise), never carried along
+    against it."""
+    assert _v(True, -1.0, "directly", +1, True, +3.0) == OTHER_WAY
+    assert _v(True, +1.0, "directly", +1, True, +3.0) == AGREE
+    assert _v(True, -1.0, "directly", -1, True, -3.0) == AGREE
+    assert _v(False, -1.0, "directly", +1, True, +3.0) == NOT_BOUGHT
+    assert _v(True, +1.0, "no", 0, True, +3.0) == CARRIED
+    assert _v(True, -1.0, "no", 0, True, -3.0) == CARRIED
+    assert _v(True, +1.0, "no", 0, False, +3.0) == COLLATERAL
+    assert _v(False, +1.0, "no", 0, True, +3.0) == NEITHER
+    # selected for more through a correlated behaviour (issue #39's format-only run: `correct`
+    # +0.47 differential), and it fell: moved against what the reward selects, never carried along
+    assert _v(True, -0.32, "no", 0, True, +0.47) == AGAINST
+    assert _v(True, +0.32, "no", 0, True, -0.47) == AGAINST
+    # asked for more directly, selected against in total (it correlates with what the reward pays
+    # against), and it fell with the total: it still moved against what it was asked for
+    assert _v(True, -1.0, "directly", +1, True, -3.0) == OTHER_WAY
+    # asked for jointly: a verdict of its own, naming the behaviours it cannot be told apart from
+    assert _v(True, +1.0, "jointly", +1, True, +3.0, ("reward_format",)) == \
+        "asked for jointly with `reward_format`, and bought"
+    assert _v(False, +1.0, "jointly", +1, True, +3.0, ("a", "b")) == "asked for jointly with `a`, `b`, not bought"
+    assert _v(True, -1.0, "jointly", +1, True, +3.0, ("a",)) == "asked for jointly with `a`, moved the other way"
+    assert {dec.AGAINST, dec.OTHER_WAY, dec.COLLATERAL, dec.NOT_BOUGHT} == set(dec.DISAGREEMENTS)
 
 
 def test_a_refused_cause_book_leaves_selected_unknown():

@@ -4,6 +4,7 @@ output of the script that prints it."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -44,10 +45,36 @@ def test_the_site_builds_strictly(tmp_path):
 def test_the_readme_fits_on_two_screens_and_keeps_its_two_commands():
     assert len(README.splitlines()) <= 150
     main, test = _block("main-command"), _block("test-command")
-    assert "reward-lens report --example long" in main and "torch" not in main  # the core needs no torch
+    # the main command runs the example that shows the product (D_t, eta, shares, verdicts: the task
+    # run, recorded by the tap), and exits 0 without a flag to make it
+    assert main.endswith("reward-lens report --example task --out reward-lens-report") and "torch" not in main
+    assert "--fail-on" not in main
     assert "torch==2.13.0" in test and "pytest" in test
     assert "test-command:start" in (REPO / ".ci" / "run").read_text()
     assert (REPO / "docs" / "assets" / "first-screen.png").stat().st_size > 10_000  # the picture it shows
+
+
+def test_the_readme_says_how_to_install_the_distribution_it_names():
+    """The PyPI name `reward-lens` belongs to another project (3.1.0, an unrelated tool with the same
+    import package); this one is distributed as `reward-lens-rl` (free on PyPI when chosen:
+    https://pypi.org/pypi/reward-lens-rl/json answered 404), with the `reward-lens` command and
+    the `reward_lens` import paths kept."""
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "reward-lens-rl"
+    assert project["scripts"] == {"reward-lens": "reward_lens.cli:main"}
+    assert "The distribution is `reward-lens-rl`" in README and "`pip install reward-lens` installs an" in README
+    assert "pip install ." in README
+
+
+def test_the_quick_starts_python_runs_from_any_directory(tmp_path):
+    """docs/quickstart.md's Python block, run as written from a folder outside the repository."""
+    text = (DOCS / "quickstart.md").read_text()
+    code = re.search(r"## From Python.*?```python\n(.*?)```", text, re.S).group(1)
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "RECORD_INCOMPLETE" in r.stdout
 
 
 def test_the_readme_shows_the_task_reports_first_screen():
@@ -59,6 +86,21 @@ def test_the_readme_shows_the_task_reports_first_screen():
     report = build_report(open_run(example_record("task")), features=features_from(str(example_features("task"))))
     quoted = re.search(r"<!-- task-card:start -->\n(.*?)\n<!-- task-card:end -->", README, re.S).group(1)
     assert quoted == "\n\n".join(report.card)
+
+
+def test_the_hero_image_is_not_older_than_what_it_shows():
+    """docs/assets/first-screen.png is made by tools/screenshot.py, which stores beside it a hash of
+    what the first screen shows as the templates, specs, fixtures and code then rendered it; the
+    same hash now must match, else the picture is stale."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import screenshot
+
+    image = REPO / "docs" / "assets" / "first-screen.png"
+    stamp = json.loads(screenshot.stamp_path(image).read_text())
+    assert stamp["example"] == "task" and stamp["viewport"] == list(screenshot.VIEWPORT)
+    assert stamp["first_screen_sha256"] == screenshot.first_screen_hash("task"), (
+        "docs/assets/first-screen.png is stale: .venv/bin/python tools/screenshot.py")
+    assert "](docs/assets/first-screen.png)" in README
 
 
 def test_the_science_page_quotes_its_scripts():
@@ -77,6 +119,13 @@ def test_the_science_page_quotes_its_scripts():
     assert _fenced(_quote(science, "drift-table")) == paired_vs_drift.text(
         "task", str(REPO / "examples" / "features" / "task.yaml"))
     assert _fenced(_quote(science, "drift-paired-table")) == paired_vs_drift.text("paired")
+
+
+def test_the_findings_page_says_what_a_trl_folder_evaluates():
+    sys.path.insert(0, str(REPO / "tools"))
+    import trl_findings
+
+    assert _quote(DOCS / "findings.md", "trl-findings") == trl_findings.text(), "python tools/trl_findings.py"
 
 
 def test_the_findings_table_is_the_specs():

@@ -111,6 +111,65 @@ def test_reward_plateau_when_the_last_third_buys_nothing():
     assert not PREDICATES["reward_plateau"](still, window=5, fraction=0.25, z=2.0).holds
 
 
+def test_too_little_to_judge_is_not_evaluated_never_clear():
+    """Each predicate with a `min_steps`, one step short of it: not evaluated, saying what would
+    enable it; at `min_steps` it judges. A number not resolved from noise is not judged either."""
+    specs = load_findings()
+    flat = {"entropy_collapse": dict(entropy=1.0, reward_mean=0.5), "advantage_collapse": dict(frac_reward_zero_std=0.1),
+            "kl_spikes": dict(kl_to_previous=0.01), "clipping_saturation": dict(grad_norm_unclipped=0.5,
+                                                                               max_grad_norm=1.0),
+            "reward_plateau": dict(reward_mean=0.5, kl_to_previous=0.01)}
+    from reward_lens.findings import evaluate_one
+
+    for fid, cols in flat.items():
+        spec = specs[fid]
+        need = spec.params["min_steps"]
+        for n, want in ((need - 1, "not_evaluated"), (need, None)):
+            data = FindingData(_series(**{k: np.full(n, v) for k, v in cols.items()}),
+                               reward_se={i: 0.01 for i in range(n)})
+            out = evaluate_one(spec, data, [])
+            if want:
+                assert out.status == want and f"{need} " in out.missing[0] and f"has {n})" in out.missing[0], out
+            else:
+                assert out.status != "not_evaluated" or fid == "reward_plateau", out
+    # a flat reward: the first third bought nothing resolved, so there is no plateau to judge
+    n = 45
+    flat_r = FindingData(_series(reward_mean=np.full(n, 0.5), kl_to_previous=np.full(n, 0.01)),
+                         reward_se={i: 0.01 for i in range(n)})
+    assert evaluate_one(specs["reward_plateau"], flat_r, []).status == "not_evaluated"
+    # the last third's price resolved neither above zero nor under a quarter of the first's
+    r = np.r_[np.linspace(0.0, 1.0, 15), np.linspace(1.0, 1.0 + 15 * 0.4 / 15, 15), 1.4 + 0.3 * np.arange(15) / 15]
+    noisy = FindingData(_series(reward_mean=r, kl_to_previous=np.full(n, 0.01)),
+                        reward_se={i: (0.01 if i < 30 else 0.3) for i in range(n)})
+    assert evaluate_one(specs["reward_plateau"], noisy, []).status == "not_evaluated"
+
+
+def test_spending_without_buying_clear_only_when_eta_is_resolved_above_its_threshold():
+    from types import SimpleNamespace
+
+    from reward_lens.findings import evaluate_one
+
+    spec = load_findings()["spending_without_buying"]
+
+    class Data(FindingData):
+        def __init__(self, eta, iv, total):
+            super().__init__({})
+            rows = SimpleNamespace(kl_spent=[(total or 0) / 2] * 2, efficiency_debiased=[eta] * 2, step_pair=[(0, 1), (1, 2)])
+            self.cost = SimpleNamespace(summary={"eta_run": eta, "eta_run_interval": iv, "d_t_total": total},
+                                        efficiency=rows)
+
+        def book(self, book_id):
+            return self.cost if book_id == "cost" else None
+
+    assert evaluate_one(spec, Data(0.03, [-0.08, 0.15], 4.8), []).status == "not_evaluated"  # issue #40's case
+    assert evaluate_one(spec, Data(0.08, [0.03, 0.13], 4.8), []).status == "not_evaluated"  # across 5 %
+    assert evaluate_one(spec, Data(0.36, [0.34, 0.39], 4.8), []).status == "clear"
+    assert evaluate_one(spec, Data(0.02, [0.01, 0.03], 4.8), []).status == "holds"
+    assert evaluate_one(spec, Data(0.03, [-0.08, 0.15], 0.05), []).status == "clear"  # spent under 0.1 nats
+    none = evaluate_one(spec, Data(None, None, None), [])
+    assert none.status == "not_evaluated" and "D_t" in none.missing[0]
+
+
 def test_live_findings_on_the_taps_series_say_what_needs_rollouts():
     series = _series(frac_reward_zero_std=np.ones(12), grad_norm_unclipped=np.full(12, 0.1),
                      kl_to_previous=np.full(12, 0.01))
@@ -133,12 +192,16 @@ def test_the_healthy_task_record_has_no_warn_or_critical_finding():
     run = open_run(example_record("task"))
     report = build_report(run, features=features_from(str(example_features("task"))))
     assert exit_code(report.findings, "warn") == 0
-    assert all(f.status != "not_evaluated" for f in report.findings)  # a tapped record feeds every finding
+    # a tapped record feeds every finding; one is not evaluated all the same: its number is not
+    # resolved from noise against its threshold, and that is not "clear"
+    undecided = [f for f in report.findings if f.status == "not_evaluated"]
+    assert [f.id for f in undecided] == ["spending_without_buying"] and undecided[0].missing
     counts = finding_counts(report.findings)
     assert report.findings_counts == counts and counts["checked"] == len(load_findings())
-    # the card leads with the health sentence, counted in one place
+    # the card leads with the health sentence, counted in one place, the three outcomes apart
     assert report.card[0].startswith("**No warn or critical finding**")
     assert f"{counts['clear']} of {counts['checked']} checks clear" in report.card[0]
+    assert f"{counts['not_evaluated']} not evaluated (spending without buying)" in report.card[0]
     data = json.loads(report.model_dump_json())
     assert [f["id"] for f in data["findings"]] == list(load_findings())
 
@@ -272,7 +335,9 @@ def test_what_the_specs_say_they_were_validated_on():
     assert task["clipping_saturation"] == "holds" and task["reward_plateau"] == "holds"
     assert task["entropy_collapse"] == "clear" and task["collateral_behaviour"] == "clear"
     assert task["length_drift"] == "clear" and task["moving_against_reward"] == "clear"
-    assert task["spending_without_buying"] == "clear"
+    assert task["spending_without_buying"] == "not_evaluated"  # 8 % [3 %, 13 %]: across 5 %
+    assert paired["spending_without_buying"] == "clear" and tapped["spending_without_buying"] == "clear"
+    assert paired["reward_plateau"] == "clear" and tapped["reward_plateau"] == "not_evaluated"  # 29 steps of 30
     assert {task["kl_spikes"], paired["kl_spikes"], tapped["kl_spikes"]} == {"clear"}
 
 

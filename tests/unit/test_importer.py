@@ -119,7 +119,7 @@ def test_completions_for_a_step_the_log_lacks(tmp_path):
     state = json.loads(p.read_text())
     state["log_history"] = [e for e in state["log_history"] if e["step"] != 2 or "train_runtime" in e]
     p.write_text(json.dumps(state))
-    _fails(tmp_path, out, r"completions_00002\.parquet: field `step` at step 1: completions for a step that "
+    _fails(tmp_path, out, r"completions_00002\.parquet: field `step` at `step` 2: completions for a step that "
                           r"trainer_state\.json never logged")
 
 
@@ -129,7 +129,7 @@ def test_mismatched_group_sizes(tmp_path):
     df = pd.read_parquet(p)
     df.loc[1, "prompt"] = "other"
     df.to_parquet(p)
-    _fails(tmp_path, out, r"completions_00003\.parquet: field `prompt` at step 2: group sizes \[1, 1, 2\] do not "
+    _fails(tmp_path, out, r"completions_00003\.parquet: field `prompt` at `step` 3: group sizes \[1, 1, 2\] do not "
                           r"match num_generations=4")
 
 
@@ -137,4 +137,4 @@ def test_non_finite_metric_in_the_log(tmp_path):
     out = _trl_output(tmp_path / "trl")
     p = out / "trainer_state.json"
     p.write_text(p.read_text().replace('"grad_norm": 2.0', '"grad_norm": NaN'))
-    _fails(tmp_path, out, r"trainer_state\.json: field `grad_norm` at step 1: `grad_norm` is nan")
+    _fails(tmp_path, out, r"trainer_state\.json: field `grad_norm` at `step` 2: `grad_norm` is nan")

@@ -19,7 +19,7 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
                     str(REPO)], check=True, capture_output=True)
-    (whl,) = out.glob("reward_lens-*.whl")
+    (whl,) = out.glob("reward_lens_rl-*.whl")  # the distribution's name (pyproject.toml); the packages keep theirs
     return whl
 
 
@@ -38,6 +38,10 @@ def test_wheel_contains_specs_templates_and_examples(wheel):
                      "reward_lens/cli.py"):
         assert required in names, required
     assert not any(n.startswith("tests/") for n in names)
+    meta = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    assert "Name: reward-lens-rl" in zipfile.ZipFile(wheel).read(meta).decode()
+    entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "reward-lens = reward_lens.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
 def test_installed_copy_loads_its_specs_outside_the_repo(wheel, tmp_path):

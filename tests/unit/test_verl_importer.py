@@ -44,10 +44,10 @@ def test_the_report_refuses_for_lack_of_rollouts_and_names_ppo_kl(tmp_path):
 def test_bad_lines_are_named(tmp_path):
     bad = tmp_path / "m.jsonl"
     bad.write_text('{"step": 1, "actor/ppo_kl": 0.1}\n{"step": 2, "actor/ppo_kl": "lots"}\n')
-    with pytest.raises(RecordError, match=r"m\.jsonl:2: field `actor/ppo_kl` at step 1: `actor/ppo_kl` is 'lots'"):
+    with pytest.raises(RecordError, match=r"m\.jsonl:2: field `actor/ppo_kl` at `step` 2: `actor/ppo_kl` is 'lots'"):
         import_verl(bad, tmp_path / "rec")
     bad.write_text('{"step": 1}\n{"step": 1}\n')
-    with pytest.raises(RecordError, match=r"m\.jsonl:2 at step 0: a second metrics line for this step"):
+    with pytest.raises(RecordError, match=r"m\.jsonl:2 at `step` 1: a second metrics line for this step"):
         import_verl(bad, tmp_path / "rec")
     bad.write_text('{"step": 1,\n')
     with pytest.raises(RecordError, match=r"m\.jsonl:1: not valid JSON"):

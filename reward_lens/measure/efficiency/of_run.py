@@ -41,17 +41,18 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
     lrs = learning_rates(run)
     fallback = None
     paired = None
+    pairs = paired_samples(samples)
     if ledger == "auto":
-        ledger = "paired" if any(has_paired_sample(s) for s in samples) else "unpaired"
+        ledger = "paired" if any(has_paired_sample(s) for s in pairs) else "unpaired"
         if ledger == "paired":
-            paired = paired_ledger_series(samples, lrs, _heldout(samples))
+            paired = paired_ledger_series(pairs, lrs, _heldout(samples))
             ledgers, why = paired
             reasons = {w.reason for w in why.values()}
             if not ledgers and reasons <= STRUCTURAL:  # e.g. one prompt group per step: no paired ledger can form
                 fallback = min(why.values(), key=lambda w: w.step)
                 ledger = "unpaired"
     if ledger == "paired":
-        ledgers, why = paired if paired is not None else paired_ledger_series(samples, lrs, _heldout(samples))
+        ledgers, why = paired if paired is not None else paired_ledger_series(pairs, lrs, _heldout(samples))
         if not ledgers:
             return PricedRun(None, None, ledger, why)
         g = within_group_metric(ledgers)
@@ -71,6 +72,13 @@ STRUCTURAL = frozenset({"few_groups"})
 
 def _heldout(samples: list[StepSample]) -> dict[int, StepSample]:
     return {s.step: s.heldout for s in samples if s.heldout is not None}
+
+
+def paired_samples(samples: list[StepSample]) -> list[StepSample]:
+    """Each step's side b of the paired ledger: the completions its policy drew for the previous
+    generation's prompts beside its own generation (``sample.fresh``), where the record has them,
+    else its rollouts (scored under the previous policy by taps that score them)."""
+    return [s.fresh if s.fresh is not None else s for s in samples]
 
 
 def unpaired_ledgers(samples: list[StepSample], lrs) -> tuple[list, dict[tuple[int, int], NotFormed]]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+from typing_extensions import TypedDict
+
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -103,19 +105,92 @@ class FeatureMeans(_M):
     se: dict[str, list[float]] = Field(description="by feature: the standard error of the step's mean")
 
 
+_Count = Annotated[int, Field(ge=0)]
+_Pair = Annotated[list[float], Field(min_length=2, max_length=2)]
+
+
+class CostSummary(TypedDict):
+    """The cost book's counts and run-level numbers (a dict in Python, each key typed: a report
+    whose summary holds text where a number belongs is not a report of this version)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # type: ignore[misc]
+
+    ledger: Literal["paired", "unpaired"]
+    window: str
+    ledger_fallback: str | None
+    two_sided: _Count
+    rows_total: _Count
+    rows_resolved: _Count
+    rows_unresolved: _Count
+    rows_refused: _Count
+    rows_nothing_priced: _Count
+    eta_run: float | None
+    eta_run_interval: _Pair | None
+    eta_run_rows: _Count
+    kl_min_total: float | None
+    d_t_total: float | None
+    eta_median: float | None
+    eta_interval: _Pair | None
+    false_discoveries_expected: float | None
+    step_pairs: _Count
+    kl_min_rows: _Count
+    kl_min_resolved: _Count
+    median_kl_min: float | None
+    median_noise_floor: float | None
+
+
 class CostSection(_M):
     features: list[FeatureOut]
     metric: MetricOut
     kl_min: KlMinRows
     efficiency: EfficiencyRows
     feature_means: FeatureMeans
-    summary: dict[str, float | int | str | list[float] | None] = Field(description=(
+    summary: CostSummary = Field(description=(
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
         "rows_nothing_priced, eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
         "when none is priced), eta_run_interval ([lo, hi]), kl_min_total and d_t_total (nats over those rows), "
         "eta_median (debiased, resolved rows only: selected on significance, so it leans high; kept for "
         "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
+    tap: TapOut | None = Field(None, description="what the tap measured of each step pair under its cost budget, "
+                                                 "where the record has the tap's own telemetry")
+
+
+class TapOut(_M):
+    """The tap's budget and what it bought, from its per-step telemetry (``tap_*`` fields)."""
+
+    budget: float | None = Field(description="the tap's time as a fraction of an untapped step (null: no budget)")
+    step_pairs: int = Field(description="step pairs the tap planned a measurement for (a next generation followed)")
+    two_sided: int = Field(description="of them, measured on completions of both policies")
+    one_sided: int = Field(description="of them, measured on the next generation's rollouts alone")
+    skipped: int = Field(description="of them, not measured (the budget covered a share of them)")
+    groups: float | None = Field(description="prompt groups measured on a measured pair (median)")
+    groups_total: float | None = Field(description="prompt groups a generation had (median)")
+    per_group: float | None = Field(description="completions per group and policy on a two-sided pair (median)")
+    share: float | None = Field(description="the tap's own time over the untapped step's (median over steps)")
+    sentence: str = Field(description="the same, in words")
+
+
+def tap_summary(run) -> TapOut | None:
+    """What the tap measured and what it cost, from the record's telemetry; None for a record
+    without it (an import, or a tap before the budget)."""
+    groups = run.telemetry_column("tap_groups")
+    if not groups:
+        return None
+    total, per = run.telemetry_column("tap_groups_total"), run.telemetry_column("tap_per_group")
+    budgets = sorted(set(run.telemetry_column("tap_budget").values()))
+    tap_s, step_s = run.telemetry_column("tap_seconds"), run.telemetry_column("step_seconds")
+    last = max(run.steps.tolist()) if len(run.steps) else -1
+    pairs = [t for t in sorted(groups) if t < last]
+    measured = [t for t in pairs if groups[t] > 0]
+    two = [t for t in measured if (per.get(t) or 0) > 0]
+    shares = [tap_s[t] / (step_s[t] - tap_s[t]) for t in tap_s if t in step_s and step_s[t] > tap_s[t]]
+    med = lambda xs: float(np.median(xs)) if len(xs) else None  # noqa: E731
+    out = dict(budget=budgets[0] if len(budgets) == 1 else None, step_pairs=len(pairs), two_sided=len(two),
+               one_sided=len(measured) - len(two), skipped=len(pairs) - len(measured),
+               groups=med([groups[t] for t in measured]), groups_total=med([total[t] for t in measured if t in total]),
+               per_group=med([per[t] for t in two]), share=med(shares))
+    return TapOut(**out, sentence=render_template("report/cost_tap.j2", {"t": out}).strip())
 
 
 def _gaps(pairs: list[tuple[int, int]]) -> list[float]:
@@ -248,6 +323,7 @@ def cost_section(ctx: RunContext) -> BookResult:
         metric=MetricOut(method=g.method, scope=g.scope, n=g.n, damping=g.damping, damping_stable=g.damping_stable,
                          reading=g.reading),
         kl_min=kl_rows, efficiency=eff, feature_means=means, summary=summary, still_works=still,
+        tap=tap_summary(run),
     )
     return _result([*extra, *book.refusals], section, spec)
 

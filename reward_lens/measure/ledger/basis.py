@@ -474,7 +474,7 @@ def _parses(s: str) -> float:
 def load_basis(path: str | Path) -> FeatureBasis:
     """A basis from a YAML file; any problem is a SpecError naming file:line (or the feature)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():  # a FIFO or a directory is named by load_yaml_with_lines, unopened
         raise SpecError(f"{path}:1: feature basis file not found")
     data, lines = load_yaml_with_lines(path)
     if not isinstance(data, dict):

@@ -39,6 +39,7 @@ class StepSample:
     kl_prev: np.ndarray | None = None  # (n,) sum of token KL(pi_t || pi_{t-1}) along y's prefixes
     logp_prev_step: np.ndarray | None = None  # (n,) the step whose policy logp_prev is under (t-1 by default)
     logp_sampler: np.ndarray | None = None  # (n,) log of the sampling engine's probability (vLLM), where recorded
+    drawn_by: np.ndarray | None = None  # (n,) held-out rows: the step whose policy drew the row (record `drawn_by_step`)
     prompts: np.ndarray | None = None  # (n,) prompt of each rollout: any labels (a record's are integer ids)
     # set only when ``groups`` are already codes 0..n_groups-1 in order of first appearance
     # (``steps_from_run`` codes them once for all steps), so nothing has to code them again
@@ -50,6 +51,10 @@ class StepSample:
     # held-out completions of the previous policy for this step's prompts (never in the loss),
     # their groups coded as this sample's: the paired ledger's second side (``steps_from_run``)
     heldout: StepSample | None = field(default=None, repr=False)
+    # completions of this step's policy for the previous generation's prompts, drawn beside its
+    # generation and never trained on (the tap's side b), their groups coded as ``heldout``'s: where
+    # recorded, the paired ledger reads them in place of the rollouts (``paired_samples``)
+    fresh: StepSample | None = field(default=None, repr=False)
 
     @cached_property
     def n(self) -> int:  # read per step by every book: worked out once
@@ -454,7 +459,7 @@ def whole_run(run: Run) -> Window:
 OPTIONAL_COLUMNS = {"reward": "rewards", "advantage": "advantages", "group_id": "groups", "prompt": "prompts",
                     "logp_pre": "logp",
                     "logp_prev": "logp_prev", "kl_prev": "kl_prev", "logp_prev_step": "logp_prev_step",
-                    "logp_sampler": "logp_sampler"}
+                    "logp_sampler": "logp_sampler", "drawn_by_step": "drawn_by"}
 
 
 class RowCollector(Protocol):
@@ -548,9 +553,16 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         cols["group_id"] = segment_codes(starts, len(steps), cols["group_id"])[0]
         main = _samples(steps[~side], z[~side], {c: v[~side] for c, v in cols.items()}, nulls, features.names,
                         coded=True)
-        held = {s.step: s for s in _samples(steps[side], z[side], {c: v[side] for c, v in cols.items()}, nulls,
-                                            features.names, coded=True)}
-        return [dataclasses.replace(s, heldout=held[s.step]) if s.step in held else s for s in main]
+        # held-out rows drawn by the step's own policy (side b) apart from those drawn by the previous one
+        drawn = cols.get("drawn_by_step")
+        fresh_side = side & (drawn == steps) if drawn is not None else np.zeros_like(side)
+        parts = {}
+        for name, mask in (("heldout", side & ~fresh_side), ("fresh", fresh_side)):
+            if mask.any():
+                parts[name] = {s.step: s for s in _samples(steps[mask], z[mask], {c: v[mask] for c, v in cols.items()},
+                                                           nulls, features.names, coded=True)}
+        return [dataclasses.replace(s, **{k: v[s.step] for k, v in parts.items() if s.step in v}) if parts else s
+                for s in main]
     return _samples(steps, z, cols, nulls, features.names)
 
 

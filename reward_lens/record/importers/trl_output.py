@@ -10,7 +10,20 @@ What TRL leaves on disk and what this reads:
   columns ``step, prompt, completion, <reward function names>, advantage``.
 * The trainer arguments -- TRL saves them only as a pickle (``training_args.bin``), which
   is never unpickled here. Pass them as JSON or YAML (``trainer.args.to_dict()``), or leave
-  a ``grpo_config.json`` in the output directory.
+  a ``grpo_config.json`` in the output directory. Every argument read is validated through
+  one typed model (``types`` in specs/frameworks/trl.yaml, the audit's too).
+* Where the state lives. ``trainer.save_state()`` writes ``trainer_state.json`` into the
+  output directory, but ``trainer.train()`` does not call it; what every run with a save
+  strategy leaves is ``checkpoint-<global_step>/trainer_state.json`` (transformers
+  ``Trainer._save_checkpoint``; with ``save_strategy="steps"`` the last step is saved too), each
+  holding the whole ``log_history`` up to that step. Without the top-level file, the newest
+  checkpoint's is read, and the record says which.
+* TRL's version -- ``GRPOTrainer._save_checkpoint`` writes a model card, ``README.md`` in the
+  output directory, whose "Framework versions" list has ``- TRL: <version>``. That is read
+  when ``--framework-version`` is not given; without either the version is unknown, and said so.
+
+Every file is checked to be a regular file before it is opened (a FIFO never blocks the
+import), and every error names the file, the key and TRL's own ``step`` (not the record's t).
 
 Fields are mapped by meaning through ``specs/fields.yaml``: TRL's ``grad_norm`` is what
 ``clip_grad_norm_`` returned, the pre-clip norm (``grad_norm_unclipped``); TRL's ``kl``
@@ -27,6 +40,9 @@ uses 0-based t = s - 1 for both.
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,10 +53,12 @@ import pyarrow.parquet as pq
 import yaml
 
 from reward_lens.record.errors import RecordError
-from reward_lens.record.importers import finite_number
+from reward_lens.record.importers import INT64_MAX, finite_number, one_based_step, shown, validate_config, whole_number
 from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
+from reward_lens_spec.files import UnreadableFile, read_text, require_regular
+from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
 
 # The note a record carries when the importer had to assume the reward weights (its first words
 # are how a reader of the record finds it: ``assumed_reward_weights``).
@@ -56,24 +74,62 @@ def record_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     return {k: cfg[k] for k in keys if k in cfg}
 
 
-def load_trainer_config(path: Path) -> dict[str, Any]:
+def _text(path: Path, what: str) -> str:
+    """A file of the output directory as text: a regular file (never a FIFO opened), UTF-8."""
     try:
-        text = path.read_text(encoding="utf-8")
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except (OSError, json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        raise RecordError(path, f"cannot read the trainer config ({exc})") from None
+        return read_text(path)
+    except FileNotFoundError:
+        raise RecordError(path, f"missing: {what}") from None
+    except UnreadableFile as exc:
+        raise RecordError(path, exc.problem) from None
+    except OSError as exc:
+        raise RecordError(path, f"cannot be read ({exc.strerror})") from None
+
+
+def load_trainer_config(path: Path) -> dict[str, Any]:
+    text = _text(path, "the trainer config given")
+    try:
+        data = json.loads(text) if path.suffix == ".json" else safe_load_bounded(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        msg = " ".join(str(exc).split())[:200]
+        raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg})") from None
+    except YamlTooLarge as exc:
+        raise RecordError(path, str(exc)) from None
+    except RecursionError:
+        raise RecordError(path, "nested too deeply to be a trainer config") from None
     if not isinstance(data, dict):
         raise RecordError(path, "the trainer config must be a mapping of argument names to values")
     return data
 
 
-def _log_history(output_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    path = output_dir / "trainer_state.json"
-    if not path.is_file():
-        raise RecordError(path, "missing: a TRL output directory has trainer_state.json (call trainer.save_state())")
+_CHECKPOINT = re.compile(r"^checkpoint-([0-9]+)$")  # ASCII digits only, as transformers names them
+
+
+def state_file(output_dir: Path) -> Path | None:
+    """The ``trainer_state.json`` a TRL output directory's log is read from: the one
+    ``trainer.save_state()`` leaves in the directory, else the newest checkpoint's (the highest
+    ``checkpoint-<global_step>``, as transformers orders them), else None."""
+    top = output_dir / "trainer_state.json"
+    if top.exists() or top.is_symlink():
+        return top
+    found = []
+    for d in output_dir.iterdir() if output_dir.is_dir() else []:
+        m = _CHECKPOINT.match(d.name)
+        if m and ((d / "trainer_state.json").exists() or (d / "trainer_state.json").is_symlink()):
+            found.append((int(m.group(1)), d / "trainer_state.json"))
+    return max(found)[1] if found else None
+
+
+def _log_history(output_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any], Path]:
+    path = state_file(output_dir)
+    if path is None:
+        raise RecordError(output_dir / "trainer_state.json", "missing, and no checkpoint-<step>/trainer_state.json "
+                          "either: a TRL output directory has one in every checkpoint (save_strategy other than "
+                          "\"no\"), or at its top after trainer.save_state()")
+    text = _text(path, "the trainer state")
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        state = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise RecordError(path, f"not valid JSON, truncated or corrupt ({exc})") from None
     except RecursionError:
         raise RecordError(path, "JSON nested too deeply to be a trainer state") from None
@@ -85,7 +141,22 @@ def _log_history(output_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]
     # The last entry of a finished run is a summary (train_runtime, train_loss): not a step.
     rows = [e for e in history if isinstance(e, dict) and "step" in e and "train_runtime" not in e
             and not any(k.startswith("eval_") for k in e)]
-    return rows, state
+    return rows, state, path
+
+
+_CARD_VERSION = re.compile(r"^- TRL: *(\S+) *$", re.MULTILINE)
+
+
+def trl_version(output_dir: Path) -> str | None:
+    """TRL's version as the run's model card states it (``README.md`` in the output directory,
+    written by ``GRPOTrainer._save_checkpoint``: "- TRL: 1.16.0"), or None where there is none."""
+    card = output_dir / "README.md"
+    try:
+        text = read_text(card, limit=1 << 20)
+    except (OSError, UnreadableFile):
+        return None
+    m = _CARD_VERSION.search(text)
+    return m.group(1)[:40] if m else None
 
 
 def _read_completions(output_dir: Path) -> list[tuple[Path, pa.Table]]:
@@ -95,6 +166,10 @@ def _read_completions(output_dir: Path) -> list[tuple[Path, pa.Table]]:
         raise RecordError(folder, "no completions_*.parquet files: run TRL with log_completions=True")
     out = []
     for f in files:
+        try:
+            require_regular(f)  # a FIFO would block pyarrow's open
+        except UnreadableFile as exc:
+            raise RecordError(f, exc.problem) from None
         try:
             table = pq.read_table(f)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -126,22 +201,35 @@ def import_trl(
     out = Path(output_dir)
     if not out.is_dir():
         raise RecordError(out, "not a directory")
-    history, state = _log_history(out)
-    if config is None and (out / "grpo_config.json").is_file():
+    history, state, state_path = _log_history(out)
+    if config is None and ((out / "grpo_config.json").exists() or (out / "grpo_config.json").is_symlink()):
         config = out / "grpo_config.json"
+    where = "the trainer config" if isinstance(config, Mapping) else Path(config) if config else out
     cfg = dict(config) if isinstance(config, Mapping) else (load_trainer_config(Path(config)) if config else {})
+    spec = load_frameworks()["trl"]
+    cfg = validate_config(cfg, spec, where)  # the typed model the audit reads a config with
+    for rej in spec.rejects:
+        conds = rej.when if isinstance(rej.when, list) else [rej.when]
+        if cfg and all(c.key in cfg for c in conds) and _rejected(rej.when, cfg):
+            key = conds[0].key
+            raise RecordError(where, f"`{key}` is {shown(cfg[key])}: {rej.why}; no TRL run had this configuration",
+                              field=key)
     notes: list[str] = []
+    if state_path.parent != out:
+        notes.append(f"the log is read from {state_path.parent.name}/trainer_state.json, the newest checkpoint's "
+                     "(the output directory has no trainer_state.json of its own: trainer.save_state() was not "
+                     "called); steps after that checkpoint are not in it")
     if not cfg:
         notes.append("no trainer config was given: optimizer, beta, max_grad_norm and the group size are unknown")
 
-    logging_steps = int(cfg.get("logging_steps") or state.get("logging_steps") or 1)
+    logging_steps = _logging_steps(cfg, state, where, state_path)
     per_step = logging_steps == 1
     if not per_step:
         notes.append(f"logging_steps={logging_steps}: each telemetry row holds the TRL metrics averaged over "
                      f"{logging_steps} optimizer steps (grad_norm and learning_rate are the window's last step); "
                      "these are not per-step values")
 
-    telemetry = _telemetry(history, cfg, out / "trainer_state.json")
+    telemetry = _telemetry(history, cfg, state_path)
     logged = {t.step for t in telemetry}
     reward_names = sorted({k.split("/")[1] for e in history for k in e
                            if k.startswith("rewards/") and k.endswith("/mean")})
@@ -157,7 +245,13 @@ def import_trl(
             notes.append(assumed)
 
     optimizer = cfg.get("optim")
-    framework = {"name": "trl", "version": framework_version}
+    version = framework_version or trl_version(out)
+    if framework_version is None and version is not None:
+        notes.append(f"TRL {version}, as the run's model card (README.md) states it")
+    elif version is None:
+        notes.append("TRL version unknown: the output directory has no model card (README.md) naming it; "
+                     "--framework-version says it")
+    framework = {"name": "trl", "version": version}
     model = {"description": model_description or str(cfg.get("model_name_or_path") or "unknown policy")}
     if checkpoint is not None:
         model.update(_checkpoint_model_info(Path(checkpoint)))
@@ -168,22 +262,46 @@ def import_trl(
                      checkpoints={0: checkpoint} if checkpoint is not None else None, overwrite=overwrite)
 
 
+def _rejected(when, cfg: Mapping[str, Any]) -> bool:
+    """A ``rejects`` condition of the TRL spec holds for ``cfg`` (the audit's reading of it)."""
+    from reward_lens.audit import _holds
+
+    return _holds(when, dict(cfg), {})
+
+
+def _logging_steps(cfg: Mapping[str, Any], state: Mapping[str, Any], where, state_path: Path) -> int:
+    """The logging window in steps: the trainer state's (transformers stores the resolved whole
+    number there, a ratio in the config included), else the config's whole number, else 1."""
+    if state.get("logging_steps") is not None:
+        return whole_number(state["logging_steps"], state_path, "logging_steps", minimum=1)
+    value = cfg.get("logging_steps")
+    if value is None:
+        return 1
+    if isinstance(value, float) and value < 1:
+        raise RecordError(where, f"`logging_steps` is a ratio ({value:g}) and {state_path.name} does not say the "
+                          "window it resolved to", field="logging_steps")
+    return int(value)
+
+
 def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path) -> list[OptimizerTelemetry]:
     keys = load_fields().framework_keys("trl")  # TRL key -> record field, by meaning
     max_norm = cfg.get("max_grad_norm")
     beta = cfg.get("beta")
     seen: dict[int, dict[str, Any]] = {}
-    for entry in history:
+    for i, entry in enumerate(history):
         s = entry["step"]
-        if not isinstance(s, int) or s < 1:
-            raise RecordError(path, f"log_history has a step {s!r}; TRL's global_step starts at 1", field="step")
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise RecordError(path, f"log_history entry {i} has `step` {shown(s)}: TRL's global_step is a whole "
+                              "number from 1", field="step")
+        t = one_based_step(s, path)
         if s in seen:
             # The final summary entry repeats the last step; two *metric* entries for one step do not happen.
-            raise RecordError(path, "two log_history entries for the same step", field="step", steps=[s - 1])
-        row: dict[str, Any] = {"step": s - 1}
+            raise RecordError(path, "two log_history entries for the same step", field="step", steps=[s],
+                              step_key="step")
+        row: dict[str, Any] = {"step": t}
         for key, field in keys.items():
             if key in entry and entry[key] is not None:
-                row[field] = finite_number(entry[key], path, key, s - 1)
+                row[field] = finite_number(entry[key], path, key, s)
         if max_norm is not None and max_norm > 0:
             row["max_grad_norm"] = float(max_norm)
             pre = row.get("grad_norm_unclipped")
@@ -234,26 +352,32 @@ def _rollouts(files: list[tuple[Path, pa.Table]], cfg: Mapping[str, Any], reward
     columns: dict[str, list[Any]] = {k: [] for k in ("step", "group_id", "prompt", "completion", "reward",
                                                      "rewards", "advantage")}
     for f, table in files:
-        steps = np.unique(table.column("step").to_numpy())
+        col = table.column("step")
+        if not pa.types.is_integer(col.type):
+            raise RecordError(f, f"`step` holds {col.type}, not whole numbers", field="step")
+        steps = np.unique(col.to_numpy(zero_copy_only=False))
         if len(steps) != 1:
-            raise RecordError(f, "one completions file should hold one step", field="step", steps=steps - 1)
-        t = int(steps[0]) - 1
+            raise RecordError(f, "one completions file should hold one step", field="step", steps=steps[:8],
+                              step_key="step")
+        s = int(steps[0])
+        t = one_based_step(s, f)
+        at = {"steps": [s], "step_key": "step"}  # TRL's own numbering, as the file has it
         if t not in logged:
             raise RecordError(f, "completions for a step that trainer_state.json never logged "
-                              "(logging_steps > 1, or the log was cut short)", field="step", steps=[t])
+                              "(logging_steps > 1, or the log was cut short)", field="step", **at)
         prompts = [str(p) for p in table.column("prompt").to_pylist()]
         completions = table.column("completion").to_pylist()
         if any(not isinstance(c, str) for c in completions):
             raise RecordError(f, "non-text completions (conversational or multimodal) are not supported yet",
-                              field="completion", steps=[t])
+                              field="completion", **at)
         missing = [n for n in reward_names if n not in table.column_names]
         if missing:
-            raise RecordError(f, f"reward column(s) {missing} named in the log are missing", steps=[t])
-        per_func = np.column_stack([np.asarray(table.column(n).to_numpy(zero_copy_only=False), float)
-                                    for n in reward_names]) if reward_names else np.zeros((len(prompts), 0))
-        advantage = table.column("advantage").to_numpy(zero_copy_only=False).astype(float)
+            raise RecordError(f, f"reward column(s) {missing} named in the log are missing", **at)
+        per_func = np.column_stack([_numbers(table, n, f, at) for n in reward_names]) if reward_names \
+            else np.zeros((len(prompts), 0))
+        advantage = _numbers(table, "advantage", f, at)
         if not np.isfinite(advantage).all():
-            raise RecordError(f, "non-finite advantage", field="advantage", steps=[t])
+            raise RecordError(f, "non-finite advantage", field="advantage", **at)
         # GRPO groups: consecutive completions of the same prompt (TRL's RepeatSampler order).
         groups: list[int] = []
         g, start = 0, 0
@@ -268,7 +392,7 @@ def _rollouts(files: list[tuple[Path, pa.Table]], cfg: Mapping[str, Any], reward
         bad = [sz for sz in sizes if sz % group_size]
         if bad:
             raise RecordError(f, f"group sizes {sizes} do not match num_generations={group_size}",
-                              field="prompt", steps=[t])
+                              field="prompt", **at)
         total = np.nansum(per_func * np.asarray(weights, float), axis=1)
         columns["step"] += [t] * len(prompts)
         columns["group_id"] += [f"{t}:{gi}" for gi in groups]
@@ -281,23 +405,89 @@ def _rollouts(files: list[tuple[Path, pa.Table]], cfg: Mapping[str, Any], reward
     return pa.table({k: pa.array(v, type=schema.field(k).type) for k, v in columns.items()})
 
 
+def _numbers(table: pa.Table, name: str, f: Path, at: dict[str, Any]) -> np.ndarray:
+    """A numeric column of a completions table as floats, each within the record's magnitude
+    limit, or a RecordError naming the file, the column and TRL's step."""
+    col = table.column(name)
+    if not (pa.types.is_integer(col.type) or pa.types.is_floating(col.type) or pa.types.is_null(col.type)):
+        raise RecordError(f, f"`{name}` holds {col.type}, not numbers", field=name, **at)
+    values = np.asarray(col.to_numpy(zero_copy_only=False), float)
+    mag = load_fields().magnitude
+    with np.errstate(invalid="ignore"):
+        big = np.abs(values) > mag.limit if mag is not None else np.zeros(len(values), bool)
+    if big.any():
+        raise RecordError(f, f"`{name}` is {values[big][0]:.3g}, beyond ±{mag.limit:g}: {mag.why}", field=name, **at)
+    return values
+
+
 def _checkpoint_model_info(path: Path) -> dict[str, Any]:
+    if not path.is_dir():
+        raise RecordError(path, "the starting checkpoint is a directory (safetensors, config.json, tokenizer)")
+    for dirpath, _, filenames in os.walk(path):  # copied into the record: every file regular, no FIFO
+        for n in filenames:
+            try:
+                require_regular(Path(dirpath, n))
+            except UnreadableFile as exc:
+                raise RecordError(exc.path, f"in the starting checkpoint: {exc.problem}") from None
+            except FileNotFoundError:
+                raise RecordError(Path(dirpath, n), "in the starting checkpoint: a broken symbolic link") from None
     cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise RecordError(cfg_path, "the starting checkpoint needs config.json")
-    cfg = json.loads(cfg_path.read_text())
-    info: dict[str, Any] = {"architecture": (cfg.get("architectures") or [cfg.get("model_type")])[0],
-                            "vocab_size": cfg.get("vocab_size")}
+    text = _text(cfg_path, "the starting checkpoint needs config.json")
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RecordError(cfg_path, f"not valid JSON ({exc}): the checkpoint's model config, as "
+                          "save_pretrained writes it") from None
+    except RecursionError:
+        raise RecordError(cfg_path, "JSON nested too deeply to be a model config") from None
+    if not isinstance(cfg, dict):
+        raise RecordError(cfg_path, f"is a JSON {type(cfg).__name__}, not the object save_pretrained writes")
+    arch = cfg.get("architectures") or [cfg.get("model_type")]
+    vocab = cfg.get("vocab_size")
+    if not isinstance(arch, list) or not arch or not isinstance(arch[0], (str, type(None))):
+        raise RecordError(cfg_path, f"`architectures` is {shown(arch)}, not a list of class names", field="architectures")
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or not 0 < vocab <= INT64_MAX):
+        raise RecordError(cfg_path, f"`vocab_size` is {shown(vocab)}, not a positive whole number", field="vocab_size")
+    info: dict[str, Any] = {"architecture": arch[0], "vocab_size": vocab}
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         raise RecordError(path, "the starting checkpoint has no .safetensors weights")
-    info["n_parameters"] = sum(_safetensors_numel(w) for w in weights)
+    total = sum(_safetensors_numel(w) for w in weights)
+    if total > INT64_MAX:
+        raise RecordError(path, f"the safetensors headers declare {total:,} parameters, beyond 2^63 - 1")
+    info["n_parameters"] = total
     return info
 
 
+# safetensors refuses a header larger than this (its MAX_HEADER_SIZE, 100 MB).
+_MAX_HEADER = 100_000_000
+
+
 def _safetensors_numel(path: Path) -> int:
-    """Count parameters from a safetensors header (8-byte length + JSON), no torch needed."""
+    """Count parameters from a safetensors header (8-byte little-endian length + JSON), no torch
+    needed; a header that is too long for the file or for safetensors, not JSON, or not a table
+    of tensors with whole-number shapes is named."""
+    size = path.stat().st_size
     with open(path, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(n))
-    return sum(int(np.prod(v["shape"])) for k, v in header.items() if k != "__metadata__")
+        if size < 8 or n > min(_MAX_HEADER, size - 8):
+            raise RecordError(path, f"safetensors header length {n:,} is beyond the file ({size:,} bytes) or "
+                              f"safetensors' {_MAX_HEADER:,}-byte limit: not a safetensors file, or a corrupt one")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise RecordError(path, f"safetensors header is not JSON ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise RecordError(path, "safetensors header is not a table of tensors")
+    total = 0
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        shape = v.get("shape") if isinstance(v, dict) else None
+        if not isinstance(shape, list) or any(isinstance(d, bool) or not isinstance(d, int) or not 0 <= d <= INT64_MAX
+                                               for d in shape):
+            raise RecordError(path, f"safetensors header: tensor {shown(k)} has shape {shown(shape)}, not a list of "
+                              "whole numbers", field=str(k)[:80])
+        total += math.prod(shape)
+    return total

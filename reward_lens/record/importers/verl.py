@@ -33,7 +33,8 @@ from typing import Any
 import pyarrow as pa
 
 from reward_lens.record.errors import RecordError
-from reward_lens.record.importers import finite_number, whole_number
+from reward_lens.record.importers import finite_number, one_based_step, whole_number
+from reward_lens_spec.files import UnreadableFile, require_regular
 from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields
@@ -112,18 +113,18 @@ def _read_dump(path: Path, t: int) -> tuple[dict[str, list[Any]], set[str]]:
                                       "text", field=k) from None
             cols["prompt"].append(obj["input"])
             cols["completion"].append(obj["output"])
-            cols["reward"].append(finite_number(obj["score"], where, "score", t))
+            cols["reward"].append(finite_number(obj["score"], where, "score", t + 1))
             extra = {}
             for k, v in obj.items():
                 if k in _DUMP_KEYS or k == "gts":
                     continue
                 if isinstance(v, (int, float)):  # bool included (an `acc` flag)
-                    extra[k] = finite_number(float(v), where, k, t)
+                    extra[k] = finite_number(float(v), where, k, t + 1)
                 else:
                     skipped.add(k)
             cols["extra"].append(extra)
     if not cols["prompt"]:
-        raise RecordError(path, "an empty rollout dump", steps=[t])
+        raise RecordError(path, "an empty rollout dump", steps=[t + 1], step_key="step")
     return cols, skipped
 
 
@@ -150,7 +151,7 @@ def read_rollout_dumps(dump_dir: str | Path, steps: set[int]) -> tuple[pa.Table,
     unknown = sorted(t for t in files if t not in steps)
     if unknown:
         raise RecordError(files[unknown[0]], "a rollout dump for a step the metrics log does not have",
-                          steps=unknown[:5])
+                          steps=[t + 1 for t in unknown[:5]], step_key="step")
     out: dict[str, list[Any]] = {k: [] for k in ("step", "group_id", "prompt", "completion", "reward", "rewards")}
     skipped: set[str] = set()
     names: set[str] = set()
@@ -182,8 +183,12 @@ def read_rollout_dumps(dump_dir: str | Path, steps: set[int]) -> tuple[pa.Table,
 def import_verl(metrics: str | Path, record_dir: str | Path, *, framework_version: str | None = None,
                 overwrite: bool = False, rollouts: str | Path | None = None) -> RunManifest:
     path = Path(metrics)
-    if not path.is_file():
-        raise RecordError(path, "no such metrics file")
+    try:
+        require_regular(path)  # a FIFO is refused before it is opened
+    except FileNotFoundError:
+        raise RecordError(path, "no such metrics file") from None
+    except UnreadableFile as exc:
+        raise RecordError(path, exc.problem) from None
     keys = load_fields().framework_keys("verl")  # veRL key -> record field
     rows: dict[int, dict[str, Any]] = {}
     console = False
@@ -199,18 +204,18 @@ def import_verl(metrics: str | Path, record_dir: str | Path, *, framework_versio
                 continue
             step, data, is_console = parsed
             console |= is_console
-            t = step - 1
-            if t < 0:
+            if step < 1:
                 raise RecordError(f"{path}:{lineno}", f"step {step}: veRL's global_steps start at 1", field="step")
+            t = one_based_step(step, f"{path}:{lineno}")
             if t in rows:
-                raise RecordError(f"{path}:{lineno}", "a second metrics line for this step", steps=[t])
+                raise RecordError(f"{path}:{lineno}", "a second metrics line for this step", steps=[step], step_key="step")
             row: dict[str, Any] = {"step": t}
             for key, value in data.items():
                 field = keys.get(key)
                 if field is None:
                     unmapped.add(key)
                     continue
-                row[field] = finite_number(value, f"{path}:{lineno}", key, t)
+                row[field] = finite_number(value, f"{path}:{lineno}", key, step)
             rows[t] = row
     if not rows:
         raise RecordError(path, "no veRL metric lines found (JSON lines with `step`, or `step:N - key:value` lines)")

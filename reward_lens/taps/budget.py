@@ -1,0 +1,227 @@
+"""The tap's cost budget: how much of each step pair it measures, chosen from timing alone.
+
+``budget=b`` is the tap's time as a fraction of an untapped optimizer step. Each step the tap
+times itself and the step around it; the untapped step is the step's wall time less the tap's
+own time (a running median over the last ``WINDOW`` steps, so one slow step does not move it).
+The allowance of a step is ``b`` times that, less the tap's fixed cost (the telemetry, the
+snapshot of pi_t, writing the record: paid every step, measured as such).
+
+What an allowance buys is a **shape** of the step pair's measurement, priced from the unit
+costs the tap has measured so far (seconds per scored token of each kind):
+
+* two-sided: ``k`` completions per prompt group from each policy (pi_t's drawn in step t's own
+  generation, pi_{t+1}'s in step t+1's, never trained on), for ``m`` groups;
+* one-sided: ``m`` groups of the next generation's rollouts scored under pi_t (no extra
+  completions);
+
+in this order of preference: the two-sided shape with the most groups at ``k = 2``, then more
+completions per group up to ``heldout`` (more groups before more rows per group: the groups are
+the units of every paired estimate's standard error); failing that (not even two groups fit
+two-sided), the one-sided shape with the most groups; failing that, the smallest shape on a share
+of the step pairs, each measured with probability ``p`` = what the allowance covers of its cost.
+Two-sided comes first because it is the estimator that is unbiased where a step sharpens the
+policy (the one-sided ledger reads such a step from its heavy-tailed side: docs/science.md).
+
+Why this keeps the estimators unbiased. The shape depends on the timing of earlier steps only,
+never on a value sampled for the pair it measures; the ``m`` groups are drawn uniformly at
+random from the generation's groups (the tap's own seeded generator), each with the same
+probability ``m / G``; so the mean over the measured groups is an unbiased estimate of the mean
+over all of them, and its standard error across the measured groups widens with the smaller
+sample as it should (groups are the units of every paired estimate). A pair skipped by the
+coin is a pair with no measurement, recorded as such with its probability (``tap_probability``),
+never a pair whose number is guessed.
+
+The first step pair, before any unit cost is known, is measured whole: it is what the costs
+are learned from.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+
+import numpy as np
+
+# Steps over which the untapped step time and the fixed cost are medians.
+WINDOW = 8
+# The fewest prompt groups the budget measures where the generation has more (a standard error
+# across groups needs two; with one group D_t's is the delta-method one within it).
+MIN_GROUPS = 2
+# The fewest completions per group and side of a two-sided measurement: the paired ledger keeps
+# groups of two or more rows per side (one row has no within-group information).
+MIN_PER_GROUP = 2
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a step pair's measurement holds: ``groups`` prompt groups, each with ``per_group``
+    completions from each policy (0: one-sided, the next generation's rollouts scored)."""
+
+    groups: int
+    per_group: int
+
+    @property
+    def sides(self) -> str:
+        return "two-sided" if self.per_group else "one-sided"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The measurement of one step pair: the shape, which groups (indices into the generation's
+    groups, sorted), the probability the pair was measured at all, and why it took this shape."""
+
+    shape: Shape | None  # None: not measured
+    groups: tuple[int, ...]
+    probability: float
+    # "unbounded" (no budget), "first" (whole, the unit costs are learned from it), "fits" (the
+    # largest shape the allowance covers), "share" (the smallest shape on a share of the pairs),
+    # "skipped" (the coin said no), "few_groups" (under MIN_GROUPS groups in the generation),
+    # "no_side_b" (planned two-sided, but the next generation could not take the extra completions)
+    reason: str
+
+    @property
+    def measured(self) -> bool:
+        return self.shape is not None and bool(self.groups)
+
+
+@dataclass
+class UnitCosts:
+    """Seconds per token of each kind of the tap's work, as measured (running medians)."""
+
+    forward: float | None = None  # one policy's forward pass (scoring), per token
+    generate: float | None = None  # one more row in a generation, whole (its decoding steps)
+    fixed: float | None = None  # the tap's fixed cost per step (s)
+
+
+class Budget:
+    """Sizes the tap's work per step pair to ``fraction`` of an untapped step (None: everything)."""
+
+    def __init__(self, fraction: float | None, heldout: int, seed: int = 0, passes: int = 2):
+        self.fraction = fraction
+        self.heldout = int(heldout)
+        self.passes = int(passes)  # forward passes per extra row (1 where the drawing policy's side is captured)
+        self._rng = random.Random(seed * 7_919 + 13)
+        self._untapped: deque[float] = deque(maxlen=WINDOW)
+        self._fixed: deque[float] = deque(maxlen=WINDOW)
+        self._forward: deque[float] = deque(maxlen=WINDOW)
+        self._generate: deque[float] = deque(maxlen=WINDOW)
+
+    # ------------------------------------------------------------------ what was measured
+    def observe_step(self, step_seconds: float, tap_seconds: float, fixed_seconds: float) -> None:
+        """One optimizer step's wall time, the tap's time inside it, and the part of that which is
+        paid every step whatever is measured."""
+        if step_seconds > 0 and tap_seconds >= 0:
+            self._untapped.append(max(step_seconds - tap_seconds, 0.0))
+        if fixed_seconds >= 0:
+            self._fixed.append(fixed_seconds)
+
+    def observe_forward(self, seconds: float, tokens: int) -> None:
+        """Scoring forward passes over ``tokens`` tokens in all (a token scored under two policies
+        counts twice)."""
+        if tokens > 0 and seconds >= 0:
+            self._forward.append(seconds / tokens)
+
+    def observe_generation(self, seconds: float, rows: int, extra_rows: int, decode_steps: int) -> None:
+        """A generation call of ``rows`` rows, ``extra_rows`` of them the tap's, that decoded for
+        ``decode_steps`` steps (its longest completion) in ``seconds``."""
+        if rows > 0 and decode_steps > 0 and seconds >= 0:
+            self._generate.append((rows, extra_rows, seconds / decode_steps, decode_steps))
+
+    def row_step_cost(self) -> float | None:
+        """Seconds one more row adds to one decoding step: the slope of a decoding step's time on
+        the rows in the batch over the generations seen (least squares, its upper 2-SE bound),
+        where four or more held different numbers of rows; else the time of a step shared out over
+        its rows (what the extras would cost if decoding were compute-bound: an upper bound, as
+        decoding is mostly latency-bound). Never above that upper bound, never below zero."""
+        if not self._generate:
+            return None
+        rows = np.array([g[0] for g in self._generate], dtype=float)
+        per_step = np.array([g[2] for g in self._generate])
+        upper = float(np.median(per_step / rows))
+        if len(rows) < 4 or len(np.unique(rows)) < 2:
+            return upper
+        # the slope's upper 2-SE bound: a noisy fit errs on the dear side
+        (slope, _), cov = np.polyfit(rows, per_step, 1, cov=True)
+        bound = float(slope + 2.0 * math.sqrt(max(cov[0, 0], 0.0)))
+        return min(max(bound, 0.0), upper)
+
+    def decode_steps(self) -> float | None:
+        return float(median(g[3] for g in self._generate)) if self._generate else None
+
+    @property
+    def costs(self) -> UnitCosts:
+        step, n = self.row_step_cost(), self.decode_steps()
+        return UnitCosts(median(self._forward) if self._forward else None,
+                         None if step is None else step * n,
+                         median(self._fixed) if self._fixed else None)
+
+    @property
+    def untapped_step(self) -> float | None:
+        return median(self._untapped) if self._untapped else None
+
+    def allowance(self) -> float | None:
+        """Seconds per step the budget leaves for measuring (None: unbounded or not known yet)."""
+        if self.fraction is None or self.untapped_step is None:
+            return None
+        return self.fraction * self.untapped_step - (self.costs.fixed or 0.0)
+
+    # ------------------------------------------------------------------ what to measure
+    def cost(self, shape: Shape, rows_per_group: float, tokens_per_row: float) -> float:
+        """Seconds a shape takes. Two-sided: ``2 m k`` extra rows, each one more row in a
+        generation and ``passes`` forward passes (one where the drawing policy's side comes from
+        its generation). One-sided: the measured groups' rollouts in one pass under pi_t (their
+        own side comes from the trainer's loss forward or the pass every rollout gets)."""
+        c = self.costs
+        fwd = c.forward or 0.0
+        if shape.per_group:
+            rows = 2 * shape.groups * shape.per_group
+            return rows * (tokens_per_row * self.passes * fwd + (c.generate or 0.0))
+        return shape.groups * rows_per_group * tokens_per_row * fwd
+
+    def plan(self, n_groups: int, rows_per_group: float, tokens_per_row: float, heldout: int | None = None) -> Plan:
+        """The measurement of the next step pair over a generation of ``n_groups`` prompt groups
+        of ``rows_per_group`` rollouts of about ``tokens_per_row`` tokens. ``heldout``: the most
+        extra completions per group this generation can take (0: one-sided only)."""
+        heldout = self.heldout if heldout is None else min(int(heldout), self.heldout)
+        whole = Shape(n_groups, heldout)
+        if n_groups < 1:
+            return Plan(None, (), 0.0, "few_groups")
+        allowance = self.allowance()
+        if self.fraction is None:
+            return Plan(whole, tuple(range(n_groups)), 1.0, "unbounded")
+        if allowance is None or self.costs.forward is None or (heldout and self.costs.generate is None):
+            return Plan(whole, tuple(range(n_groups)), 1.0, "first")
+        shape = self._shape(n_groups, rows_per_group, tokens_per_row, allowance, heldout)
+        if shape is not None:
+            return Plan(shape, self.choose(n_groups, shape.groups), 1.0, "fits")
+        smallest = Shape(min(MIN_GROUPS, n_groups), 0)
+        cost = self.cost(smallest, rows_per_group, tokens_per_row)
+        p = max(0.0, min(1.0, allowance / cost)) if cost > 0 else 1.0
+        if p <= 0.0 or self._rng.random() >= p:
+            return Plan(None, (), p, "skipped")
+        return Plan(smallest, self.choose(n_groups, smallest.groups), p, "share")
+
+    def _shape(self, n_groups: int, rows_per_group: float, tokens_per_row: float, allowance: float,
+               heldout: int) -> Shape | None:
+        def fits(s: Shape) -> bool:
+            return self.cost(s, rows_per_group, tokens_per_row) <= allowance
+
+        least = min(MIN_GROUPS, n_groups)
+        if heldout >= MIN_PER_GROUP:
+            m = next((g for g in range(n_groups, least - 1, -1) if fits(Shape(g, MIN_PER_GROUP))), None)
+            if m is not None:
+                k = MIN_PER_GROUP
+                while k < heldout and fits(Shape(m, k + 1)):
+                    k += 1
+                return Shape(m, k)
+        m = next((g for g in range(n_groups, least - 1, -1) if fits(Shape(g, 0))), None)
+        return Shape(m, 0) if m is not None else None
+
+    def choose(self, n_groups: int, m: int) -> tuple[int, ...]:
+        """``m`` of ``n_groups`` group indices, uniformly at random (sorted); all where m >= n."""
+        if m >= n_groups:
+            return tuple(range(n_groups))
+        return tuple(sorted(self._rng.sample(range(n_groups), m)))
