@@ -37,7 +37,7 @@ def text() -> str:
     more = [f for f in logged if f not in plain]
     return (f"Without completions (`log_completions=False`), TRL's logged scalars support {len(plain)} of the {n} "
             f"findings: {_codes(plain)}. With completions logged (`log_completions=True`), {len(logged)}: also "
-            f"{_codes(more)}, which read the rollouts and the books. The rest are not evaluated, and name what "
+            f"{_codes(more)}, which read the rollouts. The rest are not evaluated, and name what "
             f"they need: {_codes(lack_logged)}.")
 
 
