@@ -1,15 +1,25 @@
-"""What the tap's cost budget buys: the truth harness's moderate run (tools/truth.py) trained with
-the tap at several budgets, each record read as the report reads it.
+"""What the tap's cost budget buys: the truth harness's moderate run (tools/truth.py) with the tap
+at several budgets.
 
     python tools/cost_precision.py            # prints the table docs/recording.md quotes
     python tools/cost_precision.py --save     # also writes it and docs/assets/cost-precision.svg
 
-Per budget: the share of the step pairs measured, the median relative standard error of D_t over
-the measured pairs (the record's ``kl_to_previous_se / kl_to_previous``), the width of the
-run-level eta interval (the cost book's ratio of sums over its priced pairs, 95 %), and the tap's
-own time as a share of an untapped step (median of ``tap_seconds / (step_seconds - tap_seconds)``).
-The budget chooses from timing, so another machine buys other shapes with the same budget; the
-table says what this one bought. The figure plots the two precisions against the budget.
+Two steps, because the tap's extra completions ride in the trainer's own generation and so change
+the run's random draws: each budget's run follows its own trajectory, and precisions read off
+different trajectories would mix the budget with the run.
+
+1. **What each budget buys on this machine.** The run is trained with the tap at each budget; its
+   telemetry says what the budget bought: the share of step pairs measured, the prompt groups
+   measured per pair (median, of 8) and the completions per group and policy (median), and the
+   tap's own time as a share of an untapped step (median of ``tap_seconds / (step_seconds -
+   tap_seconds)``). The budget chooses from timing, so another machine buys other shapes.
+2. **What that buys in precision, on one trajectory.** The run with ``budget=None`` (every pair
+   measured whole: 8 groups, 4 completions per group and policy) is subsampled to each budget's
+   shape -- its share of the pairs, that many groups chosen at random, that many completions per
+   group and side -- ``REPLICATES`` times, and read as the report reads a record (the paired
+   ledger, the within-group metric, the cost book): the median relative standard error of D_t
+   over the measured pairs and the width of the run-level eta interval (95 %), medians over the
+   replicates.
 """
 
 from __future__ import annotations
@@ -25,43 +35,89 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 BUDGETS = (0.05, 0.10, 0.25, 0.5, None)
+REPLICATES = 20
 RESULTS = REPO / "bench" / "results" / "cost_precision.txt"
 FIGURE = REPO / "docs" / "assets" / "cost-precision.svg"
 
 
-def measure(budget: float | None, workdir: Path) -> dict:
-    import truth
-
-    from reward_lens.measure.efficiency.of_run import price_run
-    from reward_lens.measure.ledger.features import SurfaceFeatures
-    from reward_lens.measure.ledger.price import steps_from_run
+def bought(record: Path) -> dict:
+    """What the tap measured in a record, from its telemetry."""
     from reward_lens.record import open_run
 
-    trained = truth.train(truth.REGIMES["moderate"], workdir, budget=budget)
-    run = open_run(trained.record)
-    t = run.telemetry.to_pydict()
-    pairs = [i for i, s in enumerate(t["step"]) if s < max(t["step"])]
+    t = open_run(record).telemetry.to_pydict()
+    last = max(t["step"])
+    pairs = [i for i, s in enumerate(t["step"]) if s < last]
     measured = [i for i in pairs if t["kl_to_previous"][i] is not None]
-    rel = [t["kl_to_previous_se"][i] / t["kl_to_previous"][i] for i in measured
-           if t["kl_to_previous_se"][i] is not None and t["kl_to_previous"][i] > 0]
     share = [a / (b - a) for a, b in zip(t["tap_seconds"], t["step_seconds"]) if a is not None and b and b > a]
-    priced = price_run(run, steps_from_run(run, SurfaceFeatures()))
-    est = priced.book.run_level() if priced.book is not None else None
-    lo, hi = est.interval() if est is not None else (None, None)
-    return {"budget": budget, "pairs": len(pairs), "measured": len(measured),
-            "rel_se": statistics.median(rel) if rel else None,
-            "eta_width": None if lo is None else hi - lo, "share": statistics.median(share) if share else None}
+    med = lambda xs: statistics.median(xs) if xs else 0  # noqa: E731
+    return {"measured": len(measured) / len(pairs), "groups": med([t["tap_groups"][i] for i in measured]),
+            "per_group": med([t["tap_per_group"][i] for i in measured]), "share": med(share)}
+
+
+def _take(sample, rows, chosen):
+    """A StepSample of the rows ``rows`` of ``sample``, its groups coded 0..m-1 in the order of
+    ``chosen`` (both sides of a pair coded alike, as the reader codes them)."""
+    import dataclasses
+
+    import numpy as np
+
+    from reward_lens.measure.ledger.price import StepSample
+
+    fields = {f.name: getattr(sample, f.name)[rows] for f in dataclasses.fields(StepSample)
+              if isinstance(getattr(sample, f.name), np.ndarray)}
+    code = {int(g): i for i, g in enumerate(chosen)}
+    fields["groups"] = np.array([code[int(g)] for g in fields["groups"]], dtype=np.int64)
+    return StepSample(sample.step, sample.names, n_groups=len(chosen), **fields)
+
+
+def precision(record: Path, shape: dict, replicates: int, seed: int = 0) -> dict:
+    """The whole record subsampled to ``shape`` ``replicates`` times, read as the report reads it."""
+    import numpy as np
+
+    from reward_lens.measure.efficiency.cost import cost_series
+    from reward_lens.measure.efficiency.metric import within_group_metric
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.paired import paired_ledger_series
+    from reward_lens.measure.ledger.price import learning_rates, steps_from_run
+    from reward_lens.record import open_run
+
+    run = open_run(record)
+    samples = [s for s in steps_from_run(run, SurfaceFeatures()) if s.fresh is not None and s.heldout is not None]
+    lrs = learning_rates(run)
+    rng = np.random.default_rng(seed)
+    m, k = int(round(shape["groups"])), int(round(shape["per_group"]))
+    rel, width = [], []
+    for _ in range(replicates):
+        pairs, held = [], {}
+        for s in samples:
+            if rng.random() >= shape["measured"]:
+                continue
+            b, a = s.fresh, s.heldout
+            groups = np.unique(b.groups)
+            chosen = np.sort(rng.choice(groups, min(m, len(groups)), replace=False))
+            rb = np.concatenate([rng.choice(np.flatnonzero(b.groups == g), k, replace=False) for g in chosen])
+            ra = np.concatenate([rng.choice(np.flatnonzero(a.groups == g), k, replace=False) for g in chosen])
+            pairs.append(_take(b, rb, chosen))
+            held[s.step] = _take(a, ra, chosen)
+        ledgers, _ = paired_ledger_series(pairs, lrs, held)
+        ledgers = [lg for lg in ledgers if lg.d_t is not None and lg.d_t > 0]
+        rel.append(statistics.median(lg.d_t_se / lg.d_t for lg in ledgers))
+        book = cost_series(ledgers, within_group_metric(ledgers), run_=run)
+        est = book.run_level()
+        if est is not None:
+            lo, hi = est.interval()
+            width.append(hi - lo)
+    return {"rel_se": statistics.median(rel), "eta_width": statistics.median(width) if width else None}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| budget | step pairs measured | D_t relative SE (median) | run-level η interval width | the tap's own time |",
-             "|---|---|---|---|---|"]
+    lines = ["| budget | the tap's own time | step pairs measured | groups of 8 | completions per group and policy "
+             "| D_t relative SE | run-level η interval width |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         b = "none (everything)" if r["budget"] is None else f"{r['budget']:.2f}"
-        rel = "—" if r["rel_se"] is None else f"{r['rel_se']:.3f}"
         width = "—" if r["eta_width"] is None else f"{r['eta_width']:.3f}"
-        share = "—" if r["share"] is None else f"{r['share']:.3f}"
-        lines.append(f"| {b} | {r['measured']} of {r['pairs']} | {rel} | {width} | {share} |")
+        lines.append(f"| {b} | {r['share']:.3f} | {r['measured']:.0%} | {r['groups']:g} | {r['per_group']:g} "
+                     f"| {r['rel_se']:.3f} | {width} |")
     return "\n".join(lines)
 
 
@@ -69,16 +125,14 @@ def figure(rows: list[dict]) -> str:
     from reward_lens.measure.figures import FigureOut, Panel, Series
     from reward_lens.report.plots import render_figure
 
-    # budget=None is drawn at the share of an untapped step it actually took
-    xs = [r["budget"] if r["budget"] is not None else (r["share"] or 1.0) for r in rows]
-    pts = sorted(zip(xs, rows), key=lambda p: p[0])
+    pts = sorted(rows, key=lambda r: r["share"])  # every budget at the share of an untapped step it took
 
     def series(key: str, label: str) -> Series:
-        kept = [(x, r[key]) for x, r in pts if r[key] is not None]
-        return Series(label=label, x=[x for x, _ in kept], y=[y for _, y in kept], style="points")
+        kept = [r for r in pts if r[key] is not None]
+        return Series(label=label, x=[r["share"] for r in kept], y=[r[key] for r in kept], style="points")
 
     fig = FigureOut(id="cost-precision", caption="What a budget buys on the truth harness's moderate run",
-                    x_label="budget (the tap's time as a share of an untapped step)",
+                    x_label="the tap's own time as a share of an untapped step",
                     panels=[Panel(title="D_t", y_label="relative SE (median)", series=[series("rel_se", "D_t")]),
                             Panel(title="run-level η", y_label="95 % interval width",
                                   series=[series("eta_width", "η")])])
@@ -86,13 +140,21 @@ def figure(rows: list[dict]) -> str:
 
 
 def main() -> None:
+    import truth
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--save", action="store_true")
+    ap.add_argument("--replicates", type=int, default=REPLICATES)
     a = ap.parse_args()
     rows = []
-    for b in BUDGETS:
-        with tempfile.TemporaryDirectory() as tmp:
-            rows.append(measure(b, Path(tmp)))
+    with tempfile.TemporaryDirectory() as tmp:
+        records = {}
+        for b in BUDGETS:
+            work = Path(tmp) / f"b{b}"
+            records[b] = truth.train(truth.REGIMES["moderate"], work, budget=b).record
+        for b in BUDGETS:
+            shape = bought(records[b])
+            rows.append({"budget": b, **shape, **precision(records[None], shape, a.replicates)})
     text = table(rows)
     print(text)
     if a.save:

@@ -26,7 +26,7 @@ def test_specs_load():
     assert (cost.series, cost.section, cost.function) == ("F3", "3.1.4", "cost_series")
     assert cost.envelope["efficiency"].min == 0.0 and cost.envelope["efficiency"].max == 1.0
     alts = [a.id for a in cost.requirement("denominator").alternatives]
-    assert alts == ["record_kl", "caller_kl_spent", "paired_token_kl"]
+    assert alts == ["record_kl", "caller_kl_spent", "paired_token_kl", "paired_token_kl_extra"]
     assert set(load_refusal_codes().codes) >= {"RECORD_INCOMPLETE", "UNIT_MISMATCH", "ENVELOPE_VIOLATED"}
 
 
@@ -117,7 +117,8 @@ def test_resolver_on_the_reference_record():
     assert den.satisfied_by is None and not res.computable
     assert {a.id: a.missing for a in den.alternatives} == {"record_kl": ("kl_to_previous",),
                                                            "caller_kl_spent": ("kl_spent",),
-                                                           "paired_token_kl": ("rollout.kl_prev", "rollout.logp_prev")}
+                                                           "paired_token_kl": ("rollout.kl_prev", "rollout.logp_prev"),
+                                                           "paired_token_kl_extra": ("heldout",)}
     present = {nm.spec.field: nm for nm in den.near_misses if nm.present}
     assert set(present) == {"grad_norm_unclipped", "checkpoints"}
     assert present["checkpoints"].presence.count == 1  # only the starting checkpoint: no pair
