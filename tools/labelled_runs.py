@@ -109,13 +109,16 @@ FAILURES = ("collapse", "length", "format_only", "answer_key")
 RIGHT = {"collapse": "moving_against_reward", "length": "paid_for_drift", "format_only": "proxy_gaming",
          "answer_key": "proxy_gaming"}
 
-# Seeds that set the thresholds, and seeds that report: never the same. Seed 1001 of each mode
-# was reported once and then moved here: on it the answer-key run's reward rose for three steps
-# and fell back while correctness collapsed, which showed that proxy gaming must also read the
-# reward selecting against the target (the rule changed; the seeds that saw the change set it).
-TUNING_SEEDS = {"healthy": (*range(201, 213), 1001, 1002, 1003, 1004, 1005),
-                **{m: (201, 202, 203, 1001) for m in FAILURES}}
-REPORTED_SEEDS = {"healthy": (2001, 2002, 2003, 2004, 2005), **{m: (2001,) for m in FAILURES}}
+# Seeds that set the thresholds, and seeds that report: never the same. A seed reported once and
+# then used to change a rule moves here, and fresh seeds report:
+# - 1001: the answer-key run's reward rose for three steps and fell back while correctness
+#   collapsed: proxy gaming also reads the reward selecting against the target;
+# - 2001: the format-only run's reward hardly rose (its format was nearly saturated) while
+#   correctness fell: proxy gaming holds when the reward holds up (rises, or shows no sign of a
+#   fall), as issue #39 states it ("the reward rises while a target falls, or stays flat").
+TUNING_SEEDS = {"healthy": (*range(201, 213), *range(1001, 1006), *range(2001, 2006)),
+                **{m: (201, 202, 203, 1001, 2001) for m in FAILURES}}
+REPORTED_SEEDS = {"healthy": (3001, 3002, 3003, 3004, 3005), **{m: (3001,) for m in FAILURES}}
 WITHIN = 3  # steps after the ground-truth onset by which the right finding must hold
 
 
@@ -149,7 +152,11 @@ def train(mode: str, seed: int, workdir: Path, *, steps: int = STEPS, warmup: in
                           train_dataset=Dataset.from_dict({"prompt": qs, "answer": ans}), processing_class=tok)
     trainer.remove_callback(PrinterCallback)
     record = workdir / "record"
-    RewardLensTap.attach(trainer, record, flush_every=1000, overwrite=True, **{"check_every": 0, **tap})
+    # every step pair measured whole (budget None): a budget chooses what to measure from timing, and
+    # the extra completions it draws go through the trainer's own sampler, so a seed's run would
+    # depend on the machine's speed; measured whole, a seed is the same run each time
+    RewardLensTap.attach(trainer, record, flush_every=1000, overwrite=True,
+                         **{"check_every": 0, "budget": None, **tap})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 156k-parameter model: a second thread buys nothing and, on a busy machine, costs 6x
     try:

@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO / "tools"))
 import labelled_runs as lr  # noqa: E402
 
 FINDINGS = ("moving_against_reward", "proxy_gaming", "paid_for_drift", "collateral_behaviour", "length_drift")
-GRID = {"h": (3.0, 4.0, 4.5, 5.0, 5.5, 6.0), "min_size": (0.25, 0.4, 0.5, 0.6, 0.75), "paid_size": (0.5, 0.75),
-        "paid_relative": (0.25, 0.5)}
+GRID = {"h": (4.0, 5.0, 6.0), "min_size": (0.5, 0.6, 0.75), "proxy_size": (0.25, 0.4, 0.5, 0.6),
+        "paid_size": (0.5, 0.75), "paid_relative": (0.5,)}
 
 
 def records(work: Path) -> dict[tuple[str, int], Path]:
@@ -68,7 +68,8 @@ def params_of(combo: dict, finding: str) -> dict:
     p = dict(load_findings()[finding].params)
     p["h"] = combo["h"]
     if "min_size" in p:
-        p["min_size"] = combo["paid_size"] if finding == "paid_for_drift" else combo["min_size"]
+        p["min_size"] = {"paid_for_drift": combo["paid_size"], "proxy_gaming": combo["proxy_size"]}.get(
+            finding, combo["min_size"])
     if finding == "paid_for_drift":
         p["min_relative"] = combo["paid_relative"]
     return p
@@ -95,7 +96,7 @@ def main(work: Path) -> None:
         print(f"{key[0]:12s} {key[1]}: ground-truth onset {t.onset} ({t.rule}); rules broken at {t.broken}")
     states = {key: watches(rec) for key, rec in recs.items()}
     print()
-    print("h  min_size paid_size paid_rel | worst delay (failure runs) | missed | healthy runs with a false alarm")
+    print("h  min_size proxy_size paid_size paid_rel | worst delay (failure runs) | missed | healthy runs with a false alarm")
     for values in itertools.product(*GRID.values()):
         combo = dict(zip(GRID, values))
         delays, missed, false = [], [], []
@@ -114,7 +115,8 @@ def main(work: Path) -> None:
                 missed.append(f"{mode}-{key[1]}({d})")
             else:
                 delays.append(d)
-        print(f"{combo['h']:.1f}  {combo['min_size']:<8} {combo['paid_size']:<9} {combo['paid_relative']:<8} | "
+        print(f"{combo['h']:.1f}  {combo['min_size']:<8} {combo['proxy_size']:<10} {combo['paid_size']:<9} "
+              f"{combo['paid_relative']:<8} | "
               f"{max(delays) if delays else '-':>4} | {' '.join(missed) or 'none'} | {' '.join(false) or 'none'}")
 
 

@@ -155,6 +155,11 @@ class OneSided:
     reference: float | None = None  # the series' reference when the stretch began
     spread: float | None = None  # the behaviour's within-step SD over rollouts then
     recent: list = field(default_factory=list)  # (G_t, level_t) of the stretch's last RECENT steps
+    last_active: int | None = None  # the last step at which the sum was above zero
+
+    def quiet_since(self, step: int) -> bool:
+        """The sum has been zero at every step from ``step`` on: no sign of a movement this way."""
+        return self.last_active is None or self.last_active < step
 
     @property
     def level(self) -> float | None:
@@ -170,6 +175,7 @@ class OneSided:
             if self.c <= 0:  # a stretch begins: keep the level from before it
                 self.since, self.reference, self.spread, self.recent = step, reference, spread, []
             self.recent = [*self.recent, (groups, level)][-RECENT:]
+            self.last_active = step
         self.c = c
 
 
