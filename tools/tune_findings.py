@@ -3,13 +3,18 @@ TUNING_SEEDS only (never on its REPORTED_SEEDS).
 
     python tools/labelled_runs.py --tune --keep /tmp/tuning   # trains what is missing there, prints the grid
 
-For every tuning run (12 healthy seeds, 3 seeds of each failure mode) and every combination of
+For every tuning run (22 healthy seeds, 5 seeds of each failure mode) and every combination of
 the grid below, the sequential watch is run step by step over the record (what ``check`` reads at
 each prefix) and the book-grounded findings are evaluated at every step with those parameters. A
 combination is *feasible* when every failure run's right finding holds within
 ``labelled_runs.WITHIN`` steps of its ground-truth onset and no healthy run raises any of the five
 findings at any step. The grid prints each combination's worst delay and its false alarms; the
-specs carry the chosen values, and the report says which.
+specs carry the chosen values: h 5; min_size 0.6 for moving against the reward and collateral
+behaviour (0.5 and under raised moving_against_reward on healthy seed 206, whose correctness dipped
+by a quarter); 0.4 for proxy gaming (its reward-holds-up condition keeps healthy dips out, so a
+smaller fall suffices); paid-for drift 0.5 of its level and 0.5 SD. No combination met both
+criteria on every tuning run: the format-only runs of seeds 1001 (its ground-truth onset at step 27
+of 30) and 2001 (4-5 steps late) are missed by all that keep the healthy seeds quiet.
 """
 
 from __future__ import annotations

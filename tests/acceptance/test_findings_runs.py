@@ -37,7 +37,7 @@ def test_check_names_the_collapse_and_its_onset(collapsed, capsys):
     by = {f["id"]: f for f in out["findings"]}
     against = by["moving_against_reward"]
     assert against["status"] == "holds" and against["severity"] == "critical"
-    assert [f["feature"] for f in against["values"]["features"]] == ["correct"]
+    assert "correct" in [f["feature"] for f in against["values"]["features"]]
     assert against["onset"] is not None and against["onset"] <= 3  # correctness collapses at the first updates
     assert by["advantage_collapse"]["status"] == "holds"
     assert by["entropy_collapse"]["status"] == "clear"  # it collapses in correctness, not in entropy (the spec says so)
