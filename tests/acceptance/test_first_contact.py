@@ -182,18 +182,21 @@ def test_one_verdict_per_behaviour_on_every_page(example):
             assert v["selected"] and (v["drift"] > 0) == (v["selection"] > 0), f
         if key in (decisions.BOUGHT, decisions.OTHER_WAY):
             assert ((v["drift"] > 0) == (v["direction"] > 0)) == (key == decisions.BOUGHT), f
-    # the findings that read verdicts name the same behaviours
+    # the sequential findings (a sustained, sized movement, judged at every step: docs/findings.md)
+    # name a subset of what the run-level verdicts say, and never contradict them: a behaviour moving
+    # against what the reward selects is never one the verdict files as moving with it, and one that
+    # moved with no selection explaining it has no resolved selection differential in the cause book
     found = {x["id"]: x for x in data["findings"]}
-    by_key = {k: {f for f, v in verdicts.items() if v["verdict_key"] == k} for k in decisions.VERDICTS}
-    if found["moving_against_reward"]["status"] != "not_evaluated":
-        named = {x["feature"] for x in found["moving_against_reward"]["values"].get("features", [])}
-        assert named == by_key[decisions.OTHER_WAY]
-    if found["collateral_behaviour"]["status"] != "not_evaluated":
-        named = {x["feature"] for x in found["collateral_behaviour"]["values"].get("features", [])}
-        assert named == by_key[decisions.COLLATERAL]
-    for x in found["length_drift"]["values"].get("features", []):
-        assert x["verdict"] == verdicts[x["feature"]]["verdict"]
-        assert _plain(x["verdict"]) in _plain(found["length_drift"]["evidence"])
+
+    def named(fid):
+        return {x["feature"] for x in found[fid]["values"].get("features", [])} if found[fid]["status"] == "holds" \
+            else set()
+
+    for f in named("moving_against_reward"):
+        assert verdicts[f]["verdict_key"] not in (decisions.BOUGHT, decisions.CARRIED, decisions.NEITHER), f
+    for f in named("collateral_behaviour") | named("length_drift"):
+        assert not selected[f]["selected"], f
+        assert verdicts[f]["verdict_key"] not in (decisions.BOUGHT, decisions.CARRIED, decisions.NEITHER), f
 
 
 def test_the_collinear_behaviours_of_the_task_are_asked_for_jointly():
