@@ -283,6 +283,7 @@ class TapCore:
         self._row: dict[str, Any] = {}
         self._late: dict[int, dict[str, Any]] = {}
         self._log_acc: dict[str, list[float]] = {}
+        self._series: dict[str, dict[int, float]] = {}  # committed telemetry by field and step (live findings)
         self._clock = _Clock()
         self._step_started = time.perf_counter()
         self._unit_samples: list[tuple] = []  # this step's ("forward", s, token passes) / ("generate", s, rows, steps, extra)
@@ -971,8 +972,7 @@ class TapCore:
                 else:
                     rows, steps, extra = counts
                     self.budget.observe_generation(seconds, rows, extra, steps)
-        if self.stream is not None:
-            self.stream.set_telemetry(OptimizerTelemetry(step=step, tap_seconds=tap, step_seconds=wall))
+        self.set_telemetry(step, tap_seconds=tap, step_seconds=wall)
         self._log_acc.setdefault(LOGGED["tap_seconds"], []).append(tap)
         return stop
 
@@ -984,13 +984,8 @@ class TapCore:
 
         stop = False
         if self.stream is not None:
-            series: dict[str, dict[int, float]] = {}
-            for step, row in self.stream._telemetry.items():
-                for k, v in row.model_dump(exclude_none=True).items():
-                    if k != "step" and isinstance(v, float):
-                        series.setdefault(k, {})[step] = v
             held = []
-            for f in evaluate_live(series, {"max_grad_norm": self.max_grad_norm}):
+            for f in evaluate_live(self._series, {"max_grad_norm": self.max_grad_norm}):
                 if f.status == "not_evaluated":
                     continue
                 self._log_acc.setdefault(f"reward_lens/finding/{f.id}", []).append(1.0 if f.status == "holds" else 0.0)
@@ -1020,10 +1015,22 @@ class TapCore:
             values["tap_groups_total"] = max(1, len(total) // group)
         self._late.setdefault(t, {}).update(values)
 
+    def set_telemetry(self, step: int, **values: Any) -> None:
+        """Telemetry of a committed step, measured after it (e.g. a trainer's logged KL to the
+        reference): into the record and the live findings' series."""
+        if self.stream is not None:
+            self.stream.set_telemetry(OptimizerTelemetry(step=step, **values))
+        for k, v in values.items():
+            if isinstance(v, float):
+                self._series.setdefault(k, {})[step] = v
+
     def _commit_row(self, row: dict[str, Any]) -> None:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
         if self.stream is not None:
             self.stream.set_telemetry(OptimizerTelemetry(**row))
+        for k, v in row.items():  # the live findings' series, kept as the rows come (not rebuilt each check)
+            if k != "step" and isinstance(v, float):
+                self._series.setdefault(k, {})[row["step"]] = v
         for key, name in LOGGED.items():
             if key in row and key != "tap_seconds":
                 self._log_acc.setdefault(name, []).append(float(row[key]))
