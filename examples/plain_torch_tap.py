@@ -56,7 +56,8 @@ def generate(model, tok, rows: list[list[int]], temperature: float) -> list[list
     return cut
 
 
-def train(record_dir: str | Path, steps: int = 6, seed: int = 3, lr: float = 1e-2, budget: float | None = None):
+def train(record_dir: str | Path, steps: int = 6, seed: int = 3, lr: float = 1e-2, budget: float | None = None,
+          **settings):
     from reward_lens.taps.core import Generation, TapCore  # tap
     from reward_lens.taps.settings import tap_settings  # tap
 
@@ -69,7 +70,7 @@ def train(record_dir: str | Path, steps: int = 6, seed: int = 3, lr: float = 1e-
         for r, v in zip(rows, lowercase([r.completion for r in rows])):
             r.rewards, r.reward = {"lowercase": v}, v
 
-    core = TapCore(record_dir, model, tap_settings(budget=budget, overwrite=True),  # tap
+    core = TapCore(record_dir, model, tap_settings(budget=budget, overwrite=True, **settings),  # tap
                    pad_id=tok.pad_token_id, eos_id=tok.eos_token_id,
                    decode=lambda ids: tok.batch_decode(ids, skip_special_tokens=True), temperature=temperature,
                    framework={"name": "plain-torch"}, optimizer="adamw", reward=reward_rows,

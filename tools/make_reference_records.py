@@ -153,7 +153,7 @@ def train(workdir: Path, *, seed: int, steps: int, reward: str, prompts: list[st
     if tap:
         from reward_lens.taps.trl import RewardLensTap
 
-        RewardLensTap.attach(trainer, record, flush_every=10, save_initial_checkpoint=True,
+        RewardLensTap.attach(trainer, record, flush_every=10, save_initial_checkpoint=True, budget=None,
                              overwrite=True, model_description=f"tiny Qwen3 (hidden 8, 2 layers, 260-token byte "
                                                                f"vocabulary), random init, torch seed {seed}")
     trainer.train()

@@ -181,7 +181,7 @@ def grpo(workdir: Path, record: Path, steps: int) -> None:
     from transformers.trainer_callback import PrinterCallback
 
     trainer.remove_callback(PrinterCallback)  # TRL's per-step metric dicts; the record has what matters
-    RewardLensTap.attach(trainer, record, flush_every=10, save_initial_checkpoint=True,
+    RewardLensTap.attach(trainer, record, flush_every=10, save_initial_checkpoint=True, budget=None,
                          overwrite=True, model_description=(
                              "tiny Qwen3 (hidden 64, 2 layers, 260-token byte vocabulary), pretrained in code on "
                              "synthetic arithmetic (tools/make_task_record.py)"))

@@ -560,7 +560,10 @@ class Run:
             ho = np.concatenate([self._read(pf, name, ["step"]).column("step").to_numpy()
                                  for name, pf in self._heldout_segments])
             if len(ho):
-                out["heldout"] = Presence(len(np.unique(ho)), n)
+                # held-out rows belong to a step pair, filed under its later generation: the first
+                # generation has none, and with one generation feeding R steps one in R has them
+                of = max(n_roll - 1, 1)
+                out["heldout"] = Presence(min(len(np.unique(ho)), of), of)
         if self.manifest.checkpoints:
             ck = {c.step for c in self.manifest.checkpoints}
             out["checkpoints"] = Presence(len(ck), n)

@@ -283,6 +283,7 @@ class TapCore:
         self._row: dict[str, Any] = {}
         self._late: dict[int, dict[str, Any]] = {}
         self._log_acc: dict[str, list[float]] = {}
+        self._series: dict[str, dict[int, float]] = {}  # committed telemetry by field and step (live findings)
         self._clock = _Clock()
         self._step_started = time.perf_counter()
         self._unit_samples: list[tuple] = []  # this step's ("forward", s, token passes) / ("generate", s, rows, steps, extra)
@@ -302,6 +303,7 @@ class TapCore:
         # the live findings, in the basis `check --features` would read (its default when none)
         self.live = LiveFindings(load_basis(s.features) if s.features else None, trainer_config, eos_token_id=eos_id)
         self._unchecked: list = []  # rollouts written since the last check of the live findings
+        self._unchecked_tel: dict[int, dict[str, float]] = {}  # telemetry committed since then, by step
 
     # ------------------------------------------------------------------ helpers
     def note(self, text: str) -> None:
@@ -977,8 +979,7 @@ class TapCore:
                 else:
                     rows, steps, extra = counts
                     self.budget.observe_generation(seconds, rows, extra, steps)
-        if self.stream is not None:
-            self.stream.set_telemetry(OptimizerTelemetry(step=step, tap_seconds=tap, step_seconds=wall))
+        self.set_telemetry(step, tap_seconds=tap, step_seconds=wall)
         self._log_acc.setdefault(LOGGED["tap_seconds"], []).append(tap)
         return stop
 
@@ -991,8 +992,8 @@ class TapCore:
         stop = False
         if self.stream is not None:
             rows, self._unchecked = self._unchecked, []
+            tel, self._unchecked_tel = self._unchecked_tel, {}
             held = []
-            tel = {step: row.model_dump(exclude_none=True) for step, row in self.stream._telemetry.items()}
             for f in self.live.observe(t, rows, None, tel):  # the steps so far, as `check` would read them
                 if f.status == "not_evaluated":
                     continue
@@ -1023,10 +1024,24 @@ class TapCore:
             values["tap_groups_total"] = max(1, len(total) // group)
         self._late.setdefault(t, {}).update(values)
 
+    def set_telemetry(self, step: int, **values: Any) -> None:
+        """Telemetry of a committed step, measured after it (e.g. a trainer's logged KL to the
+        reference): into the record and the live findings' series."""
+        if self.stream is not None:
+            self.stream.set_telemetry(OptimizerTelemetry(step=step, **values))
+        for k, v in values.items():
+            if isinstance(v, float):
+                self._series.setdefault(k, {})[step] = v
+                self._unchecked_tel.setdefault(step, {})[k] = v
+
     def _commit_row(self, row: dict[str, Any]) -> None:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
         if self.stream is not None:
             self.stream.set_telemetry(OptimizerTelemetry(**row))
+        for k, v in row.items():  # the live findings' series, kept as the rows come (not rebuilt each check)
+            if k != "step" and isinstance(v, float):
+                self._series.setdefault(k, {})[row["step"]] = v
+                self._unchecked_tel.setdefault(row["step"], {})[k] = v
         for key, name in LOGGED.items():
             if key in row and key != "tap_seconds":
                 self._log_acc.setdefault(name, []).append(float(row[key]))

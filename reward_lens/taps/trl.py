@@ -501,10 +501,8 @@ class RewardLensTap(TrainerCallback):
         if logs and args.logging_steps == 1 and "kl" in logs and logs["kl"] is not None:
             t = state.global_step - 1
             stream = self.core.stream
-            if stream is not None and t in stream._telemetry:
-                from reward_lens.record.schema import OptimizerTelemetry
-
-                stream.set_telemetry(OptimizerTelemetry(step=t, kl_to_ref=float(logs["kl"])))
+            if stream is None or t in stream._telemetry:
+                self.core.set_telemetry(t, kl_to_ref=float(logs["kl"]))
 
     def on_train_end(self, args, state, control, **kwargs):
         self.core.end(state.global_step)

@@ -63,7 +63,7 @@ def main(tmp: Path, steps: int, estimator: str = "independent", ga: int = 1, fsd
         args.save_strategy = "no"  # the full weights of every step are gathered by the callback below
     trainer = GRPOTrainer(model=model, reward_funcs=[lowercase], args=args,
                           train_dataset=Dataset.from_dict({"prompt": ["ab", "cd", "ef", "gh"]}), processing_class=tok)
-    tap = RewardLensTap.attach(trainer, tmp / "rec", flush_every=2, estimator=estimator, n_exact=16)
+    tap = RewardLensTap.attach(trainer, tmp / "rec", flush_every=2, estimator=estimator, n_exact=16, budget=None)
     if fsdp2:
         trainer.add_callback(FullWeights(trainer, tmp, rank))
     trainer.train()

@@ -51,3 +51,35 @@ def test_a_plain_torch_loop_records_a_run_the_books_read(tmp_path):
 
     priced = price_run(run, steps_from_run(run, SurfaceFeatures()), ledger="paired")
     assert {lg.step_pair[0]: lg.d_t for lg in priced.ledgers} == pytest.approx(d_t, rel=1e-9)
+
+
+def _tap_sentence(tmp_path, rec) -> str:
+    from reward_lens import cli
+
+    out = tmp_path / "rep"
+    assert cli.main(["report", str(rec), "--out", str(out), "--format", "json", "--quiet", "--fail-on", "never"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    return next(b for b in report["books"] if b["id"] == "cost")["data"]["tap"]["sentence"]
+
+
+def test_one_sided_and_unmeasured_pairs_are_said_by_name(tmp_path):
+    """Nothing is silently lost: a tap that draws no extra completions measures one-sided, and a
+    budget too small for any measurement leaves pairs unmeasured; the record and the report's
+    cost section say which, by name."""
+    from reward_lens.record import open_run
+
+    ex = _example()
+    ex.train(tmp_path / "one", steps=4, budget=None, heldout=0)
+    t = open_run(tmp_path / "one").telemetry.to_pydict()
+    assert t["kl_to_previous_estimator"][:3] == ["independent_next"] * 3 and t["tap_per_group"][:3] == [0, 0, 0]
+    said = _tap_sentence(tmp_path / "a", tmp_path / "one")
+    assert "one-sided on 3 pairs" in said and "no extra completions" in said
+
+    # a budget of a ten-thousandth of a step covers less than the tap's fixed cost: after the
+    # two pairs measured whole to learn the costs, every pair is left unmeasured, with probability 0
+    ex.train(tmp_path / "tiny", steps=6, budget=1e-4)
+    t = open_run(tmp_path / "tiny").telemetry.to_pydict()
+    assert t["tap_groups"][:2] == [4, 4] and t["tap_groups"][2:5] == [0, 0, 0]
+    assert t["tap_probability"][2:5] == [0.0, 0.0, 0.0] and t["kl_to_previous"][2:5] == [None] * 3
+    said = _tap_sentence(tmp_path / "b", tmp_path / "tiny")
+    assert "The tap measured 2 of 5 step pairs" in said and "3 pairs not measured" in said

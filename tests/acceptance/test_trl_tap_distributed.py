@@ -86,7 +86,8 @@ def test_every_rollout_of_the_global_batch_is_recorded_once(ddp):
     # groups are whole (8 generations of one prompt), numbered over the global batch
     assert all(len(v) == 8 and len(set(v)) == 1 for v in groups.values()) and len(groups) == STEPS * 2
     assert all(x["logp_pre"] is not None for x in rows)
-    assert all(x["logp_prev"] is not None for x in rows if x["step"] > 0)  # the paired ledger's input, every rank
+    # two-sided: the pairs are measured on the tap's extra completions, not on the rollouts
+    assert all(x["logp_prev"] is None for x in rows)
 
 
 def _checkpoint(tmp: Path, s: int):
@@ -109,18 +110,16 @@ def _gathered(tmp: Path, s: int):
 
 def _recomputed_d_t(tmp: Path, run, t: int, load=_checkpoint) -> tuple[float, float, int]:
     """D_t of the step pair (t, t+1) recomputed from the weights alone (pi_t, pi_{t+1}): the
-    token KL and the log-ratio of every rollout of step t+1 and every held-out completion filed
-    under it, combined by the balance heuristic (written out here), over the global batch."""
+    token KL and the log-ratio of every extra completion filed under step t+1 (pi_t's and
+    pi_{t+1}'s, both ranks'), combined by the balance heuristic (written out here)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tmp / "init")
     load = functools.partial(load, tmp)
 
     pre, post = load(t), load(t + 1)
-    rows = [(x, False) for x in run.read_rollouts(["prompt", "completion_ids", "group_id"]).to_pylist()
-            if x["step"] == t + 1]
-    rows += [(x, True) for x in run.heldout().read_rollouts(["prompt", "completion_ids", "group_id"]).to_pylist()
-             if x["step"] == t + 1]
+    rows = [(x, x["drawn_by_step"] == t) for x in run.heldout().read_rollouts(
+        ["prompt", "completion_ids", "group_id", "drawn_by_step"]).to_pylist() if x["step"] == t + 1]
     by_group: dict[str, list] = {}
     for x, held in rows:
         prompt = tok(x["prompt"], add_special_tokens=False)["input_ids"]
@@ -142,9 +141,8 @@ def _recomputed_d_t(tmp: Path, run, t: int, load=_checkpoint) -> tuple[float, fl
 
 
 def test_d_t_is_the_global_estimate(ddp):
-    """D_t recomputed from TRL's own checkpoints over every rollout of the next step and every
-    held-out completion (both ranks') equals the record's, and both ranks hold the same
-    gathered estimate."""
+    """D_t recomputed from TRL's own checkpoints over every extra completion of both policies
+    (both ranks') equals the record's, and both ranks hold the same gathered estimate."""
     tmp, run = ddp
     d_t = run.telemetry_column("kl_to_previous")
     est = [json.loads((tmp / f"estimates-{r}.json").read_text()) for r in (0, 1)]
@@ -152,23 +150,24 @@ def test_d_t_is_the_global_estimate(ddp):
     assert sorted(d_t) == list(range(STEPS - 1))  # the last step has no next generation
     for t in range(STEPS - 1):
         mean, se, n = _recomputed_d_t(tmp, run, t)
-        assert n == 16 + 2 * 4 and est[0][str(t)]["independent_two_sided"]["n"] == n  # 2 groups x 4 held-out
+        # 2 groups x 4 completions x 2 policies
+        assert n == 2 * 4 * 2 and est[0][str(t)]["independent_two_sided"]["n"] == n
         assert d_t[t] == pytest.approx(mean, rel=1e-4)
         assert run.telemetry_column("kl_to_previous_se")[t] == pytest.approx(se, rel=1e-3)
 
 
 def test_held_out_completions_come_from_both_ranks_and_are_never_trained_on(ddp):
-    """Each prompt group's 4 held-out completions of pi_t are drawn once (on the rank where the
-    group starts), scored by the trainer's reward function, and never reach the loss: the
-    trainer's own reward calls (what it trains on) hold rollouts only."""
+    """Each prompt group's 4 extra completions of each policy are drawn once (in the generation of
+    the rank where the group starts), scored by the trainer's reward function, and never reach
+    the loss: the trainer's own reward calls (what it trains on) hold rollouts only."""
     tmp, run = ddp
     held = run.heldout().read_rollouts(["group_id", "prompt", "completion", "reward", "advantage",
                                         "logp_prev_step"]).to_pylist()
-    assert len(held) == (STEPS - 1) * 2 * 4 and {x["step"] for x in held} == set(range(1, STEPS))
+    assert len(held) == (STEPS - 1) * 2 * 4 * 2 and {x["step"] for x in held} == set(range(1, STEPS))
     assert all(x["advantage"] is None and x["logp_prev_step"] == x["step"] - 1 for x in held)
     assert all(x["reward"] == pytest.approx(gen_lowercase(x["completion"])) for x in held)
     calls = [[json.loads(line) for line in (tmp / f"heldout-{r}.jsonl").read_text().splitlines()] for r in (0, 1)]
-    assert all(len(c) == STEPS - 1 for c in calls)  # both ranks drew, once a step after the first
+    assert all(len(c) == STEPS for c in calls)  # both ranks drew in every generation (the last's side a unused)
     trained = {p for s in _seen(tmp) for p in s}
     assert not {(x["prompt"], x["completion"]) for x in held} & trained
 
@@ -190,9 +189,9 @@ def test_the_record_reads_and_reports_like_a_single_process_one(ddp, tmp_path):
     assert report["run"]["rollouts"] == STEPS * 16 and report["run"]["rollouts_per_step"] == 16
     cost = next(b for b in report["books"] if b["id"] == "cost")
     assert cost["status"] in ("computed", "unresolved") and not cost["refusals"]  # nothing missing from the record
-    # every step pair priced on the paired ledger: D_t, rollouts and pi_t's scores of the next step all there
+    # every step pair priced on the paired ledger: D_t and both policies' extra completions all there
     assert cost["data"]["kl_min"]["step_pair"] == [[t, t + 1] for t in range(STEPS - 1)]
-    assert "paired" in cost["headline"]
+    assert cost["data"]["summary"]["ledger"] == "paired" and cost["data"]["summary"]["two_sided"] == STEPS - 1
 
 
 def test_exact_estimator_and_gradient_accumulation_across_processes(tmp_path):
@@ -207,7 +206,7 @@ def test_exact_estimator_and_gradient_accumulation_across_processes(tmp_path):
     assert est[0] == est[1]
     for t in ("0", "1"):
         assert est[0][t]["exact"]["n"] == 16
-    assert est[0]["0"]["independent_two_sided"]["n"] == 32 + 4 * 4
+    assert est[0]["0"]["independent_two_sided"]["n"] == 4 * 4 * 2  # 4 groups x 4 completions x 2 policies
     d_t = run.telemetry_column("kl_to_previous")
     assert [d_t[t] for t in (0, 1)] == [pytest.approx(est[0][t]["exact"]["mean"]) for t in ("0", "1")]
     assert set(run.telemetry_column("kl_to_previous_estimator").values()) == {"exact_post_samples"}
@@ -255,12 +254,11 @@ def test_fsdp2_records_every_rollout_once_and_d_t_from_the_full_weights(fsdp2):
     seen = _seen(tmp)
     for s in range(STEPS):
         assert Counter((x["prompt"], x["completion"]) for x in rows if x["step"] == s) == seen[s]
-    assert all(x["logp_prev"] is not None for x in rows if x["step"] > 0)
     d_t = run.telemetry_column("kl_to_previous")
     assert sorted(d_t) == list(range(STEPS - 1))
     for t in range(STEPS - 1):
         mean, se, n = _recomputed_d_t(tmp, run, t, load=_gathered)
-        assert n == 16 + 2 * 4
+        assert n == 2 * 4 * 2
         assert d_t[t] == pytest.approx(mean, rel=1e-4)
         assert run.telemetry_column("kl_to_previous_se")[t] == pytest.approx(se, rel=1e-3)
     upd = run.telemetry_column("update_norm")
@@ -269,7 +267,7 @@ def test_fsdp2_records_every_rollout_once_and_d_t_from_the_full_weights(fsdp2):
         assert upd[t] == pytest.approx(float(torch.sqrt(sum(((b[k] - a[k]).double() ** 2).sum() for k in a))),
                                        rel=1e-5)
     held = run.heldout().read_rollouts(["prompt", "completion"]).to_pylist()
-    assert len(held) == (STEPS - 1) * 2 * 4
+    assert len(held) == (STEPS - 1) * 2 * 4 * 2
     assert not {(x["prompt"], x["completion"]) for x in held} & {p for s in seen for p in s}
 
 
