@@ -283,7 +283,6 @@ class TapCore:
         self._row: dict[str, Any] = {}
         self._late: dict[int, dict[str, Any]] = {}
         self._log_acc: dict[str, list[float]] = {}
-        self._series: dict[str, dict[int, float]] = {}  # committed telemetry by field and step (live findings)
         self._clock = _Clock()
         self._step_started = time.perf_counter()
         self._unit_samples: list[tuple] = []  # this step's ("forward", s, token passes) / ("generate", s, rows, steps, extra)
@@ -1029,19 +1028,19 @@ class TapCore:
         reference): into the record and the live findings' series."""
         if self.stream is not None:
             self.stream.set_telemetry(OptimizerTelemetry(step=step, **values))
-        for k, v in values.items():
-            if isinstance(v, float):
-                self._series.setdefault(k, {})[step] = v
-                self._unchecked_tel.setdefault(step, {})[k] = v
+        if self.check_every and self.stream is not None:  # only rank 0 checks
+            for k, v in values.items():
+                if isinstance(v, float):
+                    self._unchecked_tel.setdefault(step, {})[k] = v
 
     def _commit_row(self, row: dict[str, Any]) -> None:
         row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
         if self.stream is not None:
             self.stream.set_telemetry(OptimizerTelemetry(**row))
-        for k, v in row.items():  # the live findings' series, kept as the rows come (not rebuilt each check)
-            if k != "step" and isinstance(v, float):
-                self._series.setdefault(k, {})[row["step"]] = v
-                self._unchecked_tel.setdefault(row["step"], {})[k] = v
+        if self.check_every and self.stream is not None:  # the live findings read what was committed since
+            for k, v in row.items():                      # their last check (only rank 0 checks)
+                if k != "step" and isinstance(v, float):
+                    self._unchecked_tel.setdefault(row["step"], {})[k] = v
         for key, name in LOGGED.items():
             if key in row and key != "tap_seconds":
                 self._log_acc.setdefault(name, []).append(float(row[key]))
