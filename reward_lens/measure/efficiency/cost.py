@@ -639,7 +639,10 @@ def _paired_source(lg: PairedLedger) -> str:
     what = (f"step {lg.step_pair[1]}'s rollouts" + (f" and {lg.n_heldout} held-out completions of pi_t"
                                                        if lg.n_heldout else ""))
     window = "" if span == 1 else f" (the {span} steps between generations: rollouts reused across steps)"
-    return f"token-level KL(pi_{{t+1}} || pi_t) along {what}{window}, independent of the step"
+    # under a cost budget: the prompt groups the tap scored, a uniformly random subset
+    subset = (f", on the {lg.n_groups} of {lg.groups_in_step} prompt groups the tap scored"
+              if lg.groups_unscored else "")
+    return f"token-level KL(pi_{{t+1}} || pi_t) along {what}{window}{subset}, independent of the step"
 
 
 def _premise_numbers(lg: PairedLedger) -> dict[str, Any]:

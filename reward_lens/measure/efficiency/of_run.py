@@ -1,7 +1,8 @@
 """The cost book of a record, end to end: which ledger, which metric, which window.
 
 ``ledger="auto"`` uses the paired ledger where the record has independent scored rollouts
-(``logp_prev`` on the rollouts of at least one step) -- with the held-out completions of pi_t
+(``logp_prev`` on the rollouts of at least one step: on all of them, or on the prompt groups a
+tap under a cost budget scored) -- with the held-out completions of pi_t
 as its second side where the record has them -- else the unpaired one; and the unpaired one
 too where no paired ledger can form for a structural reason (one prompt group per step, which
 no step escapes: ``fallback`` says so). The book says which it used, and why.
@@ -16,7 +17,7 @@ import numpy as np
 
 from reward_lens.measure.efficiency.cost import CostBook, cost_series
 from reward_lens.measure.efficiency.metric import MetricG, metric_g, within_group_metric
-from reward_lens.measure.ledger.paired import NotFormed, has_paired_sample, paired_ledger_series
+from reward_lens.measure.ledger.paired import NotFormed, has_scored_groups, paired_ledger_series
 from reward_lens.measure.ledger.price import StepSample, ledger_series, learning_rates
 from reward_lens.record.reader import Run
 
@@ -43,7 +44,7 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
     paired = None
     pairs = paired_samples(samples)
     if ledger == "auto":
-        ledger = "paired" if any(has_paired_sample(s) for s in pairs) else "unpaired"
+        ledger = "paired" if any(has_scored_groups(s) for s in pairs) else "unpaired"
         if ledger == "paired":
             paired = paired_ledger_series(pairs, lrs, _heldout(samples))
             ledgers, why = paired

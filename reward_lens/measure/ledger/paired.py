@@ -34,6 +34,15 @@ correctness collapses (the task recipe at lr 3e-3, 59 step pairs x 6 features, 8
 prompt): the one-sided ledger's dz is biased beyond 3 standard errors in 92 of 331 cells; with
 h = 2 held-out completions per prompt in 1, with h = 4 in none.
 
+Under a cost budget the tap scores only a uniformly random subset of a step's prompt groups
+(``logp_prev``, ``kl_prev``, ``logp_prev_step`` null on every rollout of the others, held-out
+rows only for scored groups). The ledger then prices the step pair on the scored groups alone,
+each unscored group dropped whole: the subset was drawn independently of every sampled value,
+so the mean over scored groups is unbiased for the batch's, and the spread across them (fewer
+units) widens the SE as it should. ``PairedLedger.n_groups`` of ``groups_in_step`` says how
+many were used. A group scored on some rows and not others breaks that contract, and the step
+pair is refused by name (``partly_scored_group``) rather than priced on a guess.
+
 Never on the rollouts the step trained on: there log pi_{t+1}/pi_t is inflated by the update
 itself (GRPO raises the log-probability of positive-advantage rollouts), which is why the
 record's ``logp_post`` is never read here.
@@ -92,6 +101,10 @@ class PairedLedger(Ledger):
     pareto_k_max: float = 0.7
     ess: tuple[float, float] = (float("nan"), float("nan"))  # effective sample sizes towards (pi_t, pi_{t+1})
     dropped_rollouts: int = 0  # rollouts in groups of one (no within-group information)
+    # the step's prompt groups, scored or not, and those the tap did not score under a cost budget
+    # (dropped whole): n_groups of groups_in_step were used
+    groups_in_step: int = 0
+    groups_unscored: int = 0
     # KL(pi_sampler || pi_{t+1}) along the rollouts (mean over groups of log pi_sampler - log pi_{t+1})
     # and its SE, where the record has the sampler's log-probabilities (vLLM); None where it has not
     sampler_kl: float | None = None
@@ -255,12 +268,37 @@ def has_paired_sample(s: StepSample) -> bool:
             and bool(np.isfinite(s.logp).all()) and bool(np.isfinite(s.logp_prev).all()))
 
 
+def has_scored_groups(s: StepSample) -> bool:
+    """Step s's rollouts carry groups and both log-probabilities on at least one rollout: every
+    rollout (``has_paired_sample``), or those of the groups a tap under a cost budget scored."""
+    return (s.logp is not None and s.logp_prev is not None and s.groups is not None
+            and bool((np.isfinite(s.logp) & np.isfinite(s.logp_prev)).any()))
+
+
+def scored_rows(sample: StepSample, codes: np.ndarray, n_groups: int) -> np.ndarray | NotFormed:
+    """Which rollouts of a partly scored step are scored (log pi_t and log pi_{t-1} both
+    finite), where the groups are scored whole or not at all (the budget contract); else why not:
+    ``no_logp_prev`` where no rollout is scored, ``partly_scored_group`` (count: such groups)
+    where a group has scored and unscored rollouts."""
+    if sample.logp is None or sample.logp_prev is None or sample.groups is None:
+        return NotFormed("no_logp_prev", sample.step)
+    ok = np.isfinite(sample.logp) & np.isfinite(sample.logp_prev)
+    if not ok.any():
+        return NotFormed("no_logp_prev", sample.step)
+    scored = np.bincount(codes, weights=ok, minlength=n_groups)
+    size = np.bincount(codes, minlength=n_groups)
+    partly = int(((scored > 0) & (scored < size)).sum())
+    if partly:
+        return NotFormed("partly_scored_group", sample.step, partly)
+    return ok
+
+
 @dataclass(frozen=True)
 class NotFormed:
     """Why no ledger could be formed for a step pair: a reason code and the step it concerns
     (its words are in templates/refusals/RECORD_INCOMPLETE/cost.detail.j2)."""
 
-    reason: str  # "no_logp_prev" | "prev_step" | "few_groups" | "one_rollout"
+    reason: str  # "no_logp_prev" | "prev_step" | "few_groups" | "one_rollout" | "heldout_unscored" | "partly_scored_group"
     step: int
     count: int | None = None  # few_groups: usable groups; one_rollout: rollouts
 
@@ -388,6 +426,8 @@ class _Prepared:
     side: np.ndarray  # (n_kept,) True for held-out rows
     dropped: int = 0  # rollouts in groups of one
     every_heldout: bool = False  # held-out rows, every one of them kept
+    groups_in_step: int = 0  # the step's prompt groups, scored or not
+    unscored: int = 0  # groups the tap did not score (a cost budget): dropped whole
 
 
 def _scored_flags(samples: Sequence[StepSample]) -> list[bool]:
@@ -417,34 +457,53 @@ def _prepare(sample: StepSample, heldout: StepSample | None = None, scored: bool
     ``previous_step(sample)``, and whether the held-out rows are scored under that same previous
     policy, where the caller worked them out for many. ``layouts``: the layouts worked out so
     far, by the group codes of both sides (a run's steps nearly all share one)."""
+    live = None  # the scored rollouts, where only some groups are (a cost budget)
     if not (has_paired_sample(sample) if scored is None else scored):
-        return NotFormed("no_logp_prev", sample.step)
+        if sample.groups is None or sample.logp is None or sample.logp_prev is None:
+            return NotFormed("no_logp_prev", sample.step)
+        live = scored_rows(sample, *sample_codes(sample))
+        if isinstance(live, NotFormed):
+            return live
     prev = previous_step(sample) if prev is None else prev
     if isinstance(prev, NotFormed):
         return prev
     codes, n_groups = sample_codes(sample)
     has_heldout = heldout is not None and heldout.n and heldout.groups is not None
     ho_codes = np.asarray(heldout.groups, dtype=np.int64) if has_heldout else None
+    unscored = 0
+    if live is not None:
+        scored_group = np.bincount(codes[live], minlength=n_groups) > 0
+        unscored = int(n_groups - scored_group.sum())
+        if ho_codes is not None:
+            # held-out rows of a group whose rollouts were not scored: the group is neither
+            # scored whole nor left out whole
+            inside = ho_codes < n_groups
+            stray = np.unique(ho_codes[inside][~scored_group[ho_codes[inside]]])
+            if len(stray):
+                return NotFormed("partly_scored_group", sample.step, len(stray))
     if layouts is None:
-        paired_groups, layout = _layout(codes, n_groups, ho_codes)
+        paired_groups, layout = _layout(codes, n_groups, ho_codes, live=live)
     else:
-        key = (n_groups, np.asarray(codes).tobytes(), None if ho_codes is None else ho_codes.tobytes())
+        key = (n_groups, np.asarray(codes).tobytes(), None if ho_codes is None else ho_codes.tobytes(),
+               None if live is None else live.tobytes())
         if key not in layouts:
-            layouts[key] = _layout(codes, n_groups, ho_codes, shared=True)
+            layouts[key] = _layout(codes, n_groups, ho_codes, shared=True, live=live)
         paired_groups, layout = layouts[key]
     if paired_groups < 2:
         return NotFormed("few_groups", sample.step, paired_groups)
     if has_heldout and not (_scored(heldout) and previous_step(heldout) == prev if heldout_ok is None else heldout_ok):
         return NotFormed("heldout_unscored", sample.step)
-    return _Prepared(prev, *layout)
+    return _Prepared(prev, *layout, groups_in_step=n_groups, unscored=unscored)
 
 
-def _layout(codes: np.ndarray, n_groups: int, ho_codes: np.ndarray | None, shared: bool = False) -> tuple[int, tuple]:
+def _layout(codes: np.ndarray, n_groups: int, ho_codes: np.ndarray | None, shared: bool = False,
+            live: np.ndarray | None = None) -> tuple[int, tuple]:
     """The groups of two or more rollouts, and (where there are two or more such groups) the
     arrays of a ``_Prepared`` after its previous step: the rows kept, the codes of the kept rows
     of both sides, their sides, the rollouts dropped. ``shared``: the arrays are made read-only,
-    for every sample of the same layout to hold."""
-    sizes = np.bincount(codes, minlength=n_groups)
+    for every sample of the same layout to hold. ``live``: the scored rollouts, where a cost
+    budget left whole groups unscored (their rows, and those groups, are left out)."""
+    sizes = np.bincount(codes if live is None else codes[live], minlength=n_groups)  # an unscored group: 0
     paired_groups = int((sizes >= 2).sum())  # every such group has its rows among the kept
     if paired_groups < 2:
         return paired_groups, ()
@@ -462,8 +521,8 @@ def _layout(codes: np.ndarray, n_groups: int, ho_codes: np.ndarray | None, share
             all_codes = codes[keep]
         side = np.zeros(len(all_codes), dtype=bool)
         side[int(keep.sum()):] = True
-        dropped = int(len(keep) - int(keep.sum()))
-        if not dropped and (ho_keep is None or not (sizes < 2).any()):
+        dropped = int((sizes[codes] == 1).sum())  # scored rollouts alone in their group
+        if keep.all() and (ho_keep is None or not (sizes < 2).any()):
             layout = (keep, ho_keep, np.asarray(all_codes, dtype=np.int64), n_groups, side, 0,
                       ho_keep is not None and bool(ho_keep.all()))
         else:
@@ -499,9 +558,9 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     if not m:
         onehot = np.zeros((n, n_groups))
         onehot[np.arange(n), codes] = 1.0
-    whole = all(prep.keep_heldout is None and not prep.dropped for _, _, prep, _ in items)
+    whole = all(prep.keep_heldout is None and not prep.dropped and not prep.unscored for _, _, prep, _ in items)
     # every rollout and every held-out row kept: each side's rows as they lie in its read, joined
-    both = not whole and all(prep.every_heldout and not prep.dropped for _, _, prep, _ in items)
+    both = not whole and all(prep.every_heldout and not prep.dropped and not prep.unscored for _, _, prep, _ in items)
     samples = [s for s, _, _, _ in items]
 
     def rows(s: StepSample, ho: StepSample | None, prep: _Prepared, attr: str) -> np.ndarray | None:
@@ -592,7 +651,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             n_post=n, learning_rate=lr, kind="paired", z=z[j], codes=codes, n_groups=n_groups, log_ratio=r[j],
             heldout=heldout, kl=kls[j], d_hat=float(d_hat[j]), d_t=d_t[j], d_t_se=d_t_se[j],
             pareto_k=float(khat[j]), pareto_k_max=threshold, ess=(float(ess_p[j]), float(ess_q[j])),
-            dropped_rollouts=prep.dropped, sampler_kl=sampler_kl,
+            dropped_rollouts=prep.dropped, groups_in_step=prep.groups_in_step, groups_unscored=prep.unscored,
+            sampler_kl=sampler_kl,
             sampler_kl_se=sampler_se, block=None if block is None else block[0],
             row=-1 if block is None else block[1] + j))
     return out
