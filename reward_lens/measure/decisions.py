@@ -44,6 +44,7 @@ REASONS = {
     "one_rollout": "a step with one rollout",
     "heldout_unscored": "held-out completions not scored under both policies",
     "partly_scored_group": "a prompt group scored under the previous policy on some rollouts only",
+    "not_measured": "not measured by the tap under its cost budget",
     "heavy_tails": "importance weights too heavy-tailed",
     "low_ess": "too few effective samples",
     "sampler_mismatch": "rollouts sampled by an engine (vLLM) that departs from the policy",

@@ -54,6 +54,7 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
                 ledger = "unpaired"
     if ledger == "paired":
         ledgers, why = paired if paired is not None else paired_ledger_series(pairs, lrs, _heldout(samples))
+        why = _unmeasured(run, why)
         if not ledgers:
             return PricedRun(None, None, ledger, why)
         g = within_group_metric(ledgers)
@@ -69,6 +70,16 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
 # Reasons a paired ledger cannot form that no step of the run escapes (the run's layout, not a
 # step's sample): under --ledger auto the unpaired ledger is used instead, and the book says why.
 STRUCTURAL = frozenset({"few_groups"})
+
+
+def _unmeasured(run: Run, why: dict[tuple[int, int], NotFormed]) -> dict[tuple[int, int], NotFormed]:
+    """Step pairs the tap did not measure under its cost budget (telemetry ``tap_groups`` 0 at
+    the pair's first step) are refused as that, not as a record that lacks scores."""
+    groups = run.telemetry_column("tap_groups")
+    if not groups:
+        return why
+    return {pair: NotFormed("not_measured", pair[0]) if w.reason == "no_logp_prev" and groups.get(pair[0]) == 0
+            else w for pair, w in why.items()}
 
 
 def _heldout(samples: list[StepSample]) -> dict[int, StepSample]:
