@@ -153,3 +153,14 @@ def _whitebox_numbers() -> set[str]:
     text = (DOCS / "science.md").read_text()
     table = text.split("## When the denominator exists")[1].split("## Known limits")[0]
     return set(re.findall(r"\d+\.\d+", table))
+
+
+def test_benchmark_quotes_are_what_their_scripts_saved():
+    """The tap's benchmarks take minutes to tens of minutes, so no test reruns them: each script's
+    ``--save`` writes what it printed to bench/results/, and the pages quote that verbatim
+    (``python tools/bench_quotes.py`` copies it)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import bench_quotes
+
+    for page, block, saved, fenced in bench_quotes.QUOTES:
+        assert _quote(REPO / page, block) == bench_quotes.quoted(saved, fenced), (page, block)
