@@ -19,7 +19,9 @@ different trajectories would mix the budget with the run.
    group and side -- ``REPLICATES`` times, and read as the report reads a record (the paired
    ledger, the within-group metric, the cost book): the median relative standard error of D_t
    over the measured pairs and the width of the run-level eta interval (95 %), medians over the
-   replicates.
+   replicates. A budget that bought one-sided pairs (no completions per group) is read off its
+   own run instead, and marked so: the whole run's pairs are measured on extra completions, and
+   hold no rollouts scored under pi_t to subsample (the figure leaves it out).
 """
 
 from __future__ import annotations
@@ -110,14 +112,39 @@ def precision(record: Path, shape: dict, replicates: int, seed: int = 0) -> dict
     return {"rel_se": statistics.median(rel), "eta_width": statistics.median(width) if width else None}
 
 
+def own_precision(record: Path) -> dict:
+    """A one-sided budget's precision, read off its own run as the report reads it: the whole
+    run's two-sided measurement holds no rollouts scored under pi_t to subsample to a one-sided
+    shape (its pairs are measured on the extra completions), so this row mixes the budget with
+    its run's trajectory, and says so (``own``)."""
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record import open_run
+
+    run = open_run(record)
+    priced = price_run(run, steps_from_run(run, SurfaceFeatures()), ledger="paired")
+    ledgers = [lg for lg in priced.ledgers if getattr(lg, "d_t", None) is not None and lg.d_t > 0
+               and lg.d_t_se == lg.d_t_se]
+    est = priced.book.run_level() if priced.book is not None else None
+    width = None
+    if est is not None:
+        lo, hi = est.interval()
+        width = hi - lo
+    return {"rel_se": statistics.median(lg.d_t_se / lg.d_t for lg in ledgers) if ledgers else None,
+            "eta_width": width, "own": True}
+
+
 def table(rows: list[dict]) -> str:
     lines = ["| budget | the tap's own time | step pairs measured | groups of 8 | completions per group and policy "
              "| D_t relative SE | run-level η interval width |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         b = "none (everything)" if r["budget"] is None else f"{r['budget']:.2f}"
         width = "—" if r["eta_width"] is None else f"{r['eta_width']:.3f}"
-        lines.append(f"| {b} | {r['share']:.3f} | {r['measured']:.0%} | {r['groups']:g} | {r['per_group']:g} "
-                     f"| {r['rel_se']:.3f} | {width} |")
+        rel = "—" if r["rel_se"] is None else f"{r['rel_se']:.3f}"
+        sides = "0 (one-sided: its own run)" if r.get("own") else f"{r['per_group']:g}"
+        lines.append(f"| {b} | {r['share']:.3f} | {r['measured']:.0%} | {r['groups']:g} | {sides} "
+                     f"| {rel} | {width} |")
     return "\n".join(lines)
 
 
@@ -128,7 +155,7 @@ def figure(rows: list[dict]) -> str:
     pts = sorted(rows, key=lambda r: r["share"])  # every budget at the share of an untapped step it took
 
     def series(key: str, label: str) -> Series:
-        kept = [r for r in pts if r[key] is not None]
+        kept = [r for r in pts if r[key] is not None and not r.get("own")]
         return Series(label=label, x=[r["share"] for r in kept], y=[r[key] for r in kept], style="points")
 
     fig = FigureOut(id="cost-precision", caption="What a budget buys on the truth harness's moderate run",
@@ -154,7 +181,9 @@ def main() -> None:
             records[b] = truth.train(truth.REGIMES["moderate"], work, budget=b).record
         for b in BUDGETS:
             shape = bought(records[b])
-            rows.append({"budget": b, **shape, **precision(records[None], shape, a.replicates)})
+            got = (own_precision(records[b]) if int(round(shape["per_group"])) == 0
+                   else precision(records[None], shape, a.replicates))
+            rows.append({"budget": b, **shape, **got})
     text = table(rows)
     print(text)
     if a.save:
