@@ -122,6 +122,19 @@ class Decisions:
                 "cells_identified": int(self.identified.sum()), "cells_moved": int(self.moved.sum())}
 
 
+def t_dof(lg, k: int) -> np.ndarray:
+    """The degrees of freedom of each feature's t test of a ledger's dz: the paired ledger's own
+    (Welch-Satterthwaite over its (group, side) strata, where its SE has them), else its prompt
+    groups less one; 0 (a normal test) with one group or none."""
+    dof = getattr(lg, "dof", None)
+    groups = float(getattr(lg, "n_groups", 0))
+    fallback = groups - 1 if groups > 1 else 0.0
+    if dof is None:
+        return np.full(k, fallback)
+    dof = np.asarray(dof, dtype=np.float64)
+    return np.where(np.isfinite(dof) & (dof > 0), dof, fallback)
+
+
 def decide(priced_run, names: Sequence[str]) -> Decisions:
     """The decisions of a priced run (``efficiency.of_run.PricedRun``): its ledgers, the cost
     book's KL_min rows (their BH decision) and the step pairs that could not be formed."""
@@ -154,14 +167,14 @@ def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpai
     usable = tuple(p for p, ok in zip(pairs, keep) if ok)
     if arrays is not None and len(usable):
         dz, se = arrays.delta_z[keep], arrays.se[keep]
-        groups = np.array([getattr(lg, "n_groups", 0) for lg, ok in zip(ledgers, keep) if ok])[:, None]
+        dofs = np.array([t_dof(lg, k) for lg, ok in zip(ledgers, keep) if ok])
     else:
         dz = se = np.zeros((0, k))
-        groups = np.zeros((0, 1), dtype=int)
+        dofs = np.zeros((0, k))
     identified = se > 0
     with np.errstate(divide="ignore", invalid="ignore"):
         t = np.where(identified, dz / np.where(identified, se, 1.0), np.nan)
-        p = 2 * np.where(groups > 1, special.stdtr(np.maximum(groups - 1, 1), -np.abs(t)), special.ndtr(-np.abs(t)))
+        p = 2 * np.where(dofs > 0, special.stdtr(np.maximum(dofs, 1), -np.abs(t)), special.ndtr(-np.abs(t)))
     p = np.where(identified, p, np.nan)
     moved = np.zeros(identified.shape, dtype=bool)
     moved[identified] = benjamini_hochberg(p[identified], FDR_Q)

@@ -2,8 +2,10 @@
 
 Per step pair, ``dz_j`` with its standard error and ``t = dz/SE`` from the same ledger the
 cost book priced on (the paired ledger where the record supports it: step t's movement read on
-samples independent of the step, prompt groups as units, t with G-1 degrees of freedom;
-otherwise two samples of consecutive steps, read as normal). Which step pairs are usable, which
+samples independent of the step, its standard error conditional on the step's prompts -- the
+stratified jackknife over each prompt's completions of each policy -- and t on its
+Welch-Satterthwaite degrees of freedom; otherwise two samples of consecutive steps, read as
+normal). Which step pairs are usable, which
 cells are identified and which moved are the run's decisions (``measure.decisions``), made once:
 a step pair refused by a premise gets no row here and no direction; a feature constant in
 every prompt group of a step pair's sample is "not identified" there (its movement is invisible

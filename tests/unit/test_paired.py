@@ -380,25 +380,51 @@ def test_batched_within_group_f_test_matches_the_dummy_variable_regression():
     assert r2[3] == 0.0 and p[3] == 1.0
 
 
+def _jackknife_cov(full, deleted):
+    """The delete-one jackknife of one stratum, in loops: (n - 1) / n sum_i (theta_(-i) - mean
+    theta_(-.))(...)^T over its rows' deletions (``full`` is unused: the spread is about their mean)."""
+    deleted = [np.atleast_1d(np.asarray(x, dtype=float)) for x in deleted]
+    n = len(deleted)
+    out = np.zeros((len(deleted[0]), len(deleted[0])))
+    if n < 2:
+        return out
+    mean = sum(deleted) / n
+    for x in deleted:
+        out += np.outer(x - mean, x - mean)
+    return out * (n - 1) / n
+
+
 def _ledger_by_loops(s):
     """One paired ledger by its definitions, group by group in plain loops: groups of one
-    dropped, p_g(i) prop. to pi_t/pi_{t+1}, dz_g = E_u[z] - E_p[z], Sigma = Cov_g(dz_g) / G,
-    D_hat = mean_g (mean r + log mean exp(-r)), D_rb from the token-level KL by group."""
+    dropped, p_g(i) prop. to pi_t/pi_{t+1}, dz_g = E_u[z] - E_p[z], D_hat = mean_g (mean r + log
+    mean exp(-r)), D_rb from the token-level KL by group; Sigma and D_rb's SE conditional on the
+    prompts: each group's estimate worked out again with each of its rows left out, the
+    jackknife's spread of those, summed over groups, over G^2."""
     labels = list(dict.fromkeys(s.groups.tolist()))
     kept = [g for g in labels if (s.groups == g).sum() >= 2]
-    dz_g, d_g, kl_g = [], [], []
+    dz_g, d_g, kl_g, cov, kl_var = [], [], [], 0.0, 0.0
+
+    def dz_of(z, r):
+        w = np.exp(-r) / np.exp(-r).sum()
+        return z.mean(0) - (w[:, None] * z).sum(0)
+
     for g in kept:
         rows = s.groups == g
         r = s.logp[rows] - s.logp_prev[rows]
-        w = np.exp(-r) / np.exp(-r).sum()
-        dz_g.append(s.z[rows].mean(0) - (w[:, None] * s.z[rows]).sum(0))
+        z = s.z[rows]
+        dz_g.append(dz_of(z, r))
         d_g.append(r.mean() + np.log(np.exp(-r).mean()))
+        ng = int(rows.sum())
+        rest = [np.arange(ng) != i for i in range(ng)]  # one side: leaving a row out is deleting it
+        cov = cov + _jackknife_cov(dz_g[-1], [dz_of(z[k], r[k]) for k in rest])
         if s.kl_prev is not None:
-            kl_g.append(s.kl_prev[rows].mean())
+            kl = s.kl_prev[rows]
+            kl_g.append(kl.mean())
+            kl_var += float(_jackknife_cov(kl.mean(), [kl[k].mean() for k in rest])[0, 0])
     dz_g = np.array(dz_g)
-    cov = np.cov(dz_g, rowvar=False, ddof=1) / len(kept)
-    d_rb = (np.mean(kl_g), np.std(kl_g, ddof=1) / np.sqrt(len(kept))) if kl_g else (None, None)
-    return dz_g.mean(0), cov, float(np.mean(d_g)), d_rb
+    G = len(kept)
+    d_rb = (np.mean(kl_g), np.sqrt(kl_var) / G) if kl_g else (None, None)
+    return dz_g.mean(0), cov / G ** 2, float(np.mean(d_g)), d_rb
 
 
 def test_a_series_of_many_group_layouts_prices_each_step_as_its_definition_does():
@@ -464,22 +490,40 @@ def _two_sided_by_loops(s, ho):
     """The two-sided ledger by its definition, group by group in plain loops, from the
     probabilities themselves (not the log-ratio): every row of a group is a draw from the
     mixture n_a pi_t + n_b pi_{t+1}; q(y) prop. to pi_{t+1}(y) / mixture, p(y) prop. to pi_t(y) /
-    mixture, each normalised within the group; dz_g = E_q[z] - E_p[z], D_g = E_q[kl]."""
-    dz_g, d_g = [], []
+    mixture, each normalised within the group; dz_g = E_q[z] - E_p[z], D_g = E_q[kl]. Sigma and
+    D's SE conditional on the prompts: each row deleted from its side of its group (the side's
+    other rows weighing n_s / (n_s - 1), the mixture the design's), the group's estimates worked
+    out again, the jackknife's spread within each side of each group, summed, over G^2."""
+    dz_g, d_g, cov, dvar = [], [], 0.0, 0.0
     for g in sorted(set(s.groups.tolist())):
         a, b = ho.groups == g, s.groups == g
         lp1 = np.r_[s.logp[b], ho.logp[a]]  # log pi_{t+1}
         lp0 = np.r_[s.logp_prev[b], ho.logp_prev[a]]  # log pi_t
         z = np.vstack([s.z[b], ho.z[a]])
         kl = np.r_[s.kl_prev[b], ho.kl_prev[a]]
+        held = np.r_[np.zeros(b.sum(), bool), np.ones(a.sum(), bool)]
         mix = a.sum() * np.exp(lp0) + b.sum() * np.exp(lp1)
-        q = np.exp(lp1) / mix
-        p = np.exp(lp0) / mix
-        q, p = q / q.sum(), p / p.sum()
-        dz_g.append((q[:, None] * z).sum(0) - (p[:, None] * z).sum(0))
-        d_g.append((q * kl).sum())
+
+        def estimates(c):
+            q, p = c * np.exp(lp1) / mix, c * np.exp(lp0) / mix
+            q, p = q / q.sum(), p / p.sum()
+            return (q[:, None] * z).sum(0) - (p[:, None] * z).sum(0), (q * kl).sum()
+
+        dz, d = estimates(np.ones(len(z)))
+        dz_g.append(dz)
+        d_g.append(d)
+        for side in (held, ~held):
+            dels = []
+            for i in np.flatnonzero(side):
+                c = np.ones(len(z))
+                c[side] = side.sum() / (side.sum() - 1)
+                c[i] = 0.0
+                dels.append(estimates(c))
+            cov = cov + _jackknife_cov(dz, [x[0] for x in dels])
+            dvar += float(_jackknife_cov(d, [x[1] for x in dels])[0, 0])
     dz_g = np.array(dz_g)
-    return dz_g.mean(0), np.cov(dz_g, rowvar=False, ddof=1) / len(dz_g), float(np.mean(d_g))
+    G = len(dz_g)
+    return dz_g.mean(0), cov / G ** 2, float(np.mean(d_g)), float(np.sqrt(dvar) / G)
 
 
 def test_held_out_samples_of_pi_t_combine_by_the_balance_heuristic():
@@ -499,10 +543,10 @@ def test_held_out_samples_of_pi_t_combine_by_the_balance_heuristic():
                     logp_prev=lp0, kl_prev=np.abs(rng.normal(size=len(zh))) * 0.1, n_groups=n_groups)
     lg = paired_ledger(s, heldout=ho)
     assert lg.n_heldout == n_groups * h and lg.sides == "two-sided"
-    dz, cov, d_t = _two_sided_by_loops(s, ho)
+    dz, cov, d_t, d_t_se = _two_sided_by_loops(s, ho)
     np.testing.assert_allclose(lg.delta_z, dz, rtol=1e-10)
     np.testing.assert_allclose(lg.cov_delta, cov, rtol=1e-9)
-    assert lg.d_t == pytest.approx(d_t, rel=1e-12)
+    assert lg.d_t == pytest.approx(d_t, rel=1e-12) and lg.d_t_se == pytest.approx(d_t_se, rel=1e-9)
     _, _, lwq, lwp = mis_log_weights(lg.log_ratio, lg.heldout, lg.codes, lg.n_groups)
     assert (np.exp(lwq) <= 1 / m + 1e-12).all() and (np.exp(lwp) <= 1 / h + 1e-12).all()
     assert np.isnan(lg.pareto_k) and lg.premise() is None  # bounded weights: k-hat does not apply
@@ -592,7 +636,7 @@ def test_ledgers_of_a_reports_read_equal_those_of_the_same_samples_alone():
                            logp=s.logp[order].copy(), logp_prev=s.logp_prev[order].copy())
         want = paired_ledger(alone)
         np.testing.assert_allclose(lg.delta_z, want.delta_z, rtol=1e-9, atol=1e-15)
-        np.testing.assert_allclose(lg.cov_delta, want.cov_delta, rtol=1e-9, atol=1e-20)
+        np.testing.assert_allclose(lg.cov_delta, want.cov_delta, rtol=1e-9, atol=1e-18)
         assert lg.d_hat == pytest.approx(want.d_hat, rel=1e-9, abs=1e-15)
         assert lg.ess == pytest.approx(want.ess, rel=1e-12)
         assert lg.pareto_k == pytest.approx(want.pareto_k, rel=1e-9, nan_ok=True)
