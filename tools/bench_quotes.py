@@ -15,7 +15,8 @@ RESULTS = REPO / "bench" / "results"
 # (page, block, saved output, fenced as code)
 QUOTES = [("docs/benchmarks.md", "tap-forward", "tap_forward.txt", True),
           ("docs/recording.md", "tap-overhead", "tap_overhead.txt", True),
-          ("docs/recording.md", "cost-precision", "cost_precision.txt", False)]
+          ("docs/recording.md", "cost-precision", "cost_precision.txt", False),
+          ("docs/science.md", "truth-default-budget", "truth_default_budget.txt", True)]
 
 
 def quoted(saved: str, fenced: bool) -> str:

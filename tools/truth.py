@@ -3,6 +3,7 @@
     python tools/truth.py --quote               # both regimes: the lines docs/science.md quotes
     python tools/truth.py --regime collapse     # one, with timings
     python tools/truth.py --cache /tmp/truth    # keep the trained runs and oracle pools there
+    python tools/truth.py --quote --budget default --save bench/results/truth_default_budget.txt
 
 About 6 minutes on 2 CPU cores (measured: collapse 3.2 min, moderate 2.9 min, of which the
 oracle's sampling is most); the slow test tests/acceptance/test_truth.py runs it.
@@ -17,8 +18,9 @@ policy pi_t kept:
   synthetic arithmetic, the record's own starting checkpoint) at lr 3e-3, where correctness
   collapses to 0 within ten steps and the policy sharpens; read in the task basis.
 
-The oracle. For every step pair (t, t+1) of the run it draws ``n`` fresh completions per
-prompt of step t+1 from pi_t *and* from pi_{t+1} (float64 sampling at the trainer's
+The oracle. For every step pair (t, t+1) the tap measured it draws ``n`` fresh completions per
+prompt the tap measured it on (``measured_prompts``: generation t's prompt groups it drew extra
+completions for, read from the record) from pi_t *and* from pi_{t+1} (float64 sampling at the trainer's
 temperature), scores each under both policies, sums the full-vocabulary token
 KL(pi_{t+1} || pi_t) along it, and computes the features. The truth is then:
 
@@ -31,8 +33,17 @@ KL(pi_{t+1} || pi_t) along it, and computes the features. The truth is then:
 Its own sampling error is reported (standard errors over its samples). The record's numbers
 -- what ``reward-lens report`` reads from the tapped record -- are compared cell by cell, and
 the estimator's bias and real spread are measured by replicates: the record's sampling
-(m rollouts of pi_{t+1} and h held-out completions of pi_t per prompt) redrawn from the
-oracle's own samples, the estimator applied to each.
+(k extra completions per prompt from each policy; one-sided, m rollouts of pi_{t+1}) redrawn
+from the oracle's own samples, the estimator applied to each.
+
+The tap runs with ``budget=None`` by default (every pair measured whole: 8 prompt groups, 4 extra
+completions per group and policy), so that a run is the same run every time on the same machine
+(the slow test asserts on it, and docs/science.md quotes it). ``--budget default`` runs the tap's
+own default (0.10 of an untapped step): the budget sizes each pair's measurement from timing, so
+which groups and pairs are measured -- and, since the extra completions share the trainer's
+sampling, the run's tokens -- differ from run to run; its output is saved with ``--save`` and
+quoted as it was printed (tools/bench_quotes.py). Pairs the budget left unmeasured are counted
+and have no oracle.
 """
 
 from __future__ import annotations
@@ -174,7 +185,7 @@ def train(regime: Regime, workdir: Path, **tap_kwargs) -> Trained:
 
 @dataclass
 class Pool:
-    """The oracle's samples of one step pair (t, t+1), for the prompts of step t+1: side "a" drawn
+    """The oracle's samples of one step pair (t, t+1), for the prompts the tap measured it on: side "a" drawn
     from pi_t, side "b" from pi_{t+1}, ``n`` per prompt each. Per sample: its prompt group, the
     features, log pi_t(y), log pi_{t+1}(y) and the summed token KL(pi_{t+1} || pi_t) along it."""
 
@@ -235,14 +246,54 @@ def _score_many(pre, post, tok, basis, rewards, prompts: list[dict], n: int, cap
     return np.array([g for g, _ in rows]), z, lp_old, lp_new, kl
 
 
+def measured_prompts(trained: Trained) -> dict[tuple[int, int], list[dict]]:
+    """The prompts the tap measured each step pair (t, t + 1) on, read from the record: two-sided,
+    the groups of generation t it drew extra completions for (held-out rows filed under step
+    t + 1, drawn by step t, group ``h<g>``: the g-th prompt group of generation t); one-sided,
+    the groups of generation t + 1 whose rollouts it scored under pi_t (``kl_prev`` recorded).
+    A pair the budget left unmeasured has none (it is refused as ``not_measured``)."""
+    from reward_lens.record.reader import open_run
+
+    run = open_run(trained.record)
+    out: dict[tuple[int, int], list[dict]] = {}
+    view = run.heldout()
+    held = view.read_rollouts(["group_id", "prompt", "drawn_by_step"]).to_pylist() if view is not None else []
+    for x in held:
+        t1 = x["step"]
+        if x["drawn_by_step"] != t1 - 1 or t1 - 1 not in trained.prompts:
+            continue
+        g = int(str(x["group_id"]).rsplit("h", 1)[1])
+        rows = out.setdefault((t1 - 1, t1), [])
+        prompt = trained.prompts[t1 - 1][g]
+        if prompt.get("prompt", x["prompt"]) != x["prompt"]:
+            raise RuntimeError(f"held-out group {x['group_id']} of step {t1} is not prompt {g} of generation {t1 - 1}")
+        if prompt not in rows:
+            rows.append(prompt)
+    scored: dict[int, list] = {}
+    for x in run.read_rollouts(["group_id", "kl_prev"]).to_pylist():
+        labels = scored.setdefault(x["step"], [])
+        if x["group_id"] not in [lab for lab, _ in labels]:
+            labels.append((x["group_id"], False))
+        if x["kl_prev"] is not None:
+            labels[[lab for lab, _ in labels].index(x["group_id"])] = (x["group_id"], True)
+    for t1, labels in scored.items():
+        if (t1 - 1, t1) in out or t1 not in trained.prompts:
+            continue
+        idx = [i for i, (_, on) in enumerate(labels) if on]
+        if idx:
+            out[(t1 - 1, t1)] = [trained.prompts[t1][i] for i in idx]
+    return dict(sorted(out.items()))
+
+
 def pools(trained: Trained, n: int, pairs=None, progress=print) -> dict[tuple[int, int], Pool]:
-    """The oracle's samples of every step pair (or ``pairs``), ``n`` per prompt and policy."""
+    """The oracle's samples of every measured step pair (or ``pairs``), ``n`` per prompt and
+    policy, for the prompts the tap measured it on (``measured_prompts``)."""
     tok, build, rewards, _, basis = _setup(trained.regime)
     pre, post = build(), build()
     pre.eval()
     post.eval()
-    steps = sorted(trained.params)
-    pairs = pairs or [(t, t + 1) for t in steps if t + 1 in trained.params and t + 1 in trained.prompts]
+    measured = measured_prompts(trained)
+    pairs = pairs or [p for p in measured if p[1] in trained.params]
     out = {}
     t0 = time.monotonic()
     for t, t1 in pairs:
@@ -251,7 +302,7 @@ def pools(trained: Trained, n: int, pairs=None, progress=print) -> dict[tuple[in
         pool = Pool((t, t1), tuple(basis.names))
         for side, policy in (("a", pre), ("b", post)):
             seed = 7_000_003 * t + (0 if side == "a" else 500_009)
-            g, z, lo, ln, kl = _score_many(pre, post, tok, basis, rewards, trained.prompts[t1], n,
+            g, z, lo, ln, kl = _score_many(pre, post, tok, basis, rewards, measured[(t, t1)], n,
                                            trained.regime.cap, seed, policy)
             pool.groups[side], pool.z[side], pool.logp_t[side], pool.logp_t1[side], pool.kl[side] = g, z, lo, ln, kl
         out[(t, t1)] = pool
@@ -431,6 +482,12 @@ class RegimeResult:
     eta_run: tuple | None  # (estimate, (lo, hi), truth over the priced pairs)
     replicates: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
+    # pair -> the report's D_t from the record's rows: (estimate, SE, its degrees of freedom, truth, truth SE)
+    d_t_report: dict = field(default_factory=dict)
+    calibration: dict = field(default_factory=dict)  # quantity -> its calibration (``_calibration``)
+    # what the tap's budget bought: (pairs measured, pairs, median groups per measured pair, of
+    # how many, median completions per group and policy)
+    bought: tuple = ()
 
     # ---- summaries
     def reported(self) -> list[Cell]:
@@ -452,11 +509,38 @@ class RegimeResult:
         rows = [r for r in self.eta_rows if r[3] is not None]
         return sum(r[3][0] <= r[4] <= r[3][1] for r in rows), len(rows)
 
+    def d_t_coverage(self) -> tuple[int, int]:
+        """The report's D_t against the truth on the record's updates: (covered by its 95 %
+        interval -- t on its degrees of freedom, the oracle's own error added --, updates)."""
+        import math
+
+        from scipy import special
+
+        covered = 0
+        for est, se, dof, t, t_se in self.d_t_report.values():
+            q = float(special.stdtrit(max(dof, 1.0), 0.975)) if dof == dof and se == se else float("nan")
+            covered += bool(abs(est - t) <= q * math.sqrt(se ** 2 + t_se ** 2))
+        return covered, len(self.d_t_report)
+
     def resolved_bias(self) -> float | None:
         import numpy as np
 
         diffs = [r[2] - r[4] for r in self.eta_rows if r[1] == "resolved"]
         return float(np.median(diffs)) if diffs else None
+
+
+def _bought(run, groups: int) -> tuple:
+    """What the tap's budget measured, from the record's telemetry: (pairs measured, pairs, median
+    prompt groups per measured pair, of ``groups``, median completions per group and policy)."""
+    import statistics
+
+    measured = run.telemetry_column("tap_groups")
+    per_group = run.telemetry_column("tap_per_group")
+    last = max(run.steps.tolist())
+    steps = [s for s in run.steps.tolist() if s < last]
+    on = [s for s in steps if (measured.get(s) or 0) > 0]
+    med = lambda xs: statistics.median(xs) if xs else 0  # noqa: E731
+    return (len(on), len(steps), med([measured[s] for s in on]), groups, med([per_group.get(s) or 0 for s in on]))
 
 
 def _in_sample_d_t(trained: Trained, run, pair: tuple[int, int]) -> float:
@@ -536,21 +620,35 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) 
         truth_run = sum(truths[p].kl_min for p in checked) / sum(truths[p].d_t for p in checked)
         eta_run = (run_est.eta_debiased, run_est.interval(), truth_run)
     result = RegimeResult(trained.regime.name, list(truths), truths, cells, d_t, eta_rows, eta_run)
+    result.bought = _bought(run, trained.regime.prompts_per_step)
+    for pair, truth in truths.items():
+        lg = ledgers.get(pair)
+        if lg is not None and lg.d_t is not None and lg.d_t_se is not None:
+            result.d_t_report[pair] = (lg.d_t, lg.d_t_se, lg.d_t_dof, truth.d_t, truth.d_t_se)
     result.seconds["check"] = time.monotonic() - t0
     if replicates:
+        active = {}
+        if priced.metric is not None:
+            from reward_lens.measure.efficiency.metric import active_index
+
+            active = {pair: active_index(priced.metric.names, priced.metric.active_of(pair[0])) for pair in truths}
         result.replicates = _replicates(pools_, truths, names, replicates)
+        result.calibration = _calibration(pools_, truths, names, replicates, active)
     progress(f"{trained.regime.name}: checked in {time.monotonic() - t0:.0f} s")
     return result
 
 
 def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8, hs=(0, 4)) -> dict:
-    """The record's sampling redrawn ``r`` times from the oracle's samples (m rollouts of
-    pi_{t+1} and h held-out completions of pi_t per prompt), through the package's ledger: per
+    """The record's sampling redrawn ``r`` times from the oracle's samples, through the
+    package's ledger -- one-sided (h = 0: the m rollouts of pi_{t+1} per prompt the next
+    generation trained on, scored under pi_t) and two-sided (h > 0: as the tap measures a pair,
+    h extra completions per prompt from each policy, pi_t's and pi_{t+1}'s): per
     h, the cells whose mean estimate is biased beyond 3 standard errors of that mean (with
     the oracle's own error), the median |bias| / SD, and the median of the real SD over the
     reported SE."""
     import numpy as np
 
+    from reward_lens.measure.decisions import t_dof
     from reward_lens.measure.ledger.paired import paired_ledger
     from reward_lens.measure.ledger.price import StepSample
 
@@ -559,6 +657,7 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
     rng = np.random.default_rng(0)
     out = {}
     for h in hs:
+        mb = h if h else m  # side b: the extra completions of pi_{t+1} (two-sided), else the rollouts
         biased = total = covered = tried = 0
         ratios, sd_se = [], []
         d_in_band, d_mean, d_sd = [], [], []  # per pair: the share of draws in the band, mean / truth, SD / truth
@@ -568,7 +667,7 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
             for _ in range(r):
                 sb, sa = [], []
                 for g in np.unique(pool.groups["b"]):
-                    sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), m, replace=False))
+                    sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), mb, replace=False))
                     sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
                 ib, ia = np.concatenate(sb), np.concatenate(sa)
                 roll = StepSample(pair[1], tuple(names), pool.z["b"][ib], groups=pool.groups["b"][ib],
@@ -581,7 +680,8 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
                 if hasattr(lg, "delta_z") and lg.premise() is None:  # as the books: a failed premise is refused
                     est.append(lg.delta_z)
                     ses.append(lg.se)
-                    q = float(special.stdtrit(lg.n_groups - 1, 0.975))  # the t quantile the effect book uses
+                    # the t quantiles the effect book uses: the ledger's own degrees of freedom
+                    q = special.stdtrit(np.maximum(t_dof(lg, len(names)), 1.0), 0.975)
                     seen = lg.se > 0
                     off = np.abs(lg.delta_z - truth.dz) <= q * np.sqrt(lg.se ** 2 + truth.dz_se ** 2)
                     covered += int((off & seen).sum())
@@ -614,6 +714,146 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
     return out
 
 
+def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: dict, m: int = 4, h: int = 4) -> dict:
+    """The tap's two-sided sampling (m extra completions of pi_{t+1} and h of pi_t per prompt)
+    redrawn ``r`` times for the same prompts from the oracle's samples: per update and quantity,
+    the real SD of the estimate over the draws against the root mean square of the SE the
+    package reports (D_t's and dz's conditional on the prompts: the stratified jackknife over
+    each prompt's completions of each policy; eta's from the delete-one-group jackknife), and
+    how often its 95 % interval covers the truth (t on the SE's degrees of freedom, the oracle's
+    own error added). Per quantity: the ratios of every update, the coverage over every draw."""
+    import math
+
+    import numpy as np
+    from scipy import special
+
+    from reward_lens.measure.decisions import t_dof
+    from reward_lens.measure.efficiency.eta import paired_estimates
+    from reward_lens.measure.ledger.paired import paired_ledger
+    from reward_lens.measure.ledger.price import StepSample
+
+    rng = np.random.default_rng(1)
+    out = {q: {"ratio": [], "covered": 0, "draws": 0} for q in ("d_t", "dz", "eta")}
+
+    def q975(dof):
+        return float(special.stdtrit(max(dof, 1.0), 0.975)) if dof == dof and math.isfinite(dof) else 1.959963984540054
+
+    tails = []
+    for pair, pool in pools_.items():
+        truth = truths[pair]
+        lgs, logps = [], []
+        for _ in range(r):
+            sb, sa = [], []
+            for g in np.unique(pool.groups["b"]):
+                sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), m, replace=False))
+                sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
+            ib, ia = np.concatenate(sb), np.concatenate(sa)
+            roll = StepSample(pair[1], tuple(names), pool.z["b"][ib], groups=pool.groups["b"][ib],
+                              logp=pool.logp_t1["b"][ib], logp_prev=pool.logp_t["b"][ib], kl_prev=pool.kl["b"][ib])
+            held = StepSample(pair[1], tuple(names), pool.z["a"][ia], groups=pool.groups["a"][ia],
+                              logp=pool.logp_t1["a"][ia], logp_prev=pool.logp_t["a"][ia], kl_prev=pool.kl["a"][ia])
+            lg = paired_ledger(roll, heldout=held)
+            if getattr(lg, "d_t", None) is not None and lg.d_t_se is not None:
+                lgs.append(lg)
+                logps.append(np.r_[pool.logp_t1["b"][ib], pool.logp_t1["a"][ia]])  # the ledger's rows, in its order
+        if len(lgs) < 2:
+            continue
+        # D_t: every draw (the tap records it whatever the premises)
+        d = np.array([lg.d_t for lg in lgs])
+        se = np.array([lg.d_t_se for lg in lgs])
+        c = out["d_t"]
+        c["ratio"].append(d.std(ddof=1) / math.sqrt(np.mean(se ** 2)))
+        for lg, e, lp in zip(lgs, se, logps):
+            inside = abs(lg.d_t - truth.d_t) <= q975(lg.d_t_dof) * math.sqrt(e ** 2 + truth.d_t_se ** 2)
+            c["covered"] += inside
+            c["draws"] += 1
+            tails.append((_tail_values(lg, lp), not D_T_BAND[0] <= lg.d_t / truth.d_t <= D_T_BAND[1], not inside))
+        # dz and eta: the draws whose premises hold, as the books
+        ok = [lg for lg in lgs if lg.premise() is None]
+        if len(ok) >= 2:
+            dz = np.stack([lg.delta_z for lg in ok])
+            se = np.stack([lg.se for lg in ok])
+            c = out["dz"]
+            for j in range(len(names)):
+                pos = se[:, j] > 0
+                sd = dz[:, j].std(ddof=1)
+                if pos.sum() >= 2 and sd > 0:
+                    c["ratio"].append(sd / math.sqrt(np.mean(se[pos, j] ** 2)))
+                for lg, e in zip(ok, se[:, j]):
+                    if e > 0:
+                        tse = truth.dz_se[j]
+                        q = q975(t_dof(lg, len(names))[j])
+                        c["covered"] += abs(lg.delta_z[j] - truth.dz[j]) <= q * math.sqrt(e ** 2 + tse ** 2)
+                        c["draws"] += 1
+        idx = active.get(pair)
+        if idx is None or not len(idx) or len(ok) < 2:
+            continue
+        ests = paired_estimates([(lg, idx) for lg in ok])
+        c = out["eta"]
+        eta = np.array([e.eta_debiased for e in ests])
+        ses = np.array([e.se for e in ests])
+        if np.isfinite(ses).all() and eta.std(ddof=1) > 0:
+            c["ratio"].append(eta.std(ddof=1) / math.sqrt(np.mean(ses ** 2)))
+        c["covered"] += sum(lo <= truth.eta <= hi for lo, hi in (e.interval() for e in ests))
+        c["draws"] += len(ests)
+    out["tail"] = _tail_separation(tails) if tails else {}
+    return out
+
+
+# The tail diagnostics the issue proposed for a D_t whose sample missed where its KL sits, each
+# measured on the draws of ``_calibration`` (what it would flag, at the thresholds that flag a
+# quarter and a tenth of the draws) before any was chosen: (name, words, flags high values).
+TAIL_CANDIDATES = (
+    ("khat", "Pareto k-hat of the rows' contributions q_i kl_i to D_t", True),
+    ("ess", "effective sample size of the weaker side, per row", False),
+    ("max_kl", "largest token KL along a row over D_t (a bound from the largest log-ratio seen)", True),
+    ("unseen", "pi_{t+1}'s mass outside the sampled sequences times the largest KL seen, over D_t", True),
+)
+
+
+def _tail_values(lg, logp_next) -> dict:
+    """The candidates of ``TAIL_CANDIDATES`` on one paired sample (``logp_next``: log pi_{t+1}
+    of its rows, which names a sequence: equal rows of a group are one sequence)."""
+    import numpy as np
+
+    from reward_lens.measure.ledger.paired import mis_log_weights, pareto_khats
+
+    side = lg.heldout if lg.heldout is not None else np.zeros(len(lg.codes), dtype=bool)
+    q = np.exp(mis_log_weights(lg.log_ratio, lg.heldout, lg.codes, lg.n_groups)[0])
+    contrib = q * lg.kl * np.bincount(lg.codes)[lg.codes]
+    d = max(lg.d_t, 1e-300)
+    unseen = 0.0
+    for g in range(lg.n_groups):
+        rows = lg.codes == g
+        _, first = np.unique(np.round(logp_next[rows], 9), return_index=True)
+        unseen += max(0.0, 1.0 - float(np.exp(logp_next[rows][first]).sum())) * float(lg.kl[rows].max())
+    return {"khat": float(pareto_khats(np.log(np.maximum(contrib, 1e-300))[None])[0]),
+            "ess": min(lg.ess[0] / max(int(side.sum()), 1), lg.ess[1] / max(int((~side).sum()), 1)),
+            "max_kl": float(lg.kl.max()) / d, "unseen": unseen / lg.n_groups / d}
+
+
+def _tail_separation(draws: list) -> dict:
+    """For each candidate: at the thresholds that flag a quarter and a tenth of the draws, the
+    share of the band's misses, of the intervals' misses and of the other draws it flags.
+    ``draws``: (candidate values, misses the band, interval misses the truth)."""
+    import numpy as np
+
+    band = np.array([d[1] for d in draws])
+    ci = np.array([d[2] for d in draws])
+    out = {}
+    for name, _, high in TAIL_CANDIDATES:
+        v = np.array([d[0][name] for d in draws], dtype=np.float64)
+        v = np.where(np.isfinite(v), v, -np.inf if high else np.inf)
+        rows = []
+        for rate in (0.25, 0.10):
+            thr = np.quantile(v, 1 - rate if high else rate)
+            flag = v >= thr if high else v <= thr
+            rows.append((rate, float(thr), float(flag[band].mean()) if band.any() else float("nan"),
+                         float(flag[ci].mean()) if ci.any() else float("nan"), float(flag[~band & ~ci].mean())))
+        out[name] = rows
+    return out
+
+
 def machine() -> str:
     """What a run's trajectory depends on beyond the code and the seeds: the torch build and the
     CPU kernels it dispatches to. The training samples its rollouts from logits whose last bits
@@ -634,6 +874,9 @@ def summary_lines(res: RegimeResult) -> list[str]:
     d_old, n_old = res.d_t_within(1)
     cov, n_cov = res.eta_coverage()
     lines = [f"{res.regime}: {len(res.pairs)} step pairs, {len(res.cells)} (pair, feature) cells",
+             *([f"  the tap measured {res.bought[0]} of {res.bought[1]} step pairs: "
+                f"{res.bought[2]:g} of {res.bought[3]} prompt groups, {res.bought[4]:g} completions per group and "
+                "policy (medians)"] if res.bought else []),
              f"  D_t (record kl_to_previous) within [{D_T_BAND[0]}, {D_T_BAND[1]}]x the truth: {d_new} of {n_new} pairs; "
              f"the in-sample estimate it replaced: {d_old} of {n_old} (ratio "
              f"{min(v[1] / v[2] for v in res.d_t.values()):.2f}-{max(v[1] / v[2] for v in res.d_t.values()):.2f})",
@@ -653,10 +896,11 @@ def summary_lines(res: RegimeResult) -> list[str]:
         lines.append(f"  run-level eta {e:.3f} [{lo:.3f}, {hi:.3f}] against the truth {t:.3f}: "
                      f"{'covers' if lo <= t <= hi else 'MISSES'}")
     for h, s in sorted(res.replicates.items()):
-        lines.append(f"  replicates (8 rollouts{f' + {h} held-out' if h else ''} per prompt, {s['replicates']} each): "
+        shape = f"{h} + {h} completions per prompt, two-sided" if h else "8 completions of pi_t+1 per prompt, one-sided"
+        lines.append(f"  replicates ({shape}, {s['replicates']} each): "
                      f"{s['biased']} of {s['cells']} cells biased beyond 3 SE; median |bias|/SD "
                      f"{s['median_bias_over_sd']:.2f}; median real SD / reported SE {s['median_sd_over_se']:.2f}; "
-                     f"95 % intervals (t, G-1 dof) cover the truth in {100 * s['coverage']:.1f} % of identified cells")
+                     f"95 % intervals (t on the ledger's degrees of freedom) cover the truth in {100 * s['coverage']:.1f} % of identified cells")
     two = res.replicates.get(max(res.replicates, default=0))
     if two and two["d_t_in_band"] is not None:
         recorded = [v for v in res.d_t.values() if v[0] is not None]
@@ -671,11 +915,37 @@ def summary_lines(res: RegimeResult) -> list[str]:
                      f"{len(large)} in the band)")
     rel = [t.d_t_se / t.d_t for t in res.truths.values()]
     lines.append(f"  oracle's own error: median relative SE of D_t {np.median(rel):.3f}, max {np.max(rel):.3f}")
+    cal = res.calibration
+    if cal:
+        def ratio(c, key):
+            v = c[key]
+            return f"{np.median(v):.2f} [{np.min(v):.2f}, {np.max(v):.2f}]" if v else "-"
+
+        def cover(c, key):
+            return f"{100 * c[key] / c['draws']:.1f} %" if c["draws"] else "-"
+
+        lines.append(f"  calibration, the tap's sampling redrawn ({res.replicates.get(4, {}).get('replicates', '')} "
+                     "draws of 4 + 4 completions per prompt, the prompts fixed): real SD / reported SE, median "
+                     "[range] over updates; 95 % intervals covering the truth, over draws")
+        for q, words in (("d_t", "D_t"), ("dz", "dz"), ("eta", "eta")):
+            c = cal[q]
+            lines.append(f"    {words}: SD / SE {ratio(c, 'ratio')}; cover {cover(c, 'covered')} of {c['draws']}")
+    if cal.get("tail"):
+        lines.append("  tail diagnostics for D_t, on the same draws: the share of the band's misses, of the "
+                     "intervals' misses and of the other draws each flags, at the threshold that flags a quarter "
+                     "(a tenth) of the draws")
+        for name, words, _ in TAIL_CANDIDATES:
+            (_, _, b1, c1, o1), (_, _, b2, c2, o2) = cal["tail"][name]
+            lines.append(f"    {words}: {100 * b1:.0f} % ({100 * b2:.0f} %), {100 * c1:.0f} % ({100 * c2:.0f} %), "
+                         f"{100 * o1:.0f} % ({100 * o2:.0f} %)")
+    if res.d_t_report:
+        covered, total = res.d_t_coverage()
+        lines.append(f"  D_t on the record: 95 % intervals cover the truth on {covered} of {total} updates")
     return lines
 
 
 def run_regime(name: str, work: Path, n: int = 256, replicates: int = 20, progress=print,
-               cache: bool = False) -> RegimeResult:
+               cache: bool = False, **tap_kwargs) -> RegimeResult:
     """Train, draw the oracle's samples, check. ``cache``: keep the trained run and the samples
     in ``work`` and reuse them when they are there (for working on the estimators)."""
     import torch
@@ -688,7 +958,7 @@ def run_regime(name: str, work: Path, n: int = 256, replicates: int = 20, progre
         ps = load_pools(work / "pools.npz")
         t1 = t2 = time.monotonic()
     else:
-        trained = train(regime, work)
+        trained = train(regime, work, **tap_kwargs)
         progress(f"{name}: trained {regime.steps} steps with the tap in {trained.seconds:.0f} s")
         t1 = time.monotonic()
         ps = pools(trained, n, progress=progress)
@@ -709,19 +979,28 @@ def main(argv=None) -> None:
     ap.add_argument("--quote", action="store_true", help="print only the summary lines the docs quote")
     ap.add_argument("--replicates", type=int, default=20)
     ap.add_argument("--cache", type=Path, help="keep (and reuse) the trained runs and the oracle's samples here")
+    ap.add_argument("--budget", default="none", help="the tap's cost budget: 'none' (every pair measured whole, "
+                    "the default: a run that is the same on every run of the same machine), 'default' (the tap's "
+                    "own default) or a share of an untapped step")
+    ap.add_argument("--save", type=Path, help="also write what it printed to this file (bench/results/ for a quote)")
     args = ap.parse_args(argv)
-    print(machine(), flush=True)
+    tap = {} if args.budget == "default" else {"budget": None if args.budget == "none" else float(args.budget)}
+    printed = [machine() + ("" if args.budget == "none" else f", the tap's budget {args.budget}")]
+    print(printed[0], flush=True)
     for name in args.regime or ["moderate", "collapse"]:
         with tempfile.TemporaryDirectory() as tmp:
             work = args.cache / name if args.cache else Path(tmp)
             work.mkdir(parents=True, exist_ok=True)
             quiet = (lambda *_: None) if args.quote else print
             res = run_regime(name, work, args.n or DEFAULT_N[name], args.replicates, progress=quiet,
-                             cache=args.cache is not None)
+                             cache=args.cache is not None, **tap)
+            printed += summary_lines(res)
             print("\n".join(summary_lines(res)), flush=True)
             if not args.quote:
                 print(f"  ({res.seconds['total']:.0f} s: training {res.seconds['train']:.0f}, oracle "
                       f"{res.seconds['oracle']:.0f}, checks {res.seconds['check']:.0f})", flush=True)
+    if args.save:
+        args.save.write_text("\n".join(printed) + "\n")
 
 
 if __name__ == "__main__":
