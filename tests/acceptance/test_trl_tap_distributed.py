@@ -131,13 +131,29 @@ def _recomputed_d_t(tmp: Path, run, t: int, load=_checkpoint) -> tuple[float, fl
         r = float(lp_new.gather(-1, tgt).sum() - lp_old.gather(-1, tgt).sum())
         kl = float((lp_new.exp() * (lp_new - lp_old)).sum())
         by_group.setdefault(x["group_id"], []).append((held, r, kl))
-    per_group = []
-    for items in by_group.values():
+    def estimate(items, c):  # the group's D with row multiplicities c (the mixture the design's)
         n_a = sum(h for h, _, _ in items)
         n_b = len(items) - n_a
-        q = np.array([1.0 / (n_a * np.exp(-r) + n_b) for _, r, _ in items])
-        per_group.append(float((q / q.sum()) @ np.array([k for _, _, k in items])))
-    return float(np.mean(per_group)), float(np.std(per_group, ddof=1) / np.sqrt(len(per_group))), len(rows)
+        q = np.array([ci / (n_a * np.exp(-r) + n_b) for (_, r, _), ci in zip(items, c)])
+        return float((q / q.sum()) @ np.array([k for _, _, k in items]))
+
+    # its SE conditional on the prompts: each row deleted from its side of its group (the side's
+    # other rows weighing n_s / (n_s - 1)), the stratified jackknife's spread, summed, over G^2
+    per_group, var = [], 0.0
+    for items in by_group.values():
+        per_group.append(estimate(items, np.ones(len(items))))
+        for side in (True, False):
+            idx = [i for i, (h, _, _) in enumerate(items) if h == side]
+            if len(idx) < 2:
+                continue
+            dels = []
+            for i in idx:
+                c = np.ones(len(items))
+                c[idx] = len(idx) / (len(idx) - 1)
+                c[i] = 0.0
+                dels.append(estimate(items, c))
+            var += (len(idx) - 1) / len(idx) * float(((np.array(dels) - np.mean(dels)) ** 2).sum())
+    return float(np.mean(per_group)), float(np.sqrt(var) / len(per_group)), len(rows)
 
 
 def test_d_t_is_the_global_estimate(ddp):
