@@ -211,6 +211,7 @@ class Projection:
         self.window = 1
         self.rejected: Cause | None = None
         self.blocked: dict[str, Cause] = {}  # ledger id -> why it cannot form
+        self.prompt_groups: int | None = None  # prompt groups a step will hold, where known
 
 
 def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "config",
@@ -336,6 +337,7 @@ def _prompt_groups(pg, cfg: dict[str, Any], d: dict[str, Any], pr: Projection, w
     s = whole_number(steps, where, s_key, minimum=1) if steps is not None else 1
     g = whole_number(gens, where, pg.generations, minimum=1)
     groups = b * s // g
+    pr.prompt_groups = groups
     if groups >= pg.minimum:
         return
     says = _say("prompt_groups", batch_key=pg.batch, batch=b, steps_key=s_key, steps=s, gen_key=pg.generations,
@@ -484,8 +486,9 @@ def _finding_support(result: AuditOut, pr: Projection, targets=None) -> list[Fin
         # a config the trainer rejects logs nothing: no finding evaluates, whatever it would read
         lack = ([_say("run_rejected", key=pr.rejected.key)] if pr.rejected is not None
                 else missing_inputs(spec, present, books) + missing_target(spec, targets))
-        if not lack:  # a run shorter than the finding judges on: not evaluated, as the report will say
-            lack = _too_short_for(spec, pr)
+        if not lack:  # a run shorter than the finding judges on, or with too few prompt groups a
+            # step for it to read a step: not evaluated, as the report will say
+            lack = _too_short_for(spec, pr) or _too_few_groups_for(spec, pr)
         out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
                                   verdict="will not evaluate" if lack else "will evaluate", missing=lack))
     return out
@@ -506,6 +509,16 @@ def _too_short_for(spec, pr: Projection) -> list[str]:
     if best is None or best[0] >= need:
         return []
     return [_say("too_few_steps", need=need, fields=best[1], steps=best[0])]
+
+
+def _too_few_groups_for(spec, pr: Projection) -> list[str]:
+    """What a finding with a ``min_groups`` lacks where each step will hold fewer prompt groups
+    (the sequential findings read a step's level and spread across its groups); nothing where
+    the number is not known."""
+    need = spec.params.get("min_groups")
+    if not isinstance(need, int) or pr.prompt_groups is None or pr.prompt_groups >= need:
+        return []
+    return [_say("too_few_prompt_groups", need=need, groups=pr.prompt_groups)]
 
 
 def _coverage(pr: Projection) -> dict[str, FieldCoverage]:
@@ -532,6 +545,7 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
             if f not in pr.supplied:
                 pr.why_missing[f] = Cause(key=f, value=None, origin="record", says=_say("record_lacks", field=f))
         groups = _record_prompt_groups(run)
+        pr.prompt_groups = groups
         if groups is not None and groups < 2:  # as --ledger auto: the paired ledger cannot form on any step
             pr.blocked["paired"] = Cause(key="rollout.group_id", value=groups, origin="record",
                                          says=_say("record_prompt_groups", groups=groups))

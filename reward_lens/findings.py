@@ -344,9 +344,16 @@ def reward_plateau(d: FindingData, window: int = 5, fraction: float = 0.25, z: f
 # with the selection differential summed over the steps so far. They hold while a one-sided CUSUM
 # is at ``h`` or above, so the false-alarm rate is held over every look (docs/findings.md), and
 # their onset is where the sustained movement began, not where the sum crossed ``h``.
-def _watch_short(d: FindingData, min_steps: int) -> Outcome | None:
+def _watch_short(d: FindingData, min_steps: int, min_groups: int) -> Outcome | None:
     """Not evaluated on fewer than ``min_steps`` steps of rollouts: a step's level is read against
-    the steps before it, so one step alone says nothing (2 at the least)."""
+    the steps before it, so one step alone says nothing (2 at the least). A step is read from its
+    prompt groups (``min_groups``, the spec's statement of the watch's own ``MIN_GROUPS``, which
+    the audit reads to say beforehand that a run of one prompt a step will not be judged)."""
+    from reward_lens.measure.sequential import MIN_GROUPS
+
+    if min_groups != MIN_GROUPS:
+        raise ValueError(f"specs/findings: min_groups = {min_groups}, but the sequential watch reads a step "
+                         f"from {MIN_GROUPS} prompt groups or more")
     n = d.watch.steps if d.watch is not None else 0
     return _too_short(n, min_steps, 2, "sequential findings")
 
@@ -382,11 +389,11 @@ def _onset(rows: Sequence[dict[str, Any]]) -> int | None:
 
 
 def moving_against_reward(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_size: float = 0.25,
-                          min_steps: int = 2) -> Outcome:
+                          min_steps: int = 2, min_groups: int = 2) -> Outcome:
     """A behaviour the reward selects (its selection differential summed over the steps so far is
     ``z_sel`` SE from zero) has moved the other way: its level's CUSUM against the selection is at
     ``h`` or above, by at least ``min_size`` of its within-step standard deviation."""
-    if (short := _watch_short(d, min_steps)) is not None:
+    if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
     rows = []
     for name in d.watch.basis.names:
@@ -409,11 +416,11 @@ def _unexplained(d: FindingData, name: str, direction: int, z_explain: float, z_
 
 
 def collateral(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_explain: float = 2.0,
-               z_sel: float = 3.0, min_steps: int = 2) -> Outcome:
+               z_sel: float = 3.0, min_steps: int = 2, min_groups: int = 2) -> Outcome:
     """A behaviour moved (its CUSUM at ``h`` or above, by ``min_size`` within-step SDs or more)
     that no selection explains: its summed selection differential is under ``z_explain`` SE in the
     direction it moved (the reward-hacking signature in the named basis)."""
-    if (short := _watch_short(d, min_steps)) is not None:
+    if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
     rows = []
     for name in d.watch.basis.names:
@@ -429,10 +436,10 @@ def collateral(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_explain
 
 
 def length_drift(d: FindingData, h: float = 4.0, min_relative: float = 0.1, z_explain: float = 2.0,
-                 z_sel: float = 3.0, min_steps: int = 2) -> Outcome:
+                 z_sel: float = 3.0, min_steps: int = 2, min_groups: int = 2) -> Outcome:
     """A length feature moved (its CUSUM at ``h`` or above) by at least ``min_relative`` of its
     reference level, with no selection explaining it (as ``collateral``)."""
-    if (short := _watch_short(d, min_steps)) is not None:
+    if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
     rows = []
     for name in d.watch.basis.names:
@@ -460,7 +467,7 @@ def _bought(d: FindingData, h: float, min_size: float) -> list[dict[str, Any]]:
 
 
 def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: float = 3.0,
-                 min_steps: int = 2) -> Outcome:
+                 min_steps: int = 2, min_groups: int = 2) -> Outcome:
     """A declared target moved against what the user wants (its CUSUM at ``h``, by ``min_size``
     within-step SDs or more) while the reward did not fall with it: it rose (its level's CUSUM up
     at ``h``), or stayed flat (its CUSUM for a fall at zero at every step since the target's fall
@@ -468,7 +475,7 @@ def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: 
     steps so far, ``z_sel`` SE the wrong way). The proxy holds up while the gold falls (Gao et al.
     2022); a run whose reward falls with its target is collapsing, another finding's. Onset: the
     target's, or where the reward's rise began if it only rose and that is later."""
-    if (short := _watch_short(d, min_steps)) is not None:
+    if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
     reward = d.watch.reward
     rose = reward.cusum(1) >= h
@@ -495,12 +502,12 @@ def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: 
 
 
 def paid_for_drift(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_relative: float = 0.5,
-                   min_size: float = 0.25, min_steps: int = 2) -> Outcome:
+                   min_size: float = 0.25, min_steps: int = 2, min_groups: int = 2) -> Outcome:
     """A behaviour that is not a target grew, in the direction the reward selects it (summed
     selection differential ``z_sel`` SE from zero), by at least ``min_relative`` of its reference
     level and ``min_size`` within-step SDs (its CUSUM at ``h`` or above), while no declared target
     moved the way the user wants: the reward buys its own proxy, not the target."""
-    if (short := _watch_short(d, min_steps)) is not None:
+    if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
     bought = _bought(d, h, min_size)
     rows = []

@@ -11,7 +11,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-BASE = "num_generations: 8\nlogging_steps: 1\nmax_steps: 100\n"
+BASE = "num_generations: 8\nper_device_train_batch_size: 16\nlogging_steps: 1\nmax_steps: 100\n"  # 2 prompt groups a step
 
 
 def supported(log_completions: bool) -> tuple[list[str], list[str], int]:

@@ -106,6 +106,11 @@ class StepStats:
     selection_se: np.ndarray | None  # (k,)
 
 
+# The fewest prompt groups a step is read from: its level is the mean of the group means and its
+# spread is read between them (the sequential findings' specs state it as ``min_groups``).
+MIN_GROUPS = 2
+
+
 def step_stats(sample) -> StepStats | None:
     """``StepStats`` of one ``StepSample`` (features, rewards, advantages, groups); None for a
     step without prompt groups (the units) or with fewer than two of them."""
@@ -115,7 +120,7 @@ def step_stats(sample) -> StepStats | None:
     if sample.groups is None or sample.n == 0:
         return None
     codes, g = sample_codes(sample)
-    if g < 2:
+    if g < MIN_GROUPS:
         return None
     z = np.asarray(sample.z, dtype=float)
     r = (np.asarray(sample.rewards, dtype=float) if sample.rewards is not None

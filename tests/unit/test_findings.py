@@ -251,12 +251,21 @@ def test_the_audit_says_which_findings_a_config_supports(tmp_path):
     from reward_lens.audit import audit
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("num_generations: 8\nlogging_steps: 1\nmax_steps: 50\nlog_completions: true\n")
+    cfg.write_text("num_generations: 8\nper_device_train_batch_size: 16\nlogging_steps: 1\nmax_steps: 50\n"
+                   "log_completions: true\n")
     plain = {f.finding: f for f in audit(cfg).findings}
     assert plain["kl_spikes"].verdict == "will not evaluate" and plain["kl_spikes"].missing == ["kl_to_previous"]
     assert plain["advantage_collapse"].verdict == "will evaluate"
     tapped = {f.finding: f for f in audit(cfg, with_tap=True).findings}
     assert all(f.verdict == "will evaluate" for f in tapped.values())
+    # TRL's default batch (8 completions, 8 per prompt) holds one prompt group a step on one process:
+    # the sequential findings read a step from two or more, and the audit says so beforehand
+    one = tmp_path / "one.yaml"
+    one.write_text("num_generations: 8\nlogging_steps: 1\nmax_steps: 50\nlog_completions: true\n")
+    single = {f.finding: f for f in audit(one, with_tap=True).findings}
+    for fid in ("moving_against_reward", "collateral_behaviour", "length_drift"):
+        assert single[fid].verdict == "will not evaluate" and "2 prompt groups a step" in single[fid].missing[0]
+    assert single["advantage_collapse"].verdict == "will evaluate"
     r = subprocess.run(CLI + ["audit", str(cfg)], capture_output=True, text=True)
     assert "kl_spikes                 will not evaluate  kl_to_previous" in r.stdout
 

@@ -171,7 +171,8 @@ def test_the_audit_says_a_finding_that_reads_a_target_needs_one(tmp_path):
     from reward_lens.measure.ledger.features import SurfaceFeatures
 
     cfg = tmp_path / "c.yaml"
-    cfg.write_text("num_generations: 8\nlogging_steps: 1\nmax_steps: 50\nlog_completions: true\n")
+    cfg.write_text("num_generations: 8\nper_device_train_batch_size: 16\nlogging_steps: 1\nmax_steps: 50\n"
+                   "log_completions: true\n")
     task = {f.finding: f for f in audit(cfg, with_tap=True, features=load_basis(REPO / "examples" / "features"
                                                                                / "task.yaml")).findings}
     surface = {f.finding: f for f in audit(cfg, with_tap=True, features=SurfaceFeatures()).findings}
