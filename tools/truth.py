@@ -638,6 +638,24 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) 
     return result
 
 
+def _draw(pool: Pool, pair: tuple[int, int], names: list[str], rng, m: int, h: int):
+    """One redraw of the record's sampling from the oracle's samples of a pair: ``m`` of pi_{t+1}'s
+    and ``h`` of pi_t's per prompt, without replacement. Returns the two sides as StepSamples and
+    log pi_{t+1} of their rows in the ledger's order (side b, then side a)."""
+    import numpy as np
+
+    from reward_lens.measure.ledger.price import StepSample
+
+    sb, sa = [], []
+    for g in np.unique(pool.groups["b"]):
+        sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), m, replace=False))
+        sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
+    ib, ia = np.concatenate(sb), np.concatenate(sa)
+    sides = [StepSample(pair[1], tuple(names), pool.z[k][i], groups=pool.groups[k][i], logp=pool.logp_t1[k][i],
+                        logp_prev=pool.logp_t[k][i], kl_prev=pool.kl[k][i]) for k, i in (("b", ib), ("a", ia))]
+    return sides[0], sides[1], np.r_[pool.logp_t1["b"][ib], pool.logp_t1["a"][ia]]
+
+
 def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8, hs=(0, 4)) -> dict:
     """The record's sampling redrawn ``r`` times from the oracle's samples, through the
     package's ledger -- one-sided (h = 0: the m rollouts of pi_{t+1} per prompt the next
@@ -650,7 +668,6 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
 
     from reward_lens.measure.decisions import t_dof
     from reward_lens.measure.ledger.paired import paired_ledger
-    from reward_lens.measure.ledger.price import StepSample
 
     from scipy import special
 
@@ -665,15 +682,7 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
             truth = truths[pair]
             est, ses, d_ts = [], [], []
             for _ in range(r):
-                sb, sa = [], []
-                for g in np.unique(pool.groups["b"]):
-                    sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), mb, replace=False))
-                    sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
-                ib, ia = np.concatenate(sb), np.concatenate(sa)
-                roll = StepSample(pair[1], tuple(names), pool.z["b"][ib], groups=pool.groups["b"][ib],
-                                  logp=pool.logp_t1["b"][ib], logp_prev=pool.logp_t["b"][ib], kl_prev=pool.kl["b"][ib])
-                held = StepSample(pair[1], tuple(names), pool.z["a"][ia], groups=pool.groups["a"][ia],
-                                  logp=pool.logp_t1["a"][ia], logp_prev=pool.logp_t["a"][ia], kl_prev=pool.kl["a"][ia])
+                roll, held, _ = _draw(pool, pair, names, rng, mb, h)
                 lg = paired_ledger(roll, heldout=held if h else None)
                 if getattr(lg, "d_t", None) is not None:  # the tap's D_t: recorded whatever the premises
                     d_ts.append(lg.d_t / truth.d_t)
@@ -730,7 +739,6 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
     from reward_lens.measure.decisions import t_dof
     from reward_lens.measure.efficiency.eta import paired_estimates
     from reward_lens.measure.ledger.paired import paired_ledger
-    from reward_lens.measure.ledger.price import StepSample
 
     rng = np.random.default_rng(1)
     out = {q: {"ratio": [], "covered": 0, "draws": 0} for q in ("d_t", "dz", "eta")}
@@ -743,19 +751,11 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         truth = truths[pair]
         lgs, logps = [], []
         for _ in range(r):
-            sb, sa = [], []
-            for g in np.unique(pool.groups["b"]):
-                sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), m, replace=False))
-                sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
-            ib, ia = np.concatenate(sb), np.concatenate(sa)
-            roll = StepSample(pair[1], tuple(names), pool.z["b"][ib], groups=pool.groups["b"][ib],
-                              logp=pool.logp_t1["b"][ib], logp_prev=pool.logp_t["b"][ib], kl_prev=pool.kl["b"][ib])
-            held = StepSample(pair[1], tuple(names), pool.z["a"][ia], groups=pool.groups["a"][ia],
-                              logp=pool.logp_t1["a"][ia], logp_prev=pool.logp_t["a"][ia], kl_prev=pool.kl["a"][ia])
+            roll, held, logp = _draw(pool, pair, names, rng, m, h)
             lg = paired_ledger(roll, heldout=held)
             if getattr(lg, "d_t", None) is not None and lg.d_t_se is not None:
                 lgs.append(lg)
-                logps.append(np.r_[pool.logp_t1["b"][ib], pool.logp_t1["a"][ia]])  # the ledger's rows, in its order
+                logps.append(logp)
         if len(lgs) < 2:
             continue
         # D_t: every draw (the tap records it whatever the premises)
