@@ -333,7 +333,7 @@ def _clusters(adjacent: np.ndarray) -> list[list[int]]:
     return out
 
 
-def _step_selection(every: list[StepSample], sel: list[StepSample]) -> tuple[np.ndarray, np.ndarray]:
+def step_selection(every: list[StepSample], sel: list[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """``_selection_arrays(sel)``: each step's differential is its own rows' alone, so where
     ``every`` step with advantages and groups lies in one run of the report's read (a view, no
     copy), they are worked out for all of them, once (memoised on the read), and ``sel``'s rows
@@ -373,7 +373,7 @@ def cause_series(ledgers: Sequence[Ledger], samples: Sequence[StepSample], metri
     arrays = ledger_arrays(ledgers) if ledgers else None
     ts = arrays.step_pairs[:, 0].tolist() if arrays is not None else []
     sel = list({t: by_step[t] for t in ts if t in by_step}.values())  # each step once, in ledger order
-    s_of, se_of = _step_selection(list(by_step.values()), sel)
+    s_of, se_of = step_selection(list(by_step.values()), sel)
     row_of = {x.step: i for i, x in enumerate(sel)}
     kept, rows, actives = [], [], []  # the ledgers priced: their place, their step's differential and active set
     for q, t in enumerate(ts):

@@ -114,38 +114,106 @@ MIN_GROUPS = 2
 def step_stats(sample) -> StepStats | None:
     """``StepStats`` of one ``StepSample`` (features, rewards, advantages, groups); None for a
     step without prompt groups (the units) or with fewer than two of them."""
-    from reward_lens.measure.cause import selection_differentials
-    from reward_lens.measure.ledger.price import sample_codes
+    block = step_block([sample])
+    return block.row(0) if len(block.steps) else None
 
-    if sample.groups is None or sample.n == 0:
-        return None
-    codes, g = sample_codes(sample)
-    if g < MIN_GROUPS:
-        return None
+
+@dataclass(frozen=True)
+class StepBlock:
+    """``StepStats`` of many steps as arrays, row i for the i-th step read (steps in the order
+    given): what ``RunWatch.observe_block`` takes at once. ``has_selection`` marks the steps with
+    advantages (the others' selection rows are NaN)."""
+
+    steps: np.ndarray  # (S,) int
+    level: np.ndarray  # (S, m)
+    groups: np.ndarray  # (S,) int
+    ss_between: np.ndarray  # (S, m)
+    n: np.ndarray  # (S,) int
+    ss_rows: np.ndarray  # (S, m)
+    selection: np.ndarray  # (S, k)
+    selection_se: np.ndarray  # (S, k)
+    has_selection: np.ndarray  # (S,) bool
+
+    def row(self, i: int) -> StepStats:
+        sel = self.has_selection[i]
+        return StepStats(int(self.steps[i]), self.level[i], int(self.groups[i]), self.ss_between[i], int(self.n[i]),
+                         self.ss_rows[i], self.selection[i] if sel else None, self.selection_se[i] if sel else None)
+
+
+def step_block(samples: Sequence) -> StepBlock:
+    """``step_stats`` of every sample that has at least ``MIN_GROUPS`` prompt groups. Steps that
+    share a layout (n rollouts in G consecutive groups of n / G, TRL's) are summed as one
+    (steps, G, n / G, m) array, without Python per step; any other step on its own."""
+    from reward_lens.measure.cause import step_selection
+    from reward_lens.measure.ledger.price import blocks, sample_codes
+
+    ok, codes_of = [], []
+    for s in samples:
+        if s.groups is None or s.n == 0:
+            continue
+        codes, g = sample_codes(s)
+        if g >= MIN_GROUPS:
+            ok.append(s)
+            codes_of.append((codes, g))
+    k = samples[0].z.shape[1] if samples else 0
+    m = k + 1
+    size = len(ok)
+    level, ss_between, ss_rows = (np.empty((size, m)) for _ in range(3))
+    gs = np.fromiter((g for _, g in codes_of), np.int64, size)
+    ns = np.fromiter((s.n for s in ok), np.int64, size)
+    layouts: dict[tuple[int, int], list[int]] = {}
+    for i, (codes, g) in enumerate(codes_of):
+        layouts.setdefault((int(ns[i]), g) if blocks(codes, g) else (-1 - i, g), []).append(i)
+    for (n, g), rows in layouts.items():
+        if n < 0:  # groups not in equal consecutive blocks: this step alone
+            codes = codes_of[rows[0]][0]
+            x = _series(ok[rows[0]])[None]
+            size_g = np.bincount(codes, minlength=g).astype(float)
+            gm = np.stack([np.bincount(codes, weights=x[0, :, j], minlength=g) for j in range(m)], 1)[None] / size_g[:, None]
+        else:
+            x = np.stack([_series(ok[i]) for i in rows])  # (S', n, m)
+            gm = x.reshape(len(rows), g, n // g, m).sum(axis=2) / float(n // g)  # each group's sums in row order
+        # the reductions over one axis of a stack give each step the numbers it gets alone
+        lv = gm.mean(axis=1)
+        level[rows] = lv
+        ss_between[rows] = ((gm - lv[:, None, :]) ** 2).sum(axis=1)
+        ss_rows[rows] = ((x - x.mean(axis=1)[:, None, :]) ** 2).sum(axis=1)
+    has_sel = np.array([s.advantages is not None and bool(np.isfinite(np.asarray(s.advantages, dtype=float)).all())
+                        for s in ok], dtype=bool)
+    sel = np.full((size, k), np.nan)
+    se = np.full((size, k), np.nan)
+    if has_sel.any():  # the cause book's per-step differentials (worked out once per read, memoised)
+        every = [s for s in samples if s.advantages is not None and s.groups is not None]
+        sel[has_sel], se[has_sel] = step_selection(every, [s for s, h in zip(ok, has_sel.tolist()) if h])
+    steps = np.fromiter((int(s.step) for s in ok), np.int64, size)
+    return StepBlock(steps, level, gs, ss_between, ns, ss_rows, sel, se, has_sel)
+
+
+def _series(sample) -> np.ndarray:
+    """A step's rows of every series: its features, then its reward (NaN without rewards)."""
     z = np.asarray(sample.z, dtype=float)
-    r = (np.asarray(sample.rewards, dtype=float) if sample.rewards is not None
-         else np.full(sample.n, np.nan))
-    x = np.column_stack([z, r])  # (n, k + 1)
-    size = np.bincount(codes, minlength=g).astype(float)
-    gm = np.stack([np.bincount(codes, weights=x[:, j], minlength=g) for j in range(x.shape[1])], 1) / size[:, None]
-    level = gm.mean(axis=0)
-    ss_between = ((gm - level) ** 2).sum(axis=0)
-    ss_rows = ((x - x.mean(axis=0)) ** 2).sum(axis=0)
-    sel = se = None
-    if sample.advantages is not None and np.isfinite(np.asarray(sample.advantages, dtype=float)).all():
-        sel, se = selection_differentials([sample])[sample.step]
-        sel, se = np.asarray(sel, dtype=float), np.asarray(se, dtype=float)
-    return StepStats(int(sample.step), level, int(g), ss_between, int(sample.n), ss_rows, sel, se)
+    r = np.asarray(sample.rewards, dtype=float) if sample.rewards is not None else np.full(sample.n, np.nan)
+    return np.column_stack([z, r])
 
 
 def normal_score(w: float, df: float) -> float:
     """Student's t on ``df`` degrees of freedom mapped to the standard normal with the same
     tail probability (Hawkins's normal scores), clipped at ``U_MAX``."""
-    if not math.isfinite(w):
-        return math.copysign(U_MAX, w) if w == w else 0.0
-    tail = float(special.stdtr(df, -abs(w))) if df > 0 else float(special.ndtr(-abs(w)))
-    u = -float(special.ndtri(tail)) if tail > 0 else U_MAX  # a tail beyond float64: past the clip anyway
-    return max(-U_MAX, min(U_MAX, math.copysign(abs(u), w)))
+    return float(normal_scores(np.array([w], dtype=float), np.array([df], dtype=float))[0])
+
+
+def normal_scores(w: np.ndarray, df: np.ndarray) -> np.ndarray:
+    """``normal_score`` of arrays (elementwise, the same ufuncs and so the same numbers)."""
+    w, df = np.asarray(w, dtype=float), np.asarray(df, dtype=float)
+    finite = np.isfinite(w)
+    aw = np.where(finite, -np.abs(w), 0.0)
+    with np.errstate(invalid="ignore"):
+        tail = np.where(df > 0, special.stdtr(np.where(df > 0, df, 1.0), aw), special.ndtr(aw))
+        u = np.where(tail > 0, -special.ndtri(np.where(tail > 0, tail, 0.5)), U_MAX)  # a tail beyond float64: past the clip
+    u = np.minimum(U_MAX, np.copysign(np.abs(u), w))
+    u = np.maximum(-U_MAX, u)
+    # not finite: +-inf is past the clip, NaN scores nothing
+    return np.where(finite, u, np.where(np.isnan(w), 0.0, np.copysign(U_MAX, w)))
 
 
 @dataclass
@@ -182,6 +250,32 @@ class OneSided:
             self.recent = [*self.recent, (groups, level)][-RECENT:]
             self.last_active = step
         self.c = c
+
+    def add_many(self, steps: np.ndarray, u: np.ndarray, groups: np.ndarray, level: np.ndarray,
+                 reference: np.ndarray, spread: np.ndarray) -> None:
+        """``add`` of every step in order (arrays; ``spread`` NaN where there was none): the sum's
+        recursion step by step in floats, the stretch's bookkeeping from where it ends."""
+        c0 = c = self.c
+        sums = []
+        for du in (self.direction * u).tolist():
+            c = max(0.0, c + du - K)  # as ``add`` computes it, in the same order
+            sums.append(c)
+        sums = np.array(sums)
+        positive = sums > 0
+        self.c = c
+        if positive.any():
+            self.last_active = int(steps[np.flatnonzero(positive)[-1]])
+        if not c > 0:
+            self.since, self.reference, self.spread, self.recent = None, None, None, []
+            return
+        zeros = np.flatnonzero(~positive)
+        start = int(zeros[-1]) + 1 if len(zeros) else 0  # the stretch's first step among these
+        if start > 0 or c0 <= 0:  # a stretch began among these steps: the level from before it
+            sp = float(spread[start])
+            self.since, self.reference = int(steps[start]), float(reference[start])
+            self.spread, self.recent = (sp if sp == sp else None), []
+        tail = range(max(start, len(sums) - RECENT), len(sums))
+        self.recent = [*self.recent, *((int(groups[i]), float(level[i])) for i in tail)][-RECENT:]
 
 
 @dataclass
@@ -248,6 +342,43 @@ class SeriesWatch:
         self.rows_ss += ss_rows
         self.rows_df += n - 1
 
+    def observe_many(self, steps: np.ndarray, level: np.ndarray, groups: np.ndarray, ss_between: np.ndarray,
+                     n: np.ndarray, ss_rows: np.ndarray) -> None:
+        """``observe`` of every step in order (arrays over steps), leaving the state that many
+        calls leave: the reference's running sums as cumulative sums (the same additions in the
+        same order), the scores in one vectorised pass, only the CUSUM's recursion step by step."""
+        ok = np.isfinite(level)
+        if not ok.all():
+            steps, level, groups, ss_between, n, ss_rows = (x[ok] for x in (steps, level, groups, ss_between, n,
+                                                                          ss_rows))
+        if not len(level):
+            return
+        g = groups.astype(float)
+        # the running sums after each step (cumsum adds in order, as the calls do), and before it
+        ref_sum = np.cumsum(np.r_[self.ref_sum, g * level])
+        ref_n = np.cumsum(np.r_[self.ref_n, g])
+        ss = np.cumsum(np.r_[self.ss, ss_between])
+        df = np.cumsum(np.r_[self.df, g - 1.0])  # integers in float64: exact whichever the order
+        rows_ss = np.cumsum(np.r_[self.rows_ss, ss_rows])
+        rows_df = np.cumsum(np.r_[self.rows_df, n.astype(float) - 1.0])
+        scored = ref_n[:-1] > 0  # a step with a reference before it
+        with np.errstate(divide="ignore", invalid="ignore"):
+            var = np.where(df[1:] > 0, ss[1:] / df[1:], 0.0)
+            reference = ref_sum[:-1] / ref_n[:-1]
+            w = (level - reference) / np.sqrt(var * (1.0 / g + 1.0 / ref_n[:-1]))
+            spread = np.sqrt(rows_ss[:-1] / rows_df[:-1])
+        u = np.where(var > 0, normal_scores(np.where(var > 0, w, 0.0), df[1:]), 0.0)
+        has_spread = rows_df[:-1] > 0
+        idx = np.flatnonzero(scored)
+        if len(idx):
+            self.last_score = float(u[idx[-1]])
+            for side in (self.up_side, self.down_side):
+                side.add_many(steps[idx], u[idx], groups[idx], level[idx], reference[idx],
+                              np.where(has_spread[idx], spread[idx], np.nan))
+        self.steps += len(level)
+        self.ref_sum, self.ref_n, self.ss, self.df = float(ref_sum[-1]), float(ref_n[-1]), float(ss[-1]), float(df[-1])
+        self.rows_ss, self.rows_df = float(rows_ss[-1]), float(rows_df[-1])
+
 
 @dataclass
 class RunWatch:
@@ -289,6 +420,39 @@ class RunWatch:
             self.selection = sel if self.selection is None else self.selection + sel
             self.selection_var = se2 if self.selection_var is None else self.selection_var + se2
 
+    def observe_block(self, block: StepBlock) -> None:
+        """``observe`` of every row of ``block`` in order, leaving the same state (a test checks it
+        number for number against the calls): what ``reward-lens check`` does with a whole run."""
+        steps = block.steps
+        if not len(steps):
+            return
+        # the steps ``observe`` would take: each later than every step before it
+        prior = np.maximum.accumulate(np.r_[self.last_step if self.last_step is not None else np.iinfo(np.int64).min,
+                                            steps[:-1]])
+        take = steps > prior
+        if not take.all():
+            block = StepBlock(*(x[take] for x in (block.steps, block.level, block.groups, block.ss_between, block.n,
+                                                   block.ss_rows, block.selection, block.selection_se,
+                                                   block.has_selection)))
+            steps = block.steps
+            if not len(steps):
+                return
+        self.last_step = int(steps[-1])
+        self.steps += len(steps)
+        keys = (*self.basis.names, self._reward_key())
+        for j, name in enumerate(keys):
+            self.series[name].observe_many(steps, block.level[:, j], block.groups, block.ss_between[:, j], block.n,
+                                           block.ss_rows[:, j])
+        if block.has_selection.any():
+            sel = block.selection[block.has_selection]
+            se = block.selection_se[block.has_selection]
+            se2 = np.where(np.isfinite(se), se ** 2, 0.0)
+            sel = np.where(np.isfinite(sel), sel, 0.0)
+            if self.selection is not None:  # the running sums carry on from them, in the same order
+                sel, se2 = np.vstack([self.selection, sel]), np.vstack([self.selection_var, se2])
+            self.selection = np.cumsum(sel, axis=0)[-1]
+            self.selection_var = np.cumsum(se2, axis=0)[-1]
+
     def selected(self, name: str, z_sel: float) -> tuple[int, float | None]:
         """The direction in which the reward selects ``name`` (+1, -1; 0 when the summed
         differential is not ``z_sel`` SE from zero) and its z."""
@@ -315,10 +479,7 @@ class RunWatch:
 def watch_samples(samples: Sequence, basis: WatchBasis) -> RunWatch:
     """A ``RunWatch`` fed every step of ``samples`` in order (what ``reward-lens check`` reads)."""
     w = RunWatch(basis)
-    for s in sorted(samples, key=lambda x: x.step):
-        st = step_stats(s)
-        if st is not None:
-            w.observe(st)
+    w.observe_block(step_block(sorted(samples, key=lambda x: x.step)))
     return w
 
 

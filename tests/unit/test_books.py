@@ -302,7 +302,7 @@ def test_the_differentials_of_some_steps_are_those_worked_out_for_every_step_of_
     steps alone, steps left out in between."""
     from pathlib import Path
 
-    from reward_lens.measure.cause import _selection_arrays, _step_selection
+    from reward_lens.measure.cause import _selection_arrays, step_selection
     from reward_lens.measure.ledger.features import SurfaceFeatures
     from reward_lens.measure.ledger.price import steps_from_run
     from reward_lens.record.reader import open_run
@@ -310,7 +310,7 @@ def test_the_differentials_of_some_steps_are_those_worked_out_for_every_step_of_
     run = open_run(Path(__file__).parents[1] / "fixtures" / "grpo_run" / "paired")
     every = steps_from_run(run, SurfaceFeatures())
     sel = [s for s in every if s.step % 3 != 1][::-1]
-    got, want = _step_selection(every, sel), _selection_arrays(sel)
+    got, want = step_selection(every, sel), _selection_arrays(sel)
     assert any(k[0] == "selection_differentials" for k in every[0].stack._memo)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)

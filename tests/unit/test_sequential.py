@@ -178,3 +178,57 @@ def test_selection_sums_the_cause_books_differentials():
     se = math.sqrt(sum(per[s.step][1][0] ** 2 for s in samples))
     direction, z = w.selected("correct", 3.0)
     assert z == pytest.approx(total / se, rel=1e-12) and direction == 1  # the reward pays for it
+
+
+def _watch_state(w: sq.RunWatch) -> str:
+    """Every number a watch holds, exactly (repr of floats: the last bit counts)."""
+    out = [w.last_step, w.steps, None if w.selection is None else w.selection.tolist(),
+           None if w.selection_var is None else w.selection_var.tolist()]
+    for name, s in w.series.items():
+        out.append((name, s.ref_sum, s.ref_n, s.ss, s.df, s.rows_ss, s.rows_df, s.last_score, s.steps))
+        for o in (s.up_side, s.down_side):
+            out.append((o.c, o.since, o.reference, o.spread, list(o.recent), o.last_active))
+    return repr(out)
+
+
+def _irregular_run(rng, steps: int = 120) -> list:
+    """Steps of 1, 2, 4 or 8 groups (a step of one group is not read), some in shuffled order (not
+    consecutive blocks), some without rewards or advantages, a step recorded twice, a rise of the
+    first feature half-way: every path of the watch's reading."""
+    out = []
+    for t in range(steps):
+        g = int(rng.choice([1, 2, 4, 8]))
+        groups = np.repeat(np.arange(g), 6)
+        if rng.random() < 0.2:
+            groups = rng.permutation(groups)
+        n = len(groups)
+        z = rng.normal(size=(n, 3)) + (1.2 if t > steps // 2 else 0.0) * np.array([1.0, 0.0, 0.0])
+        rewards = rng.normal(size=n) if rng.random() > 0.1 else None
+        adv = rng.normal(size=n) if rng.random() > 0.15 else None
+        out.append(StepSample(t - 1 if t and rng.random() < 0.03 else t, ("a", "b", "c"), z, rewards=rewards,
+                              advantages=adv, groups=groups))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_whole_run_read_at_once_is_the_steps_read_one_by_one(seed):
+    """``watch_samples`` reads a run in one pass (cumulative sums, one vectorised pass of scores,
+    only the CUSUM's recursion per step); the tap feeds ``observe`` a step at a time. Both must
+    hold the same watch to the last bit: the report's findings and the live ones are one rule."""
+    rng = np.random.default_rng(seed)
+    samples = _irregular_run(rng)
+    basis = sq.WatchBasis(("a", "b", "c"))
+    one_by_one = sq.RunWatch(basis)
+    for s in sorted(samples, key=lambda x: x.step):
+        st = sq.step_stats(s)
+        if st is not None:
+            one_by_one.observe(st)
+    at_once = sq.watch_samples(samples, basis)
+    assert at_once.series["a"].up >= 5.0  # the rise is seen: the comparison covers a movement
+    assert _watch_state(at_once) == _watch_state(one_by_one)
+    # a block may also continue a watch that has already read steps (the first half, then the rest)
+    half = sorted(samples, key=lambda x: x.step)
+    split = sq.RunWatch(basis)
+    split.observe_block(sq.step_block(half[:60]))
+    split.observe_block(sq.step_block(half[60:]))
+    assert _watch_state(split) == _watch_state(one_by_one)
