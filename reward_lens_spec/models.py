@@ -129,6 +129,9 @@ class BookReport(_Strict):
     md: str
     html: str
     order: int = 0  # place of the section on the page
+    # the books whose results the builder reads (``ctx.result``): built before it; the books
+    # that need none of each other are built at once, on threads (``RunContext.results``)
+    needs: list[str] = Field(default_factory=list)
 
 
 class BookSpec(_Strict):

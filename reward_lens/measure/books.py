@@ -9,12 +9,16 @@ function that builds its section, the model of its data and its templates), one 
 report's feature basis, the priced run (ledgers, the metric G, the cost book), and the run's
 decisions (which step pairs are refused, usable, priced, resolved; which features moved:
 ``measure.decisions``), which every book, the card and the diff read instead of deciding
-again. A book that needs another's result asks the context for it (``ctx.result("cost")``).
+again. A book that needs another's result asks the context for it (``ctx.result("cost")``) and
+names it in its spec (``report.needs``): ``results`` builds the books whose needs are met
+concurrently, on threads (their arithmetic is numpy's, which releases the GIL), each shared input
+still computed once (``cached`` holds a lock per key while it computes).
 """
 
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,12 +70,20 @@ class RunContext:
         self.collectors = list(collectors)  # fed by the pass that reads the samples (RowCollector)
         self.collected = False
         self._cache: dict[str, Any] = {}
-        self._results: dict[str, BookResult] = {}
         self.specs: dict[str, BookSpec] = {}
+        self._locks: dict[str, threading.RLock] = {}
+        self._lock = threading.Lock()
 
     def cached(self, key: str, make: Callable[[], Any]) -> Any:
-        if key not in self._cache:
-            self._cache[key] = make()
+        """``make()``, once per key: a book on another thread that asks for the same key while
+        it is being computed waits for it instead of computing it again."""
+        if key in self._cache:
+            return self._cache[key]
+        with self._lock:
+            lock = self._locks.setdefault(key, threading.RLock())
+        with lock:
+            if key not in self._cache:
+                self._cache[key] = make()
         return self._cache[key]
 
     @property
@@ -107,9 +119,30 @@ class RunContext:
 
     def result(self, book_id: str) -> BookResult:
         """Another book's result (computed now if it has not been)."""
-        if book_id not in self._results:
-            spec = self.specs[book_id]
-            if spec.report is None:
-                raise RuntimeError(f"specs/books/{book_id}.yaml names no report builder")
-            self._results[book_id] = import_object(spec.report.builder)(self)
-        return self._results[book_id]
+        return self.cached(f"book:{book_id}", lambda: self._build(book_id))
+
+    def _build(self, book_id: str) -> BookResult:
+        spec = self.specs[book_id]
+        if spec.report is None:
+            raise RuntimeError(f"specs/books/{book_id}.yaml names no report builder")
+        return import_object(spec.report.builder)(self)
+
+    def results(self, book_ids: Sequence[str], workers: int | None = None) -> dict[str, BookResult]:
+        """Every book of ``book_ids``: those whose ``report.needs`` are built, on threads at
+        once, then those that needed them (an error is raised as the book's own, first in
+        ``book_ids`` order among the books built together)."""
+        from reward_lens.measure.ledger.price import in_threads
+
+        pending = list(book_ids)
+        while pending:
+            ready = [b for b in pending if all(f"book:{n}" in self._cache for n in self._needs(b))]
+            if not ready:  # needs outside book_ids, or a cycle: built in order, as ``result`` would
+                ready = pending[:1]
+            for _ in in_threads(iter(ready), self.result, workers=workers if workers is not None else len(ready)):
+                pass
+            pending = [b for b in pending if f"book:{b}" not in self._cache]
+        return {b: self.result(b) for b in book_ids}
+
+    def _needs(self, book_id: str) -> list[str]:
+        spec = self.specs.get(book_id)
+        return list(spec.report.needs) if spec is not None and spec.report is not None else []

@@ -163,8 +163,10 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
     ctx = RunContext(run, features, ledger=ledger, window=window, progress=progress, collectors=[browser, curves])
     ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
     books = []
-    for spec in sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id)):
-        res = ctx.result(spec.id)
+    ordered = sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id))
+    results = ctx.results([spec.id for spec in ordered])  # the books that need none of each other at once
+    for spec in ordered:
+        res = results[spec.id]
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,
                              function=spec.function, status=res.status, headline=res.headline,
                              refusals=[refusal_out(r) for r in res.refusals],

@@ -314,3 +314,47 @@ def test_the_differentials_of_some_steps_are_those_worked_out_for_every_step_of_
     assert any(k[0] == "selection_differentials" for k in every[0].stack._memo)
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15)
+
+
+def test_every_book_reads_only_the_books_its_spec_says_it_needs(monkeypatch):
+    """``RunContext.results`` builds the books whose ``report.needs`` are met at once, on threads:
+    a book that read another book's result without naming it could read it half-built, or build
+    it a second time. Every builder's ``ctx.result`` calls on the tapped example are recorded and
+    checked against its spec; the needs are there (agreement reads effect and cause); and the
+    report built this way is the report built one book after another."""
+    import threading
+    from pathlib import Path
+
+    from reward_lens.measure import books
+    from reward_lens.record.reader import open_run
+    from reward_lens.report import build_report, to_json
+    from reward_lens_spec import load_books
+
+    current = threading.local()
+    read: dict[str, set[str]] = {}
+    build, result = books.RunContext._build, books.RunContext.result
+
+    def traced_build(self, book_id):
+        current.book = book_id
+        try:
+            return build(self, book_id)
+        finally:
+            current.book = None
+
+    def traced_result(self, book_id):
+        by = getattr(current, "book", None)
+        if by is not None and by != book_id:
+            read.setdefault(by, set()).add(book_id)
+        return result(self, book_id)
+
+    monkeypatch.setattr(books.RunContext, "_build", traced_build)
+    monkeypatch.setattr(books.RunContext, "result", traced_result)
+    run_dir = Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "tapped"
+    at_once = to_json(build_report(open_run(run_dir)))
+    specs = {k: v for k, v in load_books().items() if v.report is not None}
+    assert read.get("agreement") == {"effect", "cause"}
+    for book_id, needed in read.items():
+        assert needed <= set(specs[book_id].report.needs), (book_id, needed)
+    one_by_one = books.RunContext.results
+    monkeypatch.setattr(books.RunContext, "results", lambda self, ids, workers=None: one_by_one(self, ids, workers=1))
+    assert to_json(build_report(open_run(run_dir))) == at_once
