@@ -10,7 +10,10 @@ temporary directory, then measures in separate processes, each from a cold inter
 * read plus features on threads: the same, read in batches of 65,536 rows with the features
   computed on ``in_threads`` as the report does (one thread per core, up to four) -- the
   report's threads are not what the ratio against the single-threaded baseline measures;
-* ``reward-lens report`` (md, html, json) on the same record.
+* ``reward-lens report`` (md, html, json) on the same record;
+* with ``--tapped``, the fair baseline: everything the record holds (the rollouts and held-out
+  rows with every column, their log-probability columns and token KL included, and the
+  telemetry) read, and the same nine features computed on both sides' completions.
 
 Prints wall seconds and peak resident memory of each, and the ratios, for completions of
 two lengths (``--text-scales 1,4``: 8-63 characters, then four times that). The report
@@ -25,6 +28,8 @@ telemetry, so every step pair is priced two-sided with its eta).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -127,6 +132,26 @@ z = SurfaceFeatures().compute(table)
 print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "rows": len(z)}))
 """
 
+# The fair baseline of a tapped record (issue 43): everything the record holds -- the rollouts and
+# the held-out rows with every column (their log-probabilities and token KL included) and the
+# telemetry -- read, and the same nine features computed on the completions of both.
+FAIR = """
+import sys, time, json
+HWM
+t = time.perf_counter()
+import os
+import pyarrow.parquet as pq
+from reward_lens.measure.ledger.features import SurfaceFeatures
+f = SurfaceFeatures()
+rows = 0
+for name in ("rollouts.parquet", "heldout.parquet"):
+    path = os.path.join(sys.argv[1], name)
+    if os.path.exists(path):
+        rows += len(f.compute(pq.read_table(path)))
+tel = pq.read_table(os.path.join(sys.argv[1], "telemetry.parquet"))
+print(json.dumps({"seconds": time.perf_counter() - t, "rss_mib": hwm(), "rows": rows}))
+"""
+
 FEATURES_THREADED = """
 import sys, time, json
 HWM
@@ -183,7 +208,35 @@ def main() -> None:
     ap.add_argument("--paired", action="store_true", help="rollouts carry logp_pre and logp_prev: the paired ledger")
     ap.add_argument("--tapped", action="store_true", help="as the tap records now: --paired plus kl_prev, held-out "
                     "completions and D_t (two-sided paired ledger with eta on every step pair)")
+    ap.add_argument("--save", action="store_true", help="also write the output to bench/results/report_large"
+                    "[_paired|_tapped].txt (docs/benchmarks.md quotes it: tools/bench_quotes.py)")
     a = ap.parse_args()
+    if a.save:
+        name = "report_large" + ("_tapped" if a.tapped else "_paired" if a.paired else "") + ".txt"
+        with saved_to(REPO / "bench" / "results" / name):
+            run(a)
+    else:
+        run(a)
+
+
+@contextlib.contextmanager
+def saved_to(path: Path):
+    """Everything printed inside, also written to ``path`` when the block ends."""
+    out = io.StringIO()
+
+    class Both(io.TextIOBase):
+        def write(self, text: str) -> int:
+            sys.__stdout__.write(text)
+            sys.__stdout__.flush()
+            return out.write(text)
+
+    with contextlib.redirect_stdout(Both()):
+        yield
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(out.getvalue().strip() + "\n")
+
+
+def run(a) -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", "reward_lens", "reward_lens_spec"], check=True, cwd=REPO,
                    env=ENV)
     imports = measure(IMPORTS)
@@ -196,12 +249,14 @@ def main() -> None:
             generated = time.perf_counter() - t
             size = sum(p.stat().st_size for p in rec.iterdir() if p.is_file()) / 2**20
             runs = []
-            for r in range(a.repeats):  # interleaved: each round measures all three
+            for r in range(a.repeats):  # interleaved: each round measures all of them
                 runs.append((measure(BASELINE, str(rec)), measure(FEATURES, str(rec)),
-                             measure(REPORT, str(rec), str(Path(tmp) / f"out{r}")), measure(FEATURES_THREADED, str(rec))))
-            base, feat, rep, thr = ({key: statistics.median(x[i][key] for x in runs) for key in ("seconds", "rss_mib")}
-                                    for i in range(4))
-            ranges = {i: (min(x[i]["seconds"] for x in runs), max(x[i]["seconds"] for x in runs)) for i in range(4)}
+                             measure(REPORT, str(rec), str(Path(tmp) / f"out{r}")), measure(FEATURES_THREADED, str(rec)),
+                             *([measure(FAIR, str(rec))] if a.tapped else [])))
+            width = len(runs[0])
+            base, feat, rep, thr, *fair = ({key: statistics.median(x[i][key] for x in runs) for key in ("seconds", "rss_mib")}
+                                           for i in range(width))
+            ranges = {i: (min(x[i]["seconds"] for x in runs), max(x[i]["seconds"] for x in runs)) for i in range(width)}
             outs = {p.name: p.stat().st_size / 2**20 for p in (Path(tmp) / "out0").iterdir()}
         kind = ", tapped (two-sided paired)" if a.tapped else ", paired" if a.paired else ""
         print(f"\ntext x{scale}{kind}: {a.steps} steps x {a.per_step} rollouts, {size:.0f} MiB on disk "
@@ -213,6 +268,10 @@ def main() -> None:
               f"{ranges[1][0]:.2f}-{ranges[1][1]:.2f}, peak RSS {feat['rss_mib']:.0f} MiB")
         print(f"  the same with the features on threads, as the report computes them: {thr['seconds']:.2f} s "
               f"{ranges[3][0]:.2f}-{ranges[3][1]:.2f}, peak RSS {thr['rss_mib']:.0f} MiB")
+        if fair:
+            print(f"  everything the record holds (rollouts and held-out rows, every column, and the telemetry) plus "
+                  f"the nine features: {fair[0]['seconds']:.2f} s {ranges[4][0]:.2f}-{ranges[4][1]:.2f}, "
+                  f"peak RSS {fair[0]['rss_mib']:.0f} MiB")
         print(f"  reward-lens report (md,html,json): {rep['seconds']:.2f} s {ranges[2][0]:.2f}-{ranges[2][1]:.2f}, "
               f"peak RSS {rep['rss_mib']:.0f} MiB")
         print(f"  ratio report / pyarrow read: time {rep['seconds'] / base['seconds']:.1f}x, "
@@ -223,6 +282,11 @@ def main() -> None:
               f"{paired[0]:.2f}-{paired[-1]:.2f}), peak memory {rep['rss_mib'] / feat['rss_mib']:.2f}x")
         print(f"  ratio report / read plus features on threads: time {rep['seconds'] / thr['seconds']:.2f}x, "
               f"peak memory {rep['rss_mib'] / thr['rss_mib']:.2f}x")
+        if fair:
+            own = sorted(x[2]["seconds"] / x[4]["seconds"] for x in runs)
+            print(f"  ratio report / everything the record holds plus features: time "
+                  f"{rep['seconds'] / fair[0]['seconds']:.2f}x (round by round: median {statistics.median(own):.2f}x, "
+                  f"{own[0]:.2f}-{own[-1]:.2f}), peak memory {rep['rss_mib'] / fair[0]['rss_mib']:.2f}x")
         print("  outputs: " + ", ".join(f"{k} {v:.1f} MiB" for k, v in sorted(outs.items())))
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
-from report_large import ENV, FEATURES, HWM_SRC, make_record  # noqa: E402
+from report_large import ENV, FEATURES, HWM_SRC, make_record, saved_to  # noqa: E402
 
 PHASES = """
 import sys, time, json
@@ -86,7 +86,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paired", action="store_true", help="the record of report_large.py --paired instead (one-sided: "
                     "no kl_prev, no held-out rows, no D_t)")
+    ap.add_argument("--save", action="store_true", help="also write the output to bench/results/report_phases"
+                    "[_paired].txt (docs/benchmarks.md quotes it: tools/bench_quotes.py)")
     a = ap.parse_args()
+    if a.save:
+        with saved_to(REPO / "bench" / "results" / ("report_phases_paired.txt" if a.paired else "report_phases.txt")):
+            run_all(a)
+    else:
+        run_all(a)
+
+
+def run_all(a) -> None:
     subprocess.run([sys.executable, "-m", "compileall", "-q", "reward_lens", "reward_lens_spec"], check=True, cwd=REPO,
                    env=ENV)
     with tempfile.TemporaryDirectory() as tmp:

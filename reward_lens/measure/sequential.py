@@ -140,6 +140,11 @@ class StepBlock:
                          self.ss_rows[i], self.selection[i] if sel else None, self.selection_se[i] if sel else None)
 
 
+# Steps of one layout summed at a time: a block's temporaries (steps x n x series floats, 5 MB at
+# 64 rollouts x 10 series) stay small, where a whole run's would add hundreds of MB to the peak.
+STEP_BLOCK = 1024
+
+
 def step_block(samples: Sequence) -> StepBlock:
     """``step_stats`` of every sample that has at least ``MIN_GROUPS`` prompt groups. Steps that
     share a layout (n rollouts in G consecutive groups of n / G, TRL's) are summed as one
@@ -164,7 +169,9 @@ def step_block(samples: Sequence) -> StepBlock:
     layouts: dict[tuple[int, int], list[int]] = {}
     for i, (codes, g) in enumerate(codes_of):
         layouts.setdefault((int(ns[i]), g) if blocks(codes, g) else (-1 - i, g), []).append(i)
-    for (n, g), rows in layouts.items():
+    chunks = [((n, g), rows[lo:lo + STEP_BLOCK]) for (n, g), rows in layouts.items()
+              for lo in range(0, len(rows), STEP_BLOCK)]
+    for (n, g), rows in chunks:
         if n < 0:  # groups not in equal consecutive blocks: this step alone
             codes = codes_of[rows[0]][0]
             x = _series(ok[rows[0]])[None]
