@@ -673,20 +673,6 @@ def _paired_envelope(series: KlMinSeries, i: int, lg: PairedLedger, est: _eta.Et
             "leading_delta": row.leading_delta, "leading_se": row.leading_se, "leading_t": row.leading_t,
             "n_pre": lg.n_pre, "n_post": lg.n_post, "max_abs_t": float(np.max(np.abs(lg.t))) if len(lg.t) else 0.0,
             **why}
-    row = series[i]
-    base = {"step_pair": list(row.step_pair), "kl_min": est.kl_min_debiased, "d_t": d_t, "noise_floor": est.null_kl,
-            "clears_noise_floor": row.clears_noise_floor, "leading_feature": row.leading_feature,
-            "leading_delta": row.leading_delta, "leading_se": row.leading_se, "leading_t": row.leading_t,
-            "n_pre": lg.n_pre, "n_post": lg.n_post, "max_abs_t": float(np.max(np.abs(lg.t))) if len(lg.t) else 0.0}
-    if not math.isfinite(d_t):
-        return {**base, "premise": "nonfinite_denominator", "ratio": None}
-    if d_t <= 0:
-        return {**base, "premise": "nonpositive_denominator", "ratio": None}
-    z = est.excess_z
-    if z > _eta.ENVELOPE_Z:
-        return {**base, "premise": "kl_min_above_d_t", "ratio": est.eta_debiased, "excess_z": z,
-                "envelope_z": _eta.ENVELOPE_Z}
-    return None
 
 
 # Two estimates of D_t disagree when they differ by more than this many combined SEs.
