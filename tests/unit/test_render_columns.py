@@ -55,3 +55,63 @@ def test_the_efficiency_columns_refuse_a_negative_eta():
     with pytest.raises(ValidationError):
         EfficiencyRows(**{**row, "efficiency": [-0.2]})
     assert len(EfficiencyRows(**{**row, "efficiency": [1.04]})) == 1
+
+
+def test_rows_read_column_by_column_from_models_or_dicts():
+    """``columns`` gives a book's list of row models (or the dicts of a report read back from
+    JSON) as columns: every row's field, in row order."""
+    from reward_lens.measure.price_book import PriceRow
+    from reward_lens.report.render import Columns
+
+    rows = [PriceRow(step_pair=(t, t + 1), reward_change=0.1 * t, se=0.01, d_t=0.5, reward_per_nat=0.2 * t,
+                     p_value=0.5, resolved=t % 2 == 0) for t in range(5)]
+    for given in (rows, [r.model_dump(mode="json") for r in rows]):
+        c = Columns(given)
+        assert c.reward_change == [r.reward_change for r in rows]
+        assert c.resolved == [True, False, True, False, True]
+        assert [tuple(p) for p in c.step_pair] == [r.step_pair for r in rows]
+    assert Columns([]).se == []
+
+
+def _md_cell_as_it_was(text: str, limit: int = 80) -> str:
+    import html
+    import re
+
+    from reward_lens.report.render import visible
+
+    text = visible(text)
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    text = html.escape(text.replace("\n", "⏎").replace("\r", "⏎"), quote=False)
+    return re.sub(r"([\\`*_\[\]|~])", r"\\\1", text)
+
+
+def test_md_cell_rewrites_as_the_escape_and_regex_did():
+    from reward_lens.report.render import md_cell
+
+    rng = random.Random(0)
+    alphabet = [chr(i) for i in range(130)] + list("⏎…→é\u2028&<>\\`*_[]|~")
+    for _ in range(5_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 90)))
+        for limit in (80, 5):
+            assert md_cell(text, limit) == _md_cell_as_it_was(text, limit), text
+
+
+def _html_rows_as_they_were(columns, classes, row_classes=None):
+    opens = [f'<td class="{c}">' if c else "<td>" for c in classes]
+    rows = (f'<tr class="{escape(c)}">' for c in row_classes) if row_classes is not None else iter(lambda: "<tr>", None)
+    return "".join(r + "".join(o + str(escape(v)) + "</td>" for o, v in zip(opens, cells)) + "</tr>\n"
+                   for r, cells in zip(rows, zip(*columns)))
+
+
+def test_rows_written_by_pattern_read_as_cell_by_cell():
+    """md_rows and html_rows write each row with one pattern: the same text as joining cell by
+    cell, a % in a cell or a class included, columns and classes of unequal lengths too."""
+    cols = [["1→2", "3→4", "5→6"], ["50 %", "<b>", "%s"], ["a|b", "{}", "%%"]]
+    assert md_rows(cols) == "".join(f"| {' | '.join(r)} |\n" for r in zip(*cols))
+    assert md_rows([]) == "" and md_rows([[], []]) == ""
+    for classes in (["", "num", "x%y"], ["", "num"], ["num", "", "", ""], []):
+        for row_classes in (None, ["row-a", "row-<b>", "row-%"], ["row-a"]):
+            for c in (cols, [cols[0][:1], cols[1]], []):
+                assert html_rows(c, classes, row_classes) == _html_rows_as_they_were(c, classes, row_classes), \
+                    (c, classes, row_classes)
