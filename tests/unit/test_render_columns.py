@@ -107,11 +107,25 @@ def _html_rows_as_they_were(columns, classes, row_classes=None):
 def test_rows_written_by_pattern_read_as_cell_by_cell():
     """md_rows and html_rows write each row with one pattern: the same text as joining cell by
     cell, a % in a cell or a class included, columns and classes of unequal lengths too."""
-    cols = [["1→2", "3→4", "5→6"], ["50 %", "<b>", "%s"], ["a|b", "{}", "%%"]]
+    cols = [["1→2", "3→4", "5→6"], ["50 %", "<b>", "%s"], ["a|b", "{}", "%%"], ["a\x00b", "&", "'\""]]
     assert md_rows(cols) == "".join(f"| {' | '.join(r)} |\n" for r in zip(*cols))
     assert md_rows([]) == "" and md_rows([[], []]) == ""
-    for classes in (["", "num", "x%y"], ["", "num"], ["num", "", "", ""], []):
-        for row_classes in (None, ["row-a", "row-<b>", "row-%"], ["row-a"]):
+    for classes in (["", "num", "x%y", "t"], ["", "num"], ["num", "", "", "", ""], []):
+        for row_classes in (None, ["row-a", "row-<b>", "row-%"], ["row-a"], ["row-\x00", "", "x"]):
             for c in (cols, [cols[0][:1], cols[1]], []):
                 assert html_rows(c, classes, row_classes) == _html_rows_as_they_were(c, classes, row_classes), \
                     (c, classes, row_classes)
+
+
+def test_a_column_of_record_text_is_md_cell_of_every_value():
+    """md_cell_all rewrites a column in one pass where no text holds a control character, and
+    cell by cell where one does: the same cells either way."""
+    from reward_lens.report.render import md_cell, md_cell_all
+
+    rng = random.Random(1)
+    plain = [chr(i) for i in range(32, 127)] + list("⏎…→é\n&<>\\`*_[]|~")
+    for alphabet in (plain, plain + ["\x00", "\x1b", "\r", "\x7f"]):
+        texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 120))) for _ in range(300)]
+        column = [rng.choice(texts) for _ in range(1_000)] + ["", "x" * 80, "y" * 81]
+        assert md_cell_all(column) == [md_cell(v) for v in column]
+    assert md_cell_all([]) == [] and md_cell_all([""]) == [""]
