@@ -7,8 +7,11 @@ import hashlib
 import json
 import math
 import re
-from functools import lru_cache
-from operator import attrgetter
+import weakref
+from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import lru_cache, wraps
+from operator import attrgetter, is_
 from pathlib import Path
 
 import jinja2
@@ -85,6 +88,60 @@ def prose_cell_capped(text: str, limit: int = 300) -> str:
     return cut.rstrip() + "…"
 
 
+# ---- columns formatted once per report ---------------------------------------------------------
+# to_markdown and to_html of one report format the same columns (the cost and price books'
+# 10,000-row tables are in both), so a column function marked ``_shared`` keeps what it returned
+# for the report being rendered and the other rendering reads it back. The cells are kept for
+# the report rendered last (dropped with it, or when another report is rendered), keyed by the
+# column lists themselves -- each held, so its id stays its own -- and read back only while every
+# list still holds the very same elements (compared by identity; a report is a frozen model and
+# its columns hold numbers, texts and pairs), so a column that changed is formatted again.
+# Nothing here changes a column it is given or one it returns.
+
+_cells: ContextVar[dict | None] = ContextVar("reward_lens_render_cells", default=None)
+_last: list = [None, None]  # a weak reference to the report rendered last, and its cells
+
+
+@contextmanager
+def _cells_of(report):
+    """While rendering ``report``: the cells ``_shared`` functions keep for it."""
+    ref, cells = _last
+    if ref is None or ref() is not report:
+        cells = {}
+        try:
+            ref = weakref.ref(report, lambda _, c=cells: c.clear())
+        except TypeError:  # no weak reference to it: cells for this rendering only
+            ref = None
+        _last[:] = [ref, cells]
+    token = _cells.set(cells)
+    try:
+        yield
+    finally:
+        _cells.reset(token)
+
+
+def _same(kept: list, args: tuple) -> bool:
+    return all(k is None or (k[0] is a and len(k[1]) == len(a) and all(map(is_, k[1], a))) for k, a in zip(kept, args))
+
+
+def _shared(fn):
+    """``fn`` (positional arguments: its columns as lists, the rest numbers or text) returning
+    for a report being rendered what it returned for the same columns before (see above)."""
+    @wraps(fn)
+    def shared(*args):
+        cells = _cells.get()
+        if cells is None or not all(a.__class__ in (list, int, str) for a in args):
+            return fn(*args)
+        key = (fn.__name__, *(id(a) if a.__class__ is list else a for a in args))
+        hit = cells.get(key)
+        if hit is not None and _same(hit[0], args):
+            return hit[1]
+        out = cells[key] = ([(a, list(a)) if a.__class__ is list else None for a in args], fn(*args))
+        return out[1]
+    return shared
+
+
+@_shared
 def fmt_all(values, digits: int = 4) -> list[str]:
     """``fmt`` of every value of a column (floats, nearly all of them, formatted inline)."""
     g, e = f".{digits}g", f".{digits - 1}e"
@@ -98,15 +155,25 @@ class Columns:
     row models, so its template can hand whole columns to ``md_rows``/``html_rows``."""
 
     def __init__(self, rows):
-        self._rows = list(rows)
+        self._rows = rows if rows.__class__ is list else list(rows)
+        classes = set(map(type, self._rows))
+        # frozen models' columns are the same lists for md and html (fmt_all's cells shared)
+        self._frozen = all(issubclass(c, BaseModel) and c.model_config.get("frozen") for c in classes)
 
     def __getattr__(self, name: str) -> list:
         if name.startswith("_"):
             raise AttributeError(name)
-        try:
-            return list(map(attrgetter(name), self._rows))
-        except AttributeError:  # rows read back from JSON are dicts
-            return [r[name] for r in self._rows]
+        return (_frozen_column if self._frozen else _column)(self._rows, name)
+
+
+def _column(rows: list, name: str) -> list:
+    try:
+        return list(map(attrgetter(name), rows))
+    except AttributeError:  # rows read back from JSON are dicts
+        return [r[name] for r in rows]
+
+
+_frozen_column = _shared(_column)
 
 
 def text_all(values) -> list[str]:
@@ -114,16 +181,19 @@ def text_all(values) -> list[str]:
     return [v or "—" for v in values]
 
 
+@_shared
 def pairs_all(values) -> list[str]:
     """A column of step pairs (t, u) as "t→u"."""
     return [f"{a}→{b}" for a, b in values]
 
 
+@_shared
 def fmt_interval_all(values, intervals, digits: int = 4) -> list[str]:
     """A column of values with their intervals: "v [lo, hi]", or "v" where there is none."""
     rows = list(zip(fmt_all(values, digits), intervals))
     given = [iv for _, iv in rows if iv is not None]
-    lo, hi = iter(fmt_all([iv[0] for iv in given], digits)), iter(fmt_all([iv[1] for iv in given], digits))
+    each = fmt_all.__wrapped__  # the ends are lists of this call's own: nothing to keep
+    lo, hi = iter(each([iv[0] for iv in given], digits)), iter(each([iv[1] for iv in given], digits))
     return [c if iv is None else f"{c} [{next(lo)}, {next(hi)}]" for c, iv in rows]
 
 
@@ -225,7 +295,8 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
 
 
 def to_markdown(report: Report) -> str:
-    return environment(str(templates_dir()), False).get_template("report/report.md.j2").render(r=report)
+    with _cells_of(report):
+        return environment(str(templates_dir()), False).get_template("report/report.md.j2").render(r=report)
 
 
 def to_json(report: Report, pretty: bool = False) -> str:
@@ -289,6 +360,7 @@ def to_html(report: Report) -> str:
     head = report.headline_figure
     headline_fig = {"caption": head.caption, "svg": Markup(plots.render_figure(head))} if head is not None else None
     script_hash = base64.b64encode(hashlib.sha256(BROWSER_SCRIPT.encode()).digest()).decode()
-    return environment(str(templates_dir()), True).get_template("report/report.html.j2").render(
-        r=report, figs=figs, curves=curves, browser_json=browser_data(report), browser_script=Markup(BROWSER_SCRIPT),
-        script_hash=script_hash, headline_fig=headline_fig)
+    with _cells_of(report):
+        return environment(str(templates_dir()), True).get_template("report/report.html.j2").render(
+            r=report, figs=figs, curves=curves, browser_json=browser_data(report),
+            browser_script=Markup(BROWSER_SCRIPT), script_hash=script_hash, headline_fig=headline_fig)

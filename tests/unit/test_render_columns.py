@@ -129,3 +129,39 @@ def test_a_column_of_record_text_is_md_cell_of_every_value():
         column = [rng.choice(texts) for _ in range(1_000)] + ["", "x" * 80, "y" * 81]
         assert md_cell_all(column) == [md_cell(v) for v in column]
     assert md_cell_all([]) == [] and md_cell_all([""]) == [""]
+
+
+def test_a_column_is_formatted_once_for_a_reports_renderings_and_again_once_it_changed():
+    """to_markdown and to_html of one report share the cells of the columns they both format;
+    a column changed in between, another report, or a call outside a rendering formats afresh."""
+    from reward_lens.report.render import _cells_of, fmt_all, fmt_interval_all
+
+    class Report:  # anything a weak reference can point to stands for a report here
+        pass
+
+    report, column, intervals = Report(), [0.5, 1.5, float("nan")], [(0.1, 0.9), None, None]
+    with _cells_of(report):
+        cells = fmt_all(column)
+        spans = fmt_interval_all(column, intervals)
+    with _cells_of(report):
+        assert fmt_all(column) is cells and fmt_interval_all(column, intervals) is spans
+        assert fmt_all(column, 3) == ["0.5", "1.5", "—"] and fmt_all(column, 3) is not cells
+        column[0] = 2.5  # changed in place: formatted again
+        again = fmt_all(column)
+        assert again == ["2.5", "1.5", "—"] and again is not cells
+        intervals[1] = (1.0, 2.0)
+        assert fmt_interval_all(column, intervals) == ["2.5 [0.1, 0.9]", "1.5 [1, 2]", "—"]
+    with _cells_of(Report()):
+        assert fmt_all(column) is not again
+    assert fmt_all(column) == again and fmt_all(column) is not fmt_all(column)
+
+
+def test_markdown_then_html_of_one_report_read_as_each_alone():
+    from reward_lens.examples import example_record
+    from reward_lens.record.reader import open_run
+    from reward_lens.report import build_report, to_html, to_markdown
+
+    report = build_report(open_run(example_record("tapped")))
+    alone = report.model_copy(deep=True)
+    md, html = to_markdown(report), to_html(report)
+    assert html == to_html(alone) and md == to_markdown(report.model_copy(deep=True)) and md == to_markdown(report)
