@@ -5,6 +5,7 @@ the rows come out in order."""
 from __future__ import annotations
 
 import random
+import struct
 
 from markupsafe import escape
 
@@ -18,6 +19,13 @@ def test_fmt_all_is_fmt_of_every_value():
     values = edges + [rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-8, 3) for _ in range(20_000)]
     for digits in (3, 4):
         assert fmt_all(values, digits) == [fmt(v, digits) for v in values]
+    bits = [struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0] for _ in range(50_000)]
+    texts = ["a\x00b", "50 %", "%s", ""]  # text where a number was expected (a report read from a file)
+    for column in (bits, bits[:100] + texts, texts, [], (v for v in edges)):
+        column = list(column)
+        for digits in (1, 3, 4, 6):
+            assert fmt_all(column, digits) == [fmt(v, digits) for v in column]
+            assert fmt_all(iter(column), digits) == [fmt(v, digits) for v in column]
 
 
 def test_whole_columns_are_escaped_as_each_cell_is():
