@@ -108,3 +108,52 @@ def test_a_panel_draws_a_min_and_a_max_per_pixel_column_and_keeps_every_spike():
         assert len(pts) <= points_for(axes_w)
         ys = sorted(py for _, py in pts)  # SVG y grows downwards: the spike is the one point far above the rest
         assert ys[1] - ys[0] > 0.9 * (ys[-1] - ys[0])
+
+
+def _reduce_by_sorting(x, y, max_points=MAX_POINTS):
+    """reduce_minmax as a stable sort by bin, then y, writes it: each bin's first and last point."""
+    from reward_lens.report.plots import _bin_of
+
+    b = _bin_of(len(x), max_points)
+    finite = np.isfinite(y)
+    idx = np.nonzero(finite)[0]
+    order = idx[np.lexsort((y[idx], b[idx]))]
+    sb = b[order]
+    keep = np.union1d(order[np.r_[True, sb[1:] != sb[:-1]]], order[np.r_[sb[1:] != sb[:-1], True]])
+    keep = np.union1d(keep, np.nonzero(~finite)[0])
+    return x[keep], y[keep]
+
+
+def test_the_reduction_keeps_the_points_a_sort_by_bin_and_value_would():
+    """Each bin's first point at its minimum and last at its maximum, ties (signed zeros too),
+    breaks and infinities as a stable sort picks them; a line with no finite value keeps its
+    breaks."""
+    from reward_lens.report.plots import reduce_minmax
+
+    rng = np.random.default_rng(3)
+    for n in (2001, 9999, 30_000):
+        x = np.arange(n, dtype=float)
+        ties = rng.integers(-1, 2, size=n).astype(float)
+        ties[ties == 0] = -0.0
+        ties[::7] = 0.0
+        holes = rng.normal(size=n)
+        holes[rng.random(n) < 0.3] = np.nan
+        holes[rng.random(n) < 0.05] = np.inf
+        holes[rng.random(n) < 0.05] = -np.inf
+        half = rng.normal(size=n)
+        half[: n // 2] = np.nan
+        for y in (rng.normal(size=n), ties, holes, half, np.full(n, 1.5)):
+            for most in (MAX_POINTS, 600, 7):
+                got, want = reduce_minmax(x, y, most), _reduce_by_sorting(x, y, most)
+                assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1], equal_nan=True)
+    gone = np.full(5000, np.nan)
+    assert np.isnan(reduce_minmax(np.arange(5000.0), gone)[1]).all()
+
+
+def test_coordinates_are_written_as_each_pair_would_be():
+    from reward_lens.report.plots import _pairs
+
+    rng = np.random.default_rng(4)
+    for n in (0, 1, 3, 1300):
+        for px, py in ((rng.uniform(-1e3, 1e3, n), rng.uniform(0, 300, n)), (-np.zeros(n), np.full(n, 0.05))):
+            assert _pairs(px, py) == [f"{a:.1f},{b:.1f}" for a, b in zip(px.tolist(), py.tolist())]

@@ -5,6 +5,7 @@ the rows come out in order."""
 from __future__ import annotations
 
 import random
+import struct
 
 from markupsafe import escape
 
@@ -18,6 +19,13 @@ def test_fmt_all_is_fmt_of_every_value():
     values = edges + [rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-8, 3) for _ in range(20_000)]
     for digits in (3, 4):
         assert fmt_all(values, digits) == [fmt(v, digits) for v in values]
+    bits = [struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0] for _ in range(50_000)]
+    texts = ["a\x00b", "50 %", "%s", ""]  # text where a number was expected (a report read from a file)
+    for column in (bits, bits[:100] + texts, texts, [], (v for v in edges)):
+        column = list(column)
+        for digits in (1, 3, 4, 6):
+            assert fmt_all(column, digits) == [fmt(v, digits) for v in column]
+            assert fmt_all(iter(column), digits) == [fmt(v, digits) for v in column]
 
 
 def test_whole_columns_are_escaped_as_each_cell_is():
@@ -55,3 +63,113 @@ def test_the_efficiency_columns_refuse_a_negative_eta():
     with pytest.raises(ValidationError):
         EfficiencyRows(**{**row, "efficiency": [-0.2]})
     assert len(EfficiencyRows(**{**row, "efficiency": [1.04]})) == 1
+
+
+def test_rows_read_column_by_column_from_models_or_dicts():
+    """``columns`` gives a book's list of row models (or the dicts of a report read back from
+    JSON) as columns: every row's field, in row order."""
+    from reward_lens.measure.price_book import PriceRow
+    from reward_lens.report.render import Columns
+
+    rows = [PriceRow(step_pair=(t, t + 1), reward_change=0.1 * t, se=0.01, d_t=0.5, reward_per_nat=0.2 * t,
+                     p_value=0.5, resolved=t % 2 == 0) for t in range(5)]
+    for given in (rows, [r.model_dump(mode="json") for r in rows]):
+        c = Columns(given)
+        assert c.reward_change == [r.reward_change for r in rows]
+        assert c.resolved == [True, False, True, False, True]
+        assert [tuple(p) for p in c.step_pair] == [r.step_pair for r in rows]
+    assert Columns([]).se == []
+
+
+def _md_cell_as_it_was(text: str, limit: int = 80) -> str:
+    import html
+    import re
+
+    from reward_lens.report.render import visible
+
+    text = visible(text)
+    if len(text) > limit:
+        text = text[: limit - 1] + "…"
+    text = html.escape(text.replace("\n", "⏎").replace("\r", "⏎"), quote=False)
+    return re.sub(r"([\\`*_\[\]|~])", r"\\\1", text)
+
+
+def test_md_cell_rewrites_as_the_escape_and_regex_did():
+    from reward_lens.report.render import md_cell
+
+    rng = random.Random(0)
+    alphabet = [chr(i) for i in range(130)] + list("⏎…→é\u2028&<>\\`*_[]|~")
+    for _ in range(5_000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 90)))
+        for limit in (80, 5):
+            assert md_cell(text, limit) == _md_cell_as_it_was(text, limit), text
+
+
+def _html_rows_as_they_were(columns, classes, row_classes=None):
+    opens = [f'<td class="{c}">' if c else "<td>" for c in classes]
+    rows = (f'<tr class="{escape(c)}">' for c in row_classes) if row_classes is not None else iter(lambda: "<tr>", None)
+    return "".join(r + "".join(o + str(escape(v)) + "</td>" for o, v in zip(opens, cells)) + "</tr>\n"
+                   for r, cells in zip(rows, zip(*columns)))
+
+
+def test_rows_written_by_pattern_read_as_cell_by_cell():
+    """md_rows and html_rows write each row with one pattern: the same text as joining cell by
+    cell, a % in a cell or a class included, columns and classes of unequal lengths too."""
+    cols = [["1→2", "3→4", "5→6"], ["50 %", "<b>", "%s"], ["a|b", "{}", "%%"], ["a\x00b", "&", "'\""]]
+    assert md_rows(cols) == "".join(f"| {' | '.join(r)} |\n" for r in zip(*cols))
+    assert md_rows([]) == "" and md_rows([[], []]) == ""
+    for classes in (["", "num", "x%y", "t"], ["", "num"], ["num", "", "", "", ""], []):
+        for row_classes in (None, ["row-a", "row-<b>", "row-%"], ["row-a"], ["row-\x00", "", "x"]):
+            for c in (cols, [cols[0][:1], cols[1]], []):
+                assert html_rows(c, classes, row_classes) == _html_rows_as_they_were(c, classes, row_classes), \
+                    (c, classes, row_classes)
+
+
+def test_a_column_of_record_text_is_md_cell_of_every_value():
+    """md_cell_all rewrites a column in one pass where no text holds a control character, and
+    cell by cell where one does: the same cells either way."""
+    from reward_lens.report.render import md_cell, md_cell_all
+
+    rng = random.Random(1)
+    plain = [chr(i) for i in range(32, 127)] + list("⏎…→é\n&<>\\`*_[]|~")
+    for alphabet in (plain, plain + ["\x00", "\x1b", "\r", "\x7f"]):
+        texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 120))) for _ in range(300)]
+        column = [rng.choice(texts) for _ in range(1_000)] + ["", "x" * 80, "y" * 81]
+        assert md_cell_all(column) == [md_cell(v) for v in column]
+    assert md_cell_all([]) == [] and md_cell_all([""]) == [""]
+
+
+def test_a_column_is_formatted_once_for_a_reports_renderings_and_again_once_it_changed():
+    """to_markdown and to_html of one report share the cells of the columns they both format;
+    a column changed in between, another report, or a call outside a rendering formats afresh."""
+    from reward_lens.report.render import _cells_of, fmt_all, fmt_interval_all
+
+    class Report:  # anything a weak reference can point to stands for a report here
+        pass
+
+    report, column, intervals = Report(), [0.5, 1.5, float("nan")], [(0.1, 0.9), None, None]
+    with _cells_of(report):
+        cells = fmt_all(column)
+        spans = fmt_interval_all(column, intervals)
+    with _cells_of(report):
+        assert fmt_all(column) is cells and fmt_interval_all(column, intervals) is spans
+        assert fmt_all(column, 3) == ["0.5", "1.5", "—"] and fmt_all(column, 3) is not cells
+        column[0] = 2.5  # changed in place: formatted again
+        again = fmt_all(column)
+        assert again == ["2.5", "1.5", "—"] and again is not cells
+        intervals[1] = (1.0, 2.0)
+        assert fmt_interval_all(column, intervals) == ["2.5 [0.1, 0.9]", "1.5 [1, 2]", "—"]
+    with _cells_of(Report()):
+        assert fmt_all(column) is not again
+    assert fmt_all(column) == again and fmt_all(column) is not fmt_all(column)
+
+
+def test_markdown_then_html_of_one_report_read_as_each_alone():
+    from reward_lens.examples import example_record
+    from reward_lens.record.reader import open_run
+    from reward_lens.report import build_report, to_html, to_markdown
+
+    report = build_report(open_run(example_record("tapped")))
+    alone = report.model_copy(deep=True)
+    md, html = to_markdown(report), to_html(report)
+    assert html == to_html(alone) and md == to_markdown(report.model_copy(deep=True)) and md == to_markdown(report)
