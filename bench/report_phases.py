@@ -59,7 +59,7 @@ timed(price, "steps_from_run", "read the rollouts and compute the features")
 timed(of_run, "paired_ledger_series", "paired ledgers")
 timed(of_run, "within_group_metric", "within-group metric")
 timed(of_run, "cost_series", "cost book")
-timed(eta, "i_projections", "  of which I-projections with their jackknife")
+timed(eta, "group_jackknife", "  of which I-projections with their jackknife")
 timed(report, "build_report", "build the report (all books and findings)")  # the cli imports them from here
 for name in ("to_markdown", "to_html", "to_json"):
     timed(report, name, "render md, html and json")

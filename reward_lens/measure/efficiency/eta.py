@@ -13,7 +13,10 @@ Paired: KL_min is the exact I-projection of the sample (``iproj``). On a finite 
 fits the noise of the target means, so it reads high (measured: 1.3-15x the truth where the
 features explain little). The book removes that bias with the delete-one-group jackknife
 (Quenouille's correction, KL_jk = G KL - (G-1) mean_g KL_(-g)): the noise term scales as 1/G,
-so deleting a group scales it by G/(G-1) and the combination cancels it to first order. The
+so deleting a group scales it by G/(G-1) and the combination cancels it to first order. Each
+KL_(-g) is reached by two Newton steps from the whole sample's tilt, at about the cost of one
+more solve for all G of them, and solved from scratch where those steps may be off
+(``iproj.group_jackknife``: the same jackknife to a few hundredths of its SE). The
 covariance of (KL_jk, D_t) is the jackknife's over the same replicates; eta = KL_jk / D_t with
 a delta-method standard error and a t interval on G-1 degrees of freedom. The p-value of "the
 features bought nothing" (KL_min = 0) is the F-test of the within-group regression of r on the
@@ -48,7 +51,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
 
-from reward_lens.measure.efficiency.iproj import VALUE_RTOL, i_projections
+from reward_lens.measure.efficiency.iproj import VALUE_RTOL, group_jackknife
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
 from reward_lens.measure.ledger.price import Ledger, blocks, in_threads, stack_views
 
@@ -59,6 +62,11 @@ N_DRAWS = 400
 # False discovery rate of the book-wide decision "resolved" (Benjamini & Hochberg 1995).
 FDR_Q = 0.05
 
+
+# How the jackknife gets KL_min with each prompt group deleted (``iproj.group_jackknife``):
+# "checked", two Newton steps from the whole sample's tilt, solved from scratch where the steps
+# may be off; "exact", a solve from scratch per deletion (G more solves per step pair).
+DELETIONS = "checked"
 
 # A paired row is refused ENVELOPE_VIOLATED when its KL_min exceeds D_t by more than this many
 # standard errors of the difference: beyond sampling noise, a premise failed.
@@ -197,12 +205,15 @@ def paired_estimate(lg: PairedLedger, active_idx: np.ndarray) -> EtaEstimate:
     return paired_estimates([(lg, active_idx)])[0]
 
 
-def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[EtaEstimate]:
+def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]], deletions: str | None = None
+                     ) -> list[EtaEstimate]:
     """``paired_estimate`` of many step pairs: those whose samples share a group layout, a
-    split into sides and an active set are projected in one batch (``i_projections``), the
+    split into sides and an active set are projected in one batch (``iproj.group_jackknife``;
+    ``deletions`` says how it gets each deleted group's KL_min, default ``DELETIONS``), the
     same numbers to rounding. The ledgers of one ``paired_ledger_series`` batch hold the same
     codes and sides (the very arrays): their order and key are worked out once, their rows
     gathered in one operation, and their jackknife done as array arithmetic."""
+    deletions = deletions or DELETIONS
     out: list[EtaEstimate | None] = [None] * len(items)
     p_values = rollout_tests(items)
     batches: dict[tuple, list[int]] = {}
@@ -229,7 +240,6 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[E
         order = order_of[members[0]]
         codes = np.asarray(lg0.codes)[order]
         side = None if side_key is None else np.asarray(lg0.heldout)[order]
-        weights = np.vstack([np.ones((1, g)), 1.0 - np.eye(g)])
         lgs = [items[q][0] for q in members]
         if all(order_of[q] is order for q in members):  # one gather for the batch
             z = _laid_out_as(lgs[0].z[order][:, idx], stack_views([lg.z for lg in lgs])[:, order][:, :, idx])
@@ -239,23 +249,22 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[E
             z = np.stack([lg.z[order_of[q]][:, idx] for q, lg in zip(members, lgs)])
             r = np.stack([np.asarray(lg.log_ratio, dtype=np.float64)[order_of[q]] for q, lg in zip(members, lgs)])
             kl = np.stack([np.asarray(lg.kl, dtype=np.float64)[order_of[q]] for q, lg in zip(members, lgs)])
-        projs = i_projections(z, r, codes, g, weights, side)
+        jk = group_jackknife(z, r, codes, g, side, deletions)
         log_q = mis_log_weights(r, side, codes, g)[0]
         onehot = np.zeros((len(codes), g))
         onehot[np.arange(len(codes)), codes] = 1.0
         d_g = (np.exp(log_q) * kl) @ onehot  # (P, G) token-level D per group
         d_jk = (d_g.sum(axis=1, keepdims=True) - d_g) / (g - 1)  # (P, G) D with group j deleted
-        values = np.stack([proj.kl_min for proj in projs])  # (P, G + 1): the full sample, then each deletion
-        k_full, k_del = values[:, 0], values[:, 1:]
+        k_full, k_del = jk.full, jk.deleted  # (P,) the full sample, (P, G) each group deleted
         k_jk = g * k_full - (g - 1) * k_del.mean(axis=1)
-        # each of the g + 1 dual values is good to VALUE_RTOL (1 + |K|): a correction below what
+        # each of the g + 1 values is good to VALUE_RTOL (1 + |K|) at best: a correction below what
         # their combination can cancel to is zero, not -1e-14 nats
         k_jk = np.where(np.abs(k_jk - k_full) <= 4 * g * VALUE_RTOL * (1.0 + np.abs(k_full)), k_full, k_jk)
         theta = np.stack([k_del, d_jk], axis=2)  # (P, G, 2) the replicates
         dev = theta - theta.mean(axis=1, keepdims=True)
         covs = np.matmul((g - 1) / g * dev.transpose(0, 2, 1), dev)  # (P, 2, 2)
         d_t = d_g.mean(axis=1)
-        converged = np.stack([proj.converged for proj in projs]).all(axis=1)
+        converged = jk.converged
         for q, lg, kf, kj, dt, cov, conv in zip(members, lgs, k_full.tolist(), k_jk.tolist(), d_t.tolist(), covs,
                                                 converged.tolist()):
             out[q] = EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=kf, kl_min_debiased=kj, d_t=dt,
