@@ -140,9 +140,15 @@ def _ratio_se(k: float, d: float, cov: np.ndarray) -> float:
     if not d > 0:
         return float("inf")
     k, d = np.float64(k), np.float64(d)
-    with np.errstate(all="ignore"):  # overflow at absurd scales reads as an infinite SE
+    if 1e-30 < d < 1e30 and abs(k) < 1e30 and bool((np.abs(cov) < 1e30).all()):
+        # no step below can overflow: the same arithmetic without the cost of np.errstate (a
+        # context variable set and reset per row)
         grad = np.array([1.0 / d, -k / d / d])
         var = float(grad @ cov @ grad)
+    else:
+        with np.errstate(all="ignore"):  # overflow at absurd scales reads as an infinite SE
+            grad = np.array([1.0 / d, -k / d / d])
+            var = float(grad @ cov @ grad)
     return math.sqrt(var) if var >= 0 else (float("inf") if not np.isfinite(var) else 0.0)
 
 

@@ -64,6 +64,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -115,8 +116,8 @@ class PairedLedger(Ledger):
     block: LedgerBlock | None = field(default=None, repr=False)
     row: int = field(default=-1, repr=False)
 
-    @property
-    def n_heldout(self) -> int:
+    @cached_property
+    def n_heldout(self) -> int:  # read per row by several books: counted once (the arrays are read-only)
         return int(self.heldout.sum()) if self.heldout is not None else 0
 
     @property
