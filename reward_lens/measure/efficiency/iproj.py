@@ -99,16 +99,16 @@ def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_gro
     n_pairs, n, k = z.shape
     c = np.ones((1, n_groups)) if group_weights is None else np.asarray(group_weights, dtype=np.float64)
     c = c / c.sum(axis=1, keepdims=True)
-    zs, logp, starts, d_g = _prepared(z, r, codes, n_groups, heldout)
-    d_hats = d_g @ c.T  # (P, B)
     per_batch = max(1, BATCH_FLOATS // max(1, len(c) * n * k))
     los = list(range(0, n_pairs, per_batch))
 
     def batch(lo: int) -> list[Projection]:
         hi = min(n_pairs, lo + per_batch)
-        value, converged, lam = _newton(zs[lo:hi], logp[lo:hi], codes, starts, c)
+        zs, logp, starts, d_g = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)  # in the batch's thread
+        d_hats = d_g @ c.T  # (P', B)
+        value, converged, lam = _newton(zs, logp, codes, starts, c)
         b = len(c)
-        return [Projection(kl_min=np.maximum(value[i * b:(i + 1) * b], 0.0), d_hat=d_hats[lo + i],
+        return [Projection(kl_min=np.maximum(value[i * b:(i + 1) * b], 0.0), d_hat=d_hats[i],
                            converged=converged[i * b:(i + 1) * b], lam=lam[i * b:(i + 1) * b])
                 for i in range(hi - lo)]
 
@@ -210,7 +210,6 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         raise ValueError("group_jackknife needs the rows of every sample ordered by group (codes non-decreasing)")
     _, n, k = z.shape
     steps = STEPS[deletions]
-    zs, logp, starts, _ = _prepared(z, r, codes, n_groups, heldout)
     c = np.full((1, n_groups), 1.0 / n_groups)
     # the deletions hold each row's outer product of its deviations (n x k x k floats a sample)
     # and, for a second step, each row's tilted weight and features under every deletion (G x n x k)
@@ -219,8 +218,11 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
 
     def batch(lo: int) -> tuple[np.ndarray, ...]:
         hi = min(n_pairs, lo + per_batch)
-        value, converged, lam = _newton(zs[lo:hi], logp[lo:hi], codes, starts, c)
-        deleted, gain = _step_deletions(zs[lo:hi], logp[lo:hi], lam, codes, starts, steps)
+        # each sample's standardised features in its batch (on the batch's thread, in cache): every
+        # sample's arithmetic is its own, so the same numbers as for all samples at once
+        zs, logp, starts, _ = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)
+        value, converged, lam = _newton(zs, logp, codes, starts, c)
+        deleted, gain = _step_deletions(zs, logp, lam, codes, starts, steps)
         return np.maximum(value, 0.0), deleted, gain, converged
 
     if len(los) > 1 and THREADS > 1:
