@@ -711,9 +711,10 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
                 bias = est[:, j].mean() - truth.dz[j]
                 biased += abs(bias) > 3 * np.sqrt(sd ** 2 / len(est) + truth.dz_se[j] ** 2)
                 ratios.append(abs(bias) / sd)
-                pos = ses[:, j] > 0
-                if pos.any():
-                    sd_se.append(sd / np.sqrt(np.mean(ses[pos, j] ** 2)))
+                pos = ses[:, j] > 0  # the draws that state an SE: the spread over the same draws (_calibration)
+                sd_pos = est[pos, j].std(ddof=1) if pos.sum() >= 2 else 0.0
+                if sd_pos > 0:
+                    sd_se.append(sd_pos / np.sqrt(np.mean(ses[pos, j] ** 2)))
         out[h] = {"cells": total, "biased": int(biased), "median_bias_over_sd": float(np.median(ratios)),
                   "median_sd_over_se": float(np.median(sd_se)), "replicates": r,
                   "coverage": covered / tried if tried else None,
@@ -775,9 +776,14 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
             se = np.stack([lg.se for lg in ok])
             c = out["dz"]
             for j in range(len(names)):
+                # the draws where the book states an SE for the cell: one with none (a behaviour
+                # constant in every prompt group, dz exactly 0) is refused by name, not reported,
+                # so its draws enter neither the spread nor the SE (the coverage below reads the
+                # same draws). Before, the spread counted them and the SE did not: on the
+                # collapsing run, where most behaviours vary in few groups, that read 0.71
                 pos = se[:, j] > 0
-                sd = dz[:, j].std(ddof=1)
-                if pos.sum() >= 2 and sd > 0:
+                sd = dz[pos, j].std(ddof=1) if pos.sum() >= 2 else 0.0
+                if sd > 0:
                     c["ratio"].append(sd / math.sqrt(np.mean(se[pos, j] ** 2)))
                 for lg, e in zip(ok, se[:, j]):
                     if e > 0:

@@ -141,3 +141,16 @@ def test_the_standard_error_of_d_t_is_its_real_spread_for_the_prompts(moderate, 
         cal = res.calibration["d_t"]
         assert 0.8 <= float(np.median(cal["ratio"])) <= 1.25
         assert cal["covered"] >= 0.85 * cal["draws"]
+
+
+def test_the_standard_error_of_dz_is_its_real_spread_for_the_prompts(moderate, collapse):
+    """The SE of each behaviour's dz, conditional on the prompts, against its real spread over the
+    draws where the book states one (a behaviour constant in every prompt group is refused, not
+    reported): the median ratio within [0.8, 1.25] and the 95 % intervals covering the truth on at
+    least 93 % of the draws, in both regimes (issue 41)."""
+    import numpy as np
+
+    for res in (moderate, collapse):
+        cal = res.calibration["dz"]
+        assert 0.8 <= float(np.median(cal["ratio"])) <= 1.25
+        assert cal["covered"] >= 0.93 * cal["draws"]
