@@ -16,7 +16,12 @@ RESULTS = REPO / "bench" / "results"
 QUOTES = [("docs/benchmarks.md", "tap-forward", "tap_forward.txt", True),
           ("docs/recording.md", "tap-overhead", "tap_overhead.txt", True),
           ("docs/recording.md", "cost-precision", "cost_precision.txt", False),
-          ("docs/science.md", "truth-default-budget", "truth_default_budget.txt", True)]
+          ("docs/science.md", "truth-default-budget", "truth_default_budget.txt", True),
+          ("docs/benchmarks.md", "report-large", "report_large.txt", True),
+          ("docs/benchmarks.md", "report-large-tapped", "report_large_tapped.txt", True),
+          ("docs/benchmarks.md", "report-large-paired", "report_large_paired.txt", True),
+          ("docs/benchmarks.md", "report-phases", "report_phases.txt", True),
+          ("docs/benchmarks.md", "report-tapped-vs-before", "report_tapped_vs_before.txt", True)]
 
 
 def quoted(saved: str, fenced: bool) -> str:
