@@ -539,10 +539,17 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         filled = b
     if not filled or not (~side_all[:filled]).any():
         return []
-    # in step order (a writer's row groups are; a stable sort if not): each step's held-out rows,
-    # read after every rollout, stay after its rollouts
     steps, z, side = steps_all[:filled], z_all[:filled], side_all[:filled]
     cols = {c: _label_ids(col_parts[c]) if c in label_columns else floats[c][:filled] for c in extra}
+    n_roll = int(np.count_nonzero(~side))
+    if "group_id" in cols and n_roll < filled and not side[:n_roll].any() and _ascending(steps[:n_roll]) \
+            and _ascending(steps[n_roll:]):
+        # every rollout read before every held-out row, each side in step order (a writer's row
+        # groups are): the sides are taken as they lie (views, no rows moved), and only the group
+        # labels are put in step order, to be coded per step over both sides as below
+        return _two_sides(steps, z, cols, n_roll, nulls, features.names)
+    # in step order (a writer's row groups are; a stable sort if not): each step's held-out rows,
+    # read after every rollout, stay after its rollouts
     if len(steps) > 1 and (np.diff(steps) < 0).any():
         order = np.argsort(steps, kind="stable")
         steps, z, side, cols = steps[order], z[order], side[order], {c: v[order] for c, v in cols.items()}
@@ -566,8 +573,37 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
     return _samples(steps, z, cols, nulls, features.names)
 
 
+def _ascending(steps: np.ndarray) -> bool:
+    return len(steps) < 2 or not bool((np.diff(steps) < 0).any())
+
+
+def _two_sides(steps: np.ndarray, z: np.ndarray, cols: dict[str, np.ndarray], n_roll: int, nulls: set[str],
+               names: tuple[str, ...]) -> list[StepSample]:
+    """``steps_from_run``'s samples where the read holds every rollout (rows < n_roll) before
+    every held-out row, each side in step order: the groups coded per step over both sides at
+    once, rollouts first (so their codes are the ones a read of the rollouts alone gives), as
+    the general path codes them after sorting every row; here only the labels are sorted."""
+    order = np.argsort(steps, kind="stable")  # within a step: its rollouts, then its held-out rows
+    ordered = steps[order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    codes = np.empty(len(steps), dtype=np.int64)
+    codes[order] = segment_codes(starts, len(steps), cols["group_id"][order])[0]
+    cols = {**cols, "group_id": codes}
+    roll, held = slice(0, n_roll), slice(n_roll, len(steps))
+    drawn = cols.get("drawn_by_step")
+    fresh = drawn[held] == steps[held] if drawn is not None else np.zeros(len(steps) - n_roll, dtype=bool)
+    parts = {}
+    for name, mask in (("heldout", ~fresh), ("fresh", fresh)):  # drawn by pi_t; by the step's own policy (side b)
+        if mask.any():
+            rows = slice(n_roll, len(steps)) if mask.all() else np.flatnonzero(mask) + n_roll
+            parts[name] = {s.step: s for s in _samples(steps[rows], z[rows], {c: v[rows] for c, v in cols.items()},
+                                                        nulls, names, coded=True)}
+    return _samples(steps[roll], z[roll], {c: v[roll] for c, v in cols.items()}, nulls, names, coded=True,
+                    attach=parts)
+
+
 def _samples(steps: np.ndarray, z: np.ndarray, cols: dict[str, np.ndarray], nulls: set[str], names: tuple[str, ...],
-             coded: bool = False) -> list[StepSample]:
+             coded: bool = False, attach: dict[str, dict[int, StepSample]] | None = None) -> list[StepSample]:
     """StepSamples of rows sorted by step: views of one read-only ``StepStack``. ``coded``: the
     group ids are already codes per step (else they are labels, coded here)."""
     starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
@@ -591,9 +627,12 @@ def _samples(steps: np.ndarray, z: np.ndarray, cols: dict[str, np.ndarray], null
     present = [OPTIONAL_COLUMNS[c] for c in OPTIONAL_COLUMNS if c in cols]
     g = [None] * len(bounds) if n_groups is None else n_groups.tolist()
     zs = views["z"]
-    return [StepSample(int(steps[a]), names, zs[i], n_groups=g[i], stack=stack, index=i,
-                       **{attr: views[attr][i] for attr in present if views[attr][i] is not None})
-            for i, (a, _) in enumerate(bounds)]
+    step_of = steps[starts].tolist()
+    attach = attach or {}
+    return [StepSample(step_of[i], names, zs[i], n_groups=g[i], stack=stack, index=i,
+                       **{attr: views[attr][i] for attr in present if views[attr][i] is not None},
+                       **{k: v[step_of[i]] for k, v in attach.items() if step_of[i] in v})
+            for i in range(len(bounds))]
 
 
 FEATURE_THREADS = min(4, os.cpu_count() or 1)
