@@ -73,17 +73,25 @@ class RunContext:
         self.specs: dict[str, BookSpec] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._lock = threading.Lock()
+        self._failed: dict[str, Exception] = {}
 
     def cached(self, key: str, make: Callable[[], Any]) -> Any:
         """``make()``, once per key: a book on another thread that asks for the same key while
-        it is being computed waits for it instead of computing it again."""
+        it is being computed waits for it instead of computing it again; and where ``make()``
+        failed, every later asker gets that error, not another try (a bad record read once)."""
         if key in self._cache:
             return self._cache[key]
         with self._lock:
             lock = self._locks.setdefault(key, threading.RLock())
         with lock:
+            if key in self._failed:
+                raise self._failed[key]
             if key not in self._cache:
-                self._cache[key] = make()
+                try:
+                    self._cache[key] = make()
+                except Exception as e:
+                    self._failed[key] = e
+                    raise
         return self._cache[key]
 
     @property

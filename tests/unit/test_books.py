@@ -318,10 +318,11 @@ def test_the_differentials_of_some_steps_are_those_worked_out_for_every_step_of_
 
 def test_every_book_reads_only_the_books_its_spec_says_it_needs(monkeypatch):
     """``RunContext.results`` builds the books whose ``report.needs`` are met at once, on threads:
-    a book that read another book's result without naming it could read it half-built, or build
-    it a second time. Every builder's ``ctx.result`` calls on the tapped example are recorded and
-    checked against its spec; the needs are there (agreement reads effect and cause); and the
-    report built this way is the report built one book after another."""
+    a book that read another book's result without naming it would wait on it there, holding a
+    thread, and the spec would not say what the page depends on. Every builder's ``ctx.result``
+    calls on the tapped example are recorded and checked against its spec; the needs are there
+    (agreement reads effect and cause); and the report built this way is the report built one
+    book after another."""
     import threading
     from pathlib import Path
 
@@ -335,11 +336,11 @@ def test_every_book_reads_only_the_books_its_spec_says_it_needs(monkeypatch):
     build, result = books.RunContext._build, books.RunContext.result
 
     def traced_build(self, book_id):
-        current.book = book_id
+        outer, current.book = getattr(current, "book", None), book_id
         try:
             return build(self, book_id)
         finally:
-            current.book = None
+            current.book = outer
 
     def traced_result(self, book_id):
         by = getattr(current, "book", None)
@@ -358,3 +359,34 @@ def test_every_book_reads_only_the_books_its_spec_says_it_needs(monkeypatch):
     one_by_one = books.RunContext.results
     monkeypatch.setattr(books.RunContext, "results", lambda self, ids, workers=None: one_by_one(self, ids, workers=1))
     assert to_json(build_report(open_run(run_dir))) == at_once
+
+
+def test_a_shared_input_that_fails_is_read_once_and_its_error_reaches_every_book():
+    """Books on threads share the record's read (``RunContext.cached``): where it fails (a corrupt
+    row group), the books waiting on it get that error, not one more read each."""
+    import threading
+    import time
+
+    from reward_lens.measure.books import RunContext
+
+    calls = []
+
+    class Failing(RunContext):
+        def _build(self, book_id):
+            return self.cached("samples", self._read)
+
+        def _needs(self, book_id):
+            return []
+
+        def _read(self):
+            calls.append(threading.current_thread().name)
+            time.sleep(0.05)
+            raise OSError("corrupt row group")
+
+    ctx = Failing(run=None, features=None)
+    with pytest.raises(OSError, match="corrupt row group"):
+        ctx.results([f"book{i}" for i in range(6)])
+    assert len(calls) == 1
+    with pytest.raises(OSError, match="corrupt row group"):
+        ctx.result("book0")  # and later asks too
+    assert len(calls) == 1
