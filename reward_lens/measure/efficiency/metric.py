@@ -454,7 +454,8 @@ def _per_step(samples: Sequence[StepSample]) -> MetricG:
                            "pi_t's own rollouts (G_t <= C_t), so KL_min is a lower bound on the true minimum")
 
 
-# Ledgers centred at a time by ``within_group_metric`` (see ``paired.LEDGER_BATCH``).
+# Ledgers centred at a time by ``within_group_metric`` (cf. ``paired.LEDGER_BATCH``, 256: the paired
+# ledgers' stratified jackknife keeps a dozen temporaries a batch; the metric's centring, one).
 LEDGER_BLOCK = 1024
 
 
