@@ -52,6 +52,7 @@ reached it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -438,9 +439,7 @@ class RunWatch:
                                             steps[:-1]])
         take = steps > prior
         if not take.all():
-            block = StepBlock(*(x[take] for x in (block.steps, block.level, block.groups, block.ss_between, block.n,
-                                                   block.ss_rows, block.selection, block.selection_se,
-                                                   block.has_selection)))
+            block = StepBlock(**{f.name: getattr(block, f.name)[take] for f in dataclasses.fields(block)})
             steps = block.steps
             if not len(steps):
                 return

@@ -8,7 +8,6 @@ the learning rate of step t. Ledgers are the cost book's input.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from collections import deque
@@ -541,35 +540,17 @@ def steps_from_run(run: Run, features: FeatureBasis, window: Window | None = Non
         return []
     steps, z, side = steps_all[:filled], z_all[:filled], side_all[:filled]
     cols = {c: _label_ids(col_parts[c]) if c in label_columns else floats[c][:filled] for c in extra}
-    n_roll = int(np.count_nonzero(~side))
-    if "group_id" in cols and n_roll < filled and not side[:n_roll].any() and _ascending(steps[:n_roll]) \
-            and _ascending(steps[n_roll:]):
-        # every rollout read before every held-out row, each side in step order (a writer's row
-        # groups are): the sides are taken as they lie (views, no rows moved), and only the group
-        # labels are put in step order, to be coded per step over both sides as below
-        return _two_sides(steps, z, cols, n_roll, nulls, features.names)
-    # in step order (a writer's row groups are; a stable sort if not): each step's held-out rows,
-    # read after every rollout, stay after its rollouts
-    if len(steps) > 1 and (np.diff(steps) < 0).any():
-        order = np.argsort(steps, kind="stable")
-        steps, z, side, cols = steps[order], z[order], side[order], {c: v[order] for c, v in cols.items()}
     if "group_id" in cols and side.any():
-        # groups coded per step over both sides at once (rollouts first, so their codes are the
-        # ones a read of the rollouts alone gives), then the sides split apart
-        starts = np.flatnonzero(np.r_[True, steps[1:] != steps[:-1]])
-        cols["group_id"] = segment_codes(starts, len(steps), cols["group_id"])[0]
-        main = _samples(steps[~side], z[~side], {c: v[~side] for c, v in cols.items()}, nulls, features.names,
-                        coded=True)
-        # held-out rows drawn by the step's own policy (side b) apart from those drawn by the previous one
-        drawn = cols.get("drawn_by_step")
-        fresh_side = side & (drawn == steps) if drawn is not None else np.zeros_like(side)
-        parts = {}
-        for name, mask in (("heldout", side & ~fresh_side), ("fresh", fresh_side)):
-            if mask.any():
-                parts[name] = {s.step: s for s in _samples(steps[mask], z[mask], {c: v[mask] for c, v in cols.items()},
-                                                           nulls, features.names, coded=True)}
-        return [dataclasses.replace(s, **{k: v[s.step] for k, v in parts.items() if s.step in v}) if parts else s
-                for s in main]
+        n_roll = int(np.count_nonzero(~side))
+        if side[:n_roll].any() or not (_ascending(steps[:n_roll]) and _ascending(steps[n_roll:])):
+            # rollouts, then held-out rows, each side in step order (a stable sort: a step's rows
+            # keep their read order); a writer's row groups are so already, and nothing moves
+            order = np.lexsort((steps, side))
+            steps, z, cols = steps[order], z[order], {c: v[order] for c, v in cols.items()}
+        return _two_sides(steps, z, cols, n_roll, nulls, features.names)
+    if not _ascending(steps):  # in step order (a writer's row groups are; a stable sort if not)
+        order = np.argsort(steps, kind="stable")
+        steps, z, cols = steps[order], z[order], {c: v[order] for c, v in cols.items()}
     return _samples(steps, z, cols, nulls, features.names)
 
 
@@ -579,10 +560,10 @@ def _ascending(steps: np.ndarray) -> bool:
 
 def _two_sides(steps: np.ndarray, z: np.ndarray, cols: dict[str, np.ndarray], n_roll: int, nulls: set[str],
                names: tuple[str, ...]) -> list[StepSample]:
-    """``steps_from_run``'s samples where the read holds every rollout (rows < n_roll) before
-    every held-out row, each side in step order: the groups coded per step over both sides at
-    once, rollouts first (so their codes are the ones a read of the rollouts alone gives), as
-    the general path codes them after sorting every row; here only the labels are sorted."""
+    """``steps_from_run``'s samples of a read that holds its rollouts (rows < n_roll), then its
+    held-out rows, each side in step order: the sides are taken as they lie (views), and the
+    groups coded per step over both sides at once, rollouts first (so their codes are the ones a
+    read of the rollouts alone gives); only the labels are put in step order for that."""
     order = np.argsort(steps, kind="stable")  # within a step: its rollouts, then its held-out rows
     ordered = steps[order]
     starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
