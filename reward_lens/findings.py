@@ -116,9 +116,11 @@ class FindingData:
         return b.typed() if b is not None and b.data is not None else None
 
     @classmethod
-    def from_run(cls, run, report=None, samples=None) -> FindingData:
+    def from_run(cls, run, report=None, samples=None, watch: RunWatch | None = None) -> FindingData:
         """``samples``: the report's own read of the rollouts (``steps_from_run``, every step),
-        whose rewards and groups are taken instead of a read of their own where they have them."""
+        whose rewards and groups are taken instead of a read of their own where they have them;
+        ``watch``: the sequential watch of those samples where it was made already (the report
+        makes it while the books are priced), else it is made here."""
         names = ("entropy", "reward_mean", "frac_reward_zero_std", "kl_to_previous", "kl_to_previous_se",
                  "grad_norm_unclipped", "max_grad_norm")
         series = {n: {int(s): float(v) for s, v in run.telemetry_column(n).items()} for n in names}
@@ -133,7 +135,8 @@ class FindingData:
         cfg = dict(run.manifest.trainer_config or {})
         if not series["max_grad_norm"] and isinstance(cfg.get("max_grad_norm"), (int, float)):
             series["max_grad_norm"] = {s: float(cfg["max_grad_norm"]) for s in series["grad_norm_unclipped"]}
-        watch = watch_samples(samples, WatchBasis.of(report.basis)) if samples and report is not None else None
+        if watch is None and samples and report is not None:
+            watch = watch_samples(samples, WatchBasis.of(report.basis))
         return cls(series, report=report, config=cfg, reward_se=reward_se, watch=watch)
 
 
@@ -620,14 +623,16 @@ def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> Fi
                       remedy=remedy, values=_jsonable(out.evidence))
 
 
-def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, samples=None) -> list[FindingOut]:
+def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, samples=None,
+             watch: RunWatch | None = None) -> list[FindingOut]:
     """Every finding on a finished record (with its report's books where a finding reads them,
-    and its read of the rollouts, ``samples``, where it made one)."""
+    and its read of the rollouts, ``samples``, where it made one, with their sequential watch
+    ``watch`` where it made that)."""
     from reward_lens.record.importers.trl_output import assumed_reward_weights
 
     specs = specs if specs is not None else load_findings()
     fields = run.fields()
-    data = FindingData.from_run(run, report, samples)
+    data = FindingData.from_run(run, report, samples, watch)
     status = {b.id: b.status for b in report.books} if report is not None else {}
     targets = {f.name: f.target for f in report.basis.features if f.target} if report is not None else {}
     assumed = assumed_reward_weights(run.manifest.notes)

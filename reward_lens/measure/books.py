@@ -108,6 +108,28 @@ class RunContext:
         return self.cached("samples", make)
 
     @property
+    def watch(self):
+        """The findings' sequential watch of the samples (``measure.sequential``), in the
+        report's basis: it reads the samples alone, so a report makes it while the books are
+        priced (``watch_early``)."""
+        from reward_lens.measure.sequential import WatchBasis, watch_samples
+
+        return self.cached("watch", lambda: watch_samples(self.samples, WatchBasis.of(self.features))
+                           if self.samples else None)
+
+    def watch_early(self) -> threading.Thread:
+        """``watch`` made on a thread of its own (started, returned): the samples are read once,
+        by whichever asks first, and an error is kept for the one that asks for ``watch`` next."""
+        def make():
+            try:
+                self.watch
+            except Exception:  # noqa: BLE001 -- kept by ``cached``: raised where ``watch`` is read
+                pass
+        t = threading.Thread(target=make, name="reward-lens-watch", daemon=True)
+        t.start()
+        return t
+
+    @property
     def priced(self):
         from reward_lens.measure.efficiency.of_run import price_run
 

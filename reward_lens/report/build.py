@@ -164,7 +164,10 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
     ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
     books = []
     ordered = sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id))
+    watching = ctx.watch_early() if run.n_rollouts else None  # the findings' watch, beside the books
     results = ctx.results([spec.id for spec in ordered])  # the books that need none of each other at once
+    if watching is not None:
+        watching.join()
     for spec in ordered:
         res = results[spec.id]
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,
@@ -182,16 +185,16 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
                     samples=_samples(run), curves=training_curves(run, curves.panels()), browser=browser.rows,
                     glance=at_a_glance, card=summary_card(at_a_glance, books),
                     headline_figure=headline_figure(ctx, {b.id: b for b in books}))
-    return with_findings(run, report, ctx.samples if ctx.collected else None)
+    return with_findings(run, report, ctx.samples if ctx.collected else None, ctx.watch if ctx.collected else None)
 
 
-def with_findings(run: Run, report: Report, samples=None) -> Report:
+def with_findings(run: Run, report: Report, samples=None, watch=None) -> Report:
     """The report with its findings evaluated on its books (and on its read of the rollouts,
-    ``samples``, where it made one), counted once, and the health sentence leading the summary
-    card."""
+    ``samples``, where it made one, with their sequential watch ``watch`` where it made that),
+    counted once, and the health sentence leading the summary card."""
     from reward_lens.findings import evaluate, finding_counts
 
-    found = evaluate(run, report, samples=samples)
+    found = evaluate(run, report, samples=samples, watch=watch)
     counts = finding_counts(found)
     line = " ".join(render_template("report/health.j2", {"f": found, "n": counts}).split())
     return report.model_copy(update={"findings": found, "findings_counts": counts, "card": [line, *report.card]})
