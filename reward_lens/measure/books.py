@@ -111,19 +111,24 @@ class RunContext:
     def watch(self):
         """The findings' sequential watch of the samples (``measure.sequential``), in the
         report's basis: it reads the samples alone, so a report makes it while the books are
-        priced (``watch_early``)."""
+        priced (``beside_books``)."""
         from reward_lens.measure.sequential import WatchBasis, watch_samples
 
         return self.cached("watch", lambda: watch_samples(self.samples, WatchBasis.of(self.features))
                            if self.samples else None)
 
-    def watch_early(self) -> threading.Thread:
-        """``watch`` made on a thread of its own (started, returned): the samples are read once,
-        by whichever asks first, and an error is kept for the one that asks for ``watch`` next."""
+    def beside_books(self) -> threading.Thread:
+        """What reads the samples alone, made on a thread of its own while the books are priced
+        (started, returned): the findings' ``watch`` and the cause book's selection
+        differentials. The samples are read once, by whichever asks first; an error is kept for
+        the one that asks for the same thing next (``cached``, the read's ``memo``)."""
+        from reward_lens.measure.cause import selection_of_run
+
         def make():
             try:
                 self.watch
-            except Exception:  # noqa: BLE001 -- kept by ``cached``: raised where ``watch`` is read
+                selection_of_run(self.samples)
+            except Exception:  # noqa: BLE001 -- raised again where the book or the findings ask
                 pass
         t = threading.Thread(target=make, name="reward-lens-watch", daemon=True)
         t.start()

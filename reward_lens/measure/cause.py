@@ -333,15 +333,30 @@ def _clusters(adjacent: np.ndarray) -> list[list[int]]:
     return out
 
 
+def selection_of_run(samples: Sequence[StepSample]) -> None:
+    """Each step's selection differentials, worked out for the cause book ahead of it (memoised
+    on the report's read, as ``cause_series`` asks for them): they read the samples alone."""
+    _memoised_selection([s for s in samples if s.advantages is not None and s.groups is not None])
+
+
+def _memoised_selection(every: list[StepSample]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``_selection_arrays(every)``, once per run of the report's read that ``every`` is (a view,
+    no copy); None where it is not one."""
+    stack = every[0].stack if every else None
+    if stack is None or stack_range(every) is None or stack_range(every, "advantages") is None:
+        return None
+    return stack.memo("selection_differentials", every, lambda: _selection_arrays(every))
+
+
 def step_selection(every: list[StepSample], sel: list[StepSample]) -> tuple[np.ndarray, np.ndarray]:
     """``_selection_arrays(sel)``: each step's differential is its own rows' alone, so where
     ``every`` step with advantages and groups lies in one run of the report's read (a view, no
     copy), they are worked out for all of them, once (memoised on the read), and ``sel``'s rows
     picked; else for ``sel`` itself."""
-    stack = every[0].stack if every else None
-    if stack is None or stack_range(every) is None or stack_range(every, "advantages") is None:
+    got = _memoised_selection(every)
+    if got is None:
         return _selection_arrays(sel)
-    s_all, se_all = stack.memo("selection_differentials", every, lambda: _selection_arrays(every))
+    s_all, se_all = got
     pos = {x.step: i for i, x in enumerate(every)}
     rows = np.array([pos[x.step] for x in sel], dtype=np.int64)
     return s_all[rows], se_all[rows]

@@ -164,7 +164,7 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
     ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
     books = []
     ordered = sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id))
-    watching = ctx.watch_early() if run.n_rollouts else None  # the findings' watch, beside the books
+    watching = ctx.beside_books() if run.n_rollouts else None  # what reads the samples alone, beside the books
     results = ctx.results([spec.id for spec in ordered])  # the books that need none of each other at once
     if watching is not None:
         watching.join()

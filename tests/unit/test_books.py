@@ -390,3 +390,49 @@ def test_a_shared_input_that_fails_is_read_once_and_its_error_reaches_every_book
     with pytest.raises(OSError, match="corrupt row group"):
         ctx.result("book0")  # and later asks too
     assert len(calls) == 1
+
+
+def test_what_reads_the_samples_alone_is_made_once_beside_the_books(monkeypatch):
+    """The report makes the findings' watch and the cause book's selection differentials on a
+    thread of their own while the books are priced (``RunContext.beside_books``): the read's
+    ``memo`` makes a key once when threads ask at once, and the report is the one made without
+    that thread (the watch then made by the findings, the differentials by the cause book)."""
+    import threading
+    import time
+    from pathlib import Path
+
+    from reward_lens.measure import books
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+    from reward_lens.report import build_report, to_json
+
+    run_dir = Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "tapped"
+    every = steps_from_run(open_run(run_dir), SurfaceFeatures())
+    made = []
+
+    def slow():
+        made.append(threading.current_thread().name)
+        time.sleep(0.05)
+        return len(made)
+
+    threads = [threading.Thread(target=lambda: every[0].stack.memo("k", every, slow)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and every[0].stack.memo("k", every, slow) == 1
+
+    beside = books.RunContext.beside_books
+    started = []
+    monkeypatch.setattr(books.RunContext, "beside_books", lambda self: started.append(1) or beside(self))
+    with_thread = to_json(build_report(open_run(run_dir)))
+    assert started == [1]
+
+    def none(self):
+        t = threading.Thread(target=lambda: None)
+        t.start()
+        return t
+
+    monkeypatch.setattr(books.RunContext, "beside_books", none)
+    assert to_json(build_report(open_run(run_dir))) == with_thread

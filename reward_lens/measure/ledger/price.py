@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
@@ -73,6 +74,8 @@ class StepStack:
     # per-step statistics of a run of its samples, worked out once for every book that asks
     # (``memo(key, samples, make)``); the arrays are read-only, so they cannot go stale
     _memo: dict = field(default_factory=dict, repr=False)
+    _memo_locks: dict = field(default_factory=dict, repr=False)  # a lock per key: one thread makes it
+    _memo_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def memo(self, key: str, samples: Sequence[StepSample], make: Callable[[], object]):
         """``make()`` for ``samples`` -- computed once per key for the same run of samples of
@@ -81,8 +84,13 @@ class StepStack:
         if where is None or where[0] is not self:
             return make()
         k = (key, where[1], where[2])
-        if k not in self._memo:
-            self._memo[k] = make()
+        if k in self._memo:
+            return self._memo[k]
+        with self._memo_lock:  # books on other threads: one makes it, the others wait for it
+            lock = self._memo_locks.setdefault(k, threading.Lock())
+        with lock:
+            if k not in self._memo:
+                self._memo[k] = make()
         return self._memo[k]
 
 
