@@ -51,7 +51,7 @@ from functools import lru_cache
 import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
 
-from reward_lens.measure.efficiency.iproj import VALUE_RTOL, group_jackknife
+from reward_lens.measure.efficiency.iproj import VALUE_RTOL, fixed_tilt_bias, group_jackknife
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
 from reward_lens.measure.ledger.price import Ledger, blocks, in_threads, stack_views
 
@@ -270,6 +270,12 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]], deletions
         # each of the g + 1 values is good to VALUE_RTOL (1 + |K|) at best: a correction below what
         # their combination can cancel to is zero, not -1e-14 nats
         k_jk = np.where(np.abs(k_jk - k_full) <= 4 * g * VALUE_RTOL * (1.0 + np.abs(k_full)), k_full, k_jk)
+        # each group's term of the dual is biased at O(1/n) in its own few rows, which no deletion
+        # of whole groups sees: its stratified jackknife at the whole sample's tilt, taken out of
+        # KL_jk and of each replicate (the mean over the groups a replicate keeps)
+        bias_g = fixed_tilt_bias(z, r, codes, g, side, jk.lam)  # (P, G)
+        k_jk = k_jk - bias_g.mean(axis=1)
+        k_del = k_del - (bias_g.sum(axis=1, keepdims=True) - bias_g) / (g - 1)
         theta = np.stack([k_del, d_jk], axis=2)  # (P, G, 2) the replicates
         dev = theta - theta.mean(axis=1, keepdims=True)
         covs = np.matmul((g - 1) / g * dev.transpose(0, 2, 1), dev)  # (P, 2, 2)
