@@ -16,9 +16,14 @@ features explain little). The book removes that bias with the delete-one-group j
 so deleting a group scales it by G/(G-1) and the combination cancels it to first order. Each
 KL_(-g) is reached by two Newton steps from the whole sample's tilt, at about the cost of one
 more solve for all G of them, and solved from scratch where those steps may be off
-(``iproj.group_jackknife``: the same jackknife to a few hundredths of its SE). The
-covariance of (KL_jk, D_t) is the jackknife's over the same replicates; eta = KL_jk / D_t with
-a delta-method standard error and a t interval on G-1 degrees of freedom. The p-value of "the
+(``iproj.group_jackknife``: the same jackknife to a few hundredths of its SE). Each group's
+own term of the dual is biased too, at O(1/n) in its few rows, which no deletion of whole
+groups sees: on two-sided samples its stratified jackknife at the fitted tilt
+(``iproj.fixed_tilt_bias``) is taken out of KL_jk and of every replicate. The covariance of
+(KL_jk, D_t) is the jackknife's over the same replicates; eta = KL_jk / D_t with a
+delta-method standard error and a t interval on the degrees of freedom of the groups in which
+a priced feature varies, less one (``jackknife_dof``); a sample in which none varies prices
+nothing. The p-value of "the
 features bought nothing" (KL_min = 0) is the F-test of the within-group regression of r on the
 features over the rollouts (``rollout_test``: n - G degrees of freedom, not G - 1). Measured on
 the moderate regime (39 step pairs, 8 rollouts + 4 held-out completions per prompt): median
@@ -307,9 +312,9 @@ def jackknife_dof(varying: int, n_groups: int) -> float:
     which a priced feature varies, less one (at least one). Deleting any other group moves
     KL_min by the same amount (the mean's 1/G), so the spread of the replicates that sets the
     SE comes from those groups alone; on a sharpened policy they are often two or three of
-    eight, and t on G - 1 made the intervals far too short (tools/truth.py: 68 % coverage on
-    the collapsing run's draws against 78 % with these, 94 % on the moderate run's either way,
-    where every group varies)."""
+    eight, and t on G - 1 made the intervals far too short (tools/truth.py, the collapsing run's
+    redraws: 68 % coverage; 88.5 % with these and the samples that vary in no group priced as
+    nothing; the moderate run's, where every group varies, unchanged)."""
     return float(max(min(varying, n_groups) - 1, 1))
 
 
