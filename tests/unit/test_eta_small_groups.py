@@ -68,6 +68,19 @@ def test_fixed_tilt_bias_equals_the_stratified_jackknife_written_out():
     assert np.abs(want).max() > 1e-3  # a case where there is something to correct
 
 
+def test_fixed_tilt_bias_of_unequal_groups_equals_the_jackknife_written_out():
+    """Groups of 5, 9 and 6 rows, one with a single held-out row (its side adds nothing)."""
+    rng = np.random.default_rng(11)
+    codes = np.repeat(np.arange(3), [5, 9, 6])
+    held = np.r_[[0, 0, 0, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1]].astype(bool)
+    z = rng.normal(size=(len(codes), 3)) * [1.0, 3.0, 0.2]
+    r = 2.0 * z[:, 0] - 3.0 * z[:, 2] + 0.5 * rng.normal(size=len(codes))
+    lam = np.array([0.4, 0.1, -0.6])
+    got = fixed_tilt_bias(z[None], r[None], codes, 3, held, lam[None])[0]
+    want = _brute_bias(z, r, codes, held, lam / _pooled_sd(z, codes))
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+
+
 def test_fixed_tilt_bias_is_zero_where_nothing_can_be_biased():
     rng = np.random.default_rng(6)
     codes = np.repeat(np.arange(2), 8)

@@ -443,6 +443,9 @@ def fixed_tilt_bias(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     zs = _prepared(z, r, codes, n_groups, heldout)[0] if n_pairs else z
     side = np.zeros(len(codes), dtype=bool) if heldout is None else np.asarray(heldout, dtype=bool)
     a_all = np.matmul(zs, lam[:, :, None])[:, :, 0] if n_pairs else r  # (P, n) lambda . z
+    m = blocks(codes, n_groups)
+    if m and n_pairs:  # groups of m rows one after another: every deletion of every group at once
+        return _fixed_tilt_bias_blocks(z, r, zs, a_all, side, lam, n_groups, m)
     out = np.zeros((n_pairs, n_groups))
     size = np.bincount(codes, minlength=n_groups)
     starts = np.concatenate([[0], np.cumsum(size)[:-1]])
@@ -464,6 +467,47 @@ def fixed_tilt_bias(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
             reps = _group_term(rg, ag, zg, lam, sg, n_a - on_a, n_b - (not on_a), drop)  # (P, n_s)
             out[:, g] += np.where(varies, (n_s - 1) * (reps.mean(axis=1) - full[:, 0]), 0.0)
     return out
+
+
+def _fixed_tilt_bias_blocks(z, r, zs, a, side, lam, n_groups: int, m: int) -> np.ndarray:
+    """``fixed_tilt_bias`` where the groups are equal consecutive blocks of m rows: the whole
+    group's term and each of its m deletions for every group in one pass over (P, G, m, m)
+    arrays (deletion d of a group leaves out its row d, its side's count less one), the same
+    arithmetic as the per-group loop."""
+    n_pairs, _, k = zs.shape
+    g = n_groups
+    zb, rb, ab = zs.reshape(n_pairs, g, m, k), r.reshape(n_pairs, g, m), a.reshape(n_pairs, g, m)
+    sb = side.reshape(g, m)
+    n_a = sb.sum(axis=1).astype(np.float64)  # (G,)
+    n_b = m - n_a
+    raw = z.reshape(n_pairs, g, m, -1)
+    varies = (raw.max(axis=2) > raw.min(axis=2)).any(axis=2)  # (P, G)
+    # whole groups: counts (G, 1); deletions: counts (G, m) less one on the deleted row's side
+    counts = [(n_a[:, None], n_b[:, None], None),
+              (n_a[:, None] - sb, n_b[:, None] - ~sb, np.eye(m, dtype=bool))]
+    terms = []
+    for ca, cb, drop in counts:
+        # (a side of one row deleted leaves its count 0: log 0 = -inf, which the weights absorb;
+        # a group of one row deleted whole has no term, and a side under two rows is not used)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            la, lb = np.log(ca)[None, :, :, None], np.log(cb)[None, :, :, None]  # (1, G, D, 1)
+            rr = rb[:, :, None, :]  # (P, G, 1, m)
+            lwq = -np.logaddexp(la - rr, lb)  # (P, G, D, m)
+            lwp = -np.logaddexp(la, lb + rr)
+            if drop is not None:
+                mask = np.where(drop, -np.inf, 0.0)[None, None]  # (1, 1, D, m): deletion d leaves out row d
+                lwq, lwp = lwq + mask, lwp + mask
+            lq = lwq - _lse(lwq)[..., None]
+            target = np.matmul(np.exp(lq), zb)  # (P, G, D, k) E_q[z]
+            log_part = _lse(lwp + ab[:, :, None, :]) - _lse(lwp)  # (P, G, D)
+            terms.append(np.einsum("pgdk,pk->pgd", target, lam) - log_part)
+    full, reps = terms[0][:, :, 0], terms[1]  # (P, G), (P, G, m)
+    out = np.zeros((n_pairs, g))
+    for on_a, n_s in ((True, n_a), (False, n_b)):
+        rows = (sb == on_a)  # (G, m)
+        mean = np.where(rows, reps, 0.0).sum(axis=2) / np.maximum(n_s, 1)  # (P, G)
+        out += np.where(n_s >= 2, (n_s - 1) * (mean - full), 0.0)
+    return np.where(varies, out, 0.0)
 
 
 def _group_term(r, a, zs, lam, side, n_a: int, n_b: int, drop):
