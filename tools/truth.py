@@ -794,7 +794,10 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         idx = active.get(pair)
         if idx is None or not len(idx) or len(ok) < 2:
             continue
-        ests = paired_estimates([(lg, idx) for lg in ok])
+        # as the book: a draw in which no priced feature varies within any prompt group prices nothing
+        ests = [e for e in paired_estimates([(lg, idx) for lg in ok]) if e.groups_varying != 0]
+        if len(ests) < 2:
+            continue
         c = out["eta"]
         eta = np.array([e.eta_debiased for e in ests])
         ses = np.array([e.se for e in ests])

@@ -43,12 +43,34 @@ def test_moderate_eta_intervals_cover_the_truth_and_the_headline_is_not_selected
     assert bias is not None and -0.1 <= bias <= 0.05  # resolved rows no longer read high
 
 
-@pytest.mark.xfail(strict=True, reason="a known miss (docs/science.md, issue 41): since the tap measures each update "
-                   "on 4 + 4 extra completions per prompt, the run-level eta of the moderate run reads a little low "
-                   "and its interval falls just short of the truth")
 def test_moderate_run_level_eta_interval_covers_the_truth(moderate):
     e, (lo, hi), truth = moderate.eta_run
     assert lo <= truth <= hi  # the run-level eta (sum KL_min / sum D_t) covers the oracle's
+
+
+def test_eta_intervals_cover_the_truth_over_redraws_of_the_taps_sampling(moderate, collapse):
+    """The 95 % intervals of eta over 20 redraws of the tap's 4 + 4 completions per prompt: at
+    their rate on the moderate run; on the collapsing run, with t on the prompt groups that vary
+    and the samples that vary in none priced as nothing, nearly nine in ten (68 % with t on G - 1;
+    issue 41 asks for 90 %)."""
+    for res, floor in ((moderate, 0.93), (collapse, 0.85)):
+        cal = res.calibration["eta"]
+        assert cal["draws"] >= 500 and cal["covered"] >= floor * cal["draws"]
+
+
+@pytest.mark.xfail(strict=True, reason="a known miss (docs/science.md, issue 41): on the sharpened policy a 4 + 4 "
+                   "sample holds two or three distinct completions per prompt, which the behaviours separate more "
+                   "cleanly than the policy's law: KL_min reads high, the run's eta above its interval")
+def test_collapse_run_level_eta_interval_covers_the_truth(collapse):
+    e, (lo, hi), truth = collapse.eta_run
+    assert lo <= truth <= hi
+
+
+@pytest.mark.xfail(strict=True, reason="a known miss (issue 41): the collapsing run's per-pair intervals cover the "
+                   "truth on most of its updates, not 90 %")
+def test_collapse_eta_intervals_cover_the_truth(collapse):
+    covered, priced = collapse.eta_coverage()
+    assert covered >= 0.9 * priced
 
 
 def test_collapse_every_dz_a_book_reports_is_within_three_se_of_the_truth(collapse):

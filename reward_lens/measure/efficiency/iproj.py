@@ -133,6 +133,11 @@ def _prepared(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_groups: int, he
     by_group = _with_groups(codes, n_groups)
     target = np.add.reduceat(q[:, :, None] * z, starts, axis=1)  # (P, G, k)
     zc = by_group(np.subtract, z, target)
+    # a feature constant within a group is exactly at its target there: 0, not the rounding of the
+    # weighted sum (a residue eps_g in every row of a group adds lambda . eps_g to the dual, which
+    # is unbounded when every group is so: a sample constant within every group solved to 5e13)
+    spread = np.maximum.reduceat(z, starts, axis=1) > np.minimum.reduceat(z, starts, axis=1)  # (P, G, k)
+    zc = by_group(np.multiply, zc, spread)
     dev = by_group(np.subtract, z, np.add.reduceat(z, starts, axis=1) / size[:, None])
     sd = np.sqrt((dev ** 2).sum(axis=1) / max(n - n_groups, 1))  # (P, k)
     zs = zc / np.where(sd > 0, sd, 1.0)[:, None, :]
@@ -148,6 +153,7 @@ class GroupJackknife:
     deleted: np.ndarray  # (P, G) nats: KL_min with group g deleted
     converged: np.ndarray  # (P,) bool: the whole sample's solve (and every deletion solved) converged
     solved: np.ndarray  # (P,) bool: the deletions solved from scratch (not by Newton steps)
+    lam: np.ndarray | None = None  # (P, k) the whole sample's tilt, in the standardised units of ``_prepared``
 
 
 # How ``group_jackknife`` gets KL_min with a group deleted: "exact" solves each deletion from
@@ -212,8 +218,8 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     sizes = np.bincount(codes, minlength=n_groups) if n_groups else np.zeros(0, np.int64)
     few = n_groups < STEP_MIN_GROUPS or (len(sizes) and int(sizes.min()) < STEP_MIN_ROWS)
     if deletions == "exact" or n_groups < 2 or (deletions == "checked" and few):
-        values, converged = _solved_deletions(z, log_ratio, codes, n_groups, heldout, with_full=True)
-        return GroupJackknife(values[:, 0], values[:, 1:], converged, np.ones(n_pairs, dtype=bool))
+        values, converged, lam = _solved_deletions(z, log_ratio, codes, n_groups, heldout, with_full=True)
+        return GroupJackknife(values[:, 0], values[:, 1:], converged, np.ones(n_pairs, dtype=bool), lam)
     z = np.asarray(z, dtype=np.float64)
     r = np.asarray(log_ratio, dtype=np.float64)
     if len(codes) and (np.diff(codes) < 0).any():
@@ -233,14 +239,14 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         zs, logp, starts, _ = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)
         value, converged, lam = _newton(zs, logp, codes, starts, c)
         deleted, gain = _step_deletions(zs, logp, lam, codes, starts, steps)
-        return np.maximum(value, 0.0), deleted, gain, converged
+        return np.maximum(value, 0.0), deleted, gain, converged, lam
 
     if len(los) > 1 and THREADS > 1:
         with ThreadPoolExecutor(min(THREADS, len(los))) as pool:
             parts = list(pool.map(batch, los))
     else:
         parts = [batch(lo) for lo in los]
-    full, deleted, gain, converged = (np.concatenate(x) for x in zip(*parts))
+    full, deleted, gain, converged, lam = (np.concatenate(x) for x in zip(*parts))
     solved = np.zeros(n_pairs, dtype=bool)
     if deletions == "checked":
         g = n_groups
@@ -251,20 +257,23 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
             trusted = (g - 1) * gain.max(axis=1) <= STEP_TOL * se + 4 * g * VALUE_RTOL * (1.0 + np.abs(full))
         solved = ~(trusted & np.isfinite(deleted).all(axis=1) & converged)
         if solved.any():
-            again, ok = _solved_deletions(z[solved], r[solved], codes, n_groups, heldout, with_full=False)
+            again, ok, _ = _solved_deletions(z[solved], r[solved], codes, n_groups, heldout, with_full=False)
             deleted[solved] = again
             converged[solved] &= ok
-    return GroupJackknife(full, deleted, converged, solved)
+    return GroupJackknife(full, deleted, converged, solved, lam)
 
 
-def _solved_deletions(z, r, codes, n_groups, heldout, with_full: bool) -> tuple[np.ndarray, np.ndarray]:
+def _solved_deletions(z, r, codes, n_groups, heldout, with_full: bool
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """KL_min of each sample with each group deleted, solved from lambda = 0 (P, G), preceded by
-    the whole sample's (P, G + 1) ``with_full``; and whether every solve converged (P,)."""
+    the whole sample's (P, G + 1) ``with_full``; whether every solve converged (P,); and, with
+    the whole sample, its tilt (P, k)."""
     weights = 1.0 - np.eye(n_groups)
     if with_full:
         weights = np.vstack([np.ones((1, n_groups)), weights])
     projs = i_projections(z, r, codes, n_groups, weights, heldout)
-    return np.stack([proj.kl_min for proj in projs]), np.stack([proj.converged for proj in projs]).all(axis=1)
+    lam = np.stack([proj.lam[0] for proj in projs]) if with_full else None
+    return np.stack([proj.kl_min for proj in projs]), np.stack([proj.converged for proj in projs]).all(axis=1), lam
 
 
 def _step_deletions(zs: np.ndarray, logp: np.ndarray, lam: np.ndarray, codes: np.ndarray, starts: np.ndarray,
@@ -401,3 +410,126 @@ def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndar
         live[i[~ok]] = False  # no ascent left at float64 precision: the value stands as a lower bound
     # value >= 0 up to rounding (it starts at lambda = 0, where it is -log 1 = 0).
     return value, converged, lam
+
+
+def fixed_tilt_bias(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_groups: int,
+                    heldout: np.ndarray | None, lam: np.ndarray) -> np.ndarray:
+    """The stratified jackknife's estimate of the bias of each prompt group's term of the dual at
+    a fixed tilt, for P samples laid out as ``i_projections`` wants them (P, G).
+
+    Group g's term, phi_g(lambda) = lambda . E_{q_g}[z] - log E_{p_g}[exp(lambda . z)], is a
+    function of self-normalised means over the group's few rows: the log of a mean and a ratio
+    of means, each biased at O(1/n) within the group (Jensen's inequality; the bias of a ratio
+    estimator). That bias does not shrink with the number of groups, so the delete-one-group
+    jackknife leaves it in KL_min. Deleting one row of each side of the group in turn (the
+    balance heuristic's counts less one on that side, the tilt ``lam`` held where the whole sample
+    put it: the tilt's own noise is the group jackknife's), b_g = sum over sides s of
+    (n_s - 1) (mean_i phi_g^(-i) - phi_g), Quenouille's estimate for the strata of a stratified
+    sample. A side of fewer than two rows adds nothing; a group whose features are constant has
+    phi_g = 0 at any tilt, and b_g = 0. ``lam`` (P, k): the tilt in the standardised units of
+    ``_prepared`` (``GroupJackknife.lam``).
+
+    Two-sided samples only (``heldout`` given): there the balance heuristic bounds every raw
+    weight by 1/n of its side, and a deleted row moves phi_g by O(1/n). One-sided, p_g is
+    proportional to exp(-r), unbounded, and a deletion of the heaviest row moves phi_g by O(1):
+    measured on the truth harness's one-sided runs (tools/truth.py --budget default) the
+    correction sent the moderate run's eta from 0.551 (truth 0.546) to 0.662. Zeros there."""
+    z = np.asarray(z, dtype=np.float64)
+    if heldout is None or not np.asarray(heldout).any():
+        return np.zeros((len(z), n_groups))
+    r = np.asarray(log_ratio, dtype=np.float64)
+    codes = np.asarray(codes)
+    n_pairs = len(z)
+    zs = _prepared(z, r, codes, n_groups, heldout)[0] if n_pairs else z
+    side = np.zeros(len(codes), dtype=bool) if heldout is None else np.asarray(heldout, dtype=bool)
+    a_all = np.matmul(zs, lam[:, :, None])[:, :, 0] if n_pairs else r  # (P, n) lambda . z
+    m = blocks(codes, n_groups)
+    if m and n_pairs:  # groups of m rows one after another: every deletion of every group at once
+        return _fixed_tilt_bias_blocks(z, r, zs, a_all, side, lam, n_groups, m)
+    out = np.zeros((n_pairs, n_groups))
+    size = np.bincount(codes, minlength=n_groups)
+    starts = np.concatenate([[0], np.cumsum(size)[:-1]])
+    for g in range(n_groups):
+        rows = slice(starts[g], starts[g] + size[g])
+        sg, rg, ag, zg = side[rows], r[:, rows], a_all[:, rows], zs[:, rows]
+        n_a, n_b = int(sg.sum()), int((~sg).sum())
+        # a group whose features are all constant has phi_g = 0 at any tilt: exactly 0 here, not
+        # the rounding of its centring (the row's correction is then exactly the jackknife's)
+        zg_raw = z[:, rows]
+        varies = (zg_raw.max(axis=1) > zg_raw.min(axis=1)).any(axis=1)  # (P,)
+        if not varies.any():
+            continue
+        full = _group_term(rg, ag, zg, lam, sg, n_a, n_b, None)
+        for on_a, n_s in ((True, n_a), (False, n_b)):
+            if n_s < 2:
+                continue
+            drop = np.flatnonzero(sg == on_a)  # each deletion: this row out, the counts less one
+            reps = _group_term(rg, ag, zg, lam, sg, n_a - on_a, n_b - (not on_a), drop)  # (P, n_s)
+            out[:, g] += np.where(varies, (n_s - 1) * (reps.mean(axis=1) - full[:, 0]), 0.0)
+    return out
+
+
+def _fixed_tilt_bias_blocks(z, r, zs, a, side, lam, n_groups: int, m: int) -> np.ndarray:
+    """``fixed_tilt_bias`` where the groups are equal consecutive blocks of m rows: the whole
+    group's term and each of its m deletions for every group in one pass over (P, G, m, m)
+    arrays (deletion d of a group leaves out its row d, its side's count less one), the same
+    arithmetic as the per-group loop."""
+    n_pairs, _, k = zs.shape
+    g = n_groups
+    zb, rb, ab = zs.reshape(n_pairs, g, m, k), r.reshape(n_pairs, g, m), a.reshape(n_pairs, g, m)
+    sb = side.reshape(g, m)
+    n_a = sb.sum(axis=1).astype(np.float64)  # (G,)
+    n_b = m - n_a
+    raw = z.reshape(n_pairs, g, m, -1)
+    varies = (raw.max(axis=2) > raw.min(axis=2)).any(axis=2)  # (P, G)
+    # whole groups: counts (G, 1); deletions: counts (G, m) less one on the deleted row's side
+    counts = [(n_a[:, None], n_b[:, None], None),
+              (n_a[:, None] - sb, n_b[:, None] - ~sb, np.eye(m, dtype=bool))]
+    terms = []
+    for ca, cb, drop in counts:
+        # (a side of one row deleted leaves its count 0: log 0 = -inf, which the weights absorb;
+        # a group of one row deleted whole has no term, and a side under two rows is not used)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            la, lb = np.log(ca)[None, :, :, None], np.log(cb)[None, :, :, None]  # (1, G, D, 1)
+            rr = rb[:, :, None, :]  # (P, G, 1, m)
+            lwq = -np.logaddexp(la - rr, lb)  # (P, G, D, m)
+            lwp = -np.logaddexp(la, lb + rr)
+            if drop is not None:
+                mask = np.where(drop, -np.inf, 0.0)[None, None]  # (1, 1, D, m): deletion d leaves out row d
+                lwq, lwp = lwq + mask, lwp + mask
+            lq = lwq - _lse(lwq)[..., None]
+            target = np.matmul(np.exp(lq), zb)  # (P, G, D, k) E_q[z]
+            log_part = _lse(lwp + ab[:, :, None, :]) - _lse(lwp)  # (P, G, D)
+            terms.append(np.einsum("pgdk,pk->pgd", target, lam) - log_part)
+    full, reps = terms[0][:, :, 0], terms[1]  # (P, G), (P, G, m)
+    out = np.zeros((n_pairs, g))
+    for on_a, n_s in ((True, n_a), (False, n_b)):
+        rows = (sb == on_a)  # (G, m)
+        mean = np.where(rows, reps, 0.0).sum(axis=2) / np.maximum(n_s, 1)  # (P, G)
+        out += np.where(n_s >= 2, (n_s - 1) * (mean - full), 0.0)
+    return np.where(varies, out, 0.0)
+
+
+def _group_term(r, a, zs, lam, side, n_a: int, n_b: int, drop):
+    """phi_g at the fixed tilt of one group's rows (r, a = lambda . z: (P, m); zs (P, m, k)), its
+    balance-heuristic weights from the side counts n_a, n_b; with ``drop`` (D,) one value per
+    deletion, that row left out (P, D); else the whole group's (P, 1)."""
+    with np.errstate(divide="ignore"):
+        la, lb = np.log(n_a), np.log(n_b)
+    lwq = -np.logaddexp(la - r, lb)  # (P, m) raw weights towards pi_{t+1}, as ``mis_log_weights``
+    lwp = -np.logaddexp(la, lb + r)
+    m = r.shape[1]
+    keep = np.ones((1, m), dtype=bool) if drop is None else np.arange(m)[None, :] != np.asarray(drop)[:, None]  # (D, m)
+    mask = np.where(keep, 0.0, -np.inf)[None]  # (1, D, m)
+    lq = lwq[:, None, :] + mask
+    lq = lq - _lse(lq)[..., None]
+    target = np.einsum("pdm,pmk->pdk", np.exp(lq), zs)  # (P, D, k) E_q[z]
+    lp = lwp[:, None, :] + mask
+    log_part = _lse(lp + a[:, None, :]) - _lse(lp)  # (P, D) log E_p[exp(lambda . z)]
+    return np.einsum("pdk,pk->pd", target, lam) - log_part
+
+
+def _lse(x: np.ndarray) -> np.ndarray:
+    """log sum exp over the last axis (every slice holds a finite entry)."""
+    top = x.max(axis=-1)
+    return top + np.log(np.exp(x - top[..., None]).sum(axis=-1))
