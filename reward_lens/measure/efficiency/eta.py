@@ -278,7 +278,7 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]], deletions
         # each group's term of the dual is biased at O(1/n) in its own few rows, which no deletion
         # of whole groups sees: its stratified jackknife at the whole sample's tilt, taken out of
         # KL_jk and of each replicate (the mean over the groups a replicate keeps)
-        bias_g = fixed_tilt_bias(z, r, codes, g, side, jk.lam)  # (P, G)
+        bias_g = jk.bias if jk.bias is not None else fixed_tilt_bias(z, r, codes, g, side, jk.lam)  # (P, G)
         k_jk = k_jk - bias_g.mean(axis=1)
         k_del = k_del - (bias_g.sum(axis=1, keepdims=True) - bias_g) / (g - 1)
         theta = np.stack([k_del, d_jk], axis=2)  # (P, G, 2) the replicates

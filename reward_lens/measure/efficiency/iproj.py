@@ -104,7 +104,7 @@ def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_gro
 
     def batch(lo: int) -> list[Projection]:
         hi = min(n_pairs, lo + per_batch)
-        zs, logp, starts, d_g = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)  # in the batch's thread
+        zs, logp, starts, d_g, _ = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)  # in the batch's thread
         d_hats = d_g @ c.T  # (P', B)
         value, converged, lam = _newton(zs, logp, codes, starts, c)
         b = len(c)
@@ -124,7 +124,8 @@ def _prepared(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_groups: int, he
     """What every solve on samples z (P, n, k), r (P, n) starts from: z with each group centred
     on its target mean E_q[z] (the pooled constraint is then 0) and standardised by the
     within-group SD (the I-projection is invariant, Newton is not); log p_g(i) (P, n); each
-    group's first row; and each group's KL(q_g || p_g) (P, G)."""
+    group's first row; each group's KL(q_g || p_g) (P, G); and whether each feature varies within
+    each group (P, G, k)."""
     n = z.shape[1]
     size = np.bincount(codes, minlength=n_groups).astype(np.float64)
     starts = np.concatenate([[0], np.cumsum(size)[:-1]]).astype(np.int64)
@@ -142,7 +143,7 @@ def _prepared(z: np.ndarray, r: np.ndarray, codes: np.ndarray, n_groups: int, he
     sd = np.sqrt((dev ** 2).sum(axis=1) / max(n - n_groups, 1))  # (P, k)
     zs = zc / np.where(sd > 0, sd, 1.0)[:, None, :]
     d_g = np.add.reduceat(q * (log_q - logp), starts, axis=1)  # (P, G) KL(q_g || p_g)
-    return zs, logp, starts, d_g
+    return zs, logp, starts, d_g, spread
 
 
 @dataclass(frozen=True)
@@ -154,6 +155,9 @@ class GroupJackknife:
     converged: np.ndarray  # (P,) bool: the whole sample's solve (and every deletion solved) converged
     solved: np.ndarray  # (P,) bool: the deletions solved from scratch (not by Newton steps)
     lam: np.ndarray | None = None  # (P, k) the whole sample's tilt, in the standardised units of ``_prepared``
+    # (P, G) ``fixed_tilt_bias`` at ``lam``, made in the batches that stepped the deletions (None
+    # where the deletions were solved: ``fixed_tilt_bias`` makes it then)
+    bias: np.ndarray | None = None
 
 
 # How ``group_jackknife`` gets KL_min with a group deleted: "exact" solves each deletion from
@@ -227,6 +231,8 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     _, n, k = z.shape
     steps = STEPS[deletions]
     c = np.full((1, n_groups), 1.0 / n_groups)
+    two_sided = heldout is not None and bool(np.asarray(heldout).any())
+    side = np.asarray(heldout, dtype=bool) if two_sided else None
     # the deletions hold each row's outer product of its deviations (n x k x k floats a sample)
     # and, for a second step, each row's tilted weight and features under every deletion (G x n x k)
     per_batch = max(1, BATCH_FLOATS // max(1, n * k * max(k, n_groups if steps == 2 else 1)))
@@ -236,17 +242,20 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         hi = min(n_pairs, lo + per_batch)
         # each sample's standardised features in its batch (on the batch's thread, in cache): every
         # sample's arithmetic is its own, so the same numbers as for all samples at once
-        zs, logp, starts, _ = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)
+        zs, logp, starts, _, spread = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)
         value, converged, lam = _newton(zs, logp, codes, starts, c)
         deleted, gain = _step_deletions(zs, logp, lam, codes, starts, steps)
-        return np.maximum(value, 0.0), deleted, gain, converged, lam
+        # each group's term bias at the tilt, on the prepared features while they are in hand
+        bias = (_tilt_bias(z[lo:hi], r[lo:hi], zs, spread, lam, codes, n_groups, side) if two_sided
+                else np.zeros((hi - lo, n_groups)))
+        return np.maximum(value, 0.0), deleted, gain, converged, lam, bias
 
     if len(los) > 1 and THREADS > 1:
         with ThreadPoolExecutor(min(THREADS, len(los))) as pool:
             parts = list(pool.map(batch, los))
     else:
         parts = [batch(lo) for lo in los]
-    full, deleted, gain, converged, lam = (np.concatenate(x) for x in zip(*parts))
+    full, deleted, gain, converged, lam, bias = (np.concatenate(x) for x in zip(*parts))
     solved = np.zeros(n_pairs, dtype=bool)
     if deletions == "checked":
         g = n_groups
@@ -260,7 +269,7 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
             again, ok, _ = _solved_deletions(z[solved], r[solved], codes, n_groups, heldout, with_full=False)
             deleted[solved] = again
             converged[solved] &= ok
-    return GroupJackknife(full, deleted, converged, solved, lam)
+    return GroupJackknife(full, deleted, converged, solved, lam, bias)
 
 
 def _solved_deletions(z, r, codes, n_groups, heldout, with_full: bool
@@ -439,13 +448,27 @@ def fixed_tilt_bias(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         return np.zeros((len(z), n_groups))
     r = np.asarray(log_ratio, dtype=np.float64)
     codes = np.asarray(codes)
-    n_pairs = len(z)
-    zs = _prepared(z, r, codes, n_groups, heldout)[0] if n_pairs else z
-    side = np.zeros(len(codes), dtype=bool) if heldout is None else np.asarray(heldout, dtype=bool)
-    a_all = np.matmul(zs, lam[:, :, None])[:, :, 0] if n_pairs else r  # (P, n) lambda . z
+    side = np.asarray(heldout, dtype=bool)
+    n_pairs, n, k = z.shape
+    per_batch = max(1, BATCH_FLOATS // max(1, n * k))
+    out = np.zeros((n_pairs, n_groups))
+    for lo in range(0, n_pairs, per_batch):  # batches of bounded size, as the jackknife's
+        hi = min(n_pairs, lo + per_batch)
+        zs, _, _, _, spread = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)
+        out[lo:hi] = _tilt_bias(z[lo:hi], r[lo:hi], zs, spread, lam[lo:hi], codes, n_groups, side)
+    return out
+
+
+def _tilt_bias(z: np.ndarray, r: np.ndarray, zs: np.ndarray, spread: np.ndarray, lam: np.ndarray,
+               codes: np.ndarray, n_groups: int, side: np.ndarray) -> np.ndarray:
+    """``fixed_tilt_bias`` of samples already prepared (``_prepared``: zs, and whether each feature
+    varies in each group, ``spread``), two-sided (``side``)."""
+    a_all = np.matmul(zs, lam[:, :, None])[:, :, 0]  # (P, n) lambda . z
+    varies = spread.any(axis=2)  # (P, G)
     m = blocks(codes, n_groups)
-    if m and n_pairs:  # groups of m rows one after another: every deletion of every group at once
-        return _fixed_tilt_bias_blocks(z, r, zs, a_all, side, lam, n_groups, m)
+    if m:  # groups of m rows one after another: every deletion of every group at once
+        return _fixed_tilt_bias_blocks(r, a_all, side, varies, n_groups, m)
+    n_pairs = len(z)
     out = np.zeros((n_pairs, n_groups))
     size = np.bincount(codes, minlength=n_groups)
     starts = np.concatenate([[0], np.cumsum(size)[:-1]])
@@ -455,9 +478,7 @@ def fixed_tilt_bias(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         n_a, n_b = int(sg.sum()), int((~sg).sum())
         # a group whose features are all constant has phi_g = 0 at any tilt: exactly 0 here, not
         # the rounding of its centring (the row's correction is then exactly the jackknife's)
-        zg_raw = z[:, rows]
-        varies = (zg_raw.max(axis=1) > zg_raw.min(axis=1)).any(axis=1)  # (P,)
-        if not varies.any():
+        if not varies[:, g].any():
             continue
         full = _group_term(rg, ag, zg, lam, sg, n_a, n_b, None)
         for on_a, n_s in ((True, n_a), (False, n_b)):
@@ -465,49 +486,76 @@ def fixed_tilt_bias(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
                 continue
             drop = np.flatnonzero(sg == on_a)  # each deletion: this row out, the counts less one
             reps = _group_term(rg, ag, zg, lam, sg, n_a - on_a, n_b - (not on_a), drop)  # (P, n_s)
-            out[:, g] += np.where(varies, (n_s - 1) * (reps.mean(axis=1) - full[:, 0]), 0.0)
+            out[:, g] += np.where(varies[:, g], (n_s - 1) * (reps.mean(axis=1) - full[:, 0]), 0.0)
     return out
 
 
-def _fixed_tilt_bias_blocks(z, r, zs, a, side, lam, n_groups: int, m: int) -> np.ndarray:
-    """``fixed_tilt_bias`` where the groups are equal consecutive blocks of m rows: the whole
-    group's term and each of its m deletions for every group in one pass over (P, G, m, m)
-    arrays (deletion d of a group leaves out its row d, its side's count less one), the same
-    arithmetic as the per-group loop."""
-    n_pairs, _, k = zs.shape
+def _fixed_tilt_bias_blocks(r, a, side, varies, n_groups: int, m: int) -> np.ndarray:
+    """``fixed_tilt_bias`` where the groups are equal consecutive blocks of m rows. A deletion on
+    one side changes the balance heuristic's counts alike for every row of the group, so each
+    side's weights are one (P, G, m) array, and a deletion leaves its row out of sums over the
+    others (``_leave_one_out``): the group's term and all its deletions in a few passes over
+    (P, G, m), the same arithmetic as the per-group loop up to rounding. Its dual term reads
+    the features only through lambda . z (``a``), E_q[lambda . z] being lambda . E_q[z]."""
+    n_pairs = len(r)
     g = n_groups
-    zb, rb, ab = zs.reshape(n_pairs, g, m, k), r.reshape(n_pairs, g, m), a.reshape(n_pairs, g, m)
+    rb, ab = r.reshape(n_pairs, g, m), a.reshape(n_pairs, g, m)
     sb = side.reshape(g, m)
     n_a = sb.sum(axis=1).astype(np.float64)  # (G,)
     n_b = m - n_a
-    raw = z.reshape(n_pairs, g, m, -1)
-    varies = (raw.max(axis=2) > raw.min(axis=2)).any(axis=2)  # (P, G)
-    # whole groups: counts (G, 1); deletions: counts (G, m) less one on the deleted row's side
-    counts = [(n_a[:, None], n_b[:, None], None),
-              (n_a[:, None] - sb, n_b[:, None] - ~sb, np.eye(m, dtype=bool))]
-    terms = []
-    for ca, cb, drop in counts:
-        # (a side of one row deleted leaves its count 0: log 0 = -inf, which the weights absorb;
-        # a group of one row deleted whole has no term, and a side under two rows is not used)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            la, lb = np.log(ca)[None, :, :, None], np.log(cb)[None, :, :, None]  # (1, G, D, 1)
-            rr = rb[:, :, None, :]  # (P, G, 1, m)
-            lwq = -np.logaddexp(la - rr, lb)  # (P, G, D, m)
-            lwp = -np.logaddexp(la, lb + rr)
-            if drop is not None:
-                mask = np.where(drop, -np.inf, 0.0)[None, None]  # (1, 1, D, m): deletion d leaves out row d
-                lwq, lwp = lwq + mask, lwp + mask
-            lq = lwq - _lse(lwq)[..., None]
-            target = np.matmul(np.exp(lq), zb)  # (P, G, D, k) E_q[z]
-            log_part = _lse(lwp + ab[:, :, None, :]) - _lse(lwp)  # (P, G, D)
-            terms.append(np.einsum("pgdk,pk->pgd", target, lam) - log_part)
-    full, reps = terms[0][:, :, 0], terms[1]  # (P, G), (P, G, m)
+
+    def weights(ca: np.ndarray, cb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        # the raw log weights towards pi_{t+1} and pi_t, as ``mis_log_weights``, at counts (G,):
+        # a side left with no row has log 0 = -inf, which the weights absorb; pi_t's weight is
+        # pi_{t+1}'s over the ratio, 1 / (n_a + n_b e^r) = e^-r / (n_a e^-r + n_b)
+        with np.errstate(divide="ignore"):
+            la, lb = np.log(ca)[None, :, None], np.log(cb)[None, :, None]
+        lwq = -np.logaddexp(la - rb, lb)
+        return lwq, lwq - rb  # (P, G, m) each
+
+    lwq, lwp = weights(n_a, n_b)
+    wq = np.exp(lwq - lwq.max(axis=2, keepdims=True))
+    full = (wq * ab).sum(axis=2) / wq.sum(axis=2) - (_lse(lwp + ab) - _lse(lwp))  # (P, G)
     out = np.zeros((n_pairs, g))
     for on_a, n_s in ((True, n_a), (False, n_b)):
-        rows = (sb == on_a)  # (G, m)
+        if not (n_s >= 2).any():
+            continue
+        lwq, lwp = weights(n_a - on_a, n_b - (not on_a))
+        mean_q = _leave_one_out_mean(lwq, ab)  # (P, G, m): E_q[lambda . z] with row d left out
+        reps = mean_q - (_leave_one_out(lwp + ab) - _leave_one_out(lwp))
+        rows = sb == on_a  # (G, m): the deletions of this side
         mean = np.where(rows, reps, 0.0).sum(axis=2) / np.maximum(n_s, 1)  # (P, G)
         out += np.where(n_s >= 2, (n_s - 1) * (mean - full), 0.0)
     return np.where(varies, out, 0.0)
+
+
+def _leave_one_out(x: np.ndarray) -> np.ndarray:
+    """log sum exp over the last axis of x (..., m) leaving out each entry in turn (..., m), m >= 2:
+    shifted by the largest entry, the sum less entry d is at least the largest's 1 where d is
+    not the largest (no cancellation), and the largest is left out by a sum of the rest."""
+    top = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - top)
+    with np.errstate(divide="ignore"):
+        out = top + np.log(e.sum(axis=-1, keepdims=True) - e)
+    arg = x.argmax(axis=-1)[..., None]
+    rest = np.where(np.arange(x.shape[-1]) == arg, -np.inf, x)
+    out_arg = _lse(rest)[..., None]
+    return np.where(np.arange(x.shape[-1]) == arg, out_arg, out)
+
+
+def _leave_one_out_mean(lw: np.ndarray, a: np.ndarray) -> np.ndarray:
+    """The weighted mean of a (..., m) under weights exp(lw), leaving out each entry in turn,
+    shifted as ``_leave_one_out`` (the largest weight is left out by a sum of the rest)."""
+    top = lw.max(axis=-1, keepdims=True)
+    w = np.exp(lw - top)
+    wa = w * a
+    out = (wa.sum(axis=-1, keepdims=True) - wa) / (w.sum(axis=-1, keepdims=True) - w)
+    arg = lw.argmax(axis=-1)[..., None]
+    first = np.arange(lw.shape[-1]) == arg
+    rest = np.where(first, -np.inf, lw)
+    w2 = np.exp(rest - rest.max(axis=-1, keepdims=True))
+    out_arg = ((w2 * a).sum(axis=-1) / w2.sum(axis=-1))[..., None]
+    return np.where(first, out_arg, out)
 
 
 def _group_term(r, a, zs, lam, side, n_a: int, n_b: int, drop):
