@@ -165,9 +165,11 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
     books = []
     ordered = sorted(ctx.specs.values(), key=lambda b: (b.report.order, b.id))
     watching = ctx.beside_books() if run.n_rollouts else None  # what reads the samples alone, beside the books
-    results = ctx.results([spec.id for spec in ordered])  # the books that need none of each other at once
-    if watching is not None:
-        watching.join()
+    try:
+        results = ctx.results([spec.id for spec in ordered])  # the books that need none of each other at once
+    finally:  # a book's error leaves no thread computing behind it
+        if watching is not None:
+            watching.join()
     for spec in ordered:
         res = results[spec.id]
         books.append(BookOut(id=spec.id, title=spec.title, series=spec.series, section=spec.section,

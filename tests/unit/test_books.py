@@ -436,3 +436,33 @@ def test_what_reads_the_samples_alone_is_made_once_beside_the_books(monkeypatch)
 
     monkeypatch.setattr(books.RunContext, "beside_books", none)
     assert to_json(build_report(open_run(run_dir))) == with_thread
+
+
+def test_a_book_that_fails_leaves_no_thread_computing_beside_it(monkeypatch):
+    """The thread beside the books is joined when a book raises: the error reaches the caller
+    once, and nothing is left computing behind it (a library caller that catches the error)."""
+    import threading
+    import time
+    from pathlib import Path
+
+    import reward_lens.measure.sequential as seq
+    from reward_lens.measure import books
+    from reward_lens.record.reader import open_run
+    from reward_lens.report import build_report
+
+    watch, build = seq.watch_samples, books.RunContext._build
+
+    def slow(*a, **k):
+        time.sleep(0.5)
+        return watch(*a, **k)
+
+    def failing(self, book_id):
+        if book_id == "cost":
+            raise ValueError("a book failed")
+        return build(self, book_id)
+
+    monkeypatch.setattr(seq, "watch_samples", slow)
+    monkeypatch.setattr(books.RunContext, "_build", failing)
+    with pytest.raises(ValueError, match="a book failed"):
+        build_report(open_run(Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "tapped"))
+    assert not [t for t in threading.enumerate() if t.name == "reward-lens-watch"]

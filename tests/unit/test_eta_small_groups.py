@@ -176,3 +176,32 @@ def test_a_sample_constant_within_every_group_prices_nothing():
     assert est.groups_varying == 0 and est.kl_min == 0.0
     book = cost_series([lg], within_group_metric([lg]))
     assert [row.status for row in book.rows] == ["nothing_priced"] and book.rows[0].efficiency is None
+
+
+def test_a_group_with_rows_on_one_side_only_is_not_corrected_and_nothing_warns():
+    """In a two-sided sample, a prompt group the held-out draw did not reach has the one-sided
+    weights (unbounded): its term gets no correction, as a one-sided sample's; the groups beside
+    it keep theirs (equal blocks and the per-group loop alike); and the masked entries (a side's
+    count less one below zero, a largest weight left out) raise no numpy warning."""
+    import warnings
+
+    from reward_lens.measure.efficiency import iproj
+
+    rng = np.random.default_rng(4)
+    g, m = 4, 8
+    codes = np.repeat(np.arange(g), m)
+    held = np.tile(np.r_[np.zeros(4, bool), np.ones(4, bool)], g)
+    held[codes == 3] = False
+    z = rng.normal(size=(g * m, 1))
+    r = 2.0 * z[:, 0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = fixed_tilt_bias(z[None], r[None], codes, g, held, np.array([[1.0]]))[0]
+    assert b[3] == 0.0 and (b[:3] != 0).all()
+    blocks = iproj.blocks
+    try:
+        iproj.blocks = lambda *_: 0  # the per-group loop
+        loop = fixed_tilt_bias(z[None], r[None], codes, g, held, np.array([[1.0]]))[0]
+    finally:
+        iproj.blocks = blocks
+    np.testing.assert_allclose(loop, b, rtol=1e-10, atol=1e-14)

@@ -575,12 +575,10 @@ def cost_series(
             continue
         idx = active_index(g.names, g.active_of(pair[0]))
         if kind == "paired":
+            # (a sample in which no priced feature varies within any prompt group has KL_min 0
+            # whatever the step did: the within-group metric leaves such a feature out of the
+            # step's active set, so that pair is ``nothing_priced`` above, as every decision reads it)
             est = series.estimates[pair]
-            if est.groups_varying == 0:
-                # no priced feature varies within any prompt group of the sample: KL_min is 0
-                # whatever the step did, an absence of evidence, not an eta of 0
-                nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind))
-                continue
             violation = _paired_envelope(series, i, lg, est)
         else:
             violation = _envelope(series[i], lg, d_t) if _outside(kl_of[i], d_t) else None

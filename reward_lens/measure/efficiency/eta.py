@@ -314,7 +314,11 @@ def jackknife_dof(varying: int, n_groups: int) -> float:
     SE comes from those groups alone; on a sharpened policy they are often two or three of
     eight, and t on G - 1 made the intervals far too short (tools/truth.py, the collapsing run's
     redraws: 68 % coverage; 88.5 % with these and the samples that vary in no group priced as
-    nothing; the moderate run's, where every group varies, unchanged)."""
+    nothing, as the book prices them -- the within-group metric leaves a feature that varies in
+    no group out of the step's active set; the moderate run's, where every group varies,
+    unchanged). For KL_min this count is what its replicates' spread rests on; D_t's
+    replicates vary with every group, so for the delta method's SE of KL / D it is a
+    conservative count, not an exact one."""
     return float(max(min(varying, n_groups) - 1, 1))
 
 

@@ -442,7 +442,9 @@ def fixed_tilt_bias(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     weight by 1/n of its side, and a deleted row moves phi_g by O(1/n). One-sided, p_g is
     proportional to exp(-r), unbounded, and a deletion of the heaviest row moves phi_g by O(1):
     measured on the truth harness's one-sided runs (tools/truth.py --budget default) the
-    correction sent the moderate run's eta from 0.551 (truth 0.546) to 0.662. Zeros there."""
+    correction sent the moderate run's eta from 0.551 (truth 0.546) to 0.662. Zeros there, and
+    for each group of a two-sided sample whose rows are all on one side (a group the held-out
+    draw did not reach): its weights are the one-sided ones."""
     z = np.asarray(z, dtype=np.float64)
     if heldout is None or not np.asarray(heldout).any():
         return np.zeros((len(z), n_groups))
@@ -477,8 +479,9 @@ def _tilt_bias(z: np.ndarray, r: np.ndarray, zs: np.ndarray, spread: np.ndarray,
         sg, rg, ag, zg = side[rows], r[:, rows], a_all[:, rows], zs[:, rows]
         n_a, n_b = int(sg.sum()), int((~sg).sum())
         # a group whose features are all constant has phi_g = 0 at any tilt: exactly 0 here, not
-        # the rounding of its centring (the row's correction is then exactly the jackknife's)
-        if not varies[:, g].any():
+        # the rounding of its centring (the row's correction is then exactly the jackknife's); a
+        # group with rows on one side only has unbounded weights: no correction, as one-sided
+        if not varies[:, g].any() or not (n_a and n_b):
             continue
         full = _group_term(rg, ag, zg, lam, sg, n_a, n_b, None)
         for on_a, n_s in ((True, n_a), (False, n_b)):
@@ -509,7 +512,7 @@ def _fixed_tilt_bias_blocks(r, a, side, varies, n_groups: int, m: int) -> np.nda
         # a side left with no row has log 0 = -inf, which the weights absorb; pi_t's weight is
         # pi_{t+1}'s over the ratio, 1 / (n_a + n_b e^r) = e^-r / (n_a e^-r + n_b)
         with np.errstate(divide="ignore"):
-            la, lb = np.log(ca)[None, :, None], np.log(cb)[None, :, None]
+            la, lb = np.log(np.maximum(ca, 0))[None, :, None], np.log(np.maximum(cb, 0))[None, :, None]
         lwq = -np.logaddexp(la - rb, lb)
         return lwq, lwq - rb  # (P, G, m) each
 
@@ -526,7 +529,9 @@ def _fixed_tilt_bias_blocks(r, a, side, varies, n_groups: int, m: int) -> np.nda
         rows = sb == on_a  # (G, m): the deletions of this side
         mean = np.where(rows, reps, 0.0).sum(axis=2) / np.maximum(n_s, 1)  # (P, G)
         out += np.where(n_s >= 2, (n_s - 1) * (mean - full), 0.0)
-    return np.where(varies, out, 0.0)
+    # a group with rows on one side only has the one-sided weights, unbounded: no correction
+    # there, as for a one-sided sample (``fixed_tilt_bias``)
+    return np.where(varies & ((n_a > 0) & (n_b > 0))[None, :], out, 0.0)
 
 
 def _leave_one_out(x: np.ndarray) -> np.ndarray:
@@ -549,7 +554,8 @@ def _leave_one_out_mean(lw: np.ndarray, a: np.ndarray) -> np.ndarray:
     top = lw.max(axis=-1, keepdims=True)
     w = np.exp(lw - top)
     wa = w * a
-    out = (wa.sum(axis=-1, keepdims=True) - wa) / (w.sum(axis=-1, keepdims=True) - w)
+    with np.errstate(divide="ignore", invalid="ignore"):  # the largest's own entry: replaced below
+        out = (wa.sum(axis=-1, keepdims=True) - wa) / (w.sum(axis=-1, keepdims=True) - w)
     arg = lw.argmax(axis=-1)[..., None]
     first = np.arange(lw.shape[-1]) == arg
     rest = np.where(first, -np.inf, lw)
