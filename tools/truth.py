@@ -6,7 +6,8 @@
     python tools/truth.py --quote --budget default --save bench/results/truth_default_budget.txt
 
 About 6 minutes on 2 CPU cores (measured: collapse 3.2 min, moderate 2.9 min, of which the
-oracle's sampling is most); the slow test tests/acceptance/test_truth.py runs it.
+oracle's sampling is most; the bootstrap of the oracle's own eta adds under a minute); the slow
+test tests/acceptance/test_truth.py runs it.
 
 Two regimes, each a real TRL ``GRPOTrainer`` run with the reward-lens tap attached and every
 policy pi_t kept:
