@@ -1,0 +1,69 @@
+"""The truth harness's own arithmetic (tools/truth.py), checked against cases worked by hand:
+the oracle's I-projection, its bootstrap of eta, and how an interval is checked against a
+truth that has its own error."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import truth  # noqa: E402
+
+
+def test_the_oracles_i_projection_of_a_binary_behaviour_is_the_kl_of_the_two_weightings():
+    """One behaviour taking two values: the constraint E[z] = E_q[z] fixes the projected law to
+    q itself, so KL_min = KL(q || p), here 3/4 log(3/2) + 1/4 log(1/2), in each of two groups
+    that share the one tilt (rows interleaved, not ordered by group)."""
+    z = np.array([[0.0], [1.0], [0.0], [1.0]])
+    groups = np.array([0, 0, 1, 1])[[0, 2, 1, 3]]
+    z = z[[0, 2, 1, 3]]
+    q = np.array([0.75, 0.25, 0.75, 0.25])[[0, 2, 1, 3]]
+    p = np.full(4, 0.5)
+    want = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    assert truth._iproj_scipy(z, np.log(q), np.log(p), groups) == pytest.approx(want, rel=1e-8)
+
+
+def test_a_behaviour_constant_in_the_sample_buys_nothing():
+    z = np.ones((6, 1))
+    q = np.full(6, 1 / 3)
+    assert truth._iproj_scipy(z, np.log(q), np.log(q[::-1]), np.repeat([0, 1], 3)) == 0.0
+
+
+def _pool(rng, n=40, shift=1.0):
+    pool = truth.Pool((3, 4), ["x"])
+    for side, mean in (("a", 0.0), ("b", shift)):
+        x = rng.normal(mean, 1.0, size=2 * n)
+        pool.z[side] = x[:, None]
+        pool.groups[side] = np.repeat([0, 1], n)
+        # log-densities of N(0, 1) (pi_t) and N(shift, 1) (pi_t+1) at the samples: the token KL
+        # along a sample of pi_t+1 is its log-ratio, whose mean is shift^2 / 2
+        pool.logp_t[side] = -0.5 * x ** 2
+        pool.logp_t1[side] = -0.5 * (x - shift) ** 2
+        pool.kl[side] = pool.logp_t1[side] - pool.logp_t[side]
+    return pool
+
+
+def test_the_oracles_eta_spread_is_seeded_and_shrinks_with_its_samples():
+    """A Gaussian location shift, where the mean is a sufficient statistic (eta near 1): the
+    bootstrap SD of the oracle's eta is reproducible for a step pair, positive, and about halves
+    when the samples quadruple."""
+    small, large = _pool(np.random.default_rng(0), n=50), _pool(np.random.default_rng(0), n=200)
+    sd, mean = truth.oracle_eta_spread(small, draws=40)
+    assert (sd, mean) == truth.oracle_eta_spread(small, draws=40)
+    assert sd > 0 and 0.5 < mean < 1.5
+    sd_large, _ = truth.oracle_eta_spread(large, draws=40)
+    assert 0.3 < sd_large / sd < 0.8
+
+
+def test_an_interval_is_checked_against_a_truth_with_its_own_error_in_quadrature():
+    # estimate 1.0 +- 0.3 (its own t quantile inside the half-width), the truth 1.5 with SD 0.2:
+    # |1.0 - 1.5| = 0.5 against sqrt(0.3^2 + (1.96 * 0.2)^2) = 0.494 -- just outside
+    assert not truth._covers(1.0, 0.3, 1.5, 0.2)
+    assert truth._covers(1.0, 0.3, 1.49, 0.2)
+    assert truth._covers(1.0, 0.3, 1.29, float("nan"))  # a truth with no stated error is exact
+    assert not truth._covers(1.0, 0.3, 1.31, float("nan"))
