@@ -581,9 +581,12 @@ class RegimeResult:
         return covered, len(self.d_t_report)
 
     def resolved_bias(self) -> float | None:
+        """The median of (eta - truth) over the resolved rows that state an interval, as the
+        book's median over resolved rows (a row whose eta has none -- one prompt group varies --
+        is left out of both)."""
         import numpy as np
 
-        diffs = [r[2] - r[4] for r in self.eta_rows if r[1] == "resolved"]
+        diffs = [r[2] - r[4] for r in self.eta_rows if r[1] == "resolved" and r[3] is not None]
         return float(np.median(diffs)) if diffs else None
 
 
@@ -879,8 +882,9 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         idx = active.get(pair)
         if idx is None or not len(idx) or len(ok) < 2:
             continue
-        # as the book: a draw in which no priced feature varies within any prompt group prices nothing
-        ests = [e for e in paired_estimates([(lg, idx) for lg in ok]) if e.groups_varying != 0]
+        # as the book: a draw in which no priced feature varies within any prompt group prices
+        # nothing, and one in which it varies in one group states no interval (``estimable``)
+        ests = [e for e in paired_estimates([(lg, idx) for lg in ok]) if e.groups_varying != 0 and e.estimable]
         if len(ests) < 2:
             continue
         c = out["eta"]
@@ -980,11 +984,14 @@ def summary_lines(res: RegimeResult) -> list[str]:
              f"({100 * within / max(len(rep), 1):.1f} %); refused by name: "
              + (", ".join(f"{n} {k}" for k, n in sorted(res.refused().items())) or "none")]
     if n_cov:
-        resolved = [r for r in res.eta_rows if r[1] == "resolved"]
+        resolved = [r for r in res.eta_rows if r[1] == "resolved" and r[3] is not None]
+        bare = [r for r in res.eta_rows if r[3] is None]
         null = [r for r in res.eta_rows if r[4] < NULL_ETA]
-        lines.append(f"  eta: per-pair 95 % intervals cover the truth on {cov} of {n_cov} priced pairs "
+        lines.append(f"  eta: per-pair 95 % intervals cover the truth on {cov} of {n_cov} priced pairs that state one "
                      f"({100 * cov / n_cov:.0f} %), the oracle's own error added ({alone}, {100 * alone / n_cov:.0f} %, "
-                     f"against its eta alone); {len(resolved)} rows resolved, median (eta - truth) over them "
+                     f"against its eta alone)"
+                     + (f", {len(bare)} more with no interval (one prompt group varies)" if bare else "")
+                     + f"; {len(resolved)} rows resolved with an interval, median (eta - truth) over them "
                      + (f"{res.resolved_bias():+.3f}" if resolved else "(none)")
                      + f"; of the {len(null)} pairs whose true eta is below {NULL_ETA:g}, "
                      f"{sum(r[1] == 'resolved' for r in null)} resolved")
@@ -1016,7 +1023,7 @@ def summary_lines(res: RegimeResult) -> list[str]:
     if priced:
         sds = [t.eta_sd for t in priced]
         lean = [t.eta_boot - t.eta for t in priced]
-        lines.append(f"  oracle's own eta ({ORACLE_BOOTSTRAP} bootstrap redraws of its samples, the priced pairs): SD "
+        lines.append(f"  oracle's own eta ({ORACLE_BOOTSTRAP} bootstrap redraws of its samples, those pairs): SD "
                      f"median {np.median(sds):.3f}, max {np.max(sds):.3f}; the redraws' mean less its eta: median "
                      f"{np.median(lean):+.3f}, max {np.max(lean):+.3f}")
     cal = res.calibration

@@ -143,8 +143,7 @@ def _sample(z, r, codes, held_rows):
     return paired_ledger(roll, heldout=held)
 
 
-def test_the_interval_uses_t_on_the_groups_that_vary():
-    """Eight groups, the features vary within two of them: t on 1 degree of freedom, by hand."""
+def _two_groups():
     rng = np.random.default_rng(8)
     codes = np.repeat(np.arange(8), 8)
     held = np.tile(np.r_[np.zeros(4, bool), np.ones(4, bool)], 8)
@@ -152,12 +151,76 @@ def test_the_interval_uses_t_on_the_groups_that_vary():
     for g in (2, 5):  # ... but two
         z[codes == g] = rng.normal(size=(8, 2))
     r = 0.3 * rng.normal(size=64) + 0.5 * z[:, 0]
-    lg = _sample(z, r, codes, held)
+    return z, r, codes, held
+
+
+def test_the_interval_uses_t_on_the_groups_that_vary():
+    """Eight groups, the features vary within two of them: t on 1 degree of freedom, by hand."""
+    lg = _sample(*_two_groups())
     (est,) = paired_estimates([(lg, np.array([0, 1]))])
     assert est.groups_varying == 2 and est.dof == 1.0
     lo, hi = est.interval()
     q = float(special.stdtrit(1, 0.975))  # 12.7
     assert math.isclose(hi - lo, 2 * q * est.se, rel_tol=1e-12)
+
+
+def _one_group_varies(seed=8):
+    rng = np.random.default_rng(seed)
+    codes = np.repeat(np.arange(8), 8)
+    held = np.tile(np.r_[np.zeros(4, bool), np.ones(4, bool)], 8)
+    z = np.repeat(rng.normal(size=(8, 2)), 8, axis=0)  # constant within every group but group 3
+    z[codes == 3] = rng.normal(size=(8, 2))
+    r = 0.3 * rng.normal(size=64) + 0.5 * z[:, 0]
+    return _sample(z, r, codes, held)
+
+
+def test_with_one_group_varying_the_jackknifes_spread_is_the_estimate_itself():
+    """Why such an eta has no interval, by hand: deleting the one group that varies leaves
+    KL_min = 0, deleting any other of the G scales it by G / (G - 1), so the delete-one-group
+    replicates' spread, (G - 1) / G sum (theta_g - mean)^2, is KL_min^2 exactly: an SE that is
+    the estimate, whatever its error."""
+    from reward_lens.measure.efficiency.iproj import group_jackknife
+
+    lg = _one_group_varies()
+    order = np.argsort(lg.codes, kind="stable")
+    jk = group_jackknife(lg.z[order][None], np.asarray(lg.log_ratio)[order][None], lg.codes[order], 8,
+                         np.asarray(lg.heldout)[order])
+    k, deleted = float(jk.full[0]), jk.deleted[0]
+    assert k > 0
+    np.testing.assert_allclose(np.delete(deleted, 3), k * 8 / 7, rtol=1e-6)
+    assert abs(deleted[3]) < 1e-9
+    var = 7 / 8 * ((deleted - deleted.mean()) ** 2).sum()
+    assert math.isclose(math.sqrt(var), k, rel_tol=1e-6)
+
+
+def test_with_one_group_varying_eta_states_no_interval_and_leaves_the_median():
+    """The book keeps such a row's estimate, its test and its status, states no interval, says so
+    (``no_interval``), and leaves it out of the median over resolved rows."""
+    from reward_lens.measure.efficiency.cost import cost_series
+    from reward_lens.measure.efficiency.metric import within_group_metric
+
+    lg = _one_group_varies()
+    (est,) = paired_estimates([(lg, np.array([0, 1]))])
+    assert est.groups_varying == 1 and not est.estimable
+    book = cost_series([lg], within_group_metric([lg]))
+    (row,) = book.rows
+    assert row.status in ("resolved", "unresolved") and row.efficiency_debiased is not None
+    assert row.interval is None and row.no_interval
+    two = _sample(*_two_groups())
+    assert paired_estimates([(two, np.array([0, 1]))])[0].estimable
+    assert cost_series([two], within_group_metric([two])).rows[0].interval is not None
+
+
+def test_the_median_over_resolved_rows_leaves_out_an_eta_with_no_interval():
+    from reward_lens.measure.efficiency.eta import EtaEstimate, headline
+
+    def est(eta, varying):
+        return EtaEstimate(step_pair=(0, 1), kind="paired", kl_min=eta, kl_min_debiased=eta, d_t=1.0, p_value=0.0,
+                           cov=np.diag([1e-4, 1e-6]), dof=5.0, groups_varying=varying)
+
+    med, _ = headline([est(0.1, 3), est(0.2, 4), est(0.9, 1)])
+    assert math.isclose(med, 0.15)
+    assert headline([est(0.9, 1)]) == (None, None)
 
 
 def test_a_sample_constant_within_every_group_prices_nothing():

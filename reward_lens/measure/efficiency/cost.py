@@ -166,7 +166,8 @@ class CostRow:
     ``efficiency`` is KL_min / D_t, always in [0, 1] (else the row is refused, not made).
     ``efficiency_null`` is what noise alone gives it in expectation and
     ``efficiency_debiased`` = (eta - null) / (1 - null) (may be below 0 when noise dominates);
-    ``interval`` is a 95 % interval of the debiased value. ``status`` is "resolved" when the
+    ``interval`` is a 95 % interval of the debiased value, None where the jackknife cannot give
+    one (``no_interval``: one prompt group varies, ``EtaEstimate.estimable``). ``status`` is "resolved" when the
     book-wide Benjamini-Hochberg decision at FDR_Q rejects "the features explain none of the
     step", else "unresolved"; "nothing_priced" rows (every feature excluded) carry no eta.
     """
@@ -187,6 +188,7 @@ class CostRow:
     steps: int = 1
     d_t_checks: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # source -> (nats, SE)
     d_t_disagrees: bool = False
+    no_interval: bool = False  # priced, but one prompt group varies: eta has no interval (``EtaEstimate.estimable``)
 
 
 @dataclass(frozen=True)
@@ -211,8 +213,9 @@ class CostBook:
         return out
 
     def headline(self) -> tuple[float | None, tuple[float, float] | None]:
-        """Median debiased eta over resolved rows only, with its 95 % interval (None when no row
-        is resolved). Selected on significance, so it leans high: ``run_level`` is the headline."""
+        """Median debiased eta over resolved rows with an interval only, with its 95 % interval
+        (None when there is none). Selected on significance, so it leans high: ``run_level`` is the
+        headline."""
         return _eta.headline([self._estimates[r.step_pair] for r in self.resolved_rows])
 
     def run_level(self) -> _eta.EtaEstimate | None:
@@ -621,8 +624,9 @@ def cost_series(
             step_pair=est.step_pair, kl_min=est.kl_min, kl_spent=est.d_t, efficiency=est.eta,
             kl_spent_source=members[0][1], resolved=bool(rej), shares=shares,
             status="resolved" if rej else "unresolved", efficiency_debiased=est.eta_debiased,
-            efficiency_null=est.eta_null, interval=est.interval(), p_value=est.p_value, ledger=kind, steps=est.steps,
-            d_t_checks=checks, d_t_disagrees=_disagree(checks)))
+            efficiency_null=est.eta_null, interval=est.interval() if est.estimable else None, p_value=est.p_value,
+            ledger=kind, steps=est.steps, d_t_checks=checks, d_t_disagrees=_disagree(checks),
+            no_interval=not est.estimable))
     rows.sort(key=lambda r: r.step_pair)
     return CostBook(tuple(rows), tuple(refusals), series, run_id, ledger=kind, window=window,
                     _estimates={e.step_pair: e for e in priced})

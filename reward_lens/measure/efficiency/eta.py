@@ -118,6 +118,19 @@ class EtaEstimate:
         return _ratio(self.kl_min_debiased, self.d_t)
 
     @property
+    def estimable(self) -> bool:
+        """Whether the jackknife over prompt groups gives this eta an interval: a paired estimate
+        needs two prompt groups in which a priced behaviour varies. With one, deleting it leaves
+        KL_min = 0 and deleting any other scales KL_min by G / (G - 1), so the replicates' spread
+        is the estimate itself (the SE of KL_min is KL_min, exactly): an "interval" proportional
+        to the estimate, which says nothing of its error. On the truth harness's collapsing run
+        such a row read 0.000 +- 0.004 where the truth was 0.86. The row keeps its estimate and
+        its test (the rollouts' regression, which does not rest on the jackknife); it states no
+        interval, and the median over resolved rows leaves it out. Windows and unpaired rows:
+        always."""
+        return self.kind != "paired" or self.groups_varying is None or self.groups_varying >= 2
+
+    @property
     def se(self) -> float:
         """Delta-method SE of eta_debiased = K / D."""
         return _ratio_se(self.kl_min_debiased, self.d_t, self.cov)
@@ -527,9 +540,11 @@ def run_level(estimates: Sequence[EtaEstimate]) -> EtaEstimate | None:
 
 
 def headline(resolved: Sequence[EtaEstimate], seed: int = 0) -> tuple[float | None, tuple[float, float] | None]:
-    """The median debiased eta over the resolved rows, and a 95 % interval for that median (each
-    row drawn from N(eta_debiased, se^2), the median taken per draw). Selected on significance,
-    so it leans high: reported beside ``run_level``, never instead of it."""
+    """The median debiased eta over the resolved rows that have an interval (``estimable``), and a
+    95 % interval for that median (each row drawn from N(eta_debiased, se^2), the median taken per
+    draw). Selected on significance, so it leans high: reported beside ``run_level``, never
+    instead of it."""
+    resolved = [e for e in resolved if e.estimable]
     if not resolved:
         return None, None
     pts = np.array([e.eta_debiased for e in resolved])

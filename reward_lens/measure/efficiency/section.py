@@ -83,7 +83,11 @@ class EfficiencyRows(_M):
     efficiency_debiased: list[float | None] = Field(description="eta with that noise taken out (paired: the "
                                                                 "jackknife's; unpaired: the noise floor); may be "
                                                                 "below 0")
-    interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased")
+    interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased; null "
+                                                       "where nothing was priced or no_interval")
+    no_interval: list[bool] = Field(description="priced, but a priced behaviour varies in one prompt group only: the "
+                                                "jackknife's spread is the estimate itself, so eta states no interval "
+                                                "and is left out of eta_median")
     p_value: list[float | None]
     source: list[str]
     resolved: list[bool]
@@ -124,6 +128,7 @@ class CostSummary(TypedDict):
     rows_unresolved: _Count
     rows_refused: _Count
     rows_nothing_priced: _Count
+    rows_no_interval: _Count
     eta_run: float | None
     eta_run_interval: _Pair | None
     eta_run_rows: _Count
@@ -147,9 +152,10 @@ class CostSection(_M):
     feature_means: FeatureMeans
     summary: CostSummary = Field(description=(
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
-        "rows_nothing_priced, eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
+        "rows_nothing_priced, rows_no_interval (priced rows whose eta has no interval: one prompt group varies), "
+        "eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
         "when none is priced), eta_run_interval ([lo, hi]), kl_min_total and d_t_total (nats over those rows), "
-        "eta_median (debiased, resolved rows only: selected on significance, so it leans high; kept for "
+        "eta_median (debiased, resolved rows with an interval only: selected on significance, so it leans high; kept for "
         "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
     tap: TapOut | None = Field(None, description="what the tap measured of each step pair under its cost budget, "
@@ -280,7 +286,8 @@ def cost_section(ctx: RunContext) -> BookResult:
         efficiency_null=[r.efficiency_null for r in rows], efficiency_debiased=[r.efficiency_debiased for r in rows],
         interval=[r.interval for r in rows], p_value=[r.p_value for r in rows],
         source=[r.kl_spent_source for r in rows], resolved=[r.resolved for r in rows],
-        d_t_checks=[r.d_t_checks for r in rows], d_t_disagrees=[r.d_t_disagrees for r in rows])
+        d_t_checks=[r.d_t_checks for r in rows], d_t_disagrees=[r.d_t_disagrees for r in rows],
+        no_interval=[r.no_interval for r in rows])
     sums, squares = step_sums(samples)  # each step's mean and standard error, all steps at once
     ns = np.array([s.n for s in samples], dtype=float)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -299,6 +306,7 @@ def cost_section(ctx: RunContext) -> BookResult:
         "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
         "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
         "rows_nothing_priced": counts["nothing_priced"],
+        "rows_no_interval": sum(r.no_interval for r in rows),
         "eta_run": run_est.eta_debiased if run_est is not None else None,
         "eta_run_interval": list(run_est.interval()) if run_est is not None else None,
         "eta_run_rows": len(book._estimates),
