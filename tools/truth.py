@@ -1,15 +1,15 @@
 """The truth harness: every estimate of a tapped run against a truth measured another way.
 
-    python tools/truth.py --quote               # both regimes: the lines docs/science.md quotes
+    python tools/truth.py --quote               # every regime: the lines docs/science.md quotes
     python tools/truth.py --regime collapse     # one, with timings
     python tools/truth.py --cache /tmp/truth    # keep the trained runs and oracle pools there
     python tools/truth.py --quote --budget default --save bench/results/truth_default_budget.txt
 
-About 6 minutes on 2 CPU cores (measured: collapse 3.2 min, moderate 2.9 min, of which the
-oracle's sampling is most; the bootstrap of the oracle's own eta adds under a minute); the slow
-test tests/acceptance/test_truth.py runs it.
+About 11 minutes on 2 idle CPU cores (the oracle's sampling about 5, the checks with their 100
+redraws of every update about 5; the bootstrap of the oracle's own eta under a minute), and 30 on
+a machine loaded fourfold; the slow test tests/acceptance/test_truth.py runs it.
 
-Two regimes, each a real TRL ``GRPOTrainer`` run with the reward-lens tap attached and every
+Three regimes, each a real TRL ``GRPOTrainer`` run with the reward-lens tap attached and every
 policy pi_t kept:
 
 * **moderate** -- the reference tiny Qwen3 (built in code, random init), 8 prompts x 8
@@ -17,7 +17,11 @@ policy pi_t kept:
   read in the surface basis;
 * **collapse** -- the task recipe (``tools/make_task_record.py``: the Qwen3 pretrained on
   synthetic arithmetic, the record's own starting checkpoint) at lr 3e-3, where correctness
-  collapses to 0 within ten steps and the policy sharpens; read in the task basis.
+  collapses to 0 within ten steps and the policy sharpens; read in the task basis;
+* **sharpened** -- the same recipe at its own learning rate, 5e-4 (the README's record): a policy
+  pretrained to answer nearly deterministically (its samples' distinct completions hold most of
+  its mass), trained for 40 steps without collapsing: the small updates of a sharp policy that
+  does not break.
 
 The oracle. For every step pair (t, t+1) the tap measured it draws ``n`` fresh completions per
 prompt the tap measured it on (``measured_prompts``: generation t's prompt groups it drew extra
@@ -77,11 +81,14 @@ class Regime:
 
 
 # Oracle samples per prompt and policy the test draws (tests/acceptance/test_truth.py).
-DEFAULT_N = {"moderate": 64, "collapse": 128}
+DEFAULT_N = {"moderate": 64, "collapse": 128, "sharpened": 128}
 
 REGIMES = {
     "moderate": Regime("moderate", steps=40, learning_rate=1e-2, seed=31, cap=32),
     "collapse": Regime("collapse", steps=60, learning_rate=3e-3, seed=13, cap=24),
+    # the task recipe at its own learning rate (the README's record): a policy pretrained to answer
+    # nearly deterministically, trained without collapsing -- small updates of a sharpened policy
+    "sharpened": Regime("sharpened", steps=40, learning_rate=5e-4, seed=13, cap=24),
 }
 
 
@@ -536,7 +543,9 @@ class RegimeResult:
     eta_run: tuple | None  # (estimate, (lo, hi), truth over the priced pairs)
     replicates: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
-    # pair -> the report's D_t from the record's rows: (estimate, SE, its degrees of freedom, truth, truth SE)
+    # pair -> the report's D_t from the record's rows: (estimate, SE, its degrees of freedom, truth, truth SE,
+    # the sample's own SE, its degrees of freedom); the SE moderated across neighbouring updates
+    # (``moderated_d_t_se``), the sample's own beside it
     d_t_report: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # quantity -> its calibration (``_calibration``)
     # what the tap's budget bought: (pairs measured, pairs, median groups per measured pair, of
@@ -568,16 +577,19 @@ class RegimeResult:
             return sum(r[3][0] <= r[4] <= r[3][1] for r in rows), len(rows)
         return sum(_covers(r[2], (r[3][1] - r[3][0]) / 2, r[4], self.truths[r[0]].eta_sd) for r in rows), len(rows)
 
-    def d_t_coverage(self) -> tuple[int, int]:
+    def d_t_coverage(self, own: bool = False) -> tuple[int, int]:
         """The report's D_t against the truth on the record's updates: (covered by its 95 %
         interval -- t on its degrees of freedom, the oracle's own error added (``_covers``) --,
-        updates)."""
-        from scipy import special
+        updates). ``own``: the interval from the sample's own SE, not the moderated one."""
+        from reward_lens.measure.ledger.moderated import t975
 
         covered = 0
-        for est, se, dof, t, t_se in self.d_t_report.values():
-            q = float(special.stdtrit(max(dof, 1.0), 0.975)) if dof == dof and se == se else float("nan")
-            covered += _covers(est, q * se, t, t_se)
+        for est, se, dof, t, t_se, se_own, dof_own in self.d_t_report.values():
+            if own:  # an SE without degrees of freedom (every stratum constant) states no interval
+                se, dof = se_own, dof_own
+                if not dof == dof:
+                    continue
+            covered += _covers(est, t975(dof) * se, t, t_se) if se == se else False
         return covered, len(self.d_t_report)
 
     def resolved_bias(self) -> float | None:
@@ -644,7 +656,15 @@ def _in_sample_d_t(trained: Trained, run, pair: tuple[int, int]) -> float:
     return float(np.mean(per))
 
 
-def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) -> RegimeResult:
+# Redraws of the tap's sampling per update for the calibration lines. The estimates' spread is
+# heavy-tailed where a few completions carry most of an update's KL: 20 draws of such an update
+# seldom hold one, and their SD reads a fraction of the real one (D_t's real SD / SE on the
+# collapsing run read 0.74 at 20 draws per update and 0.89 at 100, the same SEs).
+CALIBRATION_DRAWS = 100
+
+
+def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
+          calibration_draws: int = CALIBRATION_DRAWS) -> RegimeResult:
     """The record's numbers (what ``reward-lens report`` reads) against the oracle's, pair by
     pair and cell by cell; and, by replicates drawn from the oracle's samples, the estimator's
     bias and real spread."""
@@ -696,10 +716,11 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) 
         eta_run = (run_est.eta_debiased, run_est.interval(), truth_run)
     result = RegimeResult(trained.regime.name, list(truths), truths, cells, d_t, eta_rows, eta_run)
     result.bought = _bought(run, trained.regime.prompts_per_step)
+    moderated = _moderated(ledgers)
     for pair, truth in truths.items():
         lg = ledgers.get(pair)
-        if lg is not None and lg.d_t is not None and lg.d_t_se is not None:
-            result.d_t_report[pair] = (lg.d_t, lg.d_t_se, lg.d_t_dof, truth.d_t, truth.d_t_se)
+        if lg is not None and pair in moderated:
+            result.d_t_report[pair] = (lg.d_t, *moderated[pair], truth.d_t, truth.d_t_se, lg.d_t_se, lg.d_t_dof)
     result.seconds["check"] = time.monotonic() - t0
     if replicates:
         active = {}
@@ -708,9 +729,17 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print) 
 
             active = {pair: active_index(priced.metric.names, priced.metric.active_of(pair[0])) for pair in truths}
         result.replicates = _replicates(pools_, truths, names, replicates)
-        result.calibration = _calibration(pools_, truths, names, replicates, active)
+        result.calibration = _calibration(pools_, truths, names, calibration_draws, active)
     progress(f"{trained.regime.name}: checked in {time.monotonic() - t0:.0f} s")
     return result
+
+
+def _moderated(ledgers: dict) -> dict:
+    """pair -> (SE, degrees of freedom) of D_t moderated across a run's updates (``ledgers``:
+    pair -> paired ledger), as the report forms them (``moderated_by_pair``)."""
+    from reward_lens.measure.ledger.moderated import moderated_by_pair
+
+    return moderated_by_pair(ledgers.values())
 
 
 def _draw(pool: Pool, pair: tuple[int, int], names: list[str], rng, m: int, h: int):
@@ -834,29 +863,24 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         return float(special.stdtrit(max(dof, 1.0), 0.975)) if dof == dof and math.isfinite(dof) else 1.959963984540054
 
     tails = []
+    drawn = {}  # pair -> its r draws (None where a draw has no D_t), for D_t's moderation across updates
+    priced_draws: dict[int, list] = {}  # draw j -> (p, estimable, eta - truth) of each pair it prices
+    run_draws: dict[int, list] = {}  # draw j -> (estimate, truth) of each pair it prices: its run-level eta
     for pair, pool in pools_.items():
         truth = truths[pair]
-        lgs, logps = [], []
+        lgs, logps, every = [], [], []
         for _ in range(r):
             roll, held, logp = _draw(pool, pair, names, rng, m, h)
             lg = paired_ledger(roll, heldout=held)
             if getattr(lg, "d_t", None) is not None and lg.d_t_se is not None:
                 lgs.append(lg)
                 logps.append(logp)
+                every.append((lg, logp))
+            else:
+                every.append(None)
+        drawn[pair] = every
         if len(lgs) < 2:
             continue
-        # D_t: every draw (the tap records it whatever the premises)
-        d = np.array([lg.d_t for lg in lgs])
-        se = np.array([lg.d_t_se for lg in lgs])
-        c = out["d_t"]
-        c["ratio"].append(d.std(ddof=1) / math.sqrt(np.mean(se ** 2)))
-        if d.std(ddof=1) > 0:
-            c["typical"].append(float(np.median(se)) / d.std(ddof=1))
-        for lg, e, lp in zip(lgs, se, logps):
-            inside = abs(lg.d_t - truth.d_t) <= q975(lg.d_t_dof) * e
-            c["covered"] += inside
-            c["draws"] += 1
-            tails.append((_tail_values(lg, lp), not D_T_BAND[0] <= lg.d_t / truth.d_t <= D_T_BAND[1], not inside))
         # dz and eta: the draws whose premises hold, as the books
         ok = [lg for lg in lgs if lg.premise() is None]
         if len(ok) >= 2:
@@ -884,7 +908,13 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
             continue
         # as the book: a draw in which no priced feature varies within any prompt group prices
         # nothing, and one in which it varies in one group states no interval (``estimable``)
-        ests = [e for e in paired_estimates([(lg, idx) for lg in ok]) if e.groups_varying != 0 and e.estimable]
+        every_est = paired_estimates([(lg, idx) for lg in ok])
+        js = [j for j, x in enumerate(every) if x is not None and x[0].premise() is None]  # ok's draws
+        for j, e in zip(js, every_est):
+            if e.groups_varying != 0:  # priced: in the redrawn run j's book-wide decision
+                priced_draws.setdefault(j, []).append((e.p_value, e.estimable, e.eta_debiased - truth.eta))
+                run_draws.setdefault(j, []).append((e, truth))
+        ests = [e for e in every_est if e.groups_varying != 0 and e.estimable]
         if len(ests) < 2:
             continue
         c = out["eta"]
@@ -895,8 +925,134 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
             c["typical"].append(float(np.median(ses)) / eta.std(ddof=1))
         c["covered"] += sum(lo <= truth.eta <= hi for lo, hi in (e.interval() for e in ests))
         c["draws"] += len(ests)
+        # a candidate measured, not adopted: the jackknife's own correction |K - K_jk| / D_t taken
+        # as a bound on the bias it leaves, added to the half-width
+        c["bounded"] = c.get("bounded", 0) + sum(
+            abs(e.eta_debiased - truth.eta) <= (hi - lo) / 2 + abs(e.kl_min - e.kl_min_debiased) / e.d_t
+            for e, (lo, hi) in ((e, e.interval()) for e in ests))
+    # D_t, every draw (the tap records it whatever the premises), as the report forms its SE: the
+    # j-th draws of every update are one redrawn run, its SEs moderated across its updates
+    # (``moderated_d_t_se``); and with the sample's own SE (``d_t_own``), as before
+    mod = {}
+    for j in range(r):
+        run_j = {pair: every[j][0] for pair, every in drawn.items() if every[j] is not None}
+        for pair, v in _moderated(run_j).items():
+            mod[(pair, j)] = v
+    out["d_t_own"] = {"ratio": [], "typical": [], "covered": 0, "draws": 0}
+    for pair, every in drawn.items():
+        truth = truths[pair]
+        got = [(j, x) for j, x in enumerate(every) if x is not None and (pair, j) in mod]
+        if len(got) < 2:
+            continue
+        d = np.array([x[0].d_t for _, x in got])
+        for key, se, dofs in (("d_t", np.array([mod[(pair, j)][0] for j, _ in got]),
+                               [mod[(pair, j)][1] for j, _ in got]),
+                              ("d_t_own", np.array([x[0].d_t_se for _, x in got]), [x[0].d_t_dof for _, x in got])):
+            c = out[key]
+            c["ratio"].append(d.std(ddof=1) / math.sqrt(np.mean(se ** 2)))
+            if d.std(ddof=1) > 0:
+                c["typical"].append(float(np.median(se)) / d.std(ddof=1))
+            for (_, (lg, lp)), e, f in zip(got, se, dofs):
+                inside = abs(lg.d_t - truth.d_t) <= q975(f) * e
+                c["covered"] += inside
+                c["draws"] += 1
+                if key == "d_t":
+                    tails.append((_tail_values(lg, lp), not D_T_BAND[0] <= lg.d_t / truth.d_t <= D_T_BAND[1],
+                                  not inside))
     out["tail"] = _tail_separation(tails) if tails else {}
+    out["small_sharp"] = _flag_separation(tails, "small_sharp") if tails else {}
+    out["windows"] = _window_sweep(drawn, truths, r)
+    out["draws_per_update"] = r
+    out["eta_selection"] = _selection(priced_draws)
+    out["eta_run"] = _run_levels(run_draws)
     return out
+
+
+# The windows the moderation of D_t's SE was chosen among (measured updates on either side; None:
+# the whole run), each measured on the same redrawn runs (``_window_sweep``).
+SWEPT_WINDOWS = (1, 2, 3, 5, 8, None)
+
+
+def _window_sweep(drawn: dict, truths: dict, r: int) -> dict:
+    """For each window of ``SWEPT_WINDOWS``: the 95 % intervals of D_t moderated with it over the
+    redrawn runs (``drawn``: pair -> its draws, as ``_calibration``), their coverage over draws and
+    the median over updates of the real SD over the SE's root mean square."""
+    import math
+
+    import numpy as np
+
+    from reward_lens.measure.ledger.moderated import moderated_d_t_se, t975
+
+    out = {}
+    pairs = sorted(drawn)
+    for w in SWEPT_WINDOWS:
+        per: dict = {}
+        for j in range(r):
+            got = [(p, drawn[p][j][0]) for p in pairs if drawn[p][j] is not None]
+            if not got:
+                continue
+            se, dof = moderated_d_t_se([lg.d_t for _, lg in got], [lg.d_t_se for _, lg in got],
+                                       [lg.d_t_dof for _, lg in got], [lg.n_groups for _, lg in got],
+                                       window=len(got) if w is None else w)
+            for (p, lg), e, f in zip(got, se, dof):
+                per.setdefault(p, []).append((lg.d_t, e, f))
+        covered = draws = 0
+        ratios = []
+        for p, rows in per.items():
+            if len(rows) < 2:
+                continue
+            d = np.array([x[0] for x in rows])
+            e = np.array([x[1] for x in rows])
+            ratios.append(d.std(ddof=1) / math.sqrt(np.mean(e ** 2)))
+            covered += sum(abs(a - truths[p].d_t) <= t975(f) * b for a, b, f in rows)
+            draws += len(rows)
+        out[w] = (covered / draws if draws else float("nan"), float(np.median(ratios)) if ratios else float("nan"))
+    return out
+
+
+def _run_levels(run_draws: dict[int, list]) -> dict:
+    """The run-level eta of each redrawn run (``eta.run_level`` over every pair it prices, as the
+    book), against the truth over the same pairs (sum KL_min / sum D_t, the oracle's): how often
+    its 95 % interval covers, and the runs' spread against the interval's SE."""
+    import numpy as np
+
+    from reward_lens.measure.efficiency.eta import run_level
+
+    covered, errors, ses = 0, [], []
+    for rows in run_draws.values():
+        est = run_level([e for e, _ in rows])
+        truth = sum(t.kl_min for _, t in rows) / sum(t.d_t for _, t in rows)
+        lo, hi = est.interval()
+        covered += lo <= truth <= hi
+        errors.append(est.eta_debiased - truth)
+        ses.append(est.se)
+    n = len(errors)
+    return {"runs": n, "covered": covered, "median_error": float(np.median(errors)) if n else None,
+            "sd_over_se": float(np.std(errors, ddof=1) / np.sqrt(np.mean(np.square(ses)))) if n > 1 else None}
+
+
+def _selection(priced_draws: dict[int, list]) -> dict:
+    """eta - truth over the redrawn runs' rows that state an interval: every one, those the
+    run's book-wide decision resolves (Benjamini-Hochberg over each redrawn run's priced pairs,
+    as the book decides), and the others. A row is resolved when its test rejects, and the test
+    reads the same sample as eta: the resolved rows are selected on their own noise."""
+    import numpy as np
+
+    from reward_lens.measure.efficiency.eta import benjamini_hochberg
+
+    every, resolved, other = [], [], []
+    for rows in priced_draws.values():
+        decided = benjamini_hochberg([p for p, _, _ in rows])
+        for (_, estimable, diff), rej in zip(rows, decided):
+            if estimable:
+                every.append(diff)
+                (resolved if rej else other).append(diff)
+
+    def med(x):
+        return float(np.median(x)) if x else None
+
+    return {"every": med(every), "resolved": med(resolved), "other": med(other), "n_resolved": len(resolved),
+            "n": len(every)}
 
 
 # The tail diagnostics the issue proposed for a D_t whose sample missed where its KL sits, each
@@ -921,14 +1077,46 @@ def _tail_values(lg, logp_next) -> dict:
     q = np.exp(mis_log_weights(lg.log_ratio, lg.heldout, lg.codes, lg.n_groups)[0])
     contrib = q * lg.kl * np.bincount(lg.codes)[lg.codes]
     d = max(lg.d_t, 1e-300)
-    unseen = 0.0
+    unseen, seen = 0.0, []
     for g in range(lg.n_groups):
         rows = lg.codes == g
-        _, first = np.unique(np.round(logp_next[rows], 9), return_index=True)
-        unseen += max(0.0, 1.0 - float(np.exp(logp_next[rows][first]).sum())) * float(lg.kl[rows].max())
+        mass = float(np.exp(_distinct(logp_next[rows], logp_next[rows] - lg.log_ratio[rows])).sum())
+        seen.append(mass)
+        unseen += max(0.0, 1.0 - mass) * float(lg.kl[rows].max())
     return {"khat": float(pareto_khats(np.log(np.maximum(contrib, 1e-300))[None])[0]),
             "ess": min(lg.ess[0] / max(int(side.sum()), 1), lg.ess[1] / max(int((~side).sum()), 1)),
-            "max_kl": float(lg.kl.max()) / d, "unseen": unseen / lg.n_groups / d}
+            "max_kl": float(lg.kl.max()) / d, "unseen": unseen / lg.n_groups / d,
+            "small_sharp": float(lg.d_t < SMALL_D_T and float(np.median(seen)) >= 0.5)}
+
+
+def _distinct(logp_next, logp_prev, tol: float = 1e-4):
+    """log pi_{t+1} of each distinct sequence among rows (one prompt group): rows whose
+    log-probabilities under both policies agree within ``tol`` nats are one sequence. The same
+    completion scored in two batches differs by up to ~1e-5 (padding); rounding to a fixed number
+    of decimals split such pairs at a rounding edge (an earlier version counted them twice)."""
+    import numpy as np
+
+    kept: list[tuple[float, float]] = []
+    for a, b in zip(np.asarray(logp_next, dtype=float).tolist(), np.asarray(logp_prev, dtype=float).tolist()):
+        if not any(abs(a - x) <= tol and abs(b - y) <= tol for x, y in kept):  # a group's few rows
+            kept.append((a, b))
+    return np.array([x for x, _ in kept])
+
+
+def _flag_separation(draws: list, name: str) -> dict:
+    """A yes-or-no candidate (``draws`` as ``_tail_separation``'s): the share of the draws it
+    flags, of the band's misses and of the intervals' misses it flags, and the intervals'
+    coverage over the draws it leaves."""
+    import numpy as np
+
+    flag = np.array([d[0][name] > 0 for d in draws])
+    band = np.array([d[1] for d in draws])
+    ci = np.array([d[2] for d in draws])
+
+    def share(x):
+        return float(x.mean()) if x.size else float("nan")
+
+    return {"flags": share(flag), "band": share(flag[band]), "ci": share(flag[ci]), "cover_rest": share(~ci[~flag])}
 
 
 def _tail_separation(draws: list) -> dict:
@@ -966,6 +1154,8 @@ def machine() -> str:
 def summary_lines(res: RegimeResult) -> list[str]:
     """What the harness prints for one regime (and the README quotes)."""
     import numpy as np
+
+    from reward_lens.measure.ledger.moderated import MODERATION_WINDOW
 
     rep = res.reported()
     within = sum(c.within for c in rep)
@@ -1030,20 +1220,48 @@ def summary_lines(res: RegimeResult) -> list[str]:
     if cal:
         def ratio(c, key):
             v = c[key]
-            return f"{np.median(v):.2f} [{np.min(v):.2f}, {np.max(v):.2f}]" if v else "-"
+            if not v:
+                return "-"
+            out = np.mean([not 0.8 <= x <= 1.25 for x in v])
+            return f"{np.median(v):.2f} [{np.min(v):.2f}, {np.max(v):.2f}], outside [0.8, 1.25] on {100 * out:.0f} % of updates"
 
         def cover(c, key):
             return f"{100 * c[key] / c['draws']:.1f} %" if c["draws"] else "-"
 
-        lines.append(f"  calibration, the tap's sampling redrawn ({res.replicates.get(4, {}).get('replicates', '')} "
+        lines.append(f"  calibration, the tap's sampling redrawn ({cal.get('draws_per_update', '')} "
                      "draws of 4 + 4 completions per prompt, the prompts fixed): real SD / reported SE (its root "
                      "mean square), median [range] over updates; the median draw's SE / real SD, median over updates; "
                      "95 % intervals covering the truth, over draws")
-        for q, words in (("d_t", "D_t"), ("dz", "dz"), ("eta", "eta")):
-            c = cal[q]
+        for q, words in (("d_t_own", "D_t, the sample's own SE"), ("d_t", "D_t, moderated across updates"),
+                         ("dz", "dz"), ("eta", "eta")):
+            c = cal.get(q)
+            if c is None:
+                continue
             typical = f"{np.median(c['typical']):.2f}" if c["typical"] else "-"
             lines.append(f"    {words}: SD / SE {ratio(c, 'ratio')}; typical SE / SD {typical}; cover "
-                         f"{cover(c, 'covered')} of {c['draws']}")
+                         f"{cover(c, 'covered')} of {c['draws']}"
+                         + (f" (with the jackknife's correction added as a bias bound, not adopted: "
+                            f"{cover(c, 'bounded')})" if "bounded" in c else ""))
+    sw = cal.get("windows") if cal else None
+    if sw:
+        lines.append("  D_t moderated over other windows (measured updates on either side; the report's is "
+                     f"{MODERATION_WINDOW}): " + "; ".join(
+                         f"{'the whole run' if w is None else w}: cover {100 * c:.1f} %, SD / SE {q:.2f}"
+                         for w, (c, q) in sw.items()))
+    er = cal.get("eta_run") if cal else None
+    if er and er["runs"]:
+        lines.append(f"  the run-level eta of the redrawn runs: its 95 % interval covers the truth (over the pairs each "
+                     f"prices) in {er['covered']} of {er['runs']} runs; median (eta - truth) {er['median_error']:+.3f}, "
+                     f"real SD / SE {er['sd_over_se']:.2f}")
+    sel = cal.get("eta_selection") if cal else None
+    if sel and sel["n"]:
+        def signed(x):
+            return "-" if x is None else f"{x:+.3f}"
+
+        lines.append(f"  eta over the redrawn runs (each draw of every update one run, decided book-wide as the "
+                     f"book does): median (eta - truth) {signed(sel['every'])} over the {sel['n']} rows with an "
+                     f"interval, {signed(sel['resolved'])} over the {sel['n_resolved']} resolved, "
+                     f"{signed(sel['other'])} over the others (the resolved rows are selected on their own noise)")
     if cal.get("tail"):
         lines.append("  tail diagnostics for D_t, on the same draws: the share of the band's misses, of the "
                      "intervals' misses and of the other draws each flags, at the threshold that flags a quarter "
@@ -1052,9 +1270,20 @@ def summary_lines(res: RegimeResult) -> list[str]:
             (_, _, b1, c1, o1), (_, _, b2, c2, o2) = cal["tail"][name]
             lines.append(f"    {words}: {100 * b1:.0f} % ({100 * b2:.0f} %), {100 * c1:.0f} % ({100 * c2:.0f} %), "
                          f"{100 * o1:.0f} % ({100 * o2:.0f} %)")
+        f = cal.get("small_sharp")
+        if f:
+            def pct(x):
+                return "-" if x != x else f"{100 * x:.0f} %"
+
+            lines.append(f"    an update under {SMALL_D_T:g} nats of a sharpened policy (its sample's distinct completions "
+                         f"hold half of pi_{{t+1}}'s mass in the median prompt group), yes or no: flags {pct(f['flags'])} "
+                         f"of the draws, {pct(f['band'])} of the band's misses and {pct(f['ci'])} of the intervals'; "
+                         f"the intervals cover {pct(f['cover_rest'])} of the draws it leaves")
     if res.d_t_report:
         covered, total = res.d_t_coverage()
-        lines.append(f"  D_t on the record: 95 % intervals cover the truth on {covered} of {total} updates")
+        own, _ = res.d_t_coverage(own=True)
+        lines.append(f"  D_t on the record: 95 % intervals cover the truth on {covered} of {total} updates "
+                     f"(with the sample's own SE: {own})")
     return lines
 
 
@@ -1101,7 +1330,7 @@ def main(argv=None) -> None:
     tap = {} if args.budget == "default" else {"budget": None if args.budget == "none" else float(args.budget)}
     printed = [machine() + ("" if args.budget == "none" else f", the tap's budget {args.budget}")]
     print(printed[0], flush=True)
-    for name in args.regime or ["moderate", "collapse"]:
+    for name in args.regime or list(REGIMES):
         with tempfile.TemporaryDirectory() as tmp:
             work = args.cache / name if args.cache else Path(tmp)
             work.mkdir(parents=True, exist_ok=True)

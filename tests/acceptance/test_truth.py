@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 # Oracle samples per prompt and policy: the test's budget (the docs quote the same runs). The
 # moderate regime's policy is slower to sample (its completions run to 32 tokens).
-N = {"moderate": 64, "collapse": 128}
+N = {"moderate": 64, "collapse": 128, "sharpened": 128}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,12 @@ def collapse(harness, tmp_path_factory):
     return harness.run_regime("collapse", tmp_path_factory.mktemp("collapse"), n=N["collapse"], replicates=20, budget=None)
 
 
+@pytest.fixture(scope="module")
+def sharpened(harness, tmp_path_factory):
+    return harness.run_regime("sharpened", tmp_path_factory.mktemp("sharpened"), n=N["sharpened"], replicates=20,
+                              budget=None)
+
+
 def test_moderate_eta_intervals_cover_the_truth_and_the_headline_is_not_selected(moderate):
     covered, priced = moderate.eta_coverage()
     assert priced >= 30 and covered >= 0.9 * priced
@@ -48,19 +54,50 @@ def test_moderate_run_level_eta_interval_covers_the_truth(moderate):
     assert lo <= truth <= hi  # the run-level eta (sum KL_min / sum D_t) covers the oracle's
 
 
-def test_eta_intervals_cover_the_truth_over_redraws_of_the_taps_sampling(moderate, collapse):
-    """The 95 % intervals of eta over 20 redraws of the tap's 4 + 4 completions per prompt: at
-    their rate on the moderate run; on the collapsing run, with t on the prompt groups that vary
-    and the samples that vary in none priced as nothing, nearly nine in ten (68 % with t on G - 1;
-    issue 41 asks for 90 %)."""
-    for res, floor in ((moderate, 0.93), (collapse, 0.85)):
+def test_eta_intervals_cover_the_truth_over_redraws_of_the_taps_sampling(moderate, collapse, sharpened):
+    """The 95 % intervals of eta over 100 redraws of the tap's 4 + 4 completions per prompt: at
+    their rate on the moderate and sharpened runs; on the collapsing run, with t on the prompt
+    groups that vary and the samples that vary in none priced as nothing, nine in ten (68 % with
+    t on G - 1)."""
+    for res, floor in ((moderate, 0.93), (collapse, 0.9), (sharpened, 0.93)):
         cal = res.calibration["eta"]
-        assert cal["draws"] >= 500 and cal["covered"] >= floor * cal["draws"]
+        assert cal["draws"] >= 2500 and cal["covered"] >= floor * cal["draws"]
 
 
-@pytest.mark.xfail(strict=True, reason="a known miss (docs/science.md, issue 41): on the sharpened policy a 4 + 4 "
-                   "sample holds two or three distinct completions per prompt, which the behaviours separate more "
-                   "cleanly than the policy's law: KL_min reads high, the run's eta above its interval")
+def test_the_run_level_eta_of_redrawn_runs(moderate, collapse, sharpened):
+    """The run-level eta (a ratio of sums over every priced pair) of each redrawn run against the
+    truth over the same pairs: centred within a twentieth, its real spread at most a quarter
+    above its SE, and its 95 % interval covering on at least four runs in five in every regime
+    (82 % on the moderate run: the sums add the pairs' small residual lean while their noise
+    adds in quadrature, so the interval is narrow against it; on the sharpened run the SE is
+    wider than the spread and it covers 98 %)."""
+    for res in (moderate, collapse, sharpened):
+        er = res.calibration["eta_run"]
+        assert er["runs"] == 100 and er["covered"] >= 80
+        assert abs(er["median_error"]) <= 0.05 and er["sd_over_se"] <= 1.25
+
+
+def test_eta_over_every_row_of_redrawn_runs_is_centred(moderate, collapse, sharpened):
+    """eta over the redrawn runs' rows that state an interval, every one of them (not selected on
+    significance): the median error within 0.06 in every regime. (The resolved rows' lean, the
+    winner's curse of a test that reads eta's own sample, is the strict xfail below.)"""
+    for res in (moderate, collapse, sharpened):
+        sel = res.calibration["eta_selection"]
+        assert sel["n"] >= 2500 and sel["n_resolved"] >= 500
+        assert abs(sel["every"]) <= 0.06
+
+
+@pytest.mark.xfail(strict=True, reason="a known miss (issue 41): the resolved rows are selected on their own noise "
+                   "(the winner's curse): over the redrawn runs they read +0.06 (moderate) and +0.13 (collapsing) "
+                   "above the truth, where every row with an interval reads +0.02 and +0.05")
+def test_the_resolved_rows_read_within_a_twentieth_of_the_truth_over_redrawn_runs(moderate, collapse, sharpened):
+    for res in (moderate, collapse, sharpened):
+        assert abs(res.calibration["eta_selection"]["resolved"]) <= 0.05
+
+
+@pytest.mark.xfail(strict=True, reason="a known miss (docs/science.md, issue 41): the record's first updates, of "
+                   "several nats each, drew high (the redrawn runs' run-level eta reads +0.03 above the truth at the "
+                   "median, the record's +0.15), and its interval misses")
 def test_collapse_run_level_eta_interval_covers_the_truth(collapse):
     e, (lo, hi), truth = collapse.eta_run
     assert lo <= truth <= hi
@@ -111,7 +148,7 @@ def test_two_sided_samples_remove_the_bias_of_a_sharpening_step(collapse, modera
         assert res.replicates[4]["coverage"] >= 0.93
 
 
-def test_the_docs_quote_this_harness(moderate, collapse, harness):
+def test_the_docs_quote_this_harness(moderate, collapse, sharpened, harness):
     """docs/science.md quotes the output of ``tools/truth.py --quote``, between markers: its first
     line names the torch build and CPU kernels of the run, and on the same ones the rest is
     these two runs' summary lines exactly. On other kernels the training samples other tokens
@@ -126,7 +163,8 @@ def test_the_docs_quote_this_harness(moderate, collapse, harness):
     quoted = re.search(r"<!-- truth:start -->\n```\n(.*?)\n```\n<!-- truth:end -->", text, re.S)
     assert quoted, "docs/science.md has no truth block"
     first, _, rest = quoted.group(1).partition("\n")
-    lines = "\n".join(harness.summary_lines(moderate) + harness.summary_lines(collapse))
+    lines = "\n".join(harness.summary_lines(moderate) + harness.summary_lines(collapse)
+                      + harness.summary_lines(sharpened))
     assert first.startswith("run with torch "), "paste the output of python tools/truth.py --quote"
     if first == harness.machine():
         assert rest == lines, "paste the output of python tools/truth.py --quote"
@@ -149,13 +187,13 @@ def test_d_t_is_measured_on_independent_samples(moderate, collapse, harness):
     ok_c, n_c = collapse.d_t_within(0)
     old_c, _ = collapse.d_t_within(1)
     assert ok_c >= 0.75 * n_c and n_c - old_c >= 2 * (n_c - ok_c)  # the in-sample one misses twice as often
-    # its 95 % intervals (the SE conditional on the prompts, t on its degrees of freedom, the
-    # oracle's own error added) cover the truth on most updates of both runs; the SE is the
-    # estimate's spread for these prompts, no longer four times it, so the misses show (issue 41
-    # asks for 90 %: the moderate run's record is at 35 of 39)
+    # its 95 % intervals (the SE conditional on the prompts moderated across neighbouring updates,
+    # t on its degrees of freedom, the oracle's own error added) cover the truth on most updates of
+    # both runs, and never fewer than with the sample's own SE (issue 41 asks for 90 %: the moderate
+    # run's record is at 35 of 39, its redraws at 95 %)
     for res in (moderate, collapse):
         covered, total = res.d_t_coverage()
-        assert covered >= 0.85 * total
+        assert covered >= 0.85 * total and covered >= res.d_t_coverage(own=True)[0]
     for res in (moderate, collapse):  # no bias: a miss is the sample's spread
         assert 0.95 <= res.replicates[4]["d_t_mean_over_truth"] <= 1.05
     assert moderate.replicates[4]["d_t_in_band"] >= 0.95
@@ -167,48 +205,53 @@ def test_d_t_is_measured_on_independent_samples(moderate, collapse, harness):
     assert (n_c - ok_c) / n_c <= 1 - collapse.replicates[4]["d_t_in_band"] + 0.1
 
 
-def test_the_standard_error_of_d_t_is_its_real_spread_for_the_prompts(moderate, collapse):
-    """The SE of D_t, conditional on the update's prompts (the stratified jackknife over each
-    prompt's completions of each policy), against the estimate's real spread when the tap's
-    sampling is redrawn for the same prompts: the median ratio (the real SD over the root mean
-    square of the SE) within [0.8, 1.25] in both regimes (the between-prompt SE it replaced was
-    about four times the spread on the collapsing run)."""
+def test_the_standard_error_of_d_t_is_its_real_spread_for_the_prompts(moderate, collapse, sharpened):
+    """The SE of D_t against the estimate's real spread when the tap's sampling is redrawn for
+    the same prompts (100 draws an update, each draw of every update one redrawn run): the median
+    ratio (the real SD over the root mean square of the SE) within [0.8, 1.25] in every regime,
+    for the sample's own SE (conditional on the prompts: the stratified jackknife over each
+    prompt's completions of each policy; the between-prompt SE before it was about four times
+    the spread on the collapsing run) and for the one the report states, moderated across
+    neighbouring updates."""
     import numpy as np
 
-    for res in (moderate, collapse):
-        cal = res.calibration["d_t"]
-        assert 0.8 <= float(np.median(cal["ratio"])) <= 1.25
+    for res in (moderate, collapse, sharpened):
+        for key in ("d_t_own", "d_t"):
+            cal = res.calibration[key]
+            assert 0.8 <= float(np.median(cal["ratio"])) <= 1.25, key
 
 
-@pytest.mark.xfail(strict=True, reason="a known miss (issue 41): the SE of D_t is right on average but small on the "
-                   "draws that miss a rare part of pi_t+1's law (the median draw's SE is a third of the real spread "
-                   "on the collapsing run), so its 95 % intervals cover the truth on about five draws in six on the "
-                   "moderate run and three in five on the collapsing one")
-def test_the_intervals_of_d_t_cover_the_truth_over_redraws(moderate, collapse):
+def test_the_moderated_intervals_of_d_t_cover_the_truth_over_redraws(moderate, collapse, sharpened):
     """Against the oracle's own number (the draws are subsets of its samples, so its error is
-    not added: ``truth._calibration``), 95 % intervals of D_t covering it on 90 % of the draws."""
-    for res in (moderate, collapse):
-        cal = res.calibration["d_t"]
-        assert cal["covered"] >= 0.9 * cal["draws"]
+    not added: ``truth._calibration``): the sample's own SE is small exactly on the draws that
+    missed the tail of the token KL, and its intervals cover 84 %, 63 % and 87 % of the draws;
+    moderated across neighbouring updates, at their rate on the moderate and sharpened runs and
+    far more often on the collapsing one."""
+    for res, floor in ((moderate, 0.93), (sharpened, 0.93), (collapse, 0.83)):
+        own, mod = res.calibration["d_t_own"], res.calibration["d_t"]
+        assert mod["draws"] == own["draws"] >= 3000
+        assert mod["covered"] >= floor * mod["draws"]
+        assert mod["covered"] >= own["covered"] + 0.05 * own["draws"]
 
 
-def test_the_standard_error_of_dz_is_its_real_spread_for_the_prompts(moderate, collapse):
+@pytest.mark.xfail(strict=True, reason="a known miss (issue 41): on the collapsed policy a small update's KL sits in "
+                   "sequences a 4 + 4 sample seldom holds (on the worst updates one completion in 128 of the oracle's "
+                   "carries most of it), which neither the sample nor its neighbours show: the moderated intervals "
+                   "cover about 86 % of the draws")
+def test_the_intervals_of_d_t_cover_the_truth_over_redraws_on_the_collapsing_run(collapse):
+    cal = collapse.calibration["d_t"]
+    assert cal["covered"] >= 0.9 * cal["draws"]
+
+
+def test_the_standard_error_of_dz_is_its_real_spread_for_the_prompts(moderate, collapse, sharpened):
     """The SE of each behaviour's dz, conditional on the prompts, against its real spread over the
     draws where the book states one (a behaviour constant in every prompt group is refused, not
-    reported): the median ratio within [0.8, 1.25] in both regimes, and the 95 % intervals
-    covering the truth on at least 93 % of the draws on the moderate run (issue 41)."""
+    reported): the median ratio within [0.8, 1.25], and the 95 % intervals covering the truth on
+    at least 93 % of the draws, in every regime (issue 41). At 20 draws an update the collapsing
+    run's coverage read just under 93 % (92.9 %); at 100, 93.6 %: the same SEs."""
     import numpy as np
 
-    for res in (moderate, collapse):
+    for res in (moderate, collapse, sharpened):
         cal = res.calibration["dz"]
         assert 0.8 <= float(np.median(cal["ratio"])) <= 1.25
-    cal = moderate.calibration["dz"]
-    assert cal["covered"] >= 0.93 * cal["draws"]
-
-
-@pytest.mark.xfail(strict=True, reason="a known miss (issue 41): against the oracle's own number, without its error "
-                   "added (the draws are subsets of its samples), the collapsing run's dz intervals cover just under "
-                   "93 % of the draws")
-def test_the_intervals_of_dz_cover_the_truth_over_redraws_on_the_collapsing_run(collapse):
-    cal = collapse.calibration["dz"]
-    assert cal["covered"] >= 0.93 * cal["draws"]
+        assert cal["covered"] >= 0.93 * cal["draws"]

@@ -67,3 +67,35 @@ def test_an_interval_is_checked_against_a_truth_with_its_own_error_in_quadrature
     assert truth._covers(1.0, 0.3, 1.49, 0.2)
     assert truth._covers(1.0, 0.3, 1.29, float("nan"))  # a truth with no stated error is exact
     assert not truth._covers(1.0, 0.3, 1.31, float("nan"))
+
+
+def test_one_sequence_scored_in_two_batches_is_one_distinct_sequence():
+    """Duplicates differ by up to ~1e-5 nats when scored in batches of other paddings; at a
+    rounding edge a fixed number of decimals split them. Within 1e-4 under both policies they
+    are one sequence; a different sequence of nearly the same log pi_{t+1} but another log pi_t
+    is another."""
+    lp1 = np.array([-0.10000, -0.099995, -2.3, -0.10001, -0.100002])
+    lp0 = np.array([-0.20000, -0.200004, -2.0, -0.19999, -0.9])
+    got = truth._distinct(lp1, lp0)
+    assert len(got) == 3 and np.exp(got).sum() == pytest.approx(math.exp(-2.3) + 2 * math.exp(-0.1), rel=1e-4)
+
+
+def test_the_resolved_rows_of_redrawn_runs_are_decided_book_wide_per_run():
+    """Benjamini-Hochberg at 0.05 over each redrawn run's rows, by hand: run 0's p-values 0.001
+    and 0.04 (ranks 1 and 2 of 2: thresholds 0.025 and 0.05) both reject; run 1's 0.03, 0.5 and
+    0.9 (ranks 1-3 of 3: thresholds 0.0167, 0.033 and 0.05) none. A row without an interval (run
+    1's 0.5) is decided with the run and left out of the medians."""
+    draws = {0: [(0.001, True, 0.3), (0.04, True, 0.1)], 1: [(0.03, True, -0.2), (0.9, True, -0.4),
+                                                            (0.5, False, 9.0)]}
+    sel = truth._selection(draws)
+    assert sel["n"] == 4 and sel["n_resolved"] == 2
+    assert sel["resolved"] == pytest.approx(0.2) and sel["other"] == pytest.approx(-0.3)
+    assert sel["every"] == pytest.approx(-0.05)
+
+
+def test_a_yes_or_no_tail_flag_is_scored_on_the_misses_it_flags():
+    draws = [({"f": 1.0}, True, True), ({"f": 1.0}, False, False), ({"f": 0.0}, True, False),
+             ({"f": 0.0}, False, True), ({"f": 0.0}, False, False)]
+    got = truth._flag_separation(draws, "f")
+    assert got["flags"] == pytest.approx(0.4) and got["band"] == pytest.approx(0.5)
+    assert got["ci"] == pytest.approx(0.5) and got["cover_rest"] == pytest.approx(2 / 3)

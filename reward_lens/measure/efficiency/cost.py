@@ -29,6 +29,7 @@ import numpy as np
 from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.metric import MetricG, active_index
 from reward_lens.measure.efficiency.shapley import EXACT_MAX_FEATURES, kl_min as quad_kl_min, shapley_shares
+from reward_lens.measure.ledger.moderated import moderated_by_pair, t975
 from reward_lens.measure.ledger.paired import MIN_ESS_PER_GROUP, SAMPLER_KL_MAX_SHARE, PairedLedger
 from reward_lens.measure.ledger.price import Ledger, LedgerSeries, ledger_arrays
 from reward_lens.record.reader import Run
@@ -189,6 +190,10 @@ class CostRow:
     d_t_checks: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # source -> (nats, SE)
     d_t_disagrees: bool = False
     no_interval: bool = False  # priced, but one prompt group varies: eta has no interval (``EtaEstimate.estimable``)
+    # D_t's standard error and 95 % interval: paired, the sample's own moderated across neighbouring
+    # updates (``ledger.moderated``; a window's members' added); unpaired, the record's SE as recorded
+    kl_spent_se: float | None = None
+    kl_spent_interval: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -561,6 +566,11 @@ def cost_series(
     priced_any = cols.priced.any(axis=1).tolist()
     wanted = [i for i, pair in enumerate(pairs) if kind == "paired" or pair[0] in denoms]
     d_t_se = run_.telemetry_column("kl_to_previous_se") if run_ is not None and kind == "unpaired" else {}
+    # each row's D_t SE: paired, the sample's own moderated across neighbouring updates; unpaired,
+    # the record's as recorded where D_t is the record's (a caller's kl_spent has none here)
+    spread = moderated_by_pair(ledgers) if kind == "paired" else {
+        pair: (se, float("inf")) for pair in pairs if pair[0] in denoms and denoms[pair[0]][1].startswith("record")
+        and (se := d_t_se.get(pair[0])) is not None and math.isfinite(se)}
     for i in wanted:
         pair = pairs[i]
         lg = ledgers[place[pair]]
@@ -574,7 +584,9 @@ def cost_series(
         else:
             d_t, source = denoms[pair[0]]
         if not priced_any[i]:
-            nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind))
+            d_se, d_iv = _window_spread(d_t, [spread.get(pair)])
+            nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind,
+                                   kl_spent_se=d_se, kl_spent_interval=d_iv))
             continue
         idx = active_index(g.names, g.active_of(pair[0]))
         if kind == "paired":
@@ -620,16 +632,33 @@ def cost_series(
                 if on:
                     shares[f] = shares.get(f, 0.0) + v
         checks = members[0][2] if len(members) == 1 else {}
+        d_se, d_iv = _window_spread(est.d_t, [spread.get(pairs[m[0]]) for m in members])
         rows.append(CostRow(
             step_pair=est.step_pair, kl_min=est.kl_min, kl_spent=est.d_t, efficiency=est.eta,
             kl_spent_source=members[0][1], resolved=bool(rej), shares=shares,
             status="resolved" if rej else "unresolved", efficiency_debiased=est.eta_debiased,
             efficiency_null=est.eta_null, interval=est.interval() if est.estimable else None, p_value=est.p_value,
             ledger=kind, steps=est.steps, d_t_checks=checks, d_t_disagrees=_disagree(checks),
-            no_interval=not est.estimable))
+            no_interval=not est.estimable, kl_spent_se=d_se, kl_spent_interval=d_iv))
     rows.sort(key=lambda r: r.step_pair)
     return CostBook(tuple(rows), tuple(refusals), series, run_id, ledger=kind, window=window,
                     _estimates={e.step_pair: e for e in priced})
+
+
+def _window_spread(d_t: float, parts: list[tuple[float, float] | None]
+                   ) -> tuple[float | None, tuple[float, float] | None]:
+    """A row's D_t SE and 95 % interval from its members' (SE, dof) -- a window's members are
+    separate samples, so their variances add; their moderated SEs share most of their pooled
+    terms, so the window's degrees of freedom are its members' fewest, not Welch-Satterthwaite's
+    sum over them. (None, None) where a member has none, and where the SE is 0: every pooled
+    sample constant in its token KL says nothing of the spread, and states no interval rather
+    than an exact one."""
+    if not parts or any(x is None or not (math.isfinite(x[0]) and x[0] > 0) for x in parts):
+        return None, None
+    se = math.sqrt(sum(s * s for s, _ in parts))
+    dofs = [f for _, f in parts if f == f and f > 0]
+    half = t975(min(dofs) if dofs else float("nan")) * se
+    return se, (d_t - half, d_t + half)
 
 
 def premise_refusal(book, run_id: str | None, premise: str, items: list[dict[str, Any]]) -> Refusal:

@@ -75,6 +75,13 @@ class EfficiencyRows(_M):
     status: list[Literal["resolved", "unresolved", "nothing_priced"]]
     kl_min: list[float] = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
     kl_spent: list[float] = Field(description="D_t, nats per sequence: the denominator of this eta")
+    kl_spent_se: list[float | None] = Field(description="D_t's standard error, nats per sequence: paired, the "
+                                            "sample's own (conditional on the prompts) moderated across the "
+                                            "neighbouring updates (a window's members' added); unpaired, the "
+                                            "record's as recorded; null where none")
+    kl_spent_interval: list[tuple[float, float] | None] = Field(description="95 % interval of kl_spent (t on the "
+                                                                "moderated SE's degrees of freedom); null where "
+                                                                "kl_spent_se is")
     efficiency: list[Annotated[float, Field(ge=0.0)] | None] = Field(
         description="KL_min / D_t as the sample gives it, dimensionless, >= 0 (validated); unpaired rows are in "
                     "[0, 1] (the seed's envelope); paired rows divide by an independent D_t and may exceed 1 by "
@@ -282,7 +289,9 @@ def cost_section(ctx: RunContext) -> BookResult:
     rows = book.rows
     eff = EfficiencyRows(  # one list per quantity (validated: a few lists, not one model per row)
         step_pair=[r.step_pair for r in rows], steps=[r.steps for r in rows], status=[r.status for r in rows],
-        kl_min=[r.kl_min for r in rows], kl_spent=[r.kl_spent for r in rows], efficiency=[r.efficiency for r in rows],
+        kl_min=[r.kl_min for r in rows], kl_spent=[r.kl_spent for r in rows],
+        kl_spent_se=[r.kl_spent_se for r in rows], kl_spent_interval=[r.kl_spent_interval for r in rows],
+        efficiency=[r.efficiency for r in rows],
         efficiency_null=[r.efficiency_null for r in rows], efficiency_debiased=[r.efficiency_debiased for r in rows],
         interval=[r.interval for r in rows], p_value=[r.p_value for r in rows],
         source=[r.kl_spent_source for r in rows], resolved=[r.resolved for r in rows],

@@ -1,0 +1,181 @@
+"""D_t's standard error moderated across neighbouring updates (``ledger.moderated``): worked by
+hand, its edges, and what it is for -- intervals that cover a heavy-tailed update's D_t where
+the sample's own SE is small exactly when the sample missed the tail."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from reward_lens.measure.ledger.moderated import moderated_d_t_se, t975
+from reward_lens.measure.ledger.paired import independent_d_t
+
+
+def test_worked_by_hand_with_a_window_of_one():
+    """u_s = G_s (SE_s / D_s)^2 = 4 * 0.01, 4 * 0.04, 1 * 0.01 = 0.04, 0.16, 0.01. Each update's
+    relative variance is half its own and half its window's mean (which holds it too): the own term
+    weighs a = 1/2 + 1/(2m), each other b = 1/(2m), m the window's updates."""
+    se, dof = moderated_d_t_se([1.0, 2.0, 4.0], [0.1, 0.4, 0.4], [5.0, 10.0, 2.0], [4, 4, 1], window=1)
+    # update 0, window {0, 1}: a = 3/4, b = 1/4; v = 0.03 + 0.04 = 0.07, SE = 1 * sqrt(0.07 / 4)
+    assert se[0] == pytest.approx(math.sqrt(0.07 / 4), rel=1e-12)
+    assert dof[0] == pytest.approx(0.07 ** 2 / (0.75 ** 2 * 0.04 ** 2 / 5 + 0.25 ** 2 * 0.16 ** 2 / 10), rel=1e-12)
+    # update 1, window {0, 1, 2}: a = 2/3, b = 1/6; v = 0.16 * 2/3 + 0.05 / 6 = 0.115
+    assert se[1] == pytest.approx(2 * math.sqrt(0.115 / 4), rel=1e-12)
+    assert dof[1] == pytest.approx(0.115 ** 2 / ((2 / 3) ** 2 * 0.16 ** 2 / 10 + (1 / 6) ** 2 * (0.04 ** 2 / 5 + 0.01 ** 2 / 2)),
+                                   rel=1e-12)
+    # update 2, one prompt group, window {1, 2}: v = 0.75 * 0.01 + 0.25 * 0.16 = 0.0475, SE = 4 * sqrt(0.0475)
+    assert se[2] == pytest.approx(4 * math.sqrt(0.0475), rel=1e-12)
+    assert dof[2] == pytest.approx(0.0475 ** 2 / (0.75 ** 2 * 0.01 ** 2 / 2 + 0.25 ** 2 * 0.16 ** 2 / 10), rel=1e-12)
+
+
+def test_pooled_alone_is_the_windows_mean():
+    """With no weight of its own (own_weight 0) an update's relative variance is its window's mean."""
+    se, dof = moderated_d_t_se([1.0, 2.0, 4.0], [0.1, 0.4, 0.4], [5.0, 10.0, 2.0], [4, 4, 1], window=1, own_weight=0.0)
+    assert se[0] == pytest.approx(math.sqrt(0.1 / 4), rel=1e-12)  # mean u of {0, 1} = 0.1
+    assert dof[0] == pytest.approx(0.2 ** 2 / (0.04 ** 2 / 5 + 0.16 ** 2 / 10), rel=1e-12)
+    assert se[2] == pytest.approx(4 * math.sqrt(0.085), rel=1e-12)  # mean u of {1, 2} = 0.085
+
+
+def test_a_window_of_none_is_the_samples_own_se():
+    d, s, f, g = [0.5, 0.02, 3.0], [0.05, 0.001, 0.9], [7.0, 3.0, 12.0], [8, 8, 2]
+    se, dof = moderated_d_t_se(d, s, f, g, window=0)
+    assert se == pytest.approx(s, rel=1e-12) and dof == pytest.approx(f, rel=1e-12)
+
+
+def test_an_update_without_a_d_t_takes_no_part_and_is_no_ones_neighbour():
+    se, dof = moderated_d_t_se([1.0, float("nan"), 2.0, 0.0], [0.1, 0.1, 0.2, 0.1], [5, 5, 5, 5], [1, 1, 1, 1],
+                               window=1)  # u = 0.01 at both measured updates
+    assert math.isnan(se[1]) and math.isnan(se[3]) and math.isnan(dof[1])
+    # updates 0 and 2 are each other's neighbours: u = 0.01 both, mean 0.01
+    assert se[0] == pytest.approx(0.1) and se[2] == pytest.approx(0.2)
+    assert se[0] == pytest.approx(moderated_d_t_se([1.0, 2.0], [0.1, 0.2], [5, 5], [1, 1], window=1)[0][0])
+
+
+def test_every_se_zero_is_zero_without_degrees_of_freedom_and_states_no_interval():
+    """Samples constant in their token KL, and neighbours alike, say nothing of the spread: the
+    pooled SE is 0, and the cost book states no interval for such a D_t rather than an exact one."""
+    from reward_lens.measure.efficiency.cost import _window_spread
+
+    se, dof = moderated_d_t_se([0.3, 0.4], [0.0, 0.0], [float("nan"), float("nan")], [8, 8])
+    assert se.tolist() == [0.0, 0.0] and np.isnan(dof).all()
+    assert t975(float("nan")) == pytest.approx(1.959963984540054)
+    assert _window_spread(0.3, [(0.0, float("nan"))]) == (None, None)
+    assert _window_spread(0.3, [None]) == (None, None)
+
+
+def test_a_small_term_beside_large_ones_is_not_lost_to_rounding():
+    """One update of relative SE 1e-2 at D = 1e-6 beside twelve of relative SE 1e-5: the last
+    updates' windows hold only the small terms, and their SE is 1e-5, not a cancellation's 0."""
+    se, dof = moderated_d_t_se([1e-6] + [1.0] * 12, [1e-8] + [1e-5] * 12, [5.0] * 13, [1] * 13)
+    # the last window holds four equal terms: a = 5/8, b = 1/8; dof = 5 / (a^2 + 3 b^2)
+    assert se[-1] == pytest.approx(1e-5, rel=1e-9) and dof[-1] == pytest.approx(5 / (0.625 ** 2 + 3 / 64))
+
+
+def test_a_windows_interval_takes_its_members_fewest_degrees_of_freedom():
+    """Members' moderated SEs share most of their pooled terms, so their dof do not add."""
+    from reward_lens.measure.efficiency.cost import _window_spread
+
+    se, (lo, hi) = _window_spread(2.0, [(0.3, 10.0), (0.4, 4.0)])
+    assert se == pytest.approx(0.5) and (hi - lo) / 2 == pytest.approx(t975(4.0) * 0.5)
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match="one length"):
+        moderated_d_t_se([1.0, 2.0], [0.1], [1.0, 1.0], [1, 1])
+    with pytest.raises(ValueError, match="window"):
+        moderated_d_t_se([1.0], [0.1], [1.0], [1], window=-1)
+    # a missing value (None) takes no part, as NaN does
+    se, _ = moderated_d_t_se([1.0, None], [0.1, 0.1], [1.0, 1.0], [1, 1])
+    assert se[0] == pytest.approx(0.1) and math.isnan(se[1])
+
+
+def _update(rng, tail_share: float, tail_kl: float, groups: int = 8, per: int = 4):
+    """One update's two-sided sample of a policy whose token KL is 0.05 nats on most completions
+    and ``tail_kl`` on a share ``tail_share`` of them (both policies alike, log-ratio 0: the
+    balance heuristic's weights are equal). Returns (D, its own SE, dof) and the truth."""
+    n = groups * 2 * per
+    kl = np.where(rng.random(n) < tail_share, tail_kl, 0.05) * rng.uniform(0.9, 1.1, n)
+    codes = np.repeat(np.arange(groups), 2 * per)
+    side = np.tile(np.r_[np.ones(per, bool), np.zeros(per, bool)], groups)
+    d, se = independent_d_t(np.zeros(n), side, kl, codes, groups)
+    return d, se, 2 * per - 1.0, 0.05 * (1 - tail_share) + tail_kl * tail_share
+
+
+def test_moderated_intervals_cover_a_heavy_tail_the_samples_own_se_does_not_see():
+    """A run of 60 updates of one policy whose completions carry ten times the bulk's KL one time
+    in fifty: 64 rows an update hold one such completion about seven times in ten, and the others
+    hold none and have a tiny SE. The sample's own intervals cover the truth on about three
+    updates in four; the moderated ones, which borrow the tail neighbouring updates caught, on more;
+    pooled alone (no weight of its own) on about their rate -- on such a run, where every update
+    has the same tail, pooling alone is best, and the weight of the sample's own variance (chosen
+    on the truth harness's real runs, whose updates differ) costs coverage."""
+    rng = np.random.default_rng(7)
+    own_cov = mod_cov = pool_cov = total = 0
+    for _ in range(20):  # 20 runs
+        ups = [_update(rng, 0.02, 0.5) for _ in range(60)]
+        d, s, f, truth = (np.array(x) for x in zip(*ups))
+        se, dof = moderated_d_t_se(d, s, f, np.full(len(d), 8))
+        se0, dof0 = moderated_d_t_se(d, s, f, np.full(len(d), 8), own_weight=0.0)
+        own_cov += sum(abs(a - b) <= t975(c) * e for a, b, c, e in zip(d, truth, f, s))
+        mod_cov += sum(abs(a - b) <= t975(c) * e for a, b, c, e in zip(d, truth, dof, se))
+        pool_cov += sum(abs(a - b) <= t975(c) * e for a, b, c, e in zip(d, truth, dof0, se0))
+        total += len(d)
+    assert own_cov / total < 0.8
+    assert mod_cov / total >= own_cov / total + 0.05
+    assert pool_cov / total >= 0.9
+
+
+def test_the_cost_book_states_each_updates_d_t_with_its_moderated_interval_and_a_window_adds_them():
+    """The report's D_t column: each paired row's interval is its D_t +- t * the moderated SE,
+    and a window of two updates (separate samples) has the root sum of its members' squares."""
+    from pathlib import Path
+
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    run = open_run(Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "tapped")
+    samples = steps_from_run(run, SurfaceFeatures())
+    one = price_run(run, samples, ledger="paired").book
+    lgs = sorted((lg for lg in price_run(run, samples, ledger="paired").ledgers if lg.d_t is not None),
+                 key=lambda lg: lg.step_pair)
+    se, dof = moderated_d_t_se([lg.d_t for lg in lgs], [lg.d_t_se for lg in lgs], [lg.d_t_dof for lg in lgs],
+                               [lg.n_groups for lg in lgs])
+    by_pair = {tuple(lg.step_pair): (s, f) for lg, s, f in zip(lgs, se, dof)}
+    rows = [r for r in one.rows if r.kl_spent_se is not None]
+    assert len(rows) >= 20
+    for r in rows:
+        s, f = by_pair[r.step_pair]
+        assert r.kl_spent_se == pytest.approx(s, rel=1e-12)
+        lo, hi = r.kl_spent_interval
+        assert lo < r.kl_spent < hi and (hi - lo) / 2 == pytest.approx(t975(f) * s, rel=1e-9)
+    two = [r for r in price_run(run, samples, ledger="paired", window=2).book.rows
+           if r.steps == 2 and r.kl_spent_se is not None]
+    assert len(two) >= 8
+    for r in two:
+        a, b = by_pair[(r.step_pair[0], r.step_pair[0] + 1)][0], by_pair[(r.step_pair[0] + 1, r.step_pair[1])][0]
+        assert r.kl_spent_se == pytest.approx(math.hypot(a, b), rel=1e-12)
+
+
+def test_a_callers_d_t_takes_no_interval_from_the_records_se():
+    """Unpaired rows: the record's kl_to_previous_se is the SE of the record's D_t. Where the caller
+    supplies D_t (``kl_spent``) the row states no interval from it; where the record's D_t is read,
+    the record's SE."""
+    from pathlib import Path
+
+    from reward_lens.measure.efficiency.cost import cost_series
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    run = open_run(Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "tapped")
+    pr = price_run(run, steps_from_run(run, SurfaceFeatures()), ledger="unpaired")
+    rec, se = run.telemetry_column("kl_to_previous"), run.telemetry_column("kl_to_previous_se")
+    mine = cost_series(pr.ledgers, pr.metric, run_=run, kl_spent={s: 10 * v for s, v in rec.items()})
+    assert mine.rows and all(r.kl_spent_se is None and r.kl_spent_interval is None for r in mine.rows)
+    theirs = cost_series(pr.ledgers, pr.metric, run_=run)
+    assert theirs.rows and all(r.kl_spent_se == se[r.step_pair[0]] for r in theirs.rows)
