@@ -957,10 +957,15 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
                 c["covered"] += inside
                 c["draws"] += 1
                 if key == "d_t":
-                    tails.append((_tail_values(lg, lp), not D_T_BAND[0] <= lg.d_t / truth.d_t <= D_T_BAND[1],
-                                  not inside))
+                    values = _tail_values(lg, lp)
+                    # the interval says itself that D_t is not measured to the band (half-width above
+                    # a quarter of it), or the update is small on a sharpened policy
+                    values["wide_or_small_sharp"] = float(q975(f) * e > (D_T_BAND[1] - 1.0) * lg.d_t
+                                                          or values["small_sharp"] > 0)
+                    tails.append((values, not D_T_BAND[0] <= lg.d_t / truth.d_t <= D_T_BAND[1], not inside))
     out["tail"] = _tail_separation(tails) if tails else {}
-    out["small_sharp"] = _flag_separation(tails, "small_sharp") if tails else {}
+    for name, _ in FLAG_CANDIDATES:
+        out[name] = _flag_separation(tails, name) if tails else {}
     out["windows"] = _window_sweep(drawn, truths, r)
     out["draws_per_update"] = r
     out["eta_selection"] = _selection(priced_draws)
@@ -1063,6 +1068,15 @@ TAIL_CANDIDATES = (
     ("ess", "effective sample size of the weaker side, per row", False),
     ("max_kl", "largest token KL along a row over D_t (a bound from the largest log-ratio seen)", True),
     ("unseen", "pi_{t+1}'s mass outside the sampled sequences times the largest KL seen, over D_t", True),
+)
+
+
+# Yes-or-no candidates for a tail flag on D_t (``_flag_separation``), measured on the same draws.
+FLAG_CANDIDATES = (
+    ("small_sharp", f"an update under {SMALL_D_T:g} nats of a sharpened policy (its sample's distinct completions "
+                    "hold half of pi_{t+1}'s mass in the median prompt group)"),
+    ("wide_or_small_sharp", "the same, or an interval whose half-width exceeds a quarter of D_t (not measured to "
+                            "the band)"),
 )
 
 
@@ -1270,15 +1284,15 @@ def summary_lines(res: RegimeResult) -> list[str]:
             (_, _, b1, c1, o1), (_, _, b2, c2, o2) = cal["tail"][name]
             lines.append(f"    {words}: {100 * b1:.0f} % ({100 * b2:.0f} %), {100 * c1:.0f} % ({100 * c2:.0f} %), "
                          f"{100 * o1:.0f} % ({100 * o2:.0f} %)")
-        f = cal.get("small_sharp")
-        if f:
-            def pct(x):
-                return "-" if x != x else f"{100 * x:.0f} %"
+        def pct(x):
+            return "-" if x != x else f"{100 * x:.0f} %"
 
-            lines.append(f"    an update under {SMALL_D_T:g} nats of a sharpened policy (its sample's distinct completions "
-                         f"hold half of pi_{{t+1}}'s mass in the median prompt group), yes or no: flags {pct(f['flags'])} "
-                         f"of the draws, {pct(f['band'])} of the band's misses and {pct(f['ci'])} of the intervals'; "
-                         f"the intervals cover {pct(f['cover_rest'])} of the draws it leaves")
+        for name, words in FLAG_CANDIDATES:
+            f = cal.get(name)
+            if f:
+                lines.append(f"    {words}, yes or no: flags {pct(f['flags'])} of the draws, {pct(f['band'])} of the "
+                             f"band's misses and {pct(f['ci'])} of the intervals'; the intervals cover "
+                             f"{pct(f['cover_rest'])} of the draws it leaves")
     if res.d_t_report:
         covered, total = res.d_t_coverage()
         own, _ = res.d_t_coverage(own=True)
