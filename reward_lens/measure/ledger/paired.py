@@ -59,6 +59,7 @@ reads its dz.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -652,7 +653,10 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     kl = batch("kl_prev")
     kls = list(kl) if kl is not None else [rows(s, ho, prep, "kl_prev") for s, ho, prep, _ in items]
     d_t, d_t_se, d_t_dof = [None] * len(items), [None] * len(items), [float("nan")] * len(items)
-    has = [j for j, x in enumerate(kls) if x is not None and np.isfinite(x).all()]
+    if kl is not None:  # one pass over the batch's rows
+        has = np.flatnonzero(np.isfinite(kl).all(axis=tuple(range(1, kl.ndim)))).tolist()
+    else:
+        has = [j for j, x in enumerate(kls) if x is not None and np.isfinite(x).all()]
     if has:
         kh = kl[has] if kl is not None else np.stack([kls[j] for j in has])
         per_group = by_group(q[has] * kh)  # (H, G)
@@ -668,19 +672,37 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     out = []
     threshold = pareto_threshold(n)
     heldout = side if two_sided else None
-    for j, (s, ho, prep, lr) in enumerate(items):
+    n_heldout = int(heldout.sum()) if heldout is not None else 0  # the batch's one layout
+    for j, ((s, ho, prep, lr), d_hat_j, khat_j, ess_pj, ess_qj) in enumerate(zip(
+            items, d_hat.tolist(), khat.tolist(), ess_p.tolist(), ess_q.tolist())):
         sampler_kl, sampler_se = _sampler_kl(s, prep, ho)
-        out.append(PairedLedger(
-            step_pair=(prep.prev, s.step), names=s.names, delta_z=dz[j], se=se[j], cov_delta=cov[j], n_pre=n,
-            n_post=n, learning_rate=lr, kind="paired", z=z[j], codes=codes, n_groups=n_groups, log_ratio=r[j],
-            heldout=heldout, kl=kls[j], d_hat=float(d_hat[j]), d_t=d_t[j], d_t_se=d_t_se[j], d_t_dof=d_t_dof[j],
-            dof=dof[j],
-            pareto_k=float(khat[j]), pareto_k_max=threshold, ess=(float(ess_p[j]), float(ess_q[j])),
-            dropped_rollouts=prep.dropped, groups_in_step=prep.groups_in_step, groups_unscored=prep.unscored,
-            sampler_kl=sampler_kl,
-            sampler_kl_se=sampler_se, block=None if block is None else block[0],
-            row=-1 if block is None else block[1] + j))
+        out.append(_made({
+            **_LEDGER_DEFAULTS,
+            "step_pair": (prep.prev, s.step), "names": s.names, "delta_z": dz[j], "se": se[j], "cov_delta": cov[j],
+            "n_pre": n, "n_post": n, "learning_rate": lr, "kind": "paired", "z": z[j], "codes": codes,
+            "n_groups": n_groups, "log_ratio": r[j], "heldout": heldout, "kl": kls[j], "d_hat": d_hat_j,
+            "d_t": d_t[j], "d_t_se": d_t_se[j], "d_t_dof": d_t_dof[j], "dof": dof[j], "pareto_k": khat_j,
+            "pareto_k_max": threshold, "ess": (ess_pj, ess_qj), "dropped_rollouts": prep.dropped,
+            "groups_in_step": prep.groups_in_step, "groups_unscored": prep.unscored, "sampler_kl": sampler_kl,
+            "sampler_kl_se": sampler_se, "block": None if block is None else block[0],
+            "row": -1 if block is None else block[1] + j, "n_heldout": n_heldout}))
     return out
+
+
+# Every field of a PairedLedger that has a default, with it: ``_made`` starts from these.
+_LEDGER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PairedLedger) if f.default is not dataclasses.MISSING}
+_LEDGER_FIELDS = frozenset(f.name for f in dataclasses.fields(PairedLedger))
+
+
+def _made(values: dict) -> PairedLedger:
+    """``PairedLedger(**values)`` (every field given, plus ``n_heldout``, its cached count), made
+    by filling the object's attributes at once: a frozen dataclass's __init__ sets its 32 fields
+    one by one through object.__setattr__, which for the 10,000 ledgers of a run cost about as
+    much as the arithmetic of their batches' weights. tests/unit/test_paired_columns.py holds the
+    two to the same attributes."""
+    lg = object.__new__(PairedLedger)
+    lg.__dict__.update(values)
+    return lg
 
 
 def _sampler_kl(s: StepSample, prep: _Prepared, ho: StepSample | None = None) -> tuple[float | None, float | None]:
