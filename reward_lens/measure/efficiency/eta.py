@@ -416,9 +416,9 @@ def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], de
         side = None if side_key is None else np.asarray(lg0.heldout)[order]
         lgs = [items[q][0] for q in members]
         if all(order_of[q] is order for q in members):  # one gather for the batch
-            z = _laid_out_as(lgs[0].z[order][:, idx], stack_views([lg.z for lg in lgs])[:, order][:, :, idx])
-            r = np.ascontiguousarray(np.asarray(stack_views([lg.log_ratio for lg in lgs]), dtype=np.float64)[:, order])
-            kl = np.ascontiguousarray(np.asarray(stack_views([lg.kl for lg in lgs]), dtype=np.float64)[:, order])
+            z = _gathered(stack_views([lg.z for lg in lgs]), order, idx)
+            r = np.take(np.asarray(stack_views([lg.log_ratio for lg in lgs]), dtype=np.float64), order, axis=1)
+            kl = np.take(np.asarray(stack_views([lg.kl for lg in lgs]), dtype=np.float64), order, axis=1)
         else:
             z = np.stack([lg.z[order_of[q]][:, idx] for q, lg in zip(members, lgs)])
             r = np.stack([np.asarray(lg.log_ratio, dtype=np.float64)[order_of[q]] for q, lg in zip(members, lgs)])
@@ -485,6 +485,30 @@ def jackknife_dofs(varying: np.ndarray, n_groups: int) -> np.ndarray:
     return np.maximum(np.minimum(np.asarray(varying, dtype=np.int64), n_groups) - 1, 1).astype(np.float64)
 
 
+def _gathered(rows: np.ndarray, order: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``_laid_out_as(rows[0][order][:, idx], rows[:, order][:, :, idx])`` for samples ``rows``
+    (P, n, k): each sample's rows ``order`` (indices or a mask) and columns ``idx``, laid out as
+    ``np.stack`` lays out the gathers of each. Where that is each sample in Fortran order (a
+    column gather of two or more columns), one gather of the transposed samples makes it: the
+    same values in the same layout, without the three copies of every row in between."""
+    one = rows[0][order][:, idx]
+    if one.ndim == 2 and one.flags.f_contiguous and not one.flags.c_contiguous:
+        order = _positions(order, rows.shape[1])
+        t = rows.transpose(0, 2, 1)  # (P, k, n)
+        if not np.array_equal(idx, np.arange(rows.shape[2])):
+            t = np.take(t, idx, axis=1)
+        return np.take(t, order, axis=2).transpose(0, 2, 1)
+    return _laid_out_as(one, rows[:, order][:, :, idx])
+
+
+def _positions(rows, n: int) -> np.ndarray:
+    """The row positions that ``rows`` (a slice, a mask or positions) picks of n."""
+    if isinstance(rows, slice):
+        return np.arange(n)[rows]
+    rows = np.asarray(rows)
+    return np.flatnonzero(rows) if rows.dtype == bool else rows
+
+
 def _laid_out_as(one: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``rows`` (P, ...) in the memory layout ``np.stack`` gives P arrays laid out as ``one``
     (a column gather is Fortran-ordered): the projections' matrix products then take the same
@@ -547,8 +571,8 @@ def rollout_tests(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[floa
         z = stack_views([lg.z for lg in part])
         r = stack_views([np.asarray(lg.log_ratio, dtype=np.float64) for lg in part])
         if not every:  # laid out as the stack of each one's gather, so the fit's sums run alike
-            z = _laid_out_as(part[0].z[rows][:, idx], z[:, rows][:, :, idx])
-            r = np.ascontiguousarray(r[:, rows])
+            z = _gathered(z, rows, idx)
+            r = np.take(r, _positions(rows, r.shape[1]), axis=1)
         return within_group_r2_tests(z, r, g, n_groups)[1]
 
     # each pair's fit is its own (one SVD per matrix): batches on threads give the same numbers

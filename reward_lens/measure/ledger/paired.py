@@ -625,7 +625,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     # deleted from its (group, side) stratum, its group's dz_g worked out again in closed form
     strata = Strata(codes, side if two_sided else None, n_groups)
     mq, mp = by_group(q[:, :, None] * z), by_group(p[:, :, None] * z)
-    moved = strata.deleted_means(q, z, mq, codes) - strata.deleted_means(p, z, mp, codes) - (mq - mp)[:, codes]
+    moved = (strata.deleted_means(q, z, mq, codes) - strata.deleted_means(p, z, mp, codes)
+             - np.take(mq - mp, codes, axis=1))
     moved[np.broadcast_to(constant[:, None, :], moved.shape)] = 0.0  # not identified: exactly no spread
     cov, dof = strata.jackknife(moved / n_groups)  # dz_(-i) less dz: a shift, the same spread
     lost = ~np.isfinite(cov).all(axis=(1, 2))
@@ -783,12 +784,25 @@ class Strata:
         self.weight = np.where(self.size >= 2, (self.size - 1) / np.maximum(self.size, 1), 0.0)  # (S,)
         self._onehot = np.zeros((len(self.ids), self.count))
         self._onehot[np.arange(len(self.ids)), self.ids] = 1.0
+        self._by_row: dict[int, tuple[np.ndarray, ...]] = {}
+
+    def _rows(self, k: int) -> tuple[np.ndarray, ...]:
+        """(f - 1, f, ok, the stratum's weight) of each row, laid out (n, k): the operands the
+        arithmetic on (P, n, k) arrays multiplies each row's k values by, made once and contiguous
+        (broadcast from (1, n, 1) they are taken k values at a time, at twice the cost): the same
+        products."""
+        got = self._by_row.get(k)
+        if got is None:
+            f = self.factor
+            got = self._by_row[k] = tuple(np.ascontiguousarray(np.broadcast_to(a[:, None], (len(a), k)))
+                                          for a in (f - 1.0, f, self.ok, self.weight[self.ids]))
+        return got
 
     def stratum_sums(self, x: np.ndarray) -> np.ndarray:
         """Each row's stratum's sum of x (P, n) or (P, n, k), back on the rows."""
         if x.ndim == 2:
             return (x @ self._onehot)[:, self.ids]
-        return np.matmul(x.transpose(0, 2, 1), self._onehot).transpose(0, 2, 1)[:, self.ids]
+        return np.take(np.matmul(x.transpose(0, 2, 1), self._onehot).transpose(0, 2, 1), self.ids, axis=1)
 
     def deleted_means(self, w: np.ndarray, x: np.ndarray | None, group_means: np.ndarray | None,
                       codes: np.ndarray) -> np.ndarray:
@@ -800,14 +814,17 @@ class Strata:
         norm = 1.0 + (f - 1.0) * self.stratum_sums(w) - f * w
         if x is None:
             return norm
-        wx = w * x if x.ndim == 2 else w[:, :, None] * x
         # a row that carried all of its group's weight leaves no weight behind: NaN, which the
         # callers replace by the spread across groups (``_ledgers``, ``independent_d_t``)
         norm = np.where(norm > 0, norm, np.nan)
         if x.ndim == 2:
+            wx = w * x
             return (group_means[:, codes] + (f - 1.0) * self.stratum_sums(wx) - f * wx) / norm
-        return (group_means[:, codes] + (f - 1.0)[None, :, None] * self.stratum_sums(wx)
-                - f[None, :, None] * wx) / norm[:, :, None]
+        k = x.shape[2]
+        f1, fk, _, _ = self._rows(k)
+        wx = np.repeat(w[:, :, None], k, axis=2) * x  # w of each row, k times: w[:, :, None] * x
+        return ((np.take(group_means, codes, axis=1) + f1 * self.stratum_sums(wx) - fk * wx)
+                / np.repeat(norm[:, :, None], k, axis=2))
 
     def jackknife(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The stratified jackknife's variance of the replicates theta (P, n) -- each row's value
@@ -816,10 +833,11 @@ class Strata:
         theta = np.asarray(theta, dtype=np.float64)
         flat = theta.ndim == 2
         t = theta[:, :, None] if flat else theta
-        t = np.where(self.ok[None, :, None], t, 0.0)  # a row its stratum cannot lose adds nothing (NaN or not)
+        _, _, ok, weight = self._rows(t.shape[2])
+        t = np.where(ok, t, 0.0)  # a row its stratum cannot lose adds nothing (NaN or not)
         mean = np.matmul(t.transpose(0, 2, 1), self._onehot) / np.maximum(self.size, 1)  # (P, k, S)
-        dev = np.where(self.ok[None, :, None], t - mean.transpose(0, 2, 1)[:, self.ids], 0.0)
-        scaled = dev * self.weight[self.ids][None, :, None]
+        dev = np.where(ok, t - np.take(mean.transpose(0, 2, 1), self.ids, axis=1), 0.0)
+        scaled = dev * weight
         cov = np.matmul(scaled.transpose(0, 2, 1), dev)
         v = np.matmul((scaled * dev).transpose(0, 2, 1), self._onehot)  # (P, k, S) each stratum's share
         den = (v ** 2 / np.maximum(self.size - 1, 1)).sum(axis=-1)
