@@ -179,15 +179,17 @@ def step_block(samples: Sequence) -> StepBlock:
             size_g = np.bincount(codes, minlength=g).astype(float)
             gm = np.stack([np.bincount(codes, weights=x[0, :, j], minlength=g) for j in range(m)], 1)[None] / size_g[:, None]
         else:
-            x = np.stack([_series(ok[i]) for i in rows])  # (S', n, m)
+            chunk = [ok[i] for i in rows]
+            x = _stacked_series(chunk, n)  # (S', n, m)
+            if x is None:
+                x = np.stack([_series(s) for s in chunk])
             gm = x.reshape(len(rows), g, n // g, m).sum(axis=2) / float(n // g)  # each group's sums in row order
         # the reductions over one axis of a stack give each step the numbers it gets alone
         lv = gm.mean(axis=1)
         level[rows] = lv
         ss_between[rows] = ((gm - lv[:, None, :]) ** 2).sum(axis=1)
         ss_rows[rows] = ((x - x.mean(axis=1)[:, None, :]) ** 2).sum(axis=1)
-    has_sel = np.array([s.advantages is not None and bool(np.isfinite(np.asarray(s.advantages, dtype=float)).all())
-                        for s in ok], dtype=bool)
+    has_sel = _finite_advantages(ok, ns)
     sel = np.full((size, k), np.nan)
     se = np.full((size, k), np.nan)
     if has_sel.any():  # the cause book's per-step differentials (worked out once per read, memoised)
@@ -195,6 +197,39 @@ def step_block(samples: Sequence) -> StepBlock:
         sel[has_sel], se[has_sel] = step_selection(every, [s for s, h in zip(ok, has_sel.tolist()) if h])
     steps = np.fromiter((int(s.step) for s in ok), np.int64, size)
     return StepBlock(steps, level, gs, ss_between, ns, ss_rows, sel, se, has_sel)
+
+
+def _stacked_series(chunk: Sequence, n: int) -> np.ndarray | None:
+    """``np.stack([_series(s) for s in chunk])`` for samples of n rows each that lie one after
+    another in one read (``stack_range``): their features and rewards taken as they lie there and
+    joined in one pass, the same array; None for any other samples."""
+    from reward_lens.measure.ledger.price import stack_range, stacked
+
+    if stack_range(chunk, "z") is None:
+        return None
+    z = np.asarray(stacked(chunk, "z"), dtype=float)
+    if all(s.rewards is None for s in chunk):
+        r = np.full(len(z), np.nan)
+    elif stack_range(chunk, "rewards") is not None:
+        r = np.asarray(stacked(chunk, "rewards"), dtype=float)
+    else:
+        return None
+    if len(z) != len(chunk) * n or len(r) != len(z):
+        return None
+    return np.concatenate([z.reshape(len(chunk), n, -1), r.reshape(len(chunk), n, 1)], axis=2)
+
+
+def _finite_advantages(samples: Sequence, ns: np.ndarray) -> np.ndarray:
+    """Whether each sample (of ``ns`` rows, each at least one) has advantages, every one finite:
+    for samples that lie one after another in one read, one pass over the column."""
+    from reward_lens.measure.ledger.price import stack_range, stacked
+
+    if len(samples) and stack_range(samples, "advantages") is not None:
+        a = np.asarray(stacked(samples, "advantages"), dtype=float)
+        if len(a) == int(ns.sum()) and (ns > 0).all():
+            return np.logical_and.reduceat(np.isfinite(a), np.r_[0, np.cumsum(ns)[:-1]])
+    return np.array([s.advantages is not None and bool(np.isfinite(np.asarray(s.advantages, dtype=float)).all())
+                     for s in samples], dtype=bool)
 
 
 def _series(sample) -> np.ndarray:

@@ -220,10 +220,11 @@ def test_windows_run_level_and_headline_of_columns_are_those_of_the_estimates():
     assert headline(EtaColumns.of([], "paired")) == headline([]) == (None, None)
 
 
-def test_t975s_and_ratio_ses_are_the_scalar_functions_of_each_entry():
+def test_t975s_are_the_scalar_functions_of_each_entry():
     from reward_lens.measure.efficiency.cost import _t975s_moderated
     from reward_lens.measure.ledger.moderated import t975
 
-    dof = np.array([np.nan, np.inf, 0.5, 1.0, 2.0, 2.0, 17.3, np.nan, 1e9])
-    assert eta_mod.t975s(dof).tolist() == [eta_mod._t975(float(v)) for v in dof]
-    assert _t975s_moderated(dof).tolist() == [t975(float(v)) for v in dof]
+    dof = np.array([np.nan, np.inf, -np.inf, 0.5, 1.0, 2.0, 2.0, 17.3, np.nan, 1e9, -3.0, 0.0])
+    dof = np.r_[dof, np.random.default_rng(1).uniform(0, 60, size=500)]
+    assert np.array_equal(eta_mod.t975s(dof), [eta_mod._t975(float(v)) for v in dof], equal_nan=True)
+    assert np.array_equal(_t975s_moderated(dof), [t975(float(v)) for v in dof], equal_nan=True)
