@@ -168,8 +168,11 @@ def step_block(samples: Sequence) -> StepBlock:
     gs = np.fromiter((g for _, g in codes_of), np.int64, size)
     ns = np.fromiter((s.n for s in ok), np.int64, size)
     layouts: dict[tuple[int, int], list[int]] = {}
-    for i, (codes, g) in enumerate(codes_of):
-        layouts.setdefault((int(ns[i]), g) if blocks(codes, g) else (-1 - i, g), []).append(i)
+    equal = _in_blocks(ok, gs, ns)
+    for i, ((codes, g), on) in enumerate(zip(codes_of, equal.tolist() if equal is not None else [None] * size)):
+        if on is None:
+            on = bool(blocks(codes, g))
+        layouts.setdefault((int(ns[i]), g) if on else (-1 - i, g), []).append(i)
     chunks = [((n, g), rows[lo:lo + STEP_BLOCK]) for (n, g), rows in layouts.items()
               for lo in range(0, len(rows), STEP_BLOCK)]
     for (n, g), rows in chunks:
@@ -197,6 +200,25 @@ def step_block(samples: Sequence) -> StepBlock:
         sel[has_sel], se[has_sel] = step_selection(every, [s for s, h in zip(ok, has_sel.tolist()) if h])
     steps = np.fromiter((int(s.step) for s in ok), np.int64, size)
     return StepBlock(steps, level, gs, ss_between, ns, ss_rows, sel, se, has_sel)
+
+
+def _in_blocks(samples: Sequence, gs: np.ndarray, ns: np.ndarray) -> np.ndarray | None:
+    """``blocks(codes, g)`` of each sample (its g groups of n / g rows, one after another), for
+    samples whose group codes lie one after another in one read (coded there: ``n_groups`` set),
+    in one pass over the column: each row's code against (row - first row) // (n / g). None for
+    any other samples."""
+    from reward_lens.measure.ledger.price import stack_range, stacked
+
+    if not len(samples) or any(s.n_groups is None for s in samples) or stack_range(samples, "groups") is None:
+        return None
+    codes = np.asarray(stacked(samples, "groups"))
+    if len(codes) != int(ns.sum()) or not (ns > 0).all():
+        return None
+    m = np.where(gs > 0, ns // np.maximum(gs, 1), 0)
+    starts = np.r_[0, np.cumsum(ns)[:-1]]
+    row_m = np.repeat(np.maximum(m, 1), ns)
+    want = (np.arange(len(codes)) - np.repeat(starts, ns)) // row_m
+    return (m > 0) & (m * gs == ns) & np.logical_and.reduceat(codes == want, starts)
 
 
 def _stacked_series(chunk: Sequence, n: int) -> np.ndarray | None:

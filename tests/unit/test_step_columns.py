@@ -1,14 +1,15 @@
 """The watch's per-step series and the checks of each step's advantages are taken over the
 samples of a read at once where they lie one after another in it (``sequential._stacked_series``,
 ``_finite_advantages``); each is what the step-by-step definition gives, on reads with and without
-rewards, with a NaN advantage, a step of another layout in between, and samples made one by one."""
+rewards, with a NaN advantage, a step of another layout in between, a step whose groups are not in
+blocks, and samples made one by one."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from reward_lens.measure.ledger.price import StepSample, _samples
-from reward_lens.measure.sequential import _finite_advantages, _series, _stacked_series, step_block
+from reward_lens.measure.ledger.price import StepSample, _samples, blocks, sample_codes
+from reward_lens.measure.sequential import _finite_advantages, _in_blocks, _series, _stacked_series, step_block
 
 
 def _read(rng, with_rewards: bool = True):
@@ -16,6 +17,7 @@ def _read(rng, with_rewards: bool = True):
     steps = np.repeat(np.arange(len(sizes)), sizes)
     n = len(steps)
     groups = np.concatenate([np.repeat(np.arange(4), k // 4) for k in sizes]).astype(float)
+    groups[-12:] = np.tile(np.arange(4), 3)  # the last step's groups interleaved: not in blocks
     cols = {"group_id": groups, "advantage": rng.normal(size=n)}
     cols["advantage"][30] = np.nan  # step 2's advantages are not all finite
     if with_rewards:
@@ -35,11 +37,15 @@ def test_stacked_series_and_finite_advantages_are_each_samples_own():
             assert np.array_equal(got, want, equal_nan=True)
         assert _stacked_series([samples[0], samples[2]], 12) is None  # not one after another
         ns = np.array([s.n for s in samples])
+        gs = np.array([s.n_groups for s in samples])
+        equal = [bool(blocks(*sample_codes(s))) for s in samples]
+        assert _in_blocks(samples, gs, ns).tolist() == equal and equal.count(False) == 1
         want = [s.advantages is not None and bool(np.isfinite(s.advantages).all()) for s in samples]
         assert _finite_advantages(samples, ns).tolist() == want and want.count(False) == 1
         alone = [StepSample(s.step, s.names, s.z.copy(), rewards=s.rewards, groups=s.groups, advantages=s.advantages,
                             n_groups=s.n_groups) for s in samples]
         assert _stacked_series(alone[:3], 12) is None and _finite_advantages(alone, ns).tolist() == want
+        assert _in_blocks(alone, gs, ns) is None
         # the whole block, read as one or made one sample at a time: the same numbers
         a, b = step_block(samples), step_block(alone)
         for name in ("steps", "level", "groups", "ss_between", "n", "ss_rows", "selection", "selection_se"):

@@ -832,7 +832,8 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
         failed.setdefault(premise[i], []).append(_premise_numbers(lgs[i]))
     ok = np.array([why is None for why in premise], dtype=bool).reshape(n)
     on = cols.priced.any(axis=1)
-    source = _paired_sources(lgs)
+    # where each stated row's D_t comes from, in words (a row refused for its premise states none)
+    source = dict(zip(np.flatnonzero(ok).tolist(), _paired_sources([lgs[i] for i in np.flatnonzero(ok).tolist()])))
     # D_t's SE: the sample's own moderated across neighbouring updates (``ledger.moderated``)
     spread = moderated_by_pair(ledgers)
     parts = [spread.get(pair) for pair in pairs]
