@@ -135,6 +135,20 @@ def t_dof(lg, k: int) -> np.ndarray:
     return np.where(np.isfinite(dof) & (dof > 0), dof, fallback)
 
 
+def t_dofs(ledgers: Sequence, k: int) -> np.ndarray:
+    """``t_dof`` of each ledger (L, k): where every ledger has its own degrees of freedom, one
+    ``where`` over them all (the same choice of each entry); else ledger by ledger."""
+    dof = [getattr(lg, "dof", None) for lg in ledgers]
+    if not ledgers or any(d is None for d in dof):
+        return np.array([t_dof(lg, k) for lg in ledgers])
+    dof = np.array(dof, dtype=np.float64)
+    if dof.shape != (len(ledgers), k):
+        return np.array([t_dof(lg, k) for lg in ledgers])
+    groups = np.array([float(getattr(lg, "n_groups", 0)) for lg in ledgers], dtype=np.float64)
+    fallback = np.where(groups > 1, groups - 1, 0.0)[:, None]
+    return np.where(np.isfinite(dof) & (dof > 0), dof, fallback)
+
+
 def decide(priced_run, names: Sequence[str]) -> Decisions:
     """The decisions of a priced run (``efficiency.of_run.PricedRun``): its ledgers, the cost
     book's KL_min rows (their BH decision) and the step pairs that could not be formed."""
@@ -167,7 +181,7 @@ def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpai
     usable = tuple(p for p, ok in zip(pairs, keep) if ok)
     if arrays is not None and len(usable):
         dz, se = arrays.delta_z[keep], arrays.se[keep]
-        dofs = np.array([t_dof(lg, k) for lg, ok in zip(ledgers, keep) if ok])
+        dofs = t_dofs([lg for lg, ok in zip(ledgers, keep.tolist()) if ok], k)
     else:
         dz = se = np.zeros((0, k))
         dofs = np.zeros((0, k))

@@ -109,18 +109,22 @@ def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n
     means = step_rewards([s for s in samples if s.rewards is not None])
     pairs = [(t, t + 1) for t in sorted(means) if t + 1 in means and t in kl_spent]
     rows = []
-    p = []
     for t, u in pairs:
         (a, sa), (b, sb) = means[t], means[u]
-        se = math.sqrt(sa ** 2 + sb ** 2)
-        dr = b - a
-        # no SE (one prompt group at a step): not testable, never resolved
-        pv = 1.0 if math.isnan(se) else float(2 * special.ndtr(-abs(dr) / se)) if se > 0 else (0.0 if dr else 1.0)
-        p.append(pv)
-        rows.append((t, u, dr, se, float(kl_spent[t]), pv))
-    rej = benjamini_hochberg(p, FDR_Q)
-    out = [PriceRow(step_pair=(t, u), reward_change=dr, se=se, d_t=d, reward_per_nat=dr / d if d > 0 else float("nan"),
-                    p_value=pv, resolved=bool(rej[i])) for i, (t, u, dr, se, d, pv) in enumerate(rows)]
+        rows.append((t, u, b - a, math.sqrt(sa ** 2 + sb ** 2), float(kl_spent[t])))
+    # each pair's p-value, the normal tail of every testable pair in one call (the same ufunc on
+    # the same numbers); no SE (one prompt group at a step): not testable, never resolved
+    dr_all = np.array([r[2] for r in rows], dtype=np.float64)
+    se_all = np.array([r[3] for r in rows], dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        tail = (2 * special.ndtr(-np.abs(dr_all) / se_all)).tolist()
+    p = [1.0 if math.isnan(se) else tail[i] if se > 0 else (0.0 if dr else 1.0)
+         for i, (_, _, dr, se, _) in enumerate(rows)]
+    rej = benjamini_hochberg(p, FDR_Q).tolist()
+    # every value of every row made here, of its field's type: rows built without validating each
+    out = [PriceRow.model_construct(step_pair=(t, u), reward_change=dr, se=se, d_t=d,
+                                    reward_per_nat=dr / d if d > 0 else float("nan"), p_value=pv, resolved=res)
+           for (t, u, dr, se, d), pv, res in zip(rows, p, rej)]
     total_d = sum(r.d_t for r in out)
     total_r = sum(r.reward_change for r in out)
     # the numerator telescopes within runs of consecutive pairs: its variance is the ends'
@@ -148,7 +152,7 @@ def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n
     alpha, beta, r2 = fit_frontier(np.asarray(d_cum), np.asarray(r_cum))
     frontier = FrontierOut(d=d_cum, reward=r_cum, alpha=alpha, beta=beta, r2=r2, best_of_n=n_generations,
                            best_of_n_kl=best_of_n_kl(n_generations) if n_generations and n_generations > 1 else None)
-    summary = {"rows": len(out), "rows_resolved": int(rej.sum()) if len(rej) else 0,
+    summary = {"rows": len(out), "rows_resolved": int(sum(rej)) if len(rej) else 0,
                "reward_per_nat": per_nat, "reward_per_nat_se": per_nat_se, "reward_per_nat_p": per_nat_p,
                "total_reward_change": total_r, "total_d": total_d,
                "resolved": bool(per_nat_p is not None and per_nat_p < 0.05)}

@@ -168,8 +168,11 @@ def step_block(samples: Sequence) -> StepBlock:
     gs = np.fromiter((g for _, g in codes_of), np.int64, size)
     ns = np.fromiter((s.n for s in ok), np.int64, size)
     layouts: dict[tuple[int, int], list[int]] = {}
-    for i, (codes, g) in enumerate(codes_of):
-        layouts.setdefault((int(ns[i]), g) if blocks(codes, g) else (-1 - i, g), []).append(i)
+    equal = _in_blocks(ok, gs, ns)
+    for i, ((codes, g), on) in enumerate(zip(codes_of, equal.tolist() if equal is not None else [None] * size)):
+        if on is None:
+            on = bool(blocks(codes, g))
+        layouts.setdefault((int(ns[i]), g) if on else (-1 - i, g), []).append(i)
     chunks = [((n, g), rows[lo:lo + STEP_BLOCK]) for (n, g), rows in layouts.items()
               for lo in range(0, len(rows), STEP_BLOCK)]
     for (n, g), rows in chunks:
@@ -179,15 +182,17 @@ def step_block(samples: Sequence) -> StepBlock:
             size_g = np.bincount(codes, minlength=g).astype(float)
             gm = np.stack([np.bincount(codes, weights=x[0, :, j], minlength=g) for j in range(m)], 1)[None] / size_g[:, None]
         else:
-            x = np.stack([_series(ok[i]) for i in rows])  # (S', n, m)
+            chunk = [ok[i] for i in rows]
+            x = _stacked_series(chunk, n)  # (S', n, m)
+            if x is None:
+                x = np.stack([_series(s) for s in chunk])
             gm = x.reshape(len(rows), g, n // g, m).sum(axis=2) / float(n // g)  # each group's sums in row order
         # the reductions over one axis of a stack give each step the numbers it gets alone
         lv = gm.mean(axis=1)
         level[rows] = lv
         ss_between[rows] = ((gm - lv[:, None, :]) ** 2).sum(axis=1)
         ss_rows[rows] = ((x - x.mean(axis=1)[:, None, :]) ** 2).sum(axis=1)
-    has_sel = np.array([s.advantages is not None and bool(np.isfinite(np.asarray(s.advantages, dtype=float)).all())
-                        for s in ok], dtype=bool)
+    has_sel = _finite_advantages(ok, ns)
     sel = np.full((size, k), np.nan)
     se = np.full((size, k), np.nan)
     if has_sel.any():  # the cause book's per-step differentials (worked out once per read, memoised)
@@ -195,6 +200,58 @@ def step_block(samples: Sequence) -> StepBlock:
         sel[has_sel], se[has_sel] = step_selection(every, [s for s, h in zip(ok, has_sel.tolist()) if h])
     steps = np.fromiter((int(s.step) for s in ok), np.int64, size)
     return StepBlock(steps, level, gs, ss_between, ns, ss_rows, sel, se, has_sel)
+
+
+def _in_blocks(samples: Sequence, gs: np.ndarray, ns: np.ndarray) -> np.ndarray | None:
+    """``blocks(codes, g)`` of each sample (its g groups of n / g rows, one after another), for
+    samples whose group codes lie one after another in one read (coded there: ``n_groups`` set),
+    in one pass over the column: each row's code against (row - first row) // (n / g). None for
+    any other samples."""
+    from reward_lens.measure.ledger.price import stack_range, stacked
+
+    if not len(samples) or any(s.n_groups is None for s in samples) or stack_range(samples, "groups") is None:
+        return None
+    codes = np.asarray(stacked(samples, "groups"))
+    if len(codes) != int(ns.sum()) or not (ns > 0).all():
+        return None
+    m = np.where(gs > 0, ns // np.maximum(gs, 1), 0)
+    starts = np.r_[0, np.cumsum(ns)[:-1]]
+    row_m = np.repeat(np.maximum(m, 1), ns)
+    want = (np.arange(len(codes)) - np.repeat(starts, ns)) // row_m
+    return (m > 0) & (m * gs == ns) & np.logical_and.reduceat(codes == want, starts)
+
+
+def _stacked_series(chunk: Sequence, n: int) -> np.ndarray | None:
+    """``np.stack([_series(s) for s in chunk])`` for samples of n rows each that lie one after
+    another in one read (``stack_range``): their features and rewards taken as they lie there and
+    joined in one pass, the same array; None for any other samples."""
+    from reward_lens.measure.ledger.price import stack_range, stacked
+
+    if stack_range(chunk, "z") is None:
+        return None
+    z = np.asarray(stacked(chunk, "z"), dtype=float)
+    if all(s.rewards is None for s in chunk):
+        r = np.full(len(z), np.nan)
+    elif stack_range(chunk, "rewards") is not None:
+        r = np.asarray(stacked(chunk, "rewards"), dtype=float)
+    else:
+        return None
+    if len(z) != len(chunk) * n or len(r) != len(z):
+        return None
+    return np.concatenate([z.reshape(len(chunk), n, -1), r.reshape(len(chunk), n, 1)], axis=2)
+
+
+def _finite_advantages(samples: Sequence, ns: np.ndarray) -> np.ndarray:
+    """Whether each sample (of ``ns`` rows, each at least one) has advantages, every one finite:
+    for samples that lie one after another in one read, one pass over the column."""
+    from reward_lens.measure.ledger.price import stack_range, stacked
+
+    if len(samples) and stack_range(samples, "advantages") is not None:
+        a = np.asarray(stacked(samples, "advantages"), dtype=float)
+        if len(a) == int(ns.sum()) and (ns > 0).all():
+            return np.logical_and.reduceat(np.isfinite(a), np.r_[0, np.cumsum(ns)[:-1]])
+    return np.array([s.advantages is not None and bool(np.isfinite(np.asarray(s.advantages, dtype=float)).all())
+                     for s in samples], dtype=bool)
 
 
 def _series(sample) -> np.ndarray:

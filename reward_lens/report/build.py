@@ -210,8 +210,8 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
     d = ctx.decisions
     cost = books.get("cost")
     c = cost.data.summary if cost is not None and cost.data is not None else {}
-    est = sorted(ctx.priced.book._estimates.values(), key=lambda e: e.step_pair) if (
-        ctx.priced is not None and ctx.priced.book is not None) else []
+    est = ctx.priced.book.estimates.sorted_columns() if (
+        ctx.priced is not None and ctx.priced.book is not None) else None
     price = books.get("price")
     p = price.data.summary if price is not None and price.data is not None else {}
     agreement = books.get("agreement")
@@ -238,8 +238,8 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
     return Glance(
         ledger=d.ledger, ledger_fallback=d.fallback, features=len(d.names), updates=d.n_pairs, usable=len(d.usable), refused=len(d.refused),
         refused_reasons=[(REASONS.get(k, k), len(v)) for k, v in d.refused_by_reason().items()],
-        priced=len(d.priced), resolved=len(d.resolved), eta_rows=len(est),
-        d_t_median=float(np.median([e.d_t for e in est])) if est else None,
+        priced=len(d.priced), resolved=len(d.resolved), eta_rows=len(est) if est is not None else 0,
+        d_t_median=float(np.median(est.d_t)) if est is not None and len(est) else None,
         d_t_total=c.get("d_t_total"), kl_min_total=c.get("kl_min_total"), eta_run=c.get("eta_run"),
         eta_run_interval=tuple(interval) if interval else None,
         shares=[Share(feature=n, share=v) for n, v in shares if v > 0],
@@ -273,8 +273,14 @@ def required_so_far(est) -> tuple[list[float], list[float], list[float]]:
     (independent rows: they add). A KL is never negative, so neither is the curve: where noise
     takes the debiased sum below 0 it is drawn at 0 (the positive part, which is never further
     from the truth than the sum itself), and so is the band's lower edge."""
-    mid = np.cumsum([e.kl_min_debiased for e in est])
-    se = np.sqrt(np.cumsum([max(float(e.cov[0, 0]), 0.0) for e in est]))
+    from reward_lens.measure.efficiency.eta import EtaColumns
+
+    if isinstance(est, EtaColumns):  # the estimates as columns (``CostBook.estimates``)
+        k, var = est.kl_min_debiased, est.cov[:, 0, 0]
+    else:
+        k, var = [e.kl_min_debiased for e in est], np.array([float(e.cov[0, 0]) for e in est], dtype=np.float64)
+    mid = np.cumsum(k, dtype=np.float64)
+    se = np.sqrt(np.cumsum(np.where(0.0 > var, 0.0, var)))  # max(v, 0.0) of each, as Python's max takes it
     return (np.maximum(mid - 1.96 * se, 0.0).tolist(), np.maximum(mid, 0.0).tolist(),
             np.maximum(mid + 1.96 * se, 0.0).tolist())
 
@@ -283,12 +289,11 @@ def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | N
     """What each update spent and what the named behaviours required, cumulated over the run,
     beside the reward gained against the run's path length (the price book's frontier)."""
     priced = ctx.priced if ctx.run.n_rollouts else None
-    est = sorted(priced.book._estimates.values(), key=lambda e: e.step_pair) if (
-        priced is not None and priced.book is not None) else []
+    est = priced.book.estimates.sorted_columns() if (priced is not None and priced.book is not None) else None
     panels = []
-    if est:
-        x = [float(e.step_pair[1]) for e in est]
-        spent = np.cumsum([e.d_t for e in est]).tolist()
+    if est is not None and len(est):
+        x = est.step_pair[:, 1].astype(np.float64).tolist()
+        spent = np.cumsum(est.d_t).tolist()
         lo, mid, hi = required_so_far(est)
         panels.append(Panel(title="nats spent (Σ D_t, solid) and needed (Σ KL_min, dashed, 95 % band)",
                             y_label="nats per sequence", series=[

@@ -25,6 +25,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from scipy import special
 
 from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.metric import MetricG, active_index
@@ -43,6 +44,10 @@ NOISE_Z = 2.0
 # 1e10). A row whose share sum misses KL_min by more than this relative error says so
 # (``shares_inexact``) rather than presenting shares that do not add up.
 SHARE_SUM_RTOL = 1e-6
+# A paired book of single step pairs (window 1) computes its rows as columns over all step pairs
+# at once (``_paired_columns``); False makes them row by row, as a windowed or unpaired book's
+# are: the same rows (tests/unit/test_cost_columns.py compares the two).
+PAIRED_COLUMNS = True
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,7 @@ class KlMinSeries(Sequence):
     metric: MetricG
     # paired ledgers: each priced step pair's estimate (exact KL_min, its jackknife, D_t), and the
     # step pairs whose sample fails a premise of the estimate, with the premise
-    estimates: dict = field(default_factory=dict, repr=False)
+    estimates: Mapping = field(default_factory=dict, repr=False)
     premises: dict = field(default_factory=dict, repr=False)
 
     @cached_property
@@ -196,24 +201,186 @@ class CostRow:
     kl_spent_interval: tuple[float, float] | None = None
 
 
-@dataclass(frozen=True)
+class EtaEstimates(Mapping):
+    """Step pair -> ``EtaEstimate`` of a book's priced rows, held as ``EtaColumns`` (an estimate is
+    made when it is asked for; ``objects``, where the book made them one by one, are handed back
+    as they are). ``columns`` and ``sorted_columns`` are what a report reads whole."""
+
+    def __init__(self, columns: _eta.EtaColumns, objects: Sequence[_eta.EtaEstimate] | None = None):
+        self.columns = columns
+        self._objects = list(objects) if objects is not None else None
+        # the last estimate of a step pair, as a dict built from them keeps it
+        self._index = {pair: i for i, pair in enumerate(map(tuple, columns.step_pair.tolist()))}
+
+    @classmethod
+    def of(cls, estimates: Sequence[_eta.EtaEstimate], kind: str = "paired") -> EtaEstimates:
+        return cls(_eta.EtaColumns.of(estimates, kind), estimates)
+
+    def __getitem__(self, pair) -> _eta.EtaEstimate:
+        i = self._index[tuple(pair)]
+        return self._objects[i] if self._objects is not None else self.columns.estimate(i)
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def positions(self, pairs) -> np.ndarray:
+        """The columns' entry of each step pair of ``pairs``."""
+        return np.array([self._index[tuple(p)] for p in pairs], dtype=np.int64)
+
+    def sorted_columns(self) -> _eta.EtaColumns:
+        """One estimate per step pair, in step-pair order: ``sorted(self.values(), key=step_pair)``
+        as columns."""
+        at = np.fromiter(self._index.values(), dtype=np.int64, count=len(self._index))
+        sp = self.columns.step_pair[at]
+        return self.columns.take(at[np.lexsort((sp[:, 1], sp[:, 0]))] if len(at) else at)
+
+
+@dataclass(frozen=True, eq=False)
+class CostColumns:
+    """Every row of a cost book as arrays, entry i of each for row i (rows in step-pair order):
+    the rows are made from these when asked for (``CostBook.rows``), while a report reads the
+    columns whole. An optional number of a row is its array's entry where its ``*_on`` mask
+    holds, else None."""
+
+    step_pair: np.ndarray  # (R, 2) int
+    status: tuple[str, ...]
+    kl_min: np.ndarray
+    kl_spent: np.ndarray
+    kl_spent_on: np.ndarray
+    priced: np.ndarray  # efficiency, its null and debiased value and the p-value are stated
+    efficiency: np.ndarray
+    efficiency_null: np.ndarray
+    efficiency_debiased: np.ndarray
+    p_value: np.ndarray
+    interval_on: np.ndarray
+    interval_lo: np.ndarray
+    interval_hi: np.ndarray
+    source: tuple[str, ...]
+    resolved: np.ndarray
+    ledger: str
+    steps: np.ndarray
+    shares: Sequence[dict]
+    d_t_checks: Sequence[dict]
+    d_t_disagrees: np.ndarray
+    no_interval: np.ndarray
+    kl_spent_se_on: np.ndarray
+    kl_spent_se: np.ndarray
+    kl_spent_lo: np.ndarray
+    kl_spent_hi: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.kl_min)
+
+    def row(self, i: int) -> CostRow:
+        on = bool(self.priced[i])
+        return CostRow(
+            step_pair=(int(self.step_pair[i, 0]), int(self.step_pair[i, 1])), kl_min=float(self.kl_min[i]),
+            kl_spent=float(self.kl_spent[i]) if self.kl_spent_on[i] else None,
+            efficiency=float(self.efficiency[i]) if on else None, kl_spent_source=self.source[i],
+            resolved=bool(self.resolved[i]), shares=self.shares[i], status=self.status[i],
+            efficiency_debiased=float(self.efficiency_debiased[i]) if on else None,
+            efficiency_null=float(self.efficiency_null[i]) if on else None,
+            interval=(float(self.interval_lo[i]), float(self.interval_hi[i])) if self.interval_on[i] else None,
+            p_value=float(self.p_value[i]) if on else None, ledger=self.ledger, steps=int(self.steps[i]),
+            d_t_checks=self.d_t_checks[i], d_t_disagrees=bool(self.d_t_disagrees[i]),
+            no_interval=bool(self.no_interval[i]),
+            kl_spent_se=float(self.kl_spent_se[i]) if self.kl_spent_se_on[i] else None,
+            kl_spent_interval=(float(self.kl_spent_lo[i]), float(self.kl_spent_hi[i])) if self.kl_spent_se_on[i]
+            else None)
+
+    def lists(self, name: str) -> list:
+        """Column ``name`` as the rows hold it (None where a row states none): what a report's
+        model takes, made from the arrays in one pass."""
+        opt = {"kl_spent": ("kl_spent", self.kl_spent_on), "efficiency": ("efficiency", self.priced),
+               "efficiency_null": ("efficiency_null", self.priced),
+               "efficiency_debiased": ("efficiency_debiased", self.priced), "p_value": ("p_value", self.priced),
+               "kl_spent_se": ("kl_spent_se", self.kl_spent_se_on)}
+        if name in opt:
+            attr, on = opt[name]
+            return [v if o else None for v, o in zip(getattr(self, attr).tolist(), on.tolist())]
+        if name == "interval":
+            return [(a, b) if o else None for a, b, o in zip(self.interval_lo.tolist(), self.interval_hi.tolist(),
+                                                             self.interval_on.tolist())]
+        if name == "kl_spent_interval":
+            return [(a, b) if o else None for a, b, o in zip(self.kl_spent_lo.tolist(), self.kl_spent_hi.tolist(),
+                                                             self.kl_spent_se_on.tolist())]
+        if name == "step_pair":
+            return [tuple(p) for p in self.step_pair.tolist()]
+        if name in ("shares", "d_t_checks"):
+            got = getattr(self, name)
+            return [got[i] for i in range(len(self))]
+        got = getattr(self, name)
+        return list(got) if isinstance(got, tuple) else got.tolist()
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[CostRow], ledger: str) -> CostColumns:
+        """The columns of rows made one by one (a windowed or an unpaired book)."""
+        n = len(rows)
+
+        def floats(values) -> tuple[np.ndarray, np.ndarray]:
+            values = list(values)
+            return (np.array([np.nan if v is None else v for v in values], dtype=np.float64).reshape(n),
+                    np.array([v is not None for v in values], dtype=bool).reshape(n))
+
+        kl_spent, kl_spent_on = floats(r.kl_spent for r in rows)
+        eff, priced = floats(r.efficiency for r in rows)
+        se, se_on = floats(r.kl_spent_se for r in rows)
+        return cls(
+            step_pair=np.array([r.step_pair for r in rows], dtype=np.int64).reshape(n, 2),
+            status=tuple(r.status for r in rows), kl_min=floats(r.kl_min for r in rows)[0],
+            kl_spent=kl_spent, kl_spent_on=kl_spent_on, priced=priced, efficiency=eff,
+            efficiency_null=floats(r.efficiency_null for r in rows)[0],
+            efficiency_debiased=floats(r.efficiency_debiased for r in rows)[0],
+            p_value=floats(r.p_value for r in rows)[0],
+            interval_on=np.array([r.interval is not None for r in rows], dtype=bool).reshape(n),
+            interval_lo=floats(r.interval[0] if r.interval else None for r in rows)[0],
+            interval_hi=floats(r.interval[1] if r.interval else None for r in rows)[0],
+            source=tuple(r.kl_spent_source for r in rows), resolved=np.array([r.resolved for r in rows], dtype=bool),
+            ledger=ledger, steps=np.array([r.steps for r in rows], dtype=np.int64),
+            shares=tuple(r.shares for r in rows), d_t_checks=tuple(r.d_t_checks for r in rows),
+            d_t_disagrees=np.array([r.d_t_disagrees for r in rows], dtype=bool),
+            no_interval=np.array([r.no_interval for r in rows], dtype=bool), kl_spent_se_on=se_on, kl_spent_se=se,
+            kl_spent_lo=floats(r.kl_spent_interval[0] if r.kl_spent_interval else None for r in rows)[0],
+            kl_spent_hi=floats(r.kl_spent_interval[1] if r.kl_spent_interval else None for r in rows)[0])
+
+
+@dataclass(frozen=True, eq=False)
 class CostBook:
-    rows: tuple[CostRow, ...]
+    """The book's rows, held as ``columns`` (made one by one on access: ``rows``), its refusals,
+    its KL_min half, and the estimate of each priced row (``_estimates``)."""
+
+    columns: CostColumns
     refusals: tuple[Refusal, ...]
     kl_min: KlMinSeries
     run_id: str | None = None
     ledger: str = "unpaired"
     window: int | str = 1
+    _estimates: EtaEstimates | None = field(default=None, repr=False, compare=False)
+
+    @cached_property
+    def rows(self) -> tuple[CostRow, ...]:
+        return tuple(self.columns.row(i) for i in range(len(self.columns)))
+
+    @property
+    def estimates(self) -> EtaEstimates:
+        """The estimate of each priced row (windows: of each window), by step pair."""
+        return self._estimates if self._estimates is not None else EtaEstimates.of([], self.ledger)
 
     @property
     def resolved_rows(self) -> tuple[CostRow, ...]:
-        return tuple(r for r in self.rows if r.status == "resolved")
+        return tuple(self.columns.row(i) for i in np.flatnonzero(self._status_is("resolved")).tolist())
+
+    def _status_is(self, status: str) -> np.ndarray:
+        return np.array([s == status for s in self.columns.status], dtype=bool).reshape(len(self.columns))
 
     def counts(self) -> dict[str, int]:
         """Rows of each status; refused counts the step pairs the refusals name."""
         out = {k: 0 for k in ROW_STATUSES}
-        for r in self.rows:
-            out[r.status] += 1
+        for s in self.columns.status:
+            out[s] += 1
         out["refused"] = sum(len(r.subject.step_pairs) for r in self.refusals)
         return out
 
@@ -221,20 +388,20 @@ class CostBook:
         """Median debiased eta over resolved rows with an interval only, with its 95 % interval
         (None when there is none). Selected on significance, so it leans high: ``run_level`` is the
         headline."""
-        return _eta.headline([self._estimates[r.step_pair] for r in self.resolved_rows])
+        est = self.estimates
+        pairs = self.columns.step_pair[self._status_is("resolved")]
+        return _eta.headline(est.columns.take(est.positions(pairs.tolist())))
 
     def run_level(self) -> _eta.EtaEstimate | None:
         """The run's efficiency: sum KL_min / sum D_t over every priced row, resolved or not
         (``eta.run_level``), or None when no row is priced."""
-        return _eta.run_level(sorted(self._estimates.values(), key=lambda e: e.step_pair))
+        return _eta.run_level(self.estimates.sorted_columns())
 
     @property
     def false_discoveries_expected(self) -> float:
         """Benjamini-Hochberg bounds the expected share of false discoveries by FDR_Q, so of
         the resolved rows at most this many are expected to be noise."""
-        return _eta.FDR_Q * len(self.resolved_rows)
-
-    _estimates: dict = field(default_factory=dict, repr=False, compare=False)
+        return _eta.FDR_Q * int(self._status_is("resolved").sum())
 
     def render(self, width: int = 90) -> str:
         """Plain text in the seed's layout: one block per refusal, then the computed rows."""
@@ -389,7 +556,7 @@ def kl_min_series(ledgers: Sequence[Ledger], g: MetricG, *, run_id: str | None =
 
 
 def paired_row_estimates(ledgers: Sequence[Ledger], g: MetricG
-                         ) -> tuple[dict[tuple[int, int], _eta.EtaEstimate], dict[tuple[int, int], str],
+                         ) -> tuple[EtaEstimates, dict[tuple[int, int], str],
                                     dict[tuple[int, int], float]]:
     """For the paired ledgers: the step pairs whose sample fails a premise, with the premise
     ("heavy_tails", "low_ess"); the p-value of every other step pair that prices a feature
@@ -414,8 +581,8 @@ def paired_row_estimates(ledgers: Sequence[Ledger], g: MetricG
             continue
         todo.append((lg, idx))
     p_values.update({tuple(lg.step_pair): p for (lg, _), p in zip(untested, _eta.rollout_tests(untested))})
-    estimates = {tuple(item[0].step_pair): e for item, e in zip(todo, _eta.paired_estimates(todo))}
-    p_values.update({pair: e.p_value for pair, e in estimates.items()})
+    estimates = EtaEstimates(_eta.paired_estimate_columns(todo))
+    p_values.update(zip(map(tuple, estimates.columns.step_pair.tolist()), estimates.columns.p_value.tolist()))
     return estimates, failed, p_values
 
 
@@ -555,6 +722,9 @@ def cost_series(
                              optimizer=run_.manifest.optimizer if run_ is not None else None)
         refusals.append(make_refusal("RECORD_INCOMPLETE", book, _subject(run_id, missing),
                                      run_denominator_context(run_, len(missing), len(ledgers), resolution, bool(kl_spent))))
+    if kind == "paired" and window == 1 and PAIRED_COLUMNS:  # every row's numbers as arrays over all pairs at once
+        columns, kept = _paired_columns(ledgers, series, run_, book, run_id, refusals)
+        return CostBook(columns, tuple(refusals), series, run_id, ledger=kind, window=window, _estimates=kept)
     estimates: list[_eta.EtaEstimate] = []
     failed: dict[str, list[dict[str, Any]]] = {}  # paired step pairs whose sample fails a premise, by premise
     meta: dict[tuple[int, int], tuple[int, str, dict]] = {}  # row, D_t's source, D_t checks
@@ -641,8 +811,207 @@ def cost_series(
             ledger=kind, steps=est.steps, d_t_checks=checks, d_t_disagrees=_disagree(checks),
             no_interval=not est.estimable, kl_spent_se=d_se, kl_spent_interval=d_iv))
     rows.sort(key=lambda r: r.step_pair)
-    return CostBook(tuple(rows), tuple(refusals), series, run_id, ledger=kind, window=window,
-                    _estimates={e.step_pair: e for e in priced})
+    return CostBook(CostColumns.from_rows(rows, kind), tuple(refusals), series, run_id, ledger=kind, window=window,
+                    _estimates=EtaEstimates.of(priced, kind))
+
+
+def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: Run | None, book, run_id: str | None,
+                    refusals: list[Refusal]) -> tuple[CostColumns, EtaEstimates]:
+    """The rows of a paired book of single step pairs (window 1) as columns, computed over all step
+    pairs at once: ``cost_series``'s rows, refusals (appended to ``refusals``, in its order: each
+    envelope violation by step pair, then one per failed premise) and estimates, the same numbers
+    (tests/unit/test_cost_columns.py holds it to the row-by-row definition)."""
+    cols = series.columns
+    pairs = [tuple(p) for p in cols.step_pair.tolist()]
+    place = {pair: q for q, pair in enumerate(pairs)}
+    lgs = [ledgers[place[pair]] for pair in pairs]
+    n = len(pairs)
+    premise = [series.premises.get(pair) for pair in pairs]
+    failed: dict[str, list[dict[str, Any]]] = {}
+    for i in [i for i, why in enumerate(premise) if why is not None]:
+        failed.setdefault(premise[i], []).append(_premise_numbers(lgs[i]))
+    ok = np.array([why is None for why in premise], dtype=bool).reshape(n)
+    on = cols.priced.any(axis=1)
+    # where each stated row's D_t comes from, in words (a row refused for its premise states none)
+    source = dict(zip(np.flatnonzero(ok).tolist(), _paired_sources([lgs[i] for i in np.flatnonzero(ok).tolist()])))
+    # D_t's SE: the sample's own moderated across neighbouring updates (``ledger.moderated``)
+    spread = moderated_by_pair(ledgers)
+    parts = [spread.get(pair) for pair in pairs]
+    spread_on = np.array([x is not None for x in parts], dtype=bool).reshape(n)
+    spread_se = np.array([x[0] if x is not None else np.nan for x in parts], dtype=np.float64).reshape(n)
+    spread_dof = np.array([x[1] if x is not None else np.nan for x in parts], dtype=np.float64).reshape(n)
+    # rows that price nothing: D_t as the ledger has it (None without the token KL)
+    nothing = np.flatnonzero(ok & ~on)
+    d_nothing = [lgs[i].d_t for i in nothing.tolist()]
+    # rows that price something: the estimate, unless the envelope is violated
+    todo = np.flatnonzero(ok & on)
+    est = series.estimates.columns.take(series.estimates.positions([pairs[i] for i in todo.tolist()]))
+    d_t = est.d_t
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(d_t) | (d_t <= 0) | (est.excess_z > _eta.ENVELOPE_Z)
+    for q in np.flatnonzero(bad).tolist():
+        i = int(todo[q])
+        violation = _paired_envelope(series, i, lgs[i], est.estimate(q))
+        refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pairs[i]]),
+                                     {**violation, "run": _short(run_id), "source": source[i]}))
+    for why, items in failed.items():
+        subject = _subject(run_id, [tuple(h["step_pair"]) for h in items])
+        if why == "no_token_kl":
+            refusals.append(make_refusal("RECORD_INCOMPLETE", book, subject, {
+                "requirement": "token_kl", "run": _short(run_id), "n_pairs": len(items), "pairs": items}))
+        else:
+            refusals.append(premise_refusal(book, run_id, why, items))
+    kept, est = todo[~bad], est.take(~bad)
+    decided = _eta.benjamini_hochberg(est.p_value)
+    # the rows: those that price nothing, then the priced, put in step-pair order (as a stable sort)
+    m, k = len(nothing), len(kept)
+    at = np.concatenate([nothing, kept])
+    order = np.lexsort((cols.step_pair[at, 1], cols.step_pair[at, 0])) if len(at) else np.zeros(0, dtype=np.int64)
+    rows = at[order]
+    d_spent = np.concatenate([np.array([np.nan if d is None else d for d in d_nothing], dtype=np.float64), est.d_t])
+    d_spent_on = np.concatenate([np.array([d is not None for d in d_nothing], dtype=bool), np.ones(k, dtype=bool)])
+    estimable = est.estimable
+    lo, hi = est.interval()
+    se, se_on, se_lo, se_hi = _window_spreads(d_spent, spread_se[at], spread_dof[at], spread_on[at])
+    checks = _DtChecks.of(lgs, kept, est, run_)
+
+    def cat(nothing_value, priced_values, dtype=np.float64) -> np.ndarray:
+        return np.concatenate([np.full(m, nothing_value, dtype=dtype), np.asarray(priced_values, dtype=dtype)])[order]
+
+    status = np.array(["nothing_priced"] * m + np.where(decided, "resolved", "unresolved").tolist(), dtype=object)
+    columns = CostColumns(
+        step_pair=cols.step_pair[rows], status=tuple(status[order].tolist()), kl_min=cat(0.0, est.kl_min),
+        kl_spent=d_spent[order], kl_spent_on=d_spent_on[order], priced=cat(False, np.ones(k, dtype=bool), bool),
+        efficiency=cat(np.nan, est.eta), efficiency_null=cat(np.nan, est.eta_null),
+        efficiency_debiased=cat(np.nan, est.eta_debiased), p_value=cat(np.nan, est.p_value),
+        interval_on=cat(False, estimable, bool), interval_lo=cat(np.nan, np.where(estimable, lo, np.nan)),
+        interval_hi=cat(np.nan, np.where(estimable, hi, np.nan)), source=tuple(source[i] for i in rows.tolist()),
+        resolved=cat(False, decided, bool), ledger="paired", steps=cat(1, est.steps, np.int64),
+        shares=_RowShares(cols, np.where(order >= m, rows, -1)),
+        d_t_checks=_RowsOf(checks, np.where(order >= m, order - m, -1)),
+        d_t_disagrees=cat(False, checks.disagrees(), bool), no_interval=cat(False, ~estimable, bool),
+        kl_spent_se_on=se_on[order], kl_spent_se=se[order], kl_spent_lo=se_lo[order], kl_spent_hi=se_hi[order])
+    return columns, EtaEstimates(est)
+
+
+def _paired_sources(lgs: Sequence[PairedLedger]) -> list[str]:
+    """``_paired_source`` of each ledger."""
+    return [_paired_source(lg) for lg in lgs]
+
+
+def _window_spreads(d_t: np.ndarray, se: np.ndarray, dof: np.ndarray, on: np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``_window_spread`` of rows of one member each (``on``: the member has an SE and degrees of
+    freedom): the SE (sqrt of its square, as the window's sum of one), whether there is one, and
+    the interval's ends."""
+    with np.errstate(invalid="ignore"):
+        has = on & np.isfinite(se) & (se > 0)
+        out = np.sqrt(np.where(has, se * se, np.nan))
+        f = np.where(has & (dof == dof) & (dof > 0), dof, np.nan)
+        half = _t975s_moderated(f) * out
+    return out, has, np.where(has, d_t - half, np.nan), np.where(has, d_t + half, np.nan)
+
+
+def _t975s_moderated(dof: np.ndarray) -> np.ndarray:
+    """``ledger.moderated.t975`` of each entry: the normal's quantile where the degrees of freedom
+    are NaN or infinite, else Student's t on at least one, the same ufunc on all of them at once
+    (tests/unit/test_cost_columns.py holds it to ``t975`` of each)."""
+    dof = np.asarray(dof, dtype=np.float64)
+    out = np.full(dof.shape, 1.959963984540054)
+    fin = np.isfinite(dof)
+    if fin.any():
+        out[fin] = special.stdtrit(np.maximum(dof[fin], 1.0), 0.975)
+    return out
+
+
+class _RowShares(Sequence):
+    """Each cost row's shares, from the KL_min columns' row ``src[i]`` ({} where -1): the dict the
+    row holds, made on access (a window of one adds each share to 0.0)."""
+
+    def __init__(self, cols: KlMinColumns, src: np.ndarray):
+        self.cols, self.src = cols, src.tolist()
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        j = self.src[i]
+        if j < 0:
+            return {}
+        c = self.cols
+        return {f: 0.0 + v for f, v, on in zip(c.names, c.shares[j].tolist(), c.priced[j].tolist()) if on}
+
+
+class _RowsOf(Sequence):
+    """``items[src[i]]`` for each row i, {} where src is -1."""
+
+    def __init__(self, items, src: np.ndarray):
+        self.items, self.src = items, src.tolist()
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        j = self.src[i]
+        return {} if j < 0 else self.items[j]
+
+
+@dataclass(frozen=True, eq=False)
+class _DtChecks(Sequence):
+    """``_d_t_checks`` of each priced paired row, as columns: the dicts are made on access."""
+
+    token: list  # D_t the estimate divides by
+    token_se: list  # sqrt of its jackknife variance
+    plugin: list  # the same sample's plug-in
+    record: list  # the record's kl_to_previous (None where it has none for the step pair)
+    record_se: list
+
+    @classmethod
+    def of(cls, lgs: Sequence[PairedLedger], kept: np.ndarray, est: _eta.EtaColumns, run: Run | None) -> _DtChecks:
+        k = len(kept)
+        record, record_se = [None] * k, [None] * k
+        if run is not None and run.manifest.telemetry_per_step:
+            d_col, se_col = run.telemetry_column("kl_to_previous"), None
+            for q, i in enumerate(kept.tolist()):
+                pair = lgs[i].step_pair
+                if pair[1] - pair[0] == 1:
+                    rec = d_col.get(pair[0])
+                    if rec is not None:
+                        se_col = run.telemetry_column("kl_to_previous_se") if se_col is None else se_col
+                        record[q], record_se[q] = float(rec), se_col.get(pair[0])
+        with np.errstate(invalid="ignore"):
+            token_se = np.sqrt(est.cov[:, 1, 1])
+        return cls(est.d_t.tolist(), token_se.tolist(), [lgs[i].d_hat for i in kept.tolist()], record, record_se)
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def __getitem__(self, q):  # type: ignore[override]
+        out = {"token_kl": (self.token[q], self.token_se[q]), "same_sample_plugin": (self.plugin[q], None)}
+        if self.record[q] is not None:
+            out["record"] = (self.record[q], self.record_se[q])
+        return out
+
+    def disagrees(self) -> np.ndarray:
+        """``_disagree`` of each row's checks: vectorised, and worked out again row by row where
+        the two sides of its inequality are too close for the order of its rounding to be moot."""
+        k = len(self.token)
+        has = np.array([r is not None and s is not None for r, s in zip(self.record, self.record_se)], dtype=bool)
+        out = np.zeros(k, dtype=bool)
+        if not has.any():
+            return out
+        v0, s0 = np.array(self.token)[has], np.array(self.token_se, dtype=np.float64)[has]
+        v1 = np.array([r for r, h in zip(self.record, has.tolist()) if h], dtype=np.float64)
+        s1 = np.array([s for s, h in zip(self.record_se, has.tolist()) if h], dtype=np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            lhs, rhs = np.abs(v1 - v0), D_T_DISAGREE_Z * np.sqrt(s0 * s0 + s1 * s1)
+            sure = np.isfinite(lhs) & np.isfinite(rhs) & (np.abs(lhs - rhs) > 1e-9 * np.maximum(lhs, rhs))
+        got = lhs > rhs
+        idx = np.flatnonzero(has)
+        for q in np.flatnonzero(~sure).tolist():  # the row's own arithmetic, exactly
+            got[q] = _disagree(self[int(idx[q])])
+        out[idx] = got
+        return out
 
 
 def _window_spread(d_t: float, parts: list[tuple[float, float] | None]

@@ -152,6 +152,142 @@ class EtaEstimate:
         return math.inf if diff > 0 else -math.inf
 
 
+@dataclass(frozen=True, eq=False)
+class EtaColumns:
+    """Many ``EtaEstimate`` of one kind as arrays, entry i of each for estimate i: what a book of
+    10,000 step pairs computes its rows' intervals, checks and sums from, whole, instead of
+    10,000 objects. ``estimate(i)`` makes the one object; every derived quantity here is the
+    estimate's own property computed on all entries at once, the same numbers to the last bit
+    (tests/unit/test_cost_columns.py)."""
+
+    step_pair: np.ndarray  # (P, 2) int
+    kind: str  # "paired" | "unpaired"
+    kl_min: np.ndarray  # (P,)
+    kl_min_debiased: np.ndarray  # (P,)
+    d_t: np.ndarray  # (P,)
+    p_value: np.ndarray  # (P,)
+    cov: np.ndarray  # (P, 2, 2)
+    dof: np.ndarray  # (P,)
+    converged: np.ndarray  # (P,) bool
+    steps: np.ndarray  # (P,) int
+    groups_varying: np.ndarray  # (P,) int, -1 where None
+
+    def __len__(self) -> int:
+        return len(self.kl_min)
+
+    @classmethod
+    def of(cls, estimates: Sequence[EtaEstimate], kind: str | None = None) -> EtaColumns:
+        """The columns of ``estimates`` (of one kind: the first's, or ``kind`` where there are none)."""
+        es = list(estimates)
+        return cls(
+            step_pair=np.array([e.step_pair for e in es], dtype=np.int64).reshape(len(es), 2),
+            kind=es[0].kind if es else (kind or "paired"),
+            kl_min=np.array([e.kl_min for e in es], dtype=np.float64),
+            kl_min_debiased=np.array([e.kl_min_debiased for e in es], dtype=np.float64),
+            d_t=np.array([e.d_t for e in es], dtype=np.float64),
+            p_value=np.array([e.p_value for e in es], dtype=np.float64),
+            cov=np.array([e.cov for e in es], dtype=np.float64).reshape(len(es), 2, 2),
+            dof=np.array([e.dof for e in es], dtype=np.float64),
+            converged=np.array([e.converged for e in es], dtype=bool),
+            steps=np.array([e.steps for e in es], dtype=np.int64),
+            groups_varying=np.array([-1 if e.groups_varying is None else e.groups_varying for e in es],
+                                    dtype=np.int64))
+
+    def estimate(self, i: int) -> EtaEstimate:
+        gv = int(self.groups_varying[i])
+        return EtaEstimate(step_pair=(int(self.step_pair[i, 0]), int(self.step_pair[i, 1])), kind=self.kind,
+                           kl_min=float(self.kl_min[i]), kl_min_debiased=float(self.kl_min_debiased[i]),
+                           d_t=float(self.d_t[i]), p_value=float(self.p_value[i]), cov=self.cov[i],
+                           dof=float(self.dof[i]), converged=bool(self.converged[i]), steps=int(self.steps[i]),
+                           groups_varying=None if gv < 0 else gv)
+
+    def estimates(self) -> list[EtaEstimate]:
+        return [self.estimate(i) for i in range(len(self))]
+
+    def take(self, idx) -> EtaColumns:
+        """The estimates at ``idx`` (an index array or a mask), in that order."""
+        return EtaColumns(step_pair=self.step_pair[idx], kind=self.kind, kl_min=self.kl_min[idx],
+                          kl_min_debiased=self.kl_min_debiased[idx], d_t=self.d_t[idx], p_value=self.p_value[idx],
+                          cov=self.cov[idx], dof=self.dof[idx], converged=self.converged[idx], steps=self.steps[idx],
+                          groups_varying=self.groups_varying[idx])
+
+    @property
+    def null_kl(self) -> np.ndarray:
+        return self.kl_min - self.kl_min_debiased
+
+    @property
+    def eta(self) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.kl_min / self.d_t
+
+    @property
+    def eta_null(self) -> np.ndarray:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return self.null_kl / self.d_t
+
+    @property
+    def eta_debiased(self) -> np.ndarray:
+        """``_ratio`` of each: K / D where D > 0, else NaN."""
+        pos = self.d_t > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(pos, self.kl_min_debiased / np.where(pos, self.d_t, 1.0), np.nan)
+
+    @property
+    def estimable(self) -> np.ndarray:
+        if self.kind != "paired":
+            return np.ones(len(self), dtype=bool)
+        return (self.groups_varying < 0) | (self.groups_varying >= 2)
+
+    @property
+    def se(self) -> np.ndarray:
+        """``_ratio_se`` of each: grad^T cov grad written out in the order ``grad @ cov @ grad``
+        adds its terms in."""
+        return ratio_ses(self.kl_min_debiased, self.d_t, self.cov)
+
+    def interval(self) -> tuple[np.ndarray, np.ndarray]:
+        """``EtaEstimate.interval`` of each: (lo, hi)."""
+        q = t975s(self.dof)
+        e, se = self.eta_debiased, self.se
+        with np.errstate(invalid="ignore"):
+            return e - q * se, e + q * se
+
+    @property
+    def excess_z(self) -> np.ndarray:
+        diff = self.kl_min_debiased - self.d_t
+        c = self.cov
+        var = c[:, 0, 0] + c[:, 1, 1] - 2 * c[:, 0, 1]
+        pos = var > 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            z = diff / np.sqrt(np.where(pos, var, 1.0))
+        return np.where(pos, z, np.where(diff > 0, np.inf, -np.inf))
+
+
+def ratio_ses(k: np.ndarray, d: np.ndarray, cov: np.ndarray) -> np.ndarray:
+    """``_ratio_se`` of many (K, D) with their covariances (P, 2, 2), elementwise: the same
+    products and sums, in the same order, as ``grad @ cov @ grad`` on each."""
+    k, d = np.asarray(k, dtype=np.float64), np.asarray(d, dtype=np.float64)
+    pos = d > 0
+    with np.errstate(all="ignore"):
+        g0 = 1.0 / d
+        g1 = -k / d / d
+        v0 = g0 * cov[:, 0, 0] + g1 * cov[:, 1, 0]
+        v1 = g0 * cov[:, 0, 1] + g1 * cov[:, 1, 1]
+        var = v0 * g0 + v1 * g1
+        se = np.where(var >= 0, np.sqrt(np.where(var >= 0, var, 0.0)), np.where(np.isfinite(var), 0.0, np.inf))
+    return np.where(pos, se, np.inf)
+
+
+def t975s(dof: np.ndarray) -> np.ndarray:
+    """``_t975`` of each entry (a book's rows share a few values: each worked out once)."""
+    dof = np.asarray(dof, dtype=np.float64)
+    out = np.empty(dof.shape)
+    if not dof.size:
+        return out
+    values, inverse = np.unique(dof, return_inverse=True)  # NaNs: one entry each, as many as there are
+    out[...] = np.array([_t975(float(v)) for v in values.tolist()])[inverse.reshape(dof.shape)]
+    return out
+
+
 def _ratio(k: float, d: float) -> float:
     return k / d if d > 0 else float("nan")
 
@@ -239,10 +375,21 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]], deletions
     ``deletions`` says how it gets each deleted group's KL_min, default ``DELETIONS``), the
     same numbers to rounding. The ledgers of one ``paired_ledger_series`` batch hold the same
     codes and sides (the very arrays): their order and key are worked out once, their rows
-    gathered in one operation, and their jackknife done as array arithmetic."""
+    gathered in one operation, and their jackknife done as array arithmetic. One object per
+    step pair: a book reads ``paired_estimate_columns`` instead."""
+    return paired_estimate_columns(items, deletions).estimates()
+
+
+def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], deletions: str | None = None
+                            ) -> EtaColumns:
+    """``paired_estimates`` as columns, entry q for ``items[q]``."""
     deletions = deletions or DELETIONS
-    out: list[EtaEstimate | None] = [None] * len(items)
-    p_values = rollout_tests(items)
+    n_items = len(items)
+    col = {"kl_min": np.zeros(n_items), "kl_min_debiased": np.zeros(n_items), "d_t": np.zeros(n_items),
+           "cov": np.zeros((n_items, 2, 2)), "dof": np.zeros(n_items), "converged": np.zeros(n_items, dtype=bool),
+           "groups_varying": np.zeros(n_items, dtype=np.int64)}
+    step_pairs = np.array([lg.step_pair for lg, _ in items], dtype=np.int64).reshape(n_items, 2)
+    p_values = np.array(rollout_tests(items), dtype=np.float64)
     batches: dict[tuple, list[int]] = {}
     layouts: dict[tuple, tuple] = {}  # (id of codes, of sides, of idx) -> (batch key, order)
     order_of = []
@@ -269,9 +416,9 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]], deletions
         side = None if side_key is None else np.asarray(lg0.heldout)[order]
         lgs = [items[q][0] for q in members]
         if all(order_of[q] is order for q in members):  # one gather for the batch
-            z = _laid_out_as(lgs[0].z[order][:, idx], stack_views([lg.z for lg in lgs])[:, order][:, :, idx])
-            r = np.ascontiguousarray(np.asarray(stack_views([lg.log_ratio for lg in lgs]), dtype=np.float64)[:, order])
-            kl = np.ascontiguousarray(np.asarray(stack_views([lg.kl for lg in lgs]), dtype=np.float64)[:, order])
+            z = _gathered(stack_views([lg.z for lg in lgs]), order, idx)
+            r = np.take(np.asarray(stack_views([lg.log_ratio for lg in lgs]), dtype=np.float64), order, axis=1)
+            kl = np.take(np.asarray(stack_views([lg.kl for lg in lgs]), dtype=np.float64), order, axis=1)
         else:
             z = np.stack([lg.z[order_of[q]][:, idx] for q, lg in zip(members, lgs)])
             r = np.stack([np.asarray(lg.log_ratio, dtype=np.float64)[order_of[q]] for q, lg in zip(members, lgs)])
@@ -297,14 +444,12 @@ def paired_estimates(items: Sequence[tuple[PairedLedger, np.ndarray]], deletions
         theta = np.stack([k_del, d_jk], axis=2)  # (P, G, 2) the replicates
         dev = theta - theta.mean(axis=1, keepdims=True)
         covs = np.matmul((g - 1) / g * dev.transpose(0, 2, 1), dev)  # (P, 2, 2)
-        d_t = d_g.mean(axis=1)
-        converged = jk.converged
-        for q, lg, kf, kj, dt, cov, conv, m in zip(members, lgs, k_full.tolist(), k_jk.tolist(), d_t.tolist(), covs,
-                                                   converged.tolist(), varying.tolist()):
-            out[q] = EtaEstimate(step_pair=lg.step_pair, kind="paired", kl_min=kf, kl_min_debiased=kj, d_t=dt,
-                                 p_value=p_values[q], cov=cov, dof=jackknife_dof(m, g), converged=conv,
-                                 steps=lg.step_pair[1] - lg.step_pair[0], groups_varying=m)
-    return out
+        rows = np.array(members, dtype=np.int64)
+        col["kl_min"][rows], col["kl_min_debiased"][rows], col["d_t"][rows] = k_full, k_jk, d_g.mean(axis=1)
+        col["cov"][rows], col["converged"][rows], col["groups_varying"][rows] = covs, jk.converged, varying
+        col["dof"][rows] = jackknife_dofs(varying, g)
+    return EtaColumns(step_pair=step_pairs, kind="paired", p_value=p_values,
+                      steps=step_pairs[:, 1] - step_pairs[:, 0], **col)
 
 
 def groups_varying(z: np.ndarray, codes: np.ndarray, n_groups: int) -> np.ndarray:
@@ -333,6 +478,35 @@ def jackknife_dof(varying: int, n_groups: int) -> float:
     replicates vary with every group, so for the delta method's SE of KL / D it is a
     conservative count, not an exact one."""
     return float(max(min(varying, n_groups) - 1, 1))
+
+
+def jackknife_dofs(varying: np.ndarray, n_groups: int) -> np.ndarray:
+    """``jackknife_dof`` of each entry of ``varying``."""
+    return np.maximum(np.minimum(np.asarray(varying, dtype=np.int64), n_groups) - 1, 1).astype(np.float64)
+
+
+def _gathered(rows: np.ndarray, order: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``_laid_out_as(rows[0][order][:, idx], rows[:, order][:, :, idx])`` for samples ``rows``
+    (P, n, k): each sample's rows ``order`` (indices or a mask) and columns ``idx``, laid out as
+    ``np.stack`` lays out the gathers of each. Where that is each sample in Fortran order (a
+    column gather of two or more columns), one gather of the transposed samples makes it: the
+    same values in the same layout, without the three copies of every row in between."""
+    one = rows[0][order][:, idx]
+    if one.ndim == 2 and one.flags.f_contiguous and not one.flags.c_contiguous:
+        order = _positions(order, rows.shape[1])
+        t = rows.transpose(0, 2, 1)  # (P, k, n)
+        if not np.array_equal(idx, np.arange(rows.shape[2])):
+            t = np.take(t, idx, axis=1)
+        return np.take(t, order, axis=2).transpose(0, 2, 1)
+    return _laid_out_as(one, rows[:, order][:, :, idx])
+
+
+def _positions(rows, n: int) -> np.ndarray:
+    """The row positions that ``rows`` (a slice, a mask or positions) picks of n."""
+    if isinstance(rows, slice):
+        return np.arange(n)[rows]
+    rows = np.asarray(rows)
+    return np.flatnonzero(rows) if rows.dtype == bool else rows
 
 
 def _laid_out_as(one: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -397,8 +571,8 @@ def rollout_tests(items: Sequence[tuple[PairedLedger, np.ndarray]]) -> list[floa
         z = stack_views([lg.z for lg in part])
         r = stack_views([np.asarray(lg.log_ratio, dtype=np.float64) for lg in part])
         if not every:  # laid out as the stack of each one's gather, so the fit's sums run alike
-            z = _laid_out_as(part[0].z[rows][:, idx], z[:, rows][:, :, idx])
-            r = np.ascontiguousarray(r[:, rows])
+            z = _gathered(z, rows, idx)
+            r = np.take(r, _positions(rows, r.shape[1]), axis=1)
         return within_group_r2_tests(z, r, g, n_groups)[1]
 
     # each pair's fit is its own (one SVD per matrix): batches on threads give the same numbers
@@ -496,9 +670,11 @@ def fisher_combined(p: Sequence[float]) -> float:
     return float(special.chdtrc(2 * len(p), -2.0 * np.log(p).sum()))
 
 
-def window(estimates: Sequence[EtaEstimate]) -> EtaEstimate:
+def window(estimates: Sequence[EtaEstimate] | EtaColumns) -> EtaEstimate:
     """A window of consecutive step pairs priced as a ratio of sums; the rows are independent
     samples, so their covariances add."""
+    if isinstance(estimates, EtaColumns):
+        return _window_of_columns(estimates)
     first, last = estimates[0], estimates[-1]
     return EtaEstimate(
         step_pair=(first.step_pair[0], last.step_pair[1]), kind=first.kind,
@@ -507,6 +683,16 @@ def window(estimates: Sequence[EtaEstimate]) -> EtaEstimate:
         cov=np.sum([e.cov for e in estimates], axis=0),
         dof=sum(e.dof for e in estimates), converged=all(e.converged for e in estimates),
         steps=sum(e.steps for e in estimates))
+
+
+def _window_of_columns(c: EtaColumns) -> EtaEstimate:
+    """``window`` of the estimates in ``c``, in their order, from the columns: the same sums of
+    the same floats in the same order (Python's ``sum`` of each column's values)."""
+    return EtaEstimate(
+        step_pair=(int(c.step_pair[0, 0]), int(c.step_pair[-1, 1])), kind=c.kind,
+        kl_min=sum(c.kl_min.tolist()), kl_min_debiased=sum(c.kl_min_debiased.tolist()), d_t=sum(c.d_t.tolist()),
+        p_value=fisher_combined(c.p_value), cov=np.sum(np.ascontiguousarray(c.cov), axis=0),
+        dof=sum(c.dof.tolist()), converged=bool(c.converged.all()), steps=sum(c.steps.tolist()))
 
 
 def windows(estimates: Sequence[EtaEstimate], w: int | str) -> list[EtaEstimate]:
@@ -532,23 +718,31 @@ def windows(estimates: Sequence[EtaEstimate], w: int | str) -> list[EtaEstimate]
     return out
 
 
-def run_level(estimates: Sequence[EtaEstimate]) -> EtaEstimate | None:
+def run_level(estimates: Sequence[EtaEstimate] | EtaColumns) -> EtaEstimate | None:
     """The run's efficiency: sum KL_jk / sum D_t over every priced step pair (``window`` of all
     of them: the rows are separate samples, so their covariances add), or None when none is
     priced. Not selected on significance."""
+    if isinstance(estimates, EtaColumns):
+        return window(estimates) if len(estimates) else None
     return window(list(estimates)) if estimates else None
 
 
-def headline(resolved: Sequence[EtaEstimate], seed: int = 0) -> tuple[float | None, tuple[float, float] | None]:
+def headline(resolved: Sequence[EtaEstimate] | EtaColumns, seed: int = 0) -> tuple[float | None, tuple[float, float] | None]:
     """The median debiased eta over the resolved rows that have an interval (``estimable``), and a
     95 % interval for that median (each row drawn from N(eta_debiased, se^2), the median taken per
     draw). Selected on significance, so it leans high: reported beside ``run_level``, never
     instead of it."""
-    resolved = [e for e in resolved if e.estimable]
-    if not resolved:
-        return None, None
-    pts = np.array([e.eta_debiased for e in resolved])
-    ses = np.array([e.se for e in resolved])
+    if isinstance(resolved, EtaColumns):  # the same values, from the columns
+        resolved = resolved.take(resolved.estimable)
+        if not len(resolved):
+            return None, None
+        pts, ses = resolved.eta_debiased, resolved.se
+    else:
+        resolved = [e for e in resolved if e.estimable]
+        if not resolved:
+            return None, None
+        pts = np.array([e.eta_debiased for e in resolved])
+        ses = np.array([e.se for e in resolved])
     med = float(np.median(pts))
     if not np.isfinite(ses).all():
         return med, None

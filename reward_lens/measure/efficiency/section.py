@@ -286,17 +286,12 @@ def cost_section(ctx: RunContext) -> BookResult:
     feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
              for n in g.names]
     kl_rows, totals = _kl_min_rows(book.kl_min.columns, g.names, set(ctx.decisions.usable))
-    rows = book.rows
-    eff = EfficiencyRows(  # one list per quantity (validated: a few lists, not one model per row)
-        step_pair=[r.step_pair for r in rows], steps=[r.steps for r in rows], status=[r.status for r in rows],
-        kl_min=[r.kl_min for r in rows], kl_spent=[r.kl_spent for r in rows],
-        kl_spent_se=[r.kl_spent_se for r in rows], kl_spent_interval=[r.kl_spent_interval for r in rows],
-        efficiency=[r.efficiency for r in rows],
-        efficiency_null=[r.efficiency_null for r in rows], efficiency_debiased=[r.efficiency_debiased for r in rows],
-        interval=[r.interval for r in rows], p_value=[r.p_value for r in rows],
-        source=[r.kl_spent_source for r in rows], resolved=[r.resolved for r in rows],
-        d_t_checks=[r.d_t_checks for r in rows], d_t_disagrees=[r.d_t_disagrees for r in rows],
-        no_interval=[r.no_interval for r in rows])
+    rows = book.columns  # the rows as columns: one list per quantity, made from arrays
+    eff = EfficiencyRows(  # validated: a few lists, not one model per row
+        **{f: rows.lists(f) for f in ("step_pair", "steps", "status", "kl_min", "kl_spent", "kl_spent_se",
+                                      "kl_spent_interval", "efficiency", "efficiency_null", "efficiency_debiased",
+                                      "interval", "p_value", "resolved", "d_t_checks", "d_t_disagrees", "no_interval")},
+        source=rows.lists("source"))
     sums, squares = step_sums(samples)  # each step's mean and standard error, all steps at once
     ns = np.array([s.n for s in samples], dtype=float)[:, None]
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -315,7 +310,7 @@ def cost_section(ctx: RunContext) -> BookResult:
         "rows_total": sum(counts.values()), "rows_resolved": counts["resolved"],
         "rows_unresolved": counts["unresolved"], "rows_refused": counts["refused"],
         "rows_nothing_priced": counts["nothing_priced"],
-        "rows_no_interval": sum(r.no_interval for r in rows),
+        "rows_no_interval": int(rows.no_interval.sum()),
         "eta_run": run_est.eta_debiased if run_est is not None else None,
         "eta_run_interval": list(run_est.interval()) if run_est is not None else None,
         "eta_run_rows": len(book._estimates),

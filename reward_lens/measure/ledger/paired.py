@@ -59,6 +59,7 @@ reads its dz.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -624,7 +625,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     # deleted from its (group, side) stratum, its group's dz_g worked out again in closed form
     strata = Strata(codes, side if two_sided else None, n_groups)
     mq, mp = by_group(q[:, :, None] * z), by_group(p[:, :, None] * z)
-    moved = strata.deleted_means(q, z, mq, codes) - strata.deleted_means(p, z, mp, codes) - (mq - mp)[:, codes]
+    moved = (strata.deleted_means(q, z, mq, codes) - strata.deleted_means(p, z, mp, codes)
+             - np.take(mq - mp, codes, axis=1))
     moved[np.broadcast_to(constant[:, None, :], moved.shape)] = 0.0  # not identified: exactly no spread
     cov, dof = strata.jackknife(moved / n_groups)  # dz_(-i) less dz: a shift, the same spread
     lost = ~np.isfinite(cov).all(axis=(1, 2))
@@ -652,7 +654,10 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     kl = batch("kl_prev")
     kls = list(kl) if kl is not None else [rows(s, ho, prep, "kl_prev") for s, ho, prep, _ in items]
     d_t, d_t_se, d_t_dof = [None] * len(items), [None] * len(items), [float("nan")] * len(items)
-    has = [j for j, x in enumerate(kls) if x is not None and np.isfinite(x).all()]
+    if kl is not None:  # one pass over the batch's rows
+        has = np.flatnonzero(np.isfinite(kl).all(axis=tuple(range(1, kl.ndim)))).tolist()
+    else:
+        has = [j for j, x in enumerate(kls) if x is not None and np.isfinite(x).all()]
     if has:
         kh = kl[has] if kl is not None else np.stack([kls[j] for j in has])
         per_group = by_group(q[has] * kh)  # (H, G)
@@ -668,19 +673,37 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     out = []
     threshold = pareto_threshold(n)
     heldout = side if two_sided else None
-    for j, (s, ho, prep, lr) in enumerate(items):
+    n_heldout = int(heldout.sum()) if heldout is not None else 0  # the batch's one layout
+    for j, ((s, ho, prep, lr), d_hat_j, khat_j, ess_pj, ess_qj) in enumerate(zip(
+            items, d_hat.tolist(), khat.tolist(), ess_p.tolist(), ess_q.tolist())):
         sampler_kl, sampler_se = _sampler_kl(s, prep, ho)
-        out.append(PairedLedger(
-            step_pair=(prep.prev, s.step), names=s.names, delta_z=dz[j], se=se[j], cov_delta=cov[j], n_pre=n,
-            n_post=n, learning_rate=lr, kind="paired", z=z[j], codes=codes, n_groups=n_groups, log_ratio=r[j],
-            heldout=heldout, kl=kls[j], d_hat=float(d_hat[j]), d_t=d_t[j], d_t_se=d_t_se[j], d_t_dof=d_t_dof[j],
-            dof=dof[j],
-            pareto_k=float(khat[j]), pareto_k_max=threshold, ess=(float(ess_p[j]), float(ess_q[j])),
-            dropped_rollouts=prep.dropped, groups_in_step=prep.groups_in_step, groups_unscored=prep.unscored,
-            sampler_kl=sampler_kl,
-            sampler_kl_se=sampler_se, block=None if block is None else block[0],
-            row=-1 if block is None else block[1] + j))
+        out.append(_made({
+            **_LEDGER_DEFAULTS,
+            "step_pair": (prep.prev, s.step), "names": s.names, "delta_z": dz[j], "se": se[j], "cov_delta": cov[j],
+            "n_pre": n, "n_post": n, "learning_rate": lr, "kind": "paired", "z": z[j], "codes": codes,
+            "n_groups": n_groups, "log_ratio": r[j], "heldout": heldout, "kl": kls[j], "d_hat": d_hat_j,
+            "d_t": d_t[j], "d_t_se": d_t_se[j], "d_t_dof": d_t_dof[j], "dof": dof[j], "pareto_k": khat_j,
+            "pareto_k_max": threshold, "ess": (ess_pj, ess_qj), "dropped_rollouts": prep.dropped,
+            "groups_in_step": prep.groups_in_step, "groups_unscored": prep.unscored, "sampler_kl": sampler_kl,
+            "sampler_kl_se": sampler_se, "block": None if block is None else block[0],
+            "row": -1 if block is None else block[1] + j, "n_heldout": n_heldout}))
     return out
+
+
+# Every field of a PairedLedger that has a default, with it: ``_made`` starts from these.
+_LEDGER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PairedLedger) if f.default is not dataclasses.MISSING}
+_LEDGER_FIELDS = frozenset(f.name for f in dataclasses.fields(PairedLedger))
+
+
+def _made(values: dict) -> PairedLedger:
+    """``PairedLedger(**values)`` (every field given, plus ``n_heldout``, its cached count), made
+    by filling the object's attributes at once: a frozen dataclass's __init__ sets its 32 fields
+    one by one through object.__setattr__, which for the 10,000 ledgers of a run cost about as
+    much as the arithmetic of their batches' weights. tests/unit/test_paired_columns.py holds the
+    two to the same attributes."""
+    lg = object.__new__(PairedLedger)
+    lg.__dict__.update(values)
+    return lg
 
 
 def _sampler_kl(s: StepSample, prep: _Prepared, ho: StepSample | None = None) -> tuple[float | None, float | None]:
@@ -761,12 +784,25 @@ class Strata:
         self.weight = np.where(self.size >= 2, (self.size - 1) / np.maximum(self.size, 1), 0.0)  # (S,)
         self._onehot = np.zeros((len(self.ids), self.count))
         self._onehot[np.arange(len(self.ids)), self.ids] = 1.0
+        self._by_row: dict[int, tuple[np.ndarray, ...]] = {}
+
+    def _rows(self, k: int) -> tuple[np.ndarray, ...]:
+        """(f - 1, f, ok, the stratum's weight) of each row, laid out (n, k): the operands the
+        arithmetic on (P, n, k) arrays multiplies each row's k values by, made once and contiguous
+        (broadcast from (1, n, 1) they are taken k values at a time, at twice the cost): the same
+        products."""
+        got = self._by_row.get(k)
+        if got is None:
+            f = self.factor
+            got = self._by_row[k] = tuple(np.ascontiguousarray(np.broadcast_to(a[:, None], (len(a), k)))
+                                          for a in (f - 1.0, f, self.ok, self.weight[self.ids]))
+        return got
 
     def stratum_sums(self, x: np.ndarray) -> np.ndarray:
         """Each row's stratum's sum of x (P, n) or (P, n, k), back on the rows."""
         if x.ndim == 2:
             return (x @ self._onehot)[:, self.ids]
-        return np.matmul(x.transpose(0, 2, 1), self._onehot).transpose(0, 2, 1)[:, self.ids]
+        return np.take(np.matmul(x.transpose(0, 2, 1), self._onehot).transpose(0, 2, 1), self.ids, axis=1)
 
     def deleted_means(self, w: np.ndarray, x: np.ndarray | None, group_means: np.ndarray | None,
                       codes: np.ndarray) -> np.ndarray:
@@ -778,14 +814,17 @@ class Strata:
         norm = 1.0 + (f - 1.0) * self.stratum_sums(w) - f * w
         if x is None:
             return norm
-        wx = w * x if x.ndim == 2 else w[:, :, None] * x
         # a row that carried all of its group's weight leaves no weight behind: NaN, which the
         # callers replace by the spread across groups (``_ledgers``, ``independent_d_t``)
         norm = np.where(norm > 0, norm, np.nan)
         if x.ndim == 2:
+            wx = w * x
             return (group_means[:, codes] + (f - 1.0) * self.stratum_sums(wx) - f * wx) / norm
-        return (group_means[:, codes] + (f - 1.0)[None, :, None] * self.stratum_sums(wx)
-                - f[None, :, None] * wx) / norm[:, :, None]
+        k = x.shape[2]
+        f1, fk, _, _ = self._rows(k)
+        wx = np.repeat(w[:, :, None], k, axis=2) * x  # w of each row, k times: w[:, :, None] * x
+        return ((np.take(group_means, codes, axis=1) + f1 * self.stratum_sums(wx) - fk * wx)
+                / np.repeat(norm[:, :, None], k, axis=2))
 
     def jackknife(self, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The stratified jackknife's variance of the replicates theta (P, n) -- each row's value
@@ -794,10 +833,11 @@ class Strata:
         theta = np.asarray(theta, dtype=np.float64)
         flat = theta.ndim == 2
         t = theta[:, :, None] if flat else theta
-        t = np.where(self.ok[None, :, None], t, 0.0)  # a row its stratum cannot lose adds nothing (NaN or not)
+        _, _, ok, weight = self._rows(t.shape[2])
+        t = np.where(ok, t, 0.0)  # a row its stratum cannot lose adds nothing (NaN or not)
         mean = np.matmul(t.transpose(0, 2, 1), self._onehot) / np.maximum(self.size, 1)  # (P, k, S)
-        dev = np.where(self.ok[None, :, None], t - mean.transpose(0, 2, 1)[:, self.ids], 0.0)
-        scaled = dev * self.weight[self.ids][None, :, None]
+        dev = np.where(ok, t - np.take(mean.transpose(0, 2, 1), self.ids, axis=1), 0.0)
+        scaled = dev * weight
         cov = np.matmul(scaled.transpose(0, 2, 1), dev)
         v = np.matmul((scaled * dev).transpose(0, 2, 1), self._onehot)  # (P, k, S) each stratum's share
         den = (v ** 2 / np.maximum(self.size - 1, 1)).sum(axis=-1)

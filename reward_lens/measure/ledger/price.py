@@ -9,6 +9,7 @@ the learning rate of step t. Ledgers are the cost book's input.
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import threading
 from collections import deque
@@ -102,11 +103,19 @@ def stack_range(samples: Sequence[StepSample], attr: str = "z") -> tuple[StepSta
     st, i0 = samples[0].stack, samples[0].index
     views = st.views.get(attr) if st is not None else None
     end = i0 + len(samples)
-    if views is not None and i0 >= 0 and end <= len(views) and all(
-            s.stack is st and getattr(s, attr) is views[i0 + j] and views[i0 + j] is not None
-            for j, s in enumerate(samples)):
-        return st, i0, end
+    if views is not None and i0 >= 0 and end <= len(views):
+        # each sample of this stack, holding its array of it (a present one): identity tests in
+        # C over the run, not a Python generator per sample (books ask this of 10,000 samples often)
+        mine = views[i0:end]
+        if (all(map(operator.is_, map(_STACK, samples), itertools.repeat(st)))
+                and all(map(operator.is_, map(operator.attrgetter(attr), samples), mine))
+                and all(map(operator.is_not, mine, itertools.repeat(None)))):
+            return st, i0, end
     return None
+
+
+_STACK = operator.attrgetter("stack")
+_BLOCK, _ROW = operator.attrgetter("block"), operator.attrgetter("row")
 
 
 def stacked(samples: Sequence[StepSample], attr: str = "z") -> np.ndarray:
@@ -260,8 +269,13 @@ class LedgerBlock:
         """The arrays of ``ledgers`` when they are rows r0, r0 + 1, ... of this block, else None."""
         r0 = getattr(ledgers[0], "row", -1) if ledgers else -1
         a = self.arrays
-        if r0 < 0 or r0 + len(ledgers) > len(a.step_pairs) or not all(
-                getattr(lg, "block", None) is self and lg.row == r0 + j for j, lg in enumerate(ledgers)):
+        if r0 < 0 or r0 + len(ledgers) > len(a.step_pairs):
+            return None
+        try:  # every ledger of this block, at its row: tested in C over the run
+            if not (all(map(operator.is_, map(_BLOCK, ledgers), itertools.repeat(self)))
+                    and list(map(_ROW, ledgers)) == list(range(r0, r0 + len(ledgers)))):
+                return None
+        except AttributeError:  # a ledger made elsewhere (no block)
             return None
         cut = slice(r0, r0 + len(ledgers))
         return LedgerArrays(a.names, a.step_pairs[cut], a.delta_z[cut], a.se[cut], a.cov_delta[cut], a.n_pre[cut],
