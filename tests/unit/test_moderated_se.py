@@ -81,6 +81,20 @@ def test_a_windows_interval_takes_its_members_fewest_degrees_of_freedom():
     assert se == pytest.approx(0.5) and (hi - lo) / 2 == pytest.approx(t975(4.0) * 0.5)
 
 
+def test_the_interval_of_a_kl_stops_at_zero():
+    """A D_t of 0.1 with an SE of 0.2 on 4 degrees of freedom: the t interval reaches
+    0.1 - 2.776 x 0.2 = -0.455, and a KL is never negative, so it is stated from 0 (row by row and
+    as columns alike); the upper end is unchanged."""
+    from reward_lens.measure.efficiency.cost import _window_spread, _window_spreads
+
+    se, (lo, hi) = _window_spread(0.1, [(0.2, 4.0)])
+    assert se == pytest.approx(0.2) and lo == 0.0 and hi == pytest.approx(0.1 + 2.7764451051977987 * 0.2)
+    out, has, los, his = _window_spreads(np.array([0.1, 5.0]), np.array([0.2, 0.2]), np.array([4.0, 4.0]),
+                                         np.array([True, True]))
+    assert has.all() and los.tolist() == [0.0, pytest.approx(5.0 - 2.7764451051977987 * 0.2)]
+    assert his.tolist() == [pytest.approx(hi), pytest.approx(5.0 + 2.7764451051977987 * 0.2)]
+
+
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match="one length"):
         moderated_d_t_se([1.0, 2.0], [0.1], [1.0, 1.0], [1, 1])

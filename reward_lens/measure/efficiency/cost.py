@@ -909,7 +909,8 @@ def _window_spreads(d_t: np.ndarray, se: np.ndarray, dof: np.ndarray, on: np.nda
         out = np.sqrt(np.where(has, se * se, np.nan))
         f = np.where(has & (dof == dof) & (dof > 0), dof, np.nan)
         half = _t975s_moderated(f) * out
-    return out, has, np.where(has, d_t - half, np.nan), np.where(has, d_t + half, np.nan)
+    # a KL is never negative: the interval's lower end stops at 0 (``_window_spread``)
+    return out, has, np.where(has, np.maximum(d_t - half, 0.0), np.nan), np.where(has, d_t + half, np.nan)
 
 
 def _t975s_moderated(dof: np.ndarray) -> np.ndarray:
@@ -1021,13 +1022,14 @@ def _window_spread(d_t: float, parts: list[tuple[float, float] | None]
     terms, so the window's degrees of freedom are its members' fewest, not Welch-Satterthwaite's
     sum over them. (None, None) where a member has none, and where the SE is 0: every pooled
     sample constant in its token KL says nothing of the spread, and states no interval rather
-    than an exact one."""
+    than an exact one. The lower end stops at 0: D_t is a KL, never negative, so a t interval's
+    reach below 0 says nothing (and cutting it there changes no coverage)."""
     if not parts or any(x is None or not (math.isfinite(x[0]) and x[0] > 0) for x in parts):
         return None, None
     se = math.sqrt(sum(s * s for s, _ in parts))
     dofs = [f for _, f in parts if f == f and f > 0]
     half = t975(min(dofs) if dofs else float("nan")) * se
-    return se, (d_t - half, d_t + half)
+    return se, (max(d_t - half, 0.0), d_t + half)
 
 
 def premise_refusal(book, run_id: str | None, premise: str, items: list[dict[str, Any]]) -> Refusal:
