@@ -54,6 +54,7 @@ and have no oracle.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -834,7 +835,8 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
     redrawn ``r`` times for the same prompts from the oracle's samples: per update and quantity,
     the real SD of the estimate over the draws against the root mean square of the SE the
     package reports (D_t's and dz's conditional on the prompts: the stratified jackknife over
-    each prompt's completions of each policy; eta's from the delete-one-group jackknife), and
+    each prompt's completions of each policy, D_t's moderated across updates; eta's from the
+    delete-one-group jackknife, pooled with the neighbouring updates' as the book pools it), and
     how often its 95 % interval covers the truth (t on the SE's degrees of freedom). Per quantity:
     the ratios of every update, the coverage over every draw.
 
@@ -914,22 +916,39 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
             if e.groups_varying != 0:  # priced: in the redrawn run j's book-wide decision
                 priced_draws.setdefault(j, []).append((e.p_value, e.estimable, e.eta_debiased - truth.eta))
                 run_draws.setdefault(j, []).append((e, truth))
-        ests = [e for e in every_est if e.groups_varying != 0 and e.estimable]
-        if len(ests) < 2:
+    # eta's intervals as the report states them: in each redrawn run j, each row's SE pooled with
+    # its neighbouring updates' (``eta.moderate``, over the run's priced rows in step order); and
+    # with the jackknife's own SE (``eta_own``), as before
+    from reward_lens.measure.efficiency.eta import EtaColumns, moderate
+
+    per_pair: dict = {}  # pair -> [(the estimate with its SE pooled, its truth)]
+    for j, got in run_draws.items():
+        got = sorted(got, key=lambda x: x[0].step_pair)
+        pooled = moderate(EtaColumns.of([e for e, _ in got], "paired"))
+        for i, (_, truth) in enumerate(got):
+            per_pair.setdefault(truth.step_pair, []).append((pooled.estimate(i), truth))
+    out["eta_own"] = {"ratio": [], "typical": [], "covered": 0, "draws": 0}
+    for pair in sorted(per_pair):
+        rows = [(e, truth) for e, truth in per_pair[pair] if e.estimable]
+        if len(rows) < 2:
             continue
-        c = out["eta"]
-        eta = np.array([e.eta_debiased for e in ests])
-        ses = np.array([e.se for e in ests])
-        if np.isfinite(ses).all() and eta.std(ddof=1) > 0:
-            c["ratio"].append(eta.std(ddof=1) / math.sqrt(np.mean(ses ** 2)))
-            c["typical"].append(float(np.median(ses)) / eta.std(ddof=1))
-        c["covered"] += sum(lo <= truth.eta <= hi for lo, hi in (e.interval() for e in ests))
-        c["draws"] += len(ests)
-        # a candidate measured, not adopted: the jackknife's own correction |K - K_jk| / D_t taken
-        # as a bound on the bias it leaves, added to the half-width
-        c["bounded"] = c.get("bounded", 0) + sum(
-            abs(e.eta_debiased - truth.eta) <= (hi - lo) / 2 + abs(e.kl_min - e.kl_min_debiased) / e.d_t
-            for e, (lo, hi) in ((e, e.interval()) for e in ests))
+        truth = rows[0][1]
+        eta = np.array([e.eta_debiased for e, _ in rows])
+        for key, ses, ivs in (("eta", np.array([e.se for e, _ in rows]), [e.interval() for e, _ in rows]),
+                              ("eta_own", np.array([e.own_se for e, _ in rows]),
+                               [dataclasses.replace(e, se_pooled=None, dof_pooled=None).interval() for e, _ in rows])):
+            c = out[key]
+            if np.isfinite(ses).all() and eta.std(ddof=1) > 0:
+                c["ratio"].append(eta.std(ddof=1) / math.sqrt(np.mean(ses ** 2)))
+                c["typical"].append(float(np.median(ses)) / eta.std(ddof=1))
+            c["covered"] += sum(lo <= truth.eta <= hi for lo, hi in ivs)
+            c["draws"] += len(rows)
+            if key == "eta":
+                # a candidate measured, not adopted: the jackknife's own correction |K - K_jk| / D_t
+                # taken as a bound on the bias it leaves, added to the half-width
+                c["bounded"] = c.get("bounded", 0) + sum(
+                    abs(e.eta_debiased - truth.eta) <= (hi - lo) / 2 + abs(e.kl_min - e.kl_min_debiased) / e.d_t
+                    for (e, _), (lo, hi) in zip(rows, ivs))
     # D_t, every draw (the tap records it whatever the premises), as the report forms its SE: the
     # j-th draws of every update are one redrawn run, its SEs moderated across its updates
     # (``moderated_d_t_se``); and with the sample's own SE (``d_t_own``), as before
@@ -1247,7 +1266,8 @@ def summary_lines(res: RegimeResult) -> list[str]:
                      "mean square), median [range] over updates; the median draw's SE / real SD, median over updates; "
                      "95 % intervals covering the truth, over draws")
         for q, words in (("d_t_own", "D_t, the sample's own SE"), ("d_t", "D_t, moderated across updates"),
-                         ("dz", "dz"), ("eta", "eta")):
+                         ("dz", "dz"), ("eta_own", "eta, the jackknife's own SE"),
+                         ("eta", "eta, moderated across updates")):
             c = cal.get(q)
             if c is None:
                 continue

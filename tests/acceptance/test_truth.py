@@ -66,14 +66,16 @@ def test_moderate_run_level_eta_interval_covers_the_truth(moderate):
 
 
 def test_eta_intervals_cover_the_truth_over_redraws_of_the_taps_sampling(moderate, collapse, sharpened):
-    """The 95 % intervals of eta over 100 redraws of the tap's 4 + 4 completions per prompt: at
-    their rate on the moderate and sharpened runs; on the collapsing run, with t on the prompt
-    groups that vary and the samples that vary in none priced as nothing, about nine in ten (68 %
-    with t on G - 1): 87.7 % on AVX2, at least 90 % on AVX512 (issue 41's target, 90 %, is met on
-    one kernel only)."""
-    for res, floor in ((moderate, 0.93), (collapse, 0.85), (sharpened, 0.93)):
-        cal = res.calibration["eta"]
-        assert cal["draws"] >= 2500 and cal["covered"] >= floor * cal["draws"]
+    """The 95 % intervals of eta over 100 redraws of the tap's 4 + 4 completions per prompt, each
+    row's SE pooled with its neighbouring updates' as the book pools it (``eta.moderate``): at
+    their rate on the moderate run, above it on the sharpened one (whose jackknife SE was already
+    wider than the spread), and nine in ten on the collapsing run (91.4 % on AVX2, where the
+    jackknife's own SE covered 87.7 %: with t on G - 1 it was 68 %). Pooling never covers less
+    often than the row's own SE."""
+    for res, floor in ((moderate, 0.93), (collapse, 0.9), (sharpened, 0.93)):
+        cal, own = res.calibration["eta"], res.calibration["eta_own"]
+        assert cal["draws"] == own["draws"] >= 2500 and cal["covered"] >= floor * cal["draws"]
+        assert cal["covered"] >= own["covered"]
 
 
 def test_the_run_level_eta_of_redrawn_runs(moderate, collapse, sharpened):

@@ -193,3 +193,52 @@ def test_a_callers_d_t_takes_no_interval_from_the_records_se():
     assert mine.rows and all(r.kl_spent_se is None and r.kl_spent_interval is None for r in mine.rows)
     theirs = cost_series(pr.ledgers, pr.metric, run_=run)
     assert theirs.rows and all(r.kl_spent_se == se[r.step_pair[0]] for r in theirs.rows)
+
+
+def test_eta_se_pools_its_variance_with_the_neighbouring_updates_worked_by_hand():
+    """Three rows of SE 0.1, 0.2 and 0.4 on 3 degrees of freedom each, one update on either side,
+    the own weight 1/2. The first row's window holds two rows: its own term weighs 1/2 + 1/4, the
+    other 1/4, so v = 0.75 x 0.01 + 0.25 x 0.04 = 0.0175, on 0.0175^2 / ((0.75^2 x 0.01^2 +
+    0.25^2 x 0.04^2) / 3) = 5.88 degrees of freedom. The middle one's holds three: 2/3 x 0.04 +
+    1/6 x (0.01 + 0.16) = 0.055. The variance is pooled, not the relative variance: eta is a
+    ratio on one scale across updates."""
+    from reward_lens.measure.ledger.moderated import moderated_eta_se
+
+    se, dof = moderated_eta_se([0.1, 0.2, 0.4], [3.0, 3.0, 3.0], window=1)
+    assert se[0] == pytest.approx(math.sqrt(0.0175)) and dof[0] == pytest.approx(0.0175 ** 2 / (
+        (0.75 ** 2 * 1e-4 + 0.25 ** 2 * 0.04 ** 2) / 3))
+    assert se[1] == pytest.approx(math.sqrt(2 / 3 * 0.04 + 1 / 6 * 0.17))
+    # a row with no finite SE takes no part and is no one's neighbour
+    se2, _ = moderated_eta_se([0.1, float("inf"), 0.2, 0.4], [3.0, 3.0, 3.0, 3.0], window=1)
+    assert math.isnan(se2[1]) and se2[[0, 2, 3]] == pytest.approx(se)
+    with pytest.raises(ValueError, match="one length"):
+        moderated_eta_se([0.1, 0.2], [3.0])
+
+
+def test_a_paired_books_rows_pool_in_step_order_and_the_interval_reads_the_pooled_se():
+    """``eta.moderate``: rows given out of step order are pooled in step order; a row that states
+    no interval (one prompt group varies) takes no part; the interval is eta_debiased -+ t on the
+    pooled degrees of freedom x the pooled SE; the estimate and its own SE are unchanged, and an
+    unpaired book's rows are not pooled."""
+    from reward_lens.measure.efficiency.eta import EtaColumns, EtaEstimate, _t975, moderate
+    from reward_lens.measure.ledger.moderated import moderated_eta_se
+
+    def est(pair, k, se_k, gv):  # K with variance se_k^2 and D = 1 exactly: eta's SE is se_k
+        return EtaEstimate(step_pair=pair, kind="paired", kl_min=k, kl_min_debiased=k, d_t=1.0, p_value=0.01,
+                           cov=np.array([[se_k ** 2, 0.0], [0.0, 0.0]]), dof=3.0, groups_varying=gv)
+
+    rows = [est((2, 3), 0.5, 0.4, 8), est((0, 1), 0.3, 0.1, 8), est((1, 2), 0.2, 0.9, 1), est((3, 4), 0.6, 0.2, 8)]
+    got = moderate(EtaColumns.of(rows))
+    want, dof = moderated_eta_se([0.1, 0.4, 0.2], [3.0, 3.0, 3.0])  # (0, 1), (2, 3), (3, 4): step order
+    assert got.pooled.tolist() == [True, True, False, True]
+    assert got.se[[1, 0, 3]] == pytest.approx(want) and got.se[2] == pytest.approx(0.9)
+    assert got.own_se == pytest.approx([0.4, 0.1, 0.9, 0.2])
+    e = got.estimate(0)
+    lo, hi = e.interval()
+    assert e.se == pytest.approx(want[1]) and (hi - lo) / 2 == pytest.approx(_t975(dof[1]) * want[1])
+    assert e.eta_debiased == 0.5 and got.estimate(2).se_pooled is None
+    lo_c, hi_c = got.interval()
+    assert lo_c[0] == lo and hi_c[0] == hi
+    unpaired = EtaColumns.of([EtaEstimate(step_pair=(0, 1), kind="unpaired", kl_min=0.1, kl_min_debiased=0.1,
+                                          d_t=1.0, p_value=0.5, cov=np.eye(2))])
+    assert moderate(unpaired) is unpaired

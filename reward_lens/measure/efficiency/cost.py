@@ -784,6 +784,8 @@ def cost_series(
         else:
             refusals.append(premise_refusal(book, run_id, premise, items))
     priced = _eta.windows(estimates, window)
+    if kind == "paired" and window == 1:  # each row's SE pooled with its neighbouring updates' (``eta.moderate``)
+        priced = _eta.moderate(_eta.EtaColumns.of(priced, kind)).estimates()
     decided = _eta.benjamini_hochberg([e.p_value for e in priced])
     rows: list[CostRow] = list(nothing)
     ordered = list(meta.values())  # in the order of ``estimates``, which ``windows`` keeps
@@ -862,6 +864,7 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
         else:
             refusals.append(premise_refusal(book, run_id, why, items))
     kept, est = todo[~bad], est.take(~bad)
+    est = _eta.moderate(est)  # each row's SE pooled with its neighbouring updates' (the intervals read it)
     decided = _eta.benjamini_hochberg(est.p_value)
     # the rows: those that price nothing, then the priced, put in step-pair order (as a stable sort)
     m, k = len(nothing), len(kept)

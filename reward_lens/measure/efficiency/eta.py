@@ -49,6 +49,7 @@ reproducible.
 from __future__ import annotations
 
 from collections.abc import Sequence
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -57,6 +58,7 @@ import numpy as np
 from scipy import special  # the distribution functions scipy.stats wraps, without its import cost
 
 from reward_lens.measure.efficiency.iproj import VALUE_RTOL, fixed_tilt_bias, group_jackknife
+from reward_lens.measure.ledger.moderated import moderated_eta_se
 from reward_lens.measure.ledger.paired import PairedLedger, mis_log_weights
 from reward_lens.measure.ledger.price import Ledger, blocks, in_threads, stack_views
 
@@ -99,6 +101,11 @@ class EtaEstimate:
     # paired: the prompt groups in which some priced feature varies (``groups_varying``); the
     # rest add nothing to KL_min, and with none of them the tilt is not identified
     groups_varying: int | None = None
+    # a paired book's row: its SE pooled with the neighbouring updates' and that SE's degrees of
+    # freedom (``moderate``); the interval and the headline read them where they are set, the
+    # envelope test and a window's sums the jackknife's own ``cov``
+    se_pooled: float | None = None
+    dof_pooled: float | None = None
 
     @property
     def null_kl(self) -> float:
@@ -132,12 +139,18 @@ class EtaEstimate:
 
     @property
     def se(self) -> float:
-        """Delta-method SE of eta_debiased = K / D."""
+        """SE of eta_debiased = K / D: pooled with the neighbouring updates' where the book pooled
+        it (``se_pooled``), else the delta method's from the jackknife's ``cov`` (``own_se``)."""
+        return self.se_pooled if self.se_pooled is not None else self.own_se
+
+    @property
+    def own_se(self) -> float:
+        """Delta-method SE of eta_debiased = K / D from the jackknife's covariance."""
         return _ratio_se(self.kl_min_debiased, self.d_t, self.cov)
 
     def interval(self) -> tuple[float, float]:
         """95 % interval of eta_debiased: t quantile with the SE's degrees of freedom."""
-        q = _t975(self.dof)
+        q = _t975(self.dof_pooled if self.se_pooled is not None else self.dof)
         e, se = self.eta_debiased, self.se
         return (e - q * se, e + q * se)
 
@@ -171,14 +184,31 @@ class EtaColumns:
     converged: np.ndarray  # (P,) bool
     steps: np.ndarray  # (P,) int
     groups_varying: np.ndarray  # (P,) int, -1 where None
+    # ``EtaEstimate.se_pooled`` and ``dof_pooled`` of each, NaN where None (None: not pooled at all)
+    se_pooled: np.ndarray | None = None
+    dof_pooled: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.kl_min)
+
+    @property
+    def pooled(self) -> np.ndarray:
+        """Which entries' SE was pooled with the neighbouring updates' (``moderate``)."""
+        if self.se_pooled is None:
+            return np.zeros(len(self), dtype=bool)
+        return ~np.isnan(self.se_pooled)
 
     @classmethod
     def of(cls, estimates: Sequence[EtaEstimate], kind: str | None = None) -> EtaColumns:
         """The columns of ``estimates`` (of one kind: the first's, or ``kind`` where there are none)."""
         es = list(estimates)
+        pooled = any(e.se_pooled is not None for e in es)
+
+        def opt(name: str) -> np.ndarray | None:
+            if not pooled:
+                return None
+            return np.array([np.nan if getattr(e, name) is None else getattr(e, name) for e in es], dtype=np.float64)
+
         return cls(
             step_pair=np.array([e.step_pair for e in es], dtype=np.int64).reshape(len(es), 2),
             kind=es[0].kind if es else (kind or "paired"),
@@ -191,15 +221,18 @@ class EtaColumns:
             converged=np.array([e.converged for e in es], dtype=bool),
             steps=np.array([e.steps for e in es], dtype=np.int64),
             groups_varying=np.array([-1 if e.groups_varying is None else e.groups_varying for e in es],
-                                    dtype=np.int64))
+                                    dtype=np.int64), se_pooled=opt("se_pooled"), dof_pooled=opt("dof_pooled"))
 
     def estimate(self, i: int) -> EtaEstimate:
         gv = int(self.groups_varying[i])
+        pooled = self.se_pooled is not None and not math.isnan(self.se_pooled[i])
         return EtaEstimate(step_pair=(int(self.step_pair[i, 0]), int(self.step_pair[i, 1])), kind=self.kind,
                            kl_min=float(self.kl_min[i]), kl_min_debiased=float(self.kl_min_debiased[i]),
                            d_t=float(self.d_t[i]), p_value=float(self.p_value[i]), cov=self.cov[i],
                            dof=float(self.dof[i]), converged=bool(self.converged[i]), steps=int(self.steps[i]),
-                           groups_varying=None if gv < 0 else gv)
+                           groups_varying=None if gv < 0 else gv,
+                           se_pooled=float(self.se_pooled[i]) if pooled else None,
+                           dof_pooled=float(self.dof_pooled[i]) if pooled else None)
 
     def estimates(self) -> list[EtaEstimate]:
         return [self.estimate(i) for i in range(len(self))]
@@ -209,7 +242,9 @@ class EtaColumns:
         return EtaColumns(step_pair=self.step_pair[idx], kind=self.kind, kl_min=self.kl_min[idx],
                           kl_min_debiased=self.kl_min_debiased[idx], d_t=self.d_t[idx], p_value=self.p_value[idx],
                           cov=self.cov[idx], dof=self.dof[idx], converged=self.converged[idx], steps=self.steps[idx],
-                          groups_varying=self.groups_varying[idx])
+                          groups_varying=self.groups_varying[idx],
+                          se_pooled=None if self.se_pooled is None else self.se_pooled[idx],
+                          dof_pooled=None if self.dof_pooled is None else self.dof_pooled[idx])
 
     @property
     def null_kl(self) -> np.ndarray:
@@ -240,13 +275,19 @@ class EtaColumns:
 
     @property
     def se(self) -> np.ndarray:
+        """``EtaEstimate.se`` of each: the pooled SE where it was pooled, else ``own_se``."""
+        own = self.own_se
+        return own if self.se_pooled is None else np.where(self.pooled, self.se_pooled, own)
+
+    @property
+    def own_se(self) -> np.ndarray:
         """``_ratio_se`` of each: grad^T cov grad written out in the order ``grad @ cov @ grad``
         adds its terms in."""
         return ratio_ses(self.kl_min_debiased, self.d_t, self.cov)
 
     def interval(self) -> tuple[np.ndarray, np.ndarray]:
         """``EtaEstimate.interval`` of each: (lo, hi)."""
-        q = t975s(self.dof)
+        q = t975s(self.dof if self.se_pooled is None else np.where(self.pooled, self.dof_pooled, self.dof))
         e, se = self.eta_debiased, self.se
         with np.errstate(invalid="ignore"):
             return e - q * se, e + q * se
@@ -260,6 +301,24 @@ class EtaColumns:
         with np.errstate(divide="ignore", invalid="ignore"):
             z = diff / np.sqrt(np.where(pos, var, 1.0))
         return np.where(pos, z, np.where(diff > 0, np.inf, -np.inf))
+
+
+def moderate(est: EtaColumns) -> EtaColumns:
+    """A paired book's rows (one step pair each) with each row's SE pooled with its neighbouring
+    updates' (``ledger.moderated.moderated_eta_se``: the rows that state an interval -- estimable,
+    with a finite SE -- in step-pair order, each window counting such rows). The estimate, its
+    test and the decision are unchanged; the interval and the headline read the pooled SE. Other
+    kinds are handed back as they are."""
+    if est.kind != "paired" or not len(est):
+        return est
+    own = est.own_se
+    on = est.estimable & np.isfinite(own)
+    at = np.flatnonzero(on)
+    at = at[np.lexsort((est.step_pair[at, 1], est.step_pair[at, 0]))]
+    se_p, dof_p = np.full(len(est), np.nan), np.full(len(est), np.nan)
+    if len(at):
+        se_p[at], dof_p[at] = moderated_eta_se(own[at], est.dof[at])
+    return dataclasses.replace(est, se_pooled=se_p, dof_pooled=dof_p)
 
 
 def ratio_ses(k: np.ndarray, d: np.ndarray, cov: np.ndarray) -> np.ndarray:

@@ -90,8 +90,10 @@ class EfficiencyRows(_M):
     efficiency_debiased: list[float | None] = Field(description="eta with that noise taken out (paired: the "
                                                                 "jackknife's; unpaired: the noise floor); may be "
                                                                 "below 0")
-    interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased; null "
-                                                       "where nothing was priced or no_interval")
+    interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased (a paired "
+                                                       "row's: the jackknife's SE pooled with the neighbouring "
+                                                       "updates', t on its degrees of freedom); null where nothing "
+                                                       "was priced or no_interval")
     no_interval: list[bool] = Field(description="priced, but a priced behaviour varies in one prompt group only: the "
                                                 "jackknife's spread is the estimate itself, so eta states no interval "
                                                 "and is left out of eta_median")
