@@ -398,10 +398,12 @@ def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndar
     pair = np.repeat(np.arange(n_pairs), b)  # each replicate's sample
     c_all = np.tile(c, (n_pairs, 1))
     by_group = _with_groups(codes, len(starts))
+    def rows_of(x, rows):
+        """x of each replicate's sample: x itself where that is every sample once, in order."""
+        return x if b == 1 and len(rows) == n_pairs else x[pair[rows]]
 
     def evaluate(lam_, rows):
-        p_ = pair[rows]
-        a = logp[p_] + np.matmul(zs[p_], lam_[:, :, None])[:, :, 0]  # (R', n)
+        a = rows_of(logp, rows) + np.matmul(rows_of(zs, rows), lam_[:, :, None])[:, :, 0]  # (R', n)
         amax = np.maximum.reduceat(a, starts, axis=1)  # (R', G)
         e = np.exp(by_group(np.subtract, a, amax))
         zg = np.add.reduceat(e, starts, axis=1)
@@ -417,7 +419,7 @@ def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndar
         i = np.nonzero(live)[0]
         if not len(i):
             break
-        ci, qi, zi = c_all[i], q[i], zs[pair[i]]
+        ci, qi, zi = c_all[i], q[i], rows_of(zs, i)
         mean_g = np.add.reduceat(qi[:, :, None] * zi, starts, axis=1)  # (R', G, k) E_q[z] per group
         grad = -np.einsum("bg,bgk->bk", ci, mean_g)
         done = np.abs(grad).max(axis=1, initial=0.0) < GRAD_TOL
