@@ -81,6 +81,23 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
 # replicates: 1.9-2.4x less time than in 32 MiB batches on one thread (bench/blocks.py).
 BATCH_FLOATS = 250_000
 THREADS = os.cpu_count() or 1
+# Samples whose tilt bias (``_fixed_tilt_bias_blocks``, on (P, G, m) arrays) is made in one batch:
+# 1,024 samples of 96 rows are 0.75 MiB an array.
+TILT_BATCH = 1024
+
+
+class _inline:
+    """A stand-in for a thread pool that maps on the calling thread."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @staticmethod
+    def map(fn, items):
+        return map(fn, items)
 
 
 def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_groups: int,
@@ -237,6 +254,7 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     # and, for a second step, each row's tilted weight and features under every deletion (G x n x k)
     per_batch = max(1, BATCH_FLOATS // max(1, n * k * max(k, n_groups if steps == 2 else 1)))
     los = list(range(0, n_pairs, per_batch))
+    m = blocks(codes, n_groups)
 
     def batch(lo: int) -> tuple[np.ndarray, ...]:
         hi = min(n_pairs, lo + per_batch)
@@ -245,17 +263,34 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         zs, logp, starts, _, spread = _prepared(z[lo:hi], r[lo:hi], codes, n_groups, heldout)
         value, converged, lam = _newton(zs, logp, codes, starts, c)
         deleted, gain = _step_deletions(zs, logp, lam, codes, starts, steps)
-        # each group's term bias at the tilt, on the prepared features while they are in hand
-        bias = (_tilt_bias(z[lo:hi], r[lo:hi], zs, spread, lam, codes, n_groups, side) if two_sided
-                else np.zeros((hi - lo, n_groups)))
+        # each group's term bias at the tilt, on the prepared features while they are in hand; in
+        # equal blocks it reads them only through lambda . z, and is made after the batches (below)
+        if two_sided and m:
+            bias = (np.matmul(zs, lam[:, :, None])[:, :, 0], spread.any(axis=2))  # lambda . z (P, n), varies (P, G)
+        elif two_sided:
+            bias = _tilt_bias(z[lo:hi], r[lo:hi], zs, spread, lam, codes, n_groups, side)
+        else:
+            bias = np.zeros((hi - lo, n_groups))
         return np.maximum(value, 0.0), deleted, gain, converged, lam, bias
 
-    if len(los) > 1 and THREADS > 1:
-        with ThreadPoolExecutor(min(THREADS, len(los))) as pool:
-            parts = list(pool.map(batch, los))
-    else:
-        parts = [batch(lo) for lo in los]
-    full, deleted, gain, converged, lam, bias = (np.concatenate(x) for x in zip(*parts))
+    def biases(lo: int) -> np.ndarray:
+        hi = min(n_pairs, lo + TILT_BATCH)
+        return _fixed_tilt_bias_blocks(r[lo:hi], a_all[lo:hi], side, varies[lo:hi], n_groups, m)
+
+    workers = THREADS if len(los) > 1 else 1
+    with ThreadPoolExecutor(min(workers, len(los))) if workers > 1 else _inline() as pool:
+        parts = list(pool.map(batch, los))
+        if two_sided and m:
+            # the bias works on (P, G, m) arrays, k times smaller than the projections': in
+            # batches of TILT_BATCH samples, not the projections' dozens (each sample's its own
+            # arithmetic, so the same numbers), it is not a hundred numpy calls on a few KiB each
+            a_all = np.concatenate([b[5][0] for b in parts])
+            varies = np.concatenate([b[5][1] for b in parts])
+            parts = [b[:5] for b in parts]
+            bias = np.concatenate(list(pool.map(biases, range(0, n_pairs, TILT_BATCH))))
+    full, deleted, gain, converged, lam, *rest = (np.concatenate(x) for x in zip(*parts))
+    if rest:
+        bias = rest[0]
     solved = np.zeros(n_pairs, dtype=bool)
     if deletions == "checked":
         g = n_groups
@@ -363,10 +398,12 @@ def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndar
     pair = np.repeat(np.arange(n_pairs), b)  # each replicate's sample
     c_all = np.tile(c, (n_pairs, 1))
     by_group = _with_groups(codes, len(starts))
+    def rows_of(x, rows):
+        """x of each replicate's sample: x itself where that is every sample once, in order."""
+        return x if b == 1 and len(rows) == n_pairs else x[pair[rows]]
 
     def evaluate(lam_, rows):
-        p_ = pair[rows]
-        a = logp[p_] + np.matmul(zs[p_], lam_[:, :, None])[:, :, 0]  # (R', n)
+        a = rows_of(logp, rows) + np.matmul(rows_of(zs, rows), lam_[:, :, None])[:, :, 0]  # (R', n)
         amax = np.maximum.reduceat(a, starts, axis=1)  # (R', G)
         e = np.exp(by_group(np.subtract, a, amax))
         zg = np.add.reduceat(e, starts, axis=1)
@@ -382,7 +419,7 @@ def _newton(zs: np.ndarray, logp: np.ndarray, codes: np.ndarray, starts: np.ndar
         i = np.nonzero(live)[0]
         if not len(i):
             break
-        ci, qi, zi = c_all[i], q[i], zs[pair[i]]
+        ci, qi, zi = c_all[i], q[i], rows_of(zs, i)
         mean_g = np.add.reduceat(qi[:, :, None] * zi, starts, axis=1)  # (R', G, k) E_q[z] per group
         grad = -np.einsum("bg,bgk->bk", ci, mean_g)
         done = np.abs(grad).max(axis=1, initial=0.0) < GRAD_TOL
