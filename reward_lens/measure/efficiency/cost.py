@@ -776,13 +776,7 @@ def cost_series(
             continue
         estimates.append(est)
         meta[pair] = (i, source, _d_t_checks(lg, est, run_, pair))
-    for premise, items in failed.items():
-        subject = _subject(run_id, [tuple(h["step_pair"]) for h in items])
-        if premise == "no_token_kl":
-            refusals.append(make_refusal("RECORD_INCOMPLETE", book, subject, {
-                "requirement": "token_kl", "run": _short(run_id), "n_pairs": len(items), "pairs": items}))
-        else:
-            refusals.append(premise_refusal(book, run_id, premise, items))
+    refusals.extend(_failed_premises(book, run_id, failed))
     priced = _eta.windows(estimates, window)
     if kind == "paired" and window == 1:  # each row's SE pooled with its neighbouring updates' (``eta.moderate``)
         priced = _eta.moderate(_eta.EtaColumns.of(priced, kind)).estimates()
@@ -856,13 +850,7 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
         violation = _paired_envelope(series, i, lgs[i], est.estimate(q))
         refusals.append(make_refusal("ENVELOPE_VIOLATED", book, _subject(run_id, [pairs[i]]),
                                      {**violation, "run": _short(run_id), "source": source[i]}))
-    for why, items in failed.items():
-        subject = _subject(run_id, [tuple(h["step_pair"]) for h in items])
-        if why == "no_token_kl":
-            refusals.append(make_refusal("RECORD_INCOMPLETE", book, subject, {
-                "requirement": "token_kl", "run": _short(run_id), "n_pairs": len(items), "pairs": items}))
-        else:
-            refusals.append(premise_refusal(book, run_id, why, items))
+    refusals.extend(_failed_premises(book, run_id, failed))
     kept, est = todo[~bad], est.take(~bad)
     est = _eta.moderate(est)  # each row's SE pooled with its neighbouring updates' (the intervals read it)
     decided = _eta.benjamini_hochberg(est.p_value)
@@ -895,6 +883,21 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
         d_t_disagrees=cat(False, checks.disagrees(), bool), no_interval=cat(False, ~estimable, bool),
         kl_spent_se_on=se_on[order], kl_spent_se=se[order], kl_spent_lo=se_lo[order], kl_spent_hi=se_hi[order])
     return columns, EtaEstimates(est)
+
+
+def _failed_premises(book, run_id: str | None, failed: dict[str, list[dict[str, Any]]]) -> list[Refusal]:
+    """One refusal per failed premise, in the order ``failed`` holds them: a sample without the
+    token KL is RECORD_INCOMPLETE (``token_kl``), any other premise PREMISE_FAILED
+    (``premise_refusal``)."""
+    out = []
+    for why, items in failed.items():
+        subject = _subject(run_id, [tuple(h["step_pair"]) for h in items])
+        if why == "no_token_kl":
+            out.append(make_refusal("RECORD_INCOMPLETE", book, subject, {
+                "requirement": "token_kl", "run": _short(run_id), "n_pairs": len(items), "pairs": items}))
+        else:
+            out.append(premise_refusal(book, run_id, why, items))
+    return out
 
 
 def _paired_sources(lgs: Sequence[PairedLedger]) -> list[str]:
