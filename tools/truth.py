@@ -914,7 +914,8 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         js = [j for j, x in enumerate(every) if x is not None and x[0].premise() is None]  # ok's draws
         for j, e in zip(js, every_est):
             if e.groups_varying != 0:  # priced: in the redrawn run j's book-wide decision
-                priced_draws.setdefault(j, []).append((e.p_value, e.estimable, e.eta_debiased - truth.eta))
+                priced_draws.setdefault(j, []).append((e.p_value, e.estimable, e.eta_debiased - truth.eta,
+                                                       _heldout_test(every[j][0], idx)))
                 run_draws.setdefault(j, []).append((e, truth))
     # eta's intervals as the report states them: in each redrawn run j, each row's SE pooled with
     # its neighbouring updates' (``eta.moderate``, over the run's priced rows in step order); and
@@ -1055,28 +1056,49 @@ def _run_levels(run_draws: dict[int, list]) -> dict:
             "sd_over_se": float(np.std(errors, ddof=1) / np.sqrt(np.mean(np.square(ses)))) if n > 1 else None}
 
 
+def _heldout_test(lg, idx) -> float:
+    """A candidate for the book's decision that eta does not read twice: the within-group F test
+    of the log-ratio on the priced features (``within_group_r2_tests``, the book's test) on the
+    held-out side's rows alone, where the book tests the rollouts'. eta still reads both sides, so
+    the held-out side's noise still selects it, on half of its sample."""
+    import numpy as np
+
+    from reward_lens.measure.efficiency.eta import within_group_r2_tests
+
+    held = np.asarray(lg.heldout, dtype=bool)
+    kept, g = np.unique(np.asarray(lg.codes)[held], return_inverse=True)
+    z = np.asarray(lg.z, dtype=np.float64)[held][:, idx]
+    r = np.asarray(lg.log_ratio, dtype=np.float64)[held]
+    return float(within_group_r2_tests(z[None], r[None], g, len(kept))[1][0])
+
+
 def _selection(priced_draws: dict[int, list]) -> dict:
     """eta - truth over the redrawn runs' rows that state an interval: every one, those the
     run's book-wide decision resolves (Benjamini-Hochberg over each redrawn run's priced pairs,
     as the book decides), and the others. A row is resolved when its test rejects, and the test
-    reads the same sample as eta: the resolved rows are selected on their own noise."""
+    reads the same sample as eta: the resolved rows are selected on their own noise. Beside it,
+    the same decision made on the held-out side's test alone (``_heldout_test``), measured as a
+    candidate, not adopted."""
     import numpy as np
 
     from reward_lens.measure.efficiency.eta import benjamini_hochberg
 
-    every, resolved, other = [], [], []
+    every, resolved, other, held = [], [], [], []
     for rows in priced_draws.values():
-        decided = benjamini_hochberg([p for p, _, _ in rows])
-        for (_, estimable, diff), rej in zip(rows, decided):
+        decided = benjamini_hochberg([p for p, _, _, _ in rows])
+        by_held = benjamini_hochberg([ph for _, _, _, ph in rows])
+        for (_, estimable, diff, _), rej, rej_h in zip(rows, decided, by_held):
             if estimable:
                 every.append(diff)
                 (resolved if rej else other).append(diff)
+                if rej_h:
+                    held.append(diff)
 
     def med(x):
         return float(np.median(x)) if x else None
 
     return {"every": med(every), "resolved": med(resolved), "other": med(other), "n_resolved": len(resolved),
-            "n": len(every)}
+            "n": len(every), "heldout": med(held), "n_heldout": len(held)}
 
 
 # The tail diagnostics the issue proposed for a D_t whose sample missed where its KL sits, each
@@ -1295,7 +1317,9 @@ def summary_lines(res: RegimeResult) -> list[str]:
         lines.append(f"  eta over the redrawn runs (each draw of every update one run, decided book-wide as the "
                      f"book does): median (eta - truth) {signed(sel['every'])} over the {sel['n']} rows with an "
                      f"interval, {signed(sel['resolved'])} over the {sel['n_resolved']} resolved, "
-                     f"{signed(sel['other'])} over the others (the resolved rows are selected on their own noise)")
+                     f"{signed(sel['other'])} over the others (the resolved rows are selected on their own noise); "
+                     f"decided on the held-out side's test alone (a candidate, not adopted: eta reads that side too) "
+                     f"{signed(sel.get('heldout'))} over its {sel.get('n_heldout', 0)} resolved")
     if cal.get("tail"):
         lines.append("  tail diagnostics for D_t, on the same draws: the share of the band's misses, of the "
                      "intervals' misses and of the other draws each flags, at the threshold that flags a quarter "

@@ -84,13 +84,17 @@ def test_the_resolved_rows_of_redrawn_runs_are_decided_book_wide_per_run():
     """Benjamini-Hochberg at 0.05 over each redrawn run's rows, by hand: run 0's p-values 0.001
     and 0.04 (ranks 1 and 2 of 2: thresholds 0.025 and 0.05) both reject; run 1's 0.03, 0.5 and
     0.9 (ranks 1-3 of 3: thresholds 0.0167, 0.033 and 0.05) none. A row without an interval (run
-    1's 0.5) is decided with the run and left out of the medians."""
-    draws = {0: [(0.001, True, 0.3), (0.04, True, 0.1)], 1: [(0.03, True, -0.2), (0.9, True, -0.4),
-                                                            (0.5, False, 9.0)]}
+    1's 0.5) is decided with the run and left out of the medians. The candidate decided on the
+    held-out side's p-values (the fourth entries) alone: run 0's 0.5 and 0.001 reject the second
+    (0.001 <= 0.025; 0.5 > 0.05), run 1's 0.001, 0.002 and 0.9 the first two (thresholds 0.0167
+    and 0.033), so its resolved rows read 0.1, -0.2 and -0.4."""
+    draws = {0: [(0.001, True, 0.3, 0.5), (0.04, True, 0.1, 0.001)],
+             1: [(0.03, True, -0.2, 0.001), (0.9, True, -0.4, 0.002), (0.5, False, 9.0, 0.9)]}
     sel = truth._selection(draws)
     assert sel["n"] == 4 and sel["n_resolved"] == 2
     assert sel["resolved"] == pytest.approx(0.2) and sel["other"] == pytest.approx(-0.3)
     assert sel["every"] == pytest.approx(-0.05)
+    assert sel["n_heldout"] == 3 and sel["heldout"] == pytest.approx(-0.2)
 
 
 def test_a_yes_or_no_tail_flag_is_scored_on_the_misses_it_flags():
