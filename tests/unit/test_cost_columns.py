@@ -228,3 +228,23 @@ def test_t975s_are_the_scalar_functions_of_each_entry():
     dof = np.r_[dof, np.random.default_rng(1).uniform(0, 60, size=500)]
     assert np.array_equal(eta_mod.t975s(dof), [eta_mod._t975(float(v)) for v in dof], equal_nan=True)
     assert np.array_equal(_t975s_moderated(dof), [t975(float(v)) for v in dof], equal_nan=True)
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_ledgers_out_of_step_order_give_the_book_of_those_in_order(window, monkeypatch):
+    """A caller's ledgers in any order give the book of the same ledgers in step order, on both
+    paths (the row-by-row one, which windows take, walked them as given and failed)."""
+    samples, held = _irregular(1)
+    ledgers, _ = paired_ledger_series(samples, heldout=held)
+    run = _fake_run(ledgers, np.random.default_rng(1))
+    g = within_group_metric(ledgers)
+    shuffled = [ledgers[i] for i in np.random.default_rng(7).permutation(len(ledgers))]
+    assert [lg.step_pair for lg in shuffled] != sorted(lg.step_pair for lg in shuffled)
+    for columns in (True, False):
+        monkeypatch.setattr(cost_mod, "PAIRED_COLUMNS", columns)
+        want = cost_series(ledgers, g, run_=run, window=window)
+        got = cost_series(shuffled, g, run_=run, window=window)
+        assert len(got.rows) == len(want.rows) > 0
+        assert all(_same(vars(x), vars(y)) for x, y in zip(got.rows, want.rows)), (window, columns)
+        assert sorted((r.code, r.detail) for r in got.refusals) == sorted((r.code, r.detail) for r in want.refusals)
+        assert _same(got.headline(), want.headline())

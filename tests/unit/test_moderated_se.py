@@ -5,6 +5,7 @@ the sample's own SE is small exactly when the sample missed the tail."""
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -242,3 +243,109 @@ def test_a_paired_books_rows_pool_in_step_order_and_the_interval_reads_the_poole
     unpaired = EtaColumns.of([EtaEstimate(step_pair=(0, 1), kind="unpaired", kl_min=0.1, kl_min_debiased=0.1,
                                           d_t=1.0, p_value=0.5, cov=np.eye(2))])
     assert moderate(unpaired) is unpaired
+
+
+def test_rows_far_apart_in_step_order_are_not_neighbours_whatever_order_they_come_in():
+    """Nine rows given shuffled, the book's window (three rows on either side): each row's pooled
+    SE is that of its step-order neighbours, written out (a = 1/2 + 1/(2m) for its own variance,
+    1/(2m) for each other one), so the first and last rows, which share no neighbour, differ."""
+    from reward_lens.measure.efficiency.eta import EtaColumns, EtaEstimate, moderate
+
+    se_by_step = [0.1, 0.2, 0.4, 0.8, 0.3, 0.5, 0.05, 0.6, 1.0]
+
+    def est(t):
+        s = se_by_step[t]
+        return EtaEstimate(step_pair=(t, t + 1), kind="paired", kl_min=0.5, kl_min_debiased=0.5, d_t=1.0,
+                           p_value=0.01, cov=np.array([[s * s, 0.0], [0.0, 0.0]]), dof=4.0, groups_varying=8)
+
+    order = [5, 0, 8, 3, 1, 7, 2, 6, 4]
+    got = moderate(EtaColumns.of([est(t) for t in order]))
+    for q, t in enumerate(order):
+        window = [s for s in range(t - 3, t + 4) if 0 <= s < len(se_by_step)]
+        m = len(window)
+        v = 0.5 * se_by_step[t] ** 2 + sum(se_by_step[s] ** 2 for s in window) / (2 * m)
+        assert got.se[q] == pytest.approx(math.sqrt(v), rel=1e-12), t
+    assert got.se[order.index(0)] != pytest.approx(got.se[order.index(8)])
+
+
+def test_a_known_variance_adds_nothing_to_the_degrees_of_freedom_and_bad_input_is_named():
+    """Welch-Satterthwaite: (sum of the terms)^2 / sum of term^2 / dof. Two rows of SE 0.1, the
+    first on 4 degrees of freedom and the second known (infinite), window 1: each row's own term
+    weighs 3/4 and the other's 1/4, so v = 0.0075 + 0.0025 = 0.01. The first row's dof is 0.01^2 /
+    (0.0075^2 / 4) = 7.11 -- not 0.01^2 / (0.0075^2 / 4 + 0.0025^2 / 1) = 4.92, as a known variance
+    read as one degree of freedom gave -- and the second's 0.01^2 / (0.0025^2 / 4) = 64. Every term
+    known: normal (NaN dof)."""
+    from reward_lens.measure.ledger.moderated import moderated_eta_se, pooled_variances
+
+    se, dof = moderated_eta_se([0.1, 0.1], [4.0, float("inf")], window=1)
+    assert se == pytest.approx([0.1, 0.1]) and dof == pytest.approx([1e-4 / (0.0075 ** 2 / 4), 64.0])
+    _, dof = moderated_eta_se([0.1, 0.1], [float("inf"), float("inf")], window=1)
+    assert np.isnan(dof).all()
+    # an SE beyond the float range when squared takes no part, without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        se, _ = moderated_eta_se([0.1, 1e200, 0.1], [4.0, 4.0, 4.0], window=1)
+        d_se, _ = moderated_d_t_se([1.0, 1e-160, 1.0], [0.1, 1.0, 0.1], [4.0, 4.0, 4.0], [8, 8, 8], window=1)
+    assert np.isnan(se[1]) and se[[0, 2]] == pytest.approx([0.1, 0.1])
+    assert np.isnan(d_se[1]) and np.isfinite(d_se[[0, 2]]).all()
+    for bad, match in ((dict(u=[0.1, 0.2], dof=[1.0]), "one length"), (dict(u=[0.1, np.nan], dof=[1.0, 1.0]), "finite"),
+                       (dict(u=[0.1, -1.0], dof=[1.0, 1.0]), "finite"),
+                       (dict(u=[0.1, 0.2], dof=[1.0, 1.0], window=-1), "window"),
+                       (dict(u=[0.1, 0.2], dof=[1.0, 1.0], own_weight=3.0), "own_weight")):
+        with pytest.raises(ValueError, match=match):
+            pooled_variances(**bad)
+
+
+def test_the_books_eta_intervals_are_the_pooled_ses_computed_apart():
+    """On the bundled tapped run, every paired row's interval is eta_debiased -+ t x SE with SE and
+    t worked out here apart from the book: each row's own SE by the delta method from the
+    jackknife's covariance of (KL_jk, D_t), pooled by a written-out loop over the rows that state an
+    interval in step order (three on either side, half its own variance and half the window's
+    mean), t from scipy on Welch-Satterthwaite's degrees of freedom. The headline's interval reads
+    the same SEs; the statuses are the book's decision, which pooling does not touch."""
+    from pathlib import Path
+
+    from scipy import stats
+
+    from reward_lens.measure.efficiency import eta as eta_mod
+    from reward_lens.measure.efficiency.cost import cost_series
+    from reward_lens.measure.efficiency.of_run import price_run
+    from reward_lens.measure.ledger.features import SurfaceFeatures
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.record.reader import open_run
+
+    run = open_run(Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "tapped")
+    pr = price_run(run, steps_from_run(run, SurfaceFeatures()), ledger="paired")
+    book = pr.book
+    est = book.estimates
+    pairs = sorted(p for p in est if est[p].estimable)
+    own, dof = [], []
+    for p in pairs:
+        e = est[p]
+        grad = np.array([1.0 / e.d_t, -e.kl_min_debiased / e.d_t ** 2])
+        own.append(math.sqrt(max(float(grad @ e.cov @ grad), 0.0)))
+        dof.append(e.dof)
+    rows = {r.step_pair: r for r in book.rows}
+    stated = 0
+    for i, p in enumerate(pairs):
+        window = range(max(0, i - 3), min(len(pairs), i + 4))
+        m = len(window)
+        coef = {j: 0.5 / m + (0.5 if j == i else 0.0) for j in window}
+        v = sum(c * own[j] ** 2 for j, c in coef.items())
+        ws = v * v / sum((c * own[j] ** 2) ** 2 / dof[j] for j, c in coef.items())
+        q = float(stats.t.ppf(0.975, ws))
+        lo, hi = rows[p].interval
+        e = est[p].eta_debiased
+        assert lo == pytest.approx(e - q * math.sqrt(v), rel=1e-9, abs=1e-12), p
+        assert hi == pytest.approx(e + q * math.sqrt(v), rel=1e-9, abs=1e-12), p
+        stated += 1
+    assert stated >= 10 and all(rows[p].interval is None for p in est if not est[p].estimable)
+    # pooling moves no status, and the headline's interval is not the unpooled one
+    plain = eta_mod.moderate
+    try:
+        eta_mod.moderate = lambda c: c
+        unpooled = cost_series(pr.ledgers, pr.metric, run_=run)
+    finally:
+        eta_mod.moderate = plain
+    assert [r.status for r in unpooled.rows] == [r.status for r in book.rows]
+    assert unpooled.headline()[0] == book.headline()[0] and unpooled.headline()[1] != book.headline()[1]

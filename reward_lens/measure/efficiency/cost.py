@@ -734,7 +734,9 @@ def cost_series(
     cols = series.columns
     kl_of, floor_of, p_of = cols.kl_min.tolist(), cols.noise_floor.tolist(), cols.p_value.tolist()
     priced_any = cols.priced.any(axis=1).tolist()
-    wanted = [i for i, pair in enumerate(pairs) if kind == "paired" or pair[0] in denoms]
+    # in step-pair order whatever the ledgers' order: windows are consecutive pairs, and each row
+    # below finds the pairs its window covers by walking them in order
+    wanted = sorted((i for i, pair in enumerate(pairs) if kind == "paired" or pair[0] in denoms), key=pairs.__getitem__)
     d_t_se = run_.telemetry_column("kl_to_previous_se") if run_ is not None and kind == "unpaired" else {}
     # each row's D_t SE: paired, the sample's own moderated across neighbouring updates; unpaired,
     # the record's as recorded where D_t is the record's (a caller's kl_spent has none here)

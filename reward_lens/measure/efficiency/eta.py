@@ -21,13 +21,15 @@ own term of the dual is biased too, at O(1/n) in its few rows, which no deletion
 groups sees: on two-sided samples its stratified jackknife at the fitted tilt
 (``iproj.fixed_tilt_bias``) is taken out of KL_jk and of every replicate. The covariance of
 (KL_jk, D_t) is the jackknife's over the same replicates; eta = KL_jk / D_t with a
-delta-method standard error and a t interval on the degrees of freedom of the groups in which
-a priced feature varies, less one (``jackknife_dof``); a sample in which none varies prices
-nothing. The p-value of "the
-features bought nothing" (KL_min = 0) is the F-test of the within-group regression of r on the
-features over the rollouts (``rollout_test``: n - G degrees of freedom, not G - 1). Measured on
-the moderate regime (39 step pairs, 8 rollouts + 4 held-out completions per prompt): median
-bias -0.014 in eta, coverage of the 95 % intervals 94 %.
+delta-method standard error on the degrees of freedom of the groups in which a priced feature
+varies, less one (``jackknife_dof``; ``own_se``); a sample in which none varies prices nothing.
+A paired book of single step pairs then pools each row's variance with those of the three rows
+that state an interval on either side (``moderate``, ``ledger.moderated``), and its t interval
+reads the pooled SE on Welch-Satterthwaite degrees of freedom; a window of several pairs keeps
+its own. The p-value of "the features bought nothing" (KL_min = 0) is the F-test of the
+within-group regression of r on the features over the rollouts (``rollout_test``: n - G degrees
+of freedom, not G - 1). How often the intervals cover the truth, in three regimes: docs/science.md
+quotes the truth harness.
 
 Because D_t is independent of KL_min, eta is no longer <= 1 by construction: a point estimate
 may exceed 1 by noise, and is shown with its interval. Only a row whose KL_jk exceeds D_t by
@@ -371,8 +373,8 @@ def _ratio_se(k: float, d: float, cov: np.ndarray) -> float:
 @lru_cache(maxsize=256)
 def _t975(dof: float) -> float:
     """The 97.5 % quantile of Student's t with ``dof`` degrees of freedom (normal for infinite):
-    a book's rows share a few dof values, so each is worked out once."""
-    return float(special.stdtrit(dof, 0.975)) if np.isfinite(dof) else 1.959963984540054
+    a book's rows share a few dof values, so each is worked out once. None reads as infinite."""
+    return float(special.stdtrit(dof, 0.975)) if dof is not None and np.isfinite(dof) else 1.959963984540054
 
 
 def _seed(step_pair: tuple[int, int]) -> int:

@@ -80,8 +80,9 @@ class EfficiencyRows(_M):
                                             "neighbouring updates (a window's members' added); unpaired, the "
                                             "record's as recorded; null where none")
     kl_spent_interval: list[tuple[float, float] | None] = Field(description="95 % interval of kl_spent (t on the "
-                                                                "moderated SE's degrees of freedom); null where "
-                                                                "kl_spent_se is")
+                                                                "moderated SE's degrees of freedom), its lower end "
+                                                                "at 0 at least (a KL is never negative); null "
+                                                                "where kl_spent_se is")
     efficiency: list[Annotated[float, Field(ge=0.0)] | None] = Field(
         description="KL_min / D_t as the sample gives it, dimensionless, >= 0 (validated); unpaired rows are in "
                     "[0, 1] (the seed's envelope); paired rows divide by an independent D_t and may exceed 1 by "
@@ -90,9 +91,10 @@ class EfficiencyRows(_M):
     efficiency_debiased: list[float | None] = Field(description="eta with that noise taken out (paired: the "
                                                                 "jackknife's; unpaired: the noise floor); may be "
                                                                 "below 0")
-    interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased (a paired "
-                                                       "row's: the jackknife's SE pooled with the neighbouring "
-                                                       "updates', t on its degrees of freedom); null where nothing "
+    interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased, t on "
+                                                       "its SE's degrees of freedom (a paired row of one step "
+                                                       "pair: the jackknife's SE pooled with the neighbouring "
+                                                       "updates'; a window of pairs: its own); null where nothing "
                                                        "was priced or no_interval")
     no_interval: list[bool] = Field(description="priced, but a priced behaviour varies in one prompt group only: the "
                                                 "jackknife's spread is the estimate itself, so eta states no interval "

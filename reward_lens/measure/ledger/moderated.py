@@ -57,10 +57,18 @@ def pooled_variances(u, dof, window: int = MODERATION_WINDOW, own_weight: float 
     the variances to pool (each in a scale comparable across updates) and ``dof`` their degrees
     of freedom (NaN or <= 0: no spread to pool, any will do). Returns each update's pooled
     variance ``v_t = w u_t + (1 - w) mean_{s in window(t)} u_s`` and its Welch-Satterthwaite
-    degrees of freedom, (sum of the terms)^2 / sum of (term^2 / its dof) (NaN where v_t is 0)."""
+    degrees of freedom, (sum of the terms)^2 / sum of (term^2 / its dof) (NaN where v_t is 0). A
+    term of infinite degrees of freedom (a known variance) adds nothing to that sum's denominator."""
     u = np.asarray(u, dtype=np.float64)
     f = np.asarray(dof, dtype=np.float64)
-    fo = np.where(np.isfinite(f) & (f > 0), f, 1.0)
+    if u.ndim != 1 or u.shape != f.shape:
+        raise ValueError(f"u and dof must be 1-d of one length, not {u.shape}, {f.shape}")
+    if not np.isfinite(u).all() or (u < 0).any():
+        raise ValueError("u must hold finite variances of at least 0 (leave the others out)")
+    _check(window, own_weight)
+    # each term's dof: an infinite one (a known variance) divides its term to 0; NaN or <= 0 (no
+    # spread to pool) reads as 1, any will do
+    fo = np.where(f > 0, f, 1.0)
     n = len(u)
     # each update's window, in measured updates, summed directly: a difference of cumulative sums
     # loses a small term beside a large one (an update of relative SE 1e-2 beside a window of 1e-5)
@@ -105,10 +113,12 @@ def moderated_d_t_se(d_t, se, dof, groups, window: int = MODERATION_WINDOW,
     _check(window, own_weight)
     out_se = np.full(d.shape, np.nan)
     out_dof = np.full(d.shape, np.nan)
-    ok = np.flatnonzero((d > 0) & np.isfinite(d) & (s >= 0) & np.isfinite(s) & (g >= 1))
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        u = g * (s / d) ** 2  # beyond the float range (an SE of 1e154 on a D_t of 1) it takes no part
+    ok = np.flatnonzero((d > 0) & np.isfinite(d) & (s >= 0) & np.isfinite(s) & (g >= 1) & np.isfinite(u))
     if not len(ok):
         return out_se, out_dof
-    var, out_dof[ok] = pooled_variances(g[ok] * (s[ok] / d[ok]) ** 2, f[ok], window, own_weight)
+    var, out_dof[ok] = pooled_variances(u[ok], f[ok], window, own_weight)
     out_se[ok] = d[ok] * np.sqrt(var / g[ok])
     return out_se, out_dof
 
@@ -134,9 +144,11 @@ def moderated_eta_se(se, dof, window: int = MODERATION_WINDOW, own_weight: float
     _check(window, own_weight)
     out_se = np.full(s.shape, np.nan)
     out_dof = np.full(s.shape, np.nan)
-    ok = np.flatnonzero(np.isfinite(s) & (s >= 0))
+    with np.errstate(over="ignore", invalid="ignore"):
+        u = s * s  # beyond the float range it takes no part
+    ok = np.flatnonzero(np.isfinite(s) & (s >= 0) & np.isfinite(u))
     if len(ok):
-        var, out_dof[ok] = pooled_variances(s[ok] ** 2, f[ok], window, own_weight)
+        var, out_dof[ok] = pooled_variances(u[ok], f[ok], window, own_weight)
         out_se[ok] = np.sqrt(var)
     return out_se, out_dof
 
