@@ -909,11 +909,13 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         if idx is None or not len(idx) or len(ok) < 2:
             continue
         # as the book: a draw in which no priced feature varies within any prompt group prices
-        # nothing, and one in which it varies in one group states no interval (``estimable``)
+        # nothing, one in which it varies in one group states no interval (``estimable``), and one
+        # whose KL_min exceeds its D_t beyond noise is refused (ENVELOPE_VIOLATED): neither enters
+        # the run's decision nor lends its SE to its neighbours
         every_est = paired_estimates([(lg, idx) for lg in ok])
         js = [j for j, x in enumerate(every) if x is not None and x[0].premise() is None]  # ok's draws
         for j, e in zip(js, every_est):
-            if e.groups_varying != 0:  # priced: in the redrawn run j's book-wide decision
+            if e.groups_varying != 0 and not _refused(e):  # priced: in the redrawn run j's book-wide decision
                 priced_draws.setdefault(j, []).append((e.p_value, e.estimable, e.eta_debiased - truth.eta,
                                                        _heldout_test(every[j][0], idx)))
                 run_draws.setdefault(j, []).append((e, truth))
@@ -1054,6 +1056,16 @@ def _run_levels(run_draws: dict[int, list]) -> dict:
     n = len(errors)
     return {"runs": n, "covered": covered, "median_error": float(np.median(errors)) if n else None,
             "sd_over_se": float(np.std(errors, ddof=1) / np.sqrt(np.mean(np.square(ses)))) if n > 1 else None}
+
+
+def _refused(e) -> bool:
+    """Whether the book refuses a paired estimate ENVELOPE_VIOLATED, as ``cost._paired_columns``
+    decides it: D_t not a positive number, or KL_min above it by more than ``ENVELOPE_Z`` SEs."""
+    import math
+
+    from reward_lens.measure.efficiency.eta import ENVELOPE_Z
+
+    return not (math.isfinite(e.d_t) and e.d_t > 0) or e.excess_z > ENVELOPE_Z
 
 
 def _heldout_test(lg, idx) -> float:

@@ -103,3 +103,17 @@ def test_a_yes_or_no_tail_flag_is_scored_on_the_misses_it_flags():
     got = truth._flag_separation(draws, "f")
     assert got["flags"] == pytest.approx(0.4) and got["band"] == pytest.approx(0.5)
     assert got["ci"] == pytest.approx(0.5) and got["cover_rest"] == pytest.approx(2 / 3)
+
+
+def test_the_harness_leaves_out_the_draws_the_book_refuses_for_the_envelope():
+    """A redrawn estimate enters the run's decision and lends its SE only where the book would state
+    it: KL_jk 1.2 against a D_t of 1.0 with an SE of the difference of 0.1 is 2 SE over (kept),
+    1.4 is 4 SE over (refused, beyond 3); a D_t of 0 or NaN is refused."""
+    from reward_lens.measure.efficiency.eta import EtaEstimate
+
+    def est(k, d):
+        return EtaEstimate(step_pair=(0, 1), kind="paired", kl_min=k, kl_min_debiased=k, d_t=d, p_value=0.01,
+                           cov=np.array([[0.005, 0.0], [0.0, 0.005]]), dof=5.0, groups_varying=4)
+
+    assert not truth._refused(est(1.2, 1.0)) and not truth._refused(est(0.3, 1.0))
+    assert truth._refused(est(1.4, 1.0)) and truth._refused(est(0.1, 0.0)) and truth._refused(est(0.1, float("nan")))
