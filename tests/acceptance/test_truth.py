@@ -102,16 +102,16 @@ def test_eta_over_every_row_of_redrawn_runs_is_centred(moderate, collapse, sharp
 
 
 @pytest.mark.xfail(strict=True, reason="a known miss (issue 41): the resolved rows are selected on their own noise "
-                   "(the winner's curse): over the redrawn runs they read +0.06 (moderate) and +0.13 (collapsing) "
-                   "above the truth, where every row with an interval reads +0.02 and +0.05")
+                   "(the winner's curse): over the redrawn runs they read +0.06 (moderate) and +0.10 (collapsing) "
+                   "above the truth, where every row with an interval reads +0.02 and +0.06")
 def test_the_resolved_rows_read_within_a_twentieth_of_the_truth_over_redrawn_runs(moderate, collapse, sharpened):
     for res in (moderate, collapse, sharpened):
         assert abs(res.calibration["eta_selection"]["resolved"]) <= 0.05
 
 
 @pytest.mark.xfail(strict=True, reason="a known miss (docs/science.md, issue 41): the record's first updates, of "
-                   "several nats each, drew high (the redrawn runs' run-level eta reads +0.03 above the truth at the "
-                   "median, the record's +0.15), and its interval misses")
+                   "several nats each, drew high (the redrawn runs' run-level eta reads +0.05 above the truth at the "
+                   "median, the record's +0.14), and its interval misses")
 def test_collapse_run_level_eta_interval_covers_the_truth(collapse):
     e, (lo, hi), truth = collapse.eta_run
     assert lo <= truth <= hi
@@ -258,7 +258,7 @@ def test_the_moderated_intervals_of_d_t_cover_the_truth_over_redraws(moderate, c
 @pytest.mark.xfail(strict=True, reason="a known miss (issue 41): on the collapsed policy a small update's KL sits in "
                    "sequences a 4 + 4 sample seldom holds (on the worst updates one completion in 128 of the oracle's "
                    "carries most of it), which neither the sample nor its neighbours show: the moderated intervals "
-                   "cover about 86 % of the draws")
+                   "cover about 82 % of the draws")
 def test_the_intervals_of_d_t_cover_the_truth_over_redraws_on_the_collapsing_run(collapse):
     cal = collapse.calibration["d_t"]
     assert cal["covered"] >= 0.9 * cal["draws"]
