@@ -852,7 +852,7 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
     from scipy import special
 
     from reward_lens.measure.decisions import t_dof
-    from reward_lens.measure.efficiency.eta import paired_estimates
+    from reward_lens.measure.efficiency.eta import EtaColumns, moderate, paired_estimates
     from reward_lens.measure.ledger.paired import paired_ledger
 
     rng = np.random.default_rng(1)
@@ -914,15 +914,15 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         # the run's decision nor lends its SE to its neighbours
         every_est = paired_estimates([(lg, idx) for lg in ok])
         js = [j for j, x in enumerate(every) if x is not None and x[0].premise() is None]  # ok's draws
-        for j, e in zip(js, every_est):
-            if e.groups_varying != 0 and not _refused(e):  # priced: in the redrawn run j's book-wide decision
+        refused = EtaColumns.of(every_est, "paired").outside_envelope
+        for j, e, no in zip(js, every_est, refused.tolist()):
+            if e.groups_varying != 0 and not no:  # priced: in the redrawn run j's book-wide decision
                 priced_draws.setdefault(j, []).append((e.p_value, e.estimable, e.eta_debiased - truth.eta,
                                                        _heldout_test(every[j][0], idx)))
                 run_draws.setdefault(j, []).append((e, truth))
     # eta's intervals as the report states them: in each redrawn run j, each row's SE pooled with
     # its neighbouring updates' (``eta.moderate``, over the run's priced rows in step order); and
     # with the jackknife's own SE (``eta_own``), as before
-    from reward_lens.measure.efficiency.eta import EtaColumns, moderate
 
     per_pair: dict = {}  # pair -> [(the estimate with its SE pooled, its truth)]
     for j, got in run_draws.items():
@@ -1056,16 +1056,6 @@ def _run_levels(run_draws: dict[int, list]) -> dict:
     n = len(errors)
     return {"runs": n, "covered": covered, "median_error": float(np.median(errors)) if n else None,
             "sd_over_se": float(np.std(errors, ddof=1) / np.sqrt(np.mean(np.square(ses)))) if n > 1 else None}
-
-
-def _refused(e) -> bool:
-    """Whether the book refuses a paired estimate ENVELOPE_VIOLATED, as ``cost._paired_columns``
-    decides it: D_t not a positive number, or KL_min above it by more than ``ENVELOPE_Z`` SEs."""
-    import math
-
-    from reward_lens.measure.efficiency.eta import ENVELOPE_Z
-
-    return not (math.isfinite(e.d_t) and e.d_t > 0) or e.excess_z > ENVELOPE_Z
 
 
 def _heldout_test(lg, idx) -> float:

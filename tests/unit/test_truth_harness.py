@@ -107,7 +107,7 @@ def test_a_yes_or_no_tail_flag_is_scored_on_the_misses_it_flags():
 
 def test_the_harness_leaves_out_the_draws_the_book_refuses_for_the_envelope():
     """A redrawn estimate enters the run's decision and lends its SE only where the book would state
-    it: KL_jk 1.2 against a D_t of 1.0 with an SE of the difference of 0.1 is 2 SE over (kept),
+    it (the harness and the book both read ``EtaColumns.outside_envelope``): KL_jk 1.2 against a D_t of 1.0 with an SE of the difference of 0.1 is 2 SE over (kept),
     1.4 is 4 SE over (refused, beyond 3); a D_t of 0 or NaN is refused."""
     from reward_lens.measure.efficiency.eta import EtaEstimate
 
@@ -115,5 +115,7 @@ def test_the_harness_leaves_out_the_draws_the_book_refuses_for_the_envelope():
         return EtaEstimate(step_pair=(0, 1), kind="paired", kl_min=k, kl_min_debiased=k, d_t=d, p_value=0.01,
                            cov=np.array([[0.005, 0.0], [0.0, 0.005]]), dof=5.0, groups_varying=4)
 
-    assert not truth._refused(est(1.2, 1.0)) and not truth._refused(est(0.3, 1.0))
-    assert truth._refused(est(1.4, 1.0)) and truth._refused(est(0.1, 0.0)) and truth._refused(est(0.1, float("nan")))
+    from reward_lens.measure.efficiency.eta import EtaColumns
+
+    got = EtaColumns.of([est(1.2, 1.0), est(0.3, 1.0), est(1.4, 1.0), est(0.1, 0.0), est(0.1, float("nan"))])
+    assert got.outside_envelope.tolist() == [False, False, True, True, True]

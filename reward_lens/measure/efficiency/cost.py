@@ -844,9 +844,7 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
     # rows that price something: the estimate, unless the envelope is violated
     todo = np.flatnonzero(ok & on)
     est = series.estimates.columns.take(series.estimates.positions([pairs[i] for i in todo.tolist()]))
-    d_t = est.d_t
-    with np.errstate(invalid="ignore"):
-        bad = ~np.isfinite(d_t) | (d_t <= 0) | (est.excess_z > _eta.ENVELOPE_Z)
+    bad = est.outside_envelope
     for q in np.flatnonzero(bad).tolist():
         i = int(todo[q])
         violation = _paired_envelope(series, i, lgs[i], est.estimate(q))

@@ -287,6 +287,13 @@ class EtaColumns:
         adds its terms in."""
         return ratio_ses(self.kl_min_debiased, self.d_t, self.cov)
 
+    @property
+    def outside_envelope(self) -> np.ndarray:
+        """Which entries the book refuses ENVELOPE_VIOLATED: D_t not a positive number, or KL_min
+        above it by more than ``ENVELOPE_Z`` standard errors of the difference."""
+        with np.errstate(invalid="ignore"):
+            return ~np.isfinite(self.d_t) | (self.d_t <= 0) | (self.excess_z > ENVELOPE_Z)
+
     def interval(self) -> tuple[np.ndarray, np.ndarray]:
         """``EtaEstimate.interval`` of each: (lo, hi)."""
         q = t975s(self.dof if self.se_pooled is None else np.where(self.pooled, self.dof_pooled, self.dof))

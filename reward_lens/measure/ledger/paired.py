@@ -825,9 +825,9 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
 # Every field of a PairedLedger that has a default, with it: ``_made`` starts from these.
 _LEDGER_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PairedLedger) if f.default is not dataclasses.MISSING}
 # ``_made`` skips __init__: a field made by a factory, or a __post_init__, would be left unmade
-assert not hasattr(PairedLedger, "__post_init__") and all(
-    f.default_factory is dataclasses.MISSING for f in dataclasses.fields(PairedLedger)), \
-    "PairedLedger gained a field factory or __post_init__: make ledgers through __init__ in _ledgers"
+if hasattr(PairedLedger, "__post_init__") or any(
+        f.default_factory is not dataclasses.MISSING for f in dataclasses.fields(PairedLedger)):
+    raise TypeError("PairedLedger gained a field factory or __post_init__: make ledgers through __init__ in _ledgers")
 _LEDGER_FIELDS = frozenset(f.name for f in dataclasses.fields(PairedLedger))
 
 
