@@ -196,7 +196,9 @@ class CostRow:
     d_t_disagrees: bool = False
     no_interval: bool = False  # priced, but one prompt group varies: eta has no interval (``EtaEstimate.estimable``)
     # D_t's standard error and 95 % interval: paired, the sample's own moderated across neighbouring
-    # updates (``ledger.moderated``; a window's members' added); unpaired, the record's SE as recorded
+    # updates (``ledger.moderated``; a window's members' added), the upper end raised by the tail
+    # its sample did not hold on a sharpened policy (``ledger.paired.tail_allowance``); unpaired,
+    # the record's SE as recorded
     kl_spent_se: float | None = None
     kl_spent_interval: tuple[float, float] | None = None
 
@@ -756,7 +758,7 @@ def cost_series(
         else:
             d_t, source = denoms[pair[0]]
         if not priced_any[i]:
-            d_se, d_iv = _window_spread(d_t, [spread.get(pair)])
+            d_se, d_iv = _window_spread(d_t, [spread.get(pair)], [getattr(lg, "d_t_tail", None)])
             nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind,
                                    kl_spent_se=d_se, kl_spent_interval=d_iv))
             continue
@@ -800,7 +802,8 @@ def cost_series(
                 if on:
                     shares[f] = shares.get(f, 0.0) + v
         checks = members[0][2] if len(members) == 1 else {}
-        d_se, d_iv = _window_spread(est.d_t, [spread.get(pairs[m[0]]) for m in members])
+        d_se, d_iv = _window_spread(est.d_t, [spread.get(pairs[m[0]]) for m in members],
+                                    [getattr(ledgers[place[pairs[m[0]]]], "d_t_tail", None) for m in members])
         rows.append(CostRow(
             step_pair=est.step_pair, kl_min=est.kl_min, kl_spent=est.d_t, efficiency=est.eta,
             kl_spent_source=members[0][1], resolved=bool(rej), shares=shares,
@@ -863,7 +866,8 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
     d_spent_on = np.concatenate([np.array([d is not None for d in d_nothing], dtype=bool), np.ones(k, dtype=bool)])
     estimable = est.estimable
     lo, hi = est.interval()
-    se, se_on, se_lo, se_hi = _window_spreads(d_spent, spread_se[at], spread_dof[at], spread_on[at])
+    tails = np.array([np.nan if lgs[i].d_t_tail is None else lgs[i].d_t_tail for i in at.tolist()], dtype=np.float64)
+    se, se_on, se_lo, se_hi = _window_spreads(d_spent, spread_se[at], spread_dof[at], spread_on[at], tails)
     checks = _DtChecks.of(lgs, kept, est, run_)
 
     def cat(nothing_value, priced_values, dtype=np.float64) -> np.ndarray:
@@ -905,18 +909,19 @@ def _paired_sources(lgs: Sequence[PairedLedger]) -> list[str]:
     return [_paired_source(lg) for lg in lgs]
 
 
-def _window_spreads(d_t: np.ndarray, se: np.ndarray, dof: np.ndarray, on: np.ndarray
+def _window_spreads(d_t: np.ndarray, se: np.ndarray, dof: np.ndarray, on: np.ndarray, tail: np.ndarray | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``_window_spread`` of rows of one member each (``on``: the member has an SE and degrees of
-    freedom): the SE (sqrt of its square, as the window's sum of one), whether there is one, and
-    the interval's ends."""
+    freedom; ``tail`` its tail allowance, NaN adding nothing): the SE (sqrt of its square, as the
+    window's sum of one), whether there is one, and the interval's ends."""
     with np.errstate(invalid="ignore"):
         has = on & np.isfinite(se) & (se > 0)
         out = np.sqrt(np.where(has, se * se, np.nan))
         f = np.where(has & (dof == dof) & (dof > 0), dof, np.nan)
         half = _t975s_moderated(f) * out
-    # a KL is never negative: the interval's lower end stops at 0 (``_window_spread``)
-    return out, has, np.where(has, np.maximum(d_t - half, 0.0), np.nan), np.where(has, d_t + half, np.nan)
+    add = 0.0 if tail is None else np.where(np.isfinite(tail), tail, 0.0)
+    # a KL is never negative: the interval's lower end stops at 0; the upper adds the tail (``_window_spread``)
+    return out, has, np.where(has, np.maximum(d_t - half, 0.0), np.nan), np.where(has, d_t + half + add, np.nan)
 
 
 def _t975s_moderated(dof: np.ndarray) -> np.ndarray:
@@ -1021,7 +1026,7 @@ class _DtChecks(Sequence):
         return out
 
 
-def _window_spread(d_t: float, parts: list[tuple[float, float] | None]
+def _window_spread(d_t: float, parts: list[tuple[float, float] | None], tails: Sequence[float | None] = ()
                    ) -> tuple[float | None, tuple[float, float] | None]:
     """A row's D_t SE and 95 % interval from its members' (SE, dof) -- a window's members are
     separate samples, so their variances add; their moderated SEs share most of their pooled
@@ -1029,13 +1034,16 @@ def _window_spread(d_t: float, parts: list[tuple[float, float] | None]
     sum over them. (None, None) where a member has none, and where the SE is 0: every pooled
     sample constant in its token KL says nothing of the spread, and states no interval rather
     than an exact one. The lower end stops at 0: D_t is a KL, never negative, so a t interval's
-    reach below 0 says nothing (and cutting it there changes no coverage)."""
+    reach below 0 says nothing (and cutting it there changes no coverage). The upper end adds the
+    members' ``tails`` (``ledger.paired.tail_allowance``: what a sharpened policy's sample did not
+    hold; a window's D_t is its members' sum, and so is their allowance; None adds nothing)."""
     if not parts or any(x is None or not (math.isfinite(x[0]) and x[0] > 0) for x in parts):
         return None, None
     se = math.sqrt(sum(s * s for s, _ in parts))
     dofs = [f for _, f in parts if f == f and f > 0]
     half = t975(min(dofs) if dofs else float("nan")) * se
-    return se, (max(d_t - half, 0.0), d_t + half)
+    tail = sum(a for a in tails if a is not None and math.isfinite(a))
+    return se, (max(d_t - half, 0.0), d_t + half + tail)
 
 
 def premise_refusal(book, run_id: str | None, premise: str, items: list[dict[str, Any]]) -> Refusal:

@@ -81,7 +81,10 @@ class EfficiencyRows(_M):
                                             "record's as recorded; null where none")
     kl_spent_interval: list[tuple[float, float] | None] = Field(description="95 % interval of kl_spent (t on the "
                                                                 "moderated SE's degrees of freedom), its lower end "
-                                                                "at 0 at least (a KL is never negative); null "
+                                                                "at 0 at least (a KL is never negative); paired, "
+                                                                "its upper end raised by the tail allowance (what "
+                                                                "the sample of a sharpened prompt group did not "
+                                                                "hold, allowed the largest token KL it saw); null "
                                                                 "where kl_spent_se is")
     efficiency: list[Annotated[float, Field(ge=0.0)] | None] = Field(
         description="KL_min / D_t as the sample gives it, dimensionless, >= 0 (validated); unpaired rows are in "

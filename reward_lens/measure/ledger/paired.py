@@ -100,6 +100,9 @@ class PairedLedger(Ledger):
     d_t: float | None = None  # D_t = mean_g E_q[kl]: the token-level KL along the sample, nats/seq
     d_t_se: float | None = None  # its standard error, conditional on the prompts (``Strata``)
     d_t_dof: float = float("nan")  # the degrees of freedom of that SE (Welch-Satterthwaite over the strata)
+    # what its interval's upper end adds for the tail a sharpened policy's sample did not hold, nats/seq
+    # (``tail_allowance``; 0 where no prompt group is sharpened)
+    d_t_tail: float | None = None
     dof: np.ndarray | None = None  # (k,) the degrees of freedom of each feature's SE, likewise
     pareto_k: float = float("nan")  # PSIS k-hat of the weights pi_t / pi_{t+1} (one-sided; NaN two-sided: bounded)
     pareto_k_max: float = 0.7
@@ -649,6 +652,71 @@ def _read_only(x):
     return x
 
 
+# A prompt group whose sample's distinct completions hold at least this share of pi_{t+1}'s
+# probability is sharpened: what the sample did not hold there is the policy's tail.
+SHARP_SEEN = 0.5
+# Rows of one prompt group whose log-probabilities under both policies agree within this many nats
+# are one completion (the same completion scored in two batches differs by up to ~1e-5: padding).
+SAME_COMPLETION_NATS = 1e-4
+
+
+def tail_allowance(logp: np.ndarray, logp_prev: np.ndarray, kl: np.ndarray, codes: np.ndarray, n_groups: int
+                   ) -> np.ndarray:
+    """What D_t's 95 % interval adds above its upper end for the tail its sample did not hold,
+    nats per sequence, for P samples of one layout: ``logp``, ``logp_prev`` and ``kl`` (P, n) each
+    row's log pi_{t+1}, log pi_t and token KL, ``codes`` (n,) its prompt group.
+
+    On a sharpened policy a 4 + 4 sample of a prompt holds its few likely completions and seldom
+    the rare ones, which can carry most of the token KL of a small update. The estimate is then
+    low and its SE small together -- the sample shows no spread it did not see -- and no SE, its
+    own or its neighbours', covers the truth (on the truth harness's collapsing run the moderated
+    intervals covered 82 % of the redraws, 61 % on updates under 0.05 nats). What the sample
+    does say is how much of pi_{t+1}'s probability it holds: the sum of pi_{t+1} over a group's
+    distinct completions, ``s_g``. Where ``s_g`` >= ``SHARP_SEEN`` (the group is sharpened: what
+    is missing is its tail), the mass it did not hold, ``1 - s_g``, is allowed the largest token
+    KL any completion of the group carried:
+
+        tail = mean_g [s_g >= SHARP_SEEN] (1 - s_g) max_i kl_gi        (D_t = mean_g E_q[kl])
+
+    It is an allowance, not a bound: an unseen completion may carry more than any seen one. A
+    group whose distinct completions hold less than half of the mass (a policy that still
+    spreads) is sampled as its SE assumes and is allowed nothing. The harness measures what it
+    buys (docs/science.md). Returns (P,) >= 0; a sample without a finite token KL gets NaN."""
+    lp = np.asarray(logp, dtype=np.float64)
+    lpp = np.asarray(logp_prev, dtype=np.float64)
+    k = np.asarray(kl, dtype=np.float64)
+    codes = np.asarray(codes)
+    counts = np.bincount(codes, minlength=n_groups)
+    c = int(counts.max()) if len(counts) else 0
+    if not len(codes) or not c:
+        return np.zeros(lp.shape[0])
+    # each group's rows in their order, padded to the largest group: (G, c) and which are rows
+    order = np.argsort(codes, kind="stable")
+    starts = np.r_[0, np.cumsum(counts)[:-1]]
+    slot = np.arange(c)[None, :]
+    valid = slot < counts[:, None]
+    idx = order[np.where(valid, starts[:, None] + slot, 0)]
+    a = lp[:, idx]  # (P, G, c)
+    mass = np.where(valid[None], np.exp(np.minimum(a, 0.0)), 0.0)
+    # the rows' mass with repeats counted again bounds the distinct completions' from above: a
+    # group below the threshold even so (every group of a policy that spreads) needs no more
+    seen = mass.sum(axis=-1)  # (P, G)
+    near = seen >= SHARP_SEEN
+    if near.any():
+        ac, bc = a[near], lpp[:, idx][near]  # (K, c)
+        on = np.broadcast_to(valid[None], a.shape)[near]
+        # a row repeats an earlier row of its group when both its log-probabilities agree within the tolerance
+        same = ((np.abs(ac[:, :, None] - ac[:, None, :]) <= SAME_COMPLETION_NATS)
+                & (np.abs(bc[:, :, None] - bc[:, None, :]) <= SAME_COMPLETION_NATS)
+                & on[:, None, :] & np.tril(np.ones((c, c), dtype=bool), -1)[None])
+        seen[near] = np.where(on & ~same.any(axis=-1), mass[near], 0.0).sum(axis=-1)
+    seen = np.minimum(seen, 1.0)
+    top = np.where(valid[None], k[:, idx], -np.inf).max(axis=-1)
+    with np.errstate(invalid="ignore"):
+        out = np.where(seen >= SHARP_SEEN, (1.0 - seen) * np.maximum(top, 0.0), 0.0).mean(axis=1)
+    return np.where(np.isfinite(out), out, np.nan)
+
+
 def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, float | None]],
              block: tuple[LedgerBlock, int] | None = None) -> list[PairedLedger]:
     """The paired ledgers of samples whose kept rows share one group layout (and one split into
@@ -710,7 +778,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
         return x @ onehot if x.ndim == 2 else onehot.T @ x
 
     z = batch("z")  # (P, n, k)
-    r = batch("logp") - batch("logp_prev")  # (P, n)
+    logp, logp_prev = batch("logp"), batch("logp_prev")
+    r = logp - logp_prev  # (P, n)
     log_q, log_p, lwq, lwp = mis_log_weights(r, side if two_sided else None, codes, n_groups)
     q, p = np.exp(log_q), np.exp(log_p)
     if seg is not None:  # the samples laid out rows first for its arithmetic (``Segments``)
@@ -781,6 +850,7 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     kl = batch("kl_prev")
     kls = list(kl) if kl is not None else [rows(s, ho, prep, "kl_prev") for s, ho, prep, _ in items]
     d_t, d_t_se, d_t_dof = [None] * len(items), [None] * len(items), [float("nan")] * len(items)
+    d_t_tail = [None] * len(items)
     if kl is not None:  # one pass over the batch's rows
         has = np.flatnonzero(np.isfinite(kl).all(axis=tuple(range(1, kl.ndim)))).tolist()
     else:
@@ -800,8 +870,9 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
         if lost.any() and n_groups > 1:  # a deletion left a group with no weight: the spread across groups
             var[lost] = per_group[lost].var(axis=1, ddof=1) / n_groups
             dofs[lost] = n_groups - 1
-        for j, v, e, f in zip(has, per_group.mean(axis=1).tolist(), np.sqrt(var).tolist(), dofs.tolist()):
-            d_t[j], d_t_se[j], d_t_dof[j] = v, e, f
+        tail = tail_allowance(logp[has], logp_prev[has], kh, codes, n_groups).tolist()
+        for j, v, e, f, a in zip(has, per_group.mean(axis=1).tolist(), np.sqrt(var).tolist(), dofs.tolist(), tail):
+            d_t[j], d_t_se[j], d_t_dof[j], d_t_tail[j] = v, e, f, a
     out = []
     threshold = pareto_threshold(n)
     heldout = side if two_sided else None
@@ -814,7 +885,7 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             "step_pair": (prep.prev, s.step), "names": s.names, "delta_z": dz[j], "se": se[j], "cov_delta": cov[j],
             "n_pre": n, "n_post": n, "learning_rate": lr, "kind": "paired", "z": z[j], "codes": codes,
             "n_groups": n_groups, "log_ratio": r[j], "heldout": heldout, "kl": kls[j], "d_hat": d_hat_j,
-            "d_t": d_t[j], "d_t_se": d_t_se[j], "d_t_dof": d_t_dof[j], "dof": dof[j], "pareto_k": khat_j,
+            "d_t": d_t[j], "d_t_se": d_t_se[j], "d_t_dof": d_t_dof[j], "d_t_tail": d_t_tail[j], "dof": dof[j], "pareto_k": khat_j,
             "pareto_k_max": threshold, "ess": (ess_pj, ess_qj), "dropped_rollouts": prep.dropped,
             "groups_in_step": prep.groups_in_step, "groups_unscored": prep.unscored, "sampler_kl": sampler_kl,
             "sampler_kl_se": sampler_se, "block": None if block is None else block[0],

@@ -1,0 +1,114 @@
+"""D_t's tail allowance (``ledger.paired.tail_allowance``): what the upper end of D_t's interval
+adds for the completions a sharpened policy's sample did not hold. Checked against worked cases
+and against a plain loop over the groups written here, not against the implementation."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from reward_lens.measure.efficiency.cost import _window_spread, _window_spreads
+from reward_lens.measure.ledger.moderated import t975
+from reward_lens.measure.ledger.paired import SAME_COMPLETION_NATS, SHARP_SEEN, paired_ledger, tail_allowance
+from reward_lens.measure.ledger.price import StepSample
+
+LN = math.log
+
+
+def _loop(logp, logp_prev, kl, codes):
+    """The allowance of one sample by a loop: per group, its distinct completions greedily (a row
+    is new unless it agrees with a kept one on both log-probabilities), the pi_{t+1} mass they
+    hold, and (1 - mass) * the largest token KL where the mass is at least SHARP_SEEN."""
+    out = []
+    for g in sorted(set(codes.tolist())):
+        rows = np.flatnonzero(codes == g)
+        kept = []
+        for i in rows:
+            if not any(abs(logp[i] - logp[j]) <= SAME_COMPLETION_NATS and abs(logp_prev[i] - logp_prev[j])
+                       <= SAME_COMPLETION_NATS for j in kept):
+                kept.append(i)
+        s = min(1.0, sum(math.exp(logp[j]) for j in kept))
+        out.append((1.0 - s) * max(kl[rows]) if s >= SHARP_SEEN else 0.0)
+    return sum(out) / len(out)
+
+
+def test_a_sharpened_group_is_allowed_the_mass_it_did_not_hold_at_its_largest_token_kl():
+    # group 0: two completions, pi_{t+1} 0.5 and 0.3, each drawn twice (the second copy scored in
+    # another batch, 5e-5 nats apart): it holds 0.8 of the mass, so 0.2 of it is allowed the
+    # largest token KL seen there, 3 nats. Group 1: four distinct completions holding 0.18 of the
+    # mass -- a policy that still spreads, sampled as the SE assumes: allowed nothing.
+    logp = np.array([LN(0.5), LN(0.5) + 5e-5, LN(0.3), LN(0.3), LN(0.1), LN(0.05), LN(0.02), LN(0.01)])
+    logp_prev = np.array([LN(0.4), LN(0.4), LN(0.2), LN(0.2) - 5e-5, LN(0.1), LN(0.1), LN(0.1), LN(0.1)])
+    kl = np.array([1.0, 1.0, 3.0, 3.0, 9.0, 0.5, 0.5, 0.5])
+    codes = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    got = tail_allowance(logp[None], logp_prev[None], kl[None], codes, 2)
+    assert got.shape == (1,)
+    assert got[0] == pytest.approx((0.2 * 3.0 + 0.0) / 2, rel=1e-12)
+    # counted twice, the repeated completions would hold all the mass and be allowed nothing
+    apart = logp.copy()
+    apart[1] += 2 * SAME_COMPLETION_NATS
+    assert tail_allowance(apart[None], logp_prev[None], kl[None], codes, 2)[0] == 0.0
+
+
+def test_a_group_holding_every_completion_is_allowed_nothing():
+    logp = np.array([LN(0.6), LN(0.4), LN(0.6), LN(0.4)])
+    got = tail_allowance(logp[None], (logp - 1.0)[None], np.array([[2.0, 5.0, 2.0, 5.0]]), np.array([0, 0, 0, 0]), 1)
+    assert got[0] == pytest.approx(0.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_it_is_the_loop_over_groups_on_any_layout(seed):
+    """Groups of unequal sizes whose rows interleave (rollouts, then held-out rows, as a
+    two-sided sample lies), repeated completions among them, several samples stacked."""
+    rng = np.random.default_rng(seed)
+    g = int(rng.integers(1, 6))
+    codes = np.r_[np.repeat(np.arange(g), rng.integers(1, 6, size=g)), np.repeat(np.arange(g), 2)]
+    n, p = len(codes), 3
+    # completions of each group drawn from a few with known probabilities, so that repeats occur
+    logp, logp_prev, kl = np.empty((p, n)), np.empty((p, n)), np.empty((p, n))
+    for k in range(p):
+        for grp in range(g):
+            probs = rng.dirichlet(np.full(4, 0.3 if rng.random() < 0.6 else 3.0))
+            rows = np.flatnonzero(codes == grp)
+            pick = rng.choice(4, size=len(rows), p=probs)
+            logp[k, rows] = np.log(np.maximum(probs[pick], 1e-12)) + rng.uniform(-3e-5, 3e-5, len(rows))
+            logp_prev[k, rows] = np.log(np.maximum(probs[pick], 1e-12)) - 0.3 * pick
+            kl[k, rows] = 0.1 + pick * rng.uniform(0.5, 2.0)
+    got = tail_allowance(logp, logp_prev, kl, codes, g)
+    want = [_loop(logp[k], logp_prev[k], kl[k], codes) for k in range(p)]
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-15)
+
+
+def test_the_interval_of_d_t_raises_its_upper_end_by_the_allowance_only():
+    se, (lo, hi) = _window_spread(0.1, [(0.02, 6.0)], [0.05])
+    half = t975(6.0) * 0.02
+    assert se == pytest.approx(0.02)
+    assert lo == pytest.approx(0.1 - half) and hi == pytest.approx(0.1 + half + 0.05)
+    # a window's members: SEs add in quadrature, allowances add (a window's D_t is their sum)
+    se, (lo, hi) = _window_spread(0.3, [(0.03, 5.0), (0.04, 8.0)], [0.01, None])
+    assert hi == pytest.approx(0.3 + t975(5.0) * 0.05 + 0.01)
+    # the columns: a NaN allowance adds nothing, and the ends match the row-by-row form
+    out, has, los, his = _window_spreads(np.array([0.1, 0.3]), np.array([0.02, 0.05]), np.array([6.0, 5.0]),
+                                         np.array([True, True]), np.array([0.05, np.nan]))
+    assert his[0] == pytest.approx(0.1 + t975(6.0) * 0.02 + 0.05) and his[1] == pytest.approx(0.3 + t975(5.0) * 0.05)
+    assert los[0] == pytest.approx(0.1 - t975(6.0) * 0.02)
+
+
+def test_the_paired_ledger_carries_the_allowance_of_its_sample():
+    """A two-sided sample of two prompt groups, one sharpened (two completions holding 0.9 of
+    pi_{t+1}'s mass, drawn three and one times, and one held-out completion of pi_t's among
+    them), one spread out: D_t's allowance is (1 - 0.9) times the first group's largest token KL,
+    over the two groups."""
+    names = ("x",)
+    roll = StepSample(1, names, np.array([[0.0], [1.0], [0.0], [0.0], [2.0], [3.0], [4.0], [5.0]]),
+                      groups=np.array([0, 0, 0, 0, 1, 1, 1, 1]),
+                      logp=np.array([LN(0.6), LN(0.3), LN(0.6), LN(0.6), LN(0.05), LN(0.04), LN(0.03), LN(0.02)]),
+                      logp_prev=np.array([LN(0.5), LN(0.2), LN(0.5), LN(0.5), LN(0.05), LN(0.05), LN(0.05), LN(0.05)]),
+                      kl_prev=np.array([0.2, 0.7, 0.2, 0.2, 0.1, 0.1, 0.1, 0.1]), n_groups=2)
+    held = StepSample(1, names, np.array([[1.0], [6.0]]), groups=np.array([0, 1]),
+                      logp=np.array([LN(0.3), LN(0.01)]), logp_prev=np.array([LN(0.2), LN(0.05)]),
+                      kl_prev=np.array([0.7, 0.3]), n_groups=2)
+    lg = paired_ledger(roll, heldout=held)
+    assert lg.d_t is not None
+    assert lg.d_t_tail == pytest.approx((1.0 - 0.9) * 0.7 / 2, rel=1e-9)
