@@ -578,19 +578,23 @@ class RegimeResult:
             return sum(r[3][0] <= r[4] <= r[3][1] for r in rows), len(rows)
         return sum(_covers(r[2], (r[3][1] - r[3][0]) / 2, r[4], self.truths[r[0]].eta_sd) for r in rows), len(rows)
 
-    def d_t_coverage(self, own: bool = False) -> tuple[int, int]:
+    def d_t_coverage(self, own: bool = False, tail: bool = True) -> tuple[int, int]:
         """The report's D_t against the truth on the record's updates: (covered by its 95 %
-        interval -- t on its degrees of freedom, the oracle's own error added (``_covers``) --,
-        updates). ``own``: the interval from the sample's own SE, not the moderated one."""
+        interval -- t on its degrees of freedom, the upper end raised by the tail allowance, the
+        oracle's own error added (``_covers``) --, updates). ``own``: the interval from the
+        sample's own SE, not the moderated one, and without the allowance; ``tail`` False: without
+        the allowance."""
         from reward_lens.measure.ledger.moderated import t975
 
         covered = 0
-        for est, se, dof, t, t_se, se_own, dof_own in self.d_t_report.values():
+        for est, se, dof, t, t_se, se_own, dof_own, allowance in self.d_t_report.values():
             if own:  # an SE without degrees of freedom (every stratum constant) states no interval
-                se, dof = se_own, dof_own
+                se, dof, allowance = se_own, dof_own, None
                 if not dof == dof:
                     continue
-            covered += _covers(est, t975(dof) * se, t, t_se) if se == se else False
+            # the report's upper end adds the tail allowance (``tail_allowance``), the lower stops at 0
+            up = (allowance or 0.0) if t > est and tail else 0.0
+            covered += _covers(est, t975(dof) * se + up, t, t_se) if se == se else False
         return covered, len(self.d_t_report)
 
     def resolved_bias(self) -> float | None:
@@ -721,7 +725,8 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
     for pair, truth in truths.items():
         lg = ledgers.get(pair)
         if lg is not None and pair in moderated:
-            result.d_t_report[pair] = (lg.d_t, *moderated[pair], truth.d_t, truth.d_t_se, lg.d_t_se, lg.d_t_dof)
+            result.d_t_report[pair] = (lg.d_t, *moderated[pair], truth.d_t, truth.d_t_se, lg.d_t_se, lg.d_t_dof,
+                                       lg.d_t_tail)
     result.seconds["check"] = time.monotonic() - t0
     if replicates:
         active = {}
@@ -852,6 +857,7 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
     from scipy import special
 
     from reward_lens.measure.decisions import t_dof
+    from reward_lens.measure.efficiency.cost import _window_spread
     from reward_lens.measure.efficiency.eta import EtaColumns, moderate, paired_estimates
     from reward_lens.measure.ledger.paired import paired_ledger
 
@@ -975,7 +981,12 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
             if d.std(ddof=1) > 0:
                 c["typical"].append(float(np.median(se)) / d.std(ddof=1))
             for (_, (lg, lp)), e, f in zip(got, se, dofs):
-                inside = abs(lg.d_t - truth.d_t) <= q975(f) * e
+                if key == "d_t":  # the interval the report states (``cost._window_spread``): the tail allowance added above
+                    iv = _window_spread(lg.d_t, [(e, f)], [lg.d_t_tail])[1]
+                    inside = iv[0] <= truth.d_t <= iv[1] if iv is not None else lg.d_t == truth.d_t
+                    c["covered_no_tail"] = c.get("covered_no_tail", 0) + bool(abs(lg.d_t - truth.d_t) <= q975(f) * e)
+                else:
+                    inside = abs(lg.d_t - truth.d_t) <= q975(f) * e
                 c["covered"] += inside
                 c["draws"] += 1
                 if key == "d_t":
@@ -1289,7 +1300,8 @@ def summary_lines(res: RegimeResult) -> list[str]:
                      "draws of 4 + 4 completions per prompt, the prompts fixed): real SD / reported SE (its root "
                      "mean square), median [range] over updates; the median draw's SE / real SD, median over updates; "
                      "95 % intervals covering the truth, over draws")
-        for q, words in (("d_t_own", "D_t, the sample's own SE"), ("d_t", "D_t, moderated across updates"),
+        for q, words in (("d_t_own", "D_t, the sample's own SE"),
+                         ("d_t", "D_t, moderated across updates, the upper end raised by the tail allowance"),
                          ("dz", "dz"), ("eta_own", "eta, the jackknife's own SE"),
                          ("eta", "eta, moderated across updates")):
             c = cal.get(q)
@@ -1299,7 +1311,9 @@ def summary_lines(res: RegimeResult) -> list[str]:
             lines.append(f"    {words}: SD / SE {ratio(c, 'ratio')}; typical SE / SD {typical}; cover "
                          f"{cover(c, 'covered')} of {c['draws']}"
                          + (f" (with the jackknife's correction added as a bias bound, not adopted: "
-                            f"{cover(c, 'bounded')})" if "bounded" in c else ""))
+                            f"{cover(c, 'bounded')})" if "bounded" in c else "")
+                         + (f" (without the tail allowance: {cover(c, 'covered_no_tail')})"
+                            if "covered_no_tail" in c else ""))
     sw = cal.get("windows") if cal else None
     if sw:
         lines.append("  D_t moderated over other windows (measured updates on either side; the report's is "
@@ -1342,8 +1356,9 @@ def summary_lines(res: RegimeResult) -> list[str]:
     if res.d_t_report:
         covered, total = res.d_t_coverage()
         own, _ = res.d_t_coverage(own=True)
+        bare, _ = res.d_t_coverage(tail=False)
         lines.append(f"  D_t on the record: 95 % intervals cover the truth on {covered} of {total} updates "
-                     f"(with the sample's own SE: {own})")
+                     f"(without the tail allowance: {bare}; with the sample's own SE: {own})")
     return lines
 
 

@@ -246,22 +246,33 @@ def test_the_moderated_intervals_of_d_t_cover_the_truth_over_redraws(moderate, c
     not added: ``truth._calibration``): the sample's own SE is small exactly on the draws that
     missed the tail of the token KL, and its intervals cover 84 %, 64 % and 87 % of the draws;
     moderated across neighbouring updates, at their rate on the moderate and sharpened runs and
-    far more often on the collapsing one (82.2 % on AVX2, 81.7 % on AVX512: issue 41's 90 % is
-    the strict xfail below)."""
+    far more often on the collapsing one (82.2 % on AVX2, 81.7 % on AVX512, before the tail
+    allowance below)."""
     for res, floor in ((moderate, 0.93), (sharpened, 0.93), (collapse, 0.8)):
         own, mod = res.calibration["d_t_own"], res.calibration["d_t"]
         assert mod["draws"] == own["draws"] >= 3000
-        assert mod["covered"] >= floor * mod["draws"]
-        assert mod["covered"] >= own["covered"] + 0.05 * own["draws"]
+        assert mod["covered_no_tail"] >= floor * mod["draws"]
+        assert mod["covered_no_tail"] >= own["covered"] + 0.05 * own["draws"]
 
 
-@pytest.mark.xfail(strict=True, reason="a known miss (issue 41): on the collapsed policy a small update's KL sits in "
-                   "sequences a 4 + 4 sample seldom holds (on the worst updates one completion in 128 of the oracle's "
-                   "carries most of it), which neither the sample nor its neighbours show: the moderated intervals "
-                   "cover about 82 % of the draws")
-def test_the_intervals_of_d_t_cover_the_truth_over_redraws_on_the_collapsing_run(collapse):
+def test_the_intervals_of_d_t_cover_the_truth_over_redraws_in_every_regime(moderate, collapse, sharpened):
+    """Issue 41's line: the 95 % intervals the report states cover the truth on at least 90 % of
+    the redraws in every regime, small updates included. On the collapsed policy a small update's
+    KL sits in sequences a 4 + 4 sample seldom holds (on the worst updates one completion in 128
+    of the oracle's carries most of it), which neither the sample's SE nor its neighbours' show:
+    moderated, the intervals covered about 82 % of the collapsing run's draws. The upper end's
+    tail allowance (``ledger.paired.tail_allowance``: the pi_{t+1} mass a sharpened prompt group's
+    sample did not hold, at the largest token KL it saw) brings that to 91 % on AVX2; a policy
+    that still spreads (the moderate run) is allowed nothing, and its coverage is unchanged."""
+    for res in (moderate, collapse, sharpened):
+        cal = res.calibration["d_t"]
+        assert cal["covered"] >= 0.9 * cal["draws"], res.regime
+        assert cal["covered"] >= cal["covered_no_tail"]
+    # nothing is allowed where no prompt group's sample holds half of pi_{t+1}'s mass
+    assert moderate.calibration["d_t"]["covered"] == moderate.calibration["d_t"]["covered_no_tail"]
+    # it is the allowance that does it, on the run whose tail the sample misses
     cal = collapse.calibration["d_t"]
-    assert cal["covered"] >= 0.9 * cal["draws"]
+    assert cal["covered"] >= cal["covered_no_tail"] + 0.05 * cal["draws"]
 
 
 def test_the_standard_error_of_dz_is_its_real_spread_for_the_prompts(moderate, collapse, sharpened):
