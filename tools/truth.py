@@ -576,7 +576,9 @@ class RegimeResult:
         rows = [r for r in self.eta_rows if r[3] is not None]
         if not oracle_error:
             return sum(r[3][0] <= r[4] <= r[3][1] for r in rows), len(rows)
-        return sum(_covers(r[2], (r[3][1] - r[3][0]) / 2, r[4], self.truths[r[0]].eta_sd) for r in rows), len(rows)
+        # the interval need not be centred on the estimate (its lower end allows for D_t's tail,
+        # ``eta.tail_low``): the half on the truth's side is the one checked
+        return sum(_covers(r[2], _side(r[2], r[3], r[4]), r[4], self.truths[r[0]].eta_sd) for r in rows), len(rows)
 
     def d_t_coverage(self, own: bool = False, tail: bool = True) -> tuple[int, int]:
         """The report's D_t against the truth on the record's updates: (covered by its 95 %
@@ -605,6 +607,12 @@ class RegimeResult:
 
         diffs = [r[2] - r[4] for r in self.eta_rows if r[1] == "resolved" and r[3] is not None]
         return float(np.median(diffs)) if diffs else None
+
+
+def _side(estimate: float, interval: tuple[float, float], truth: float) -> float:
+    """The half of an interval on the truth's side of the estimate: an interval whose lower end
+    allows for D_t's tail (``eta.tail_low``) is not centred on it."""
+    return estimate - interval[0] if truth < estimate else interval[1] - estimate
 
 
 def _covers(estimate: float, half: float, truth: float, truth_sd: float) -> bool:
@@ -956,7 +964,8 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
                 # a candidate measured, not adopted: the jackknife's own correction |K - K_jk| / D_t
                 # taken as a bound on the bias it leaves, added to the half-width
                 c["bounded"] = c.get("bounded", 0) + sum(
-                    abs(e.eta_debiased - truth.eta) <= (hi - lo) / 2 + abs(e.kl_min - e.kl_min_debiased) / e.d_t
+                    abs(e.eta_debiased - truth.eta) <= _side(e.eta_debiased, (lo, hi), truth.eta)
+                    + abs(e.kl_min - e.kl_min_debiased) / e.d_t
                     for (e, _), (lo, hi) in zip(rows, ivs))
     # D_t, every draw (the tap records it whatever the premises), as the report forms its SE: the
     # j-th draws of every update are one redrawn run, its SEs moderated across its updates

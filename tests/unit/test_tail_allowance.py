@@ -112,3 +112,38 @@ def test_the_paired_ledger_carries_the_allowance_of_its_sample():
     lg = paired_ledger(roll, heldout=held)
     assert lg.d_t is not None
     assert lg.d_t_tail == pytest.approx((1.0 - 0.9) * 0.7 / 2, rel=1e-9)
+    # eta's estimate of the pair carries it (the book's intervals read it there)
+    from reward_lens.measure.efficiency.eta import paired_estimate_columns
+
+    est = paired_estimate_columns([(lg, np.array([0]))])
+    assert est.d_t_tail.tolist() == pytest.approx([lg.d_t_tail]) and est.estimate(0).d_t_tail == est.d_t_tail[0]
+
+
+def test_etas_lower_end_allows_for_d_ts_tail():
+    """eta = K / D: D_t may be up to its tail allowance larger than measured, so eta's interval
+    reaches down to lo * D / (D + tail); a lower end at or below 0 stays, and so does the upper."""
+    from reward_lens.measure.efficiency.eta import EtaColumns, EtaEstimate, run_level, tail_low
+
+    assert tail_low(0.4, 2.0, 0.5) == pytest.approx(0.4 * 2.0 / 2.5)
+    assert tail_low(-0.1, 2.0, 0.5) == pytest.approx(-0.1) and tail_low(0.4, 2.0, 0.0) == pytest.approx(0.4)
+    assert tail_low(0.4, 2.0, float("nan")) == pytest.approx(0.4)
+    cov = np.array([[0.01, 0.0], [0.0, 0.04]])
+    bare = EtaEstimate((0, 1), "paired", 1.0, 0.9, 2.0, 0.01, cov, dof=6.0, groups_varying=7)
+    tailed = EtaEstimate((1, 2), "paired", 1.0, 0.9, 2.0, 0.01, cov, dof=6.0, groups_varying=7, d_t_tail=0.5)
+    lo, hi = bare.interval()
+    assert lo > 0
+    lo2, hi2 = tailed.interval()
+    assert hi2 == pytest.approx(hi) and lo2 == pytest.approx(lo * 2.0 / 2.5)
+    # the columns state the same ends, entry by entry
+    cols = EtaColumns.of([bare, tailed])
+    los, his = cols.interval()
+    assert los.tolist() == pytest.approx([lo, lo2]) and his.tolist() == pytest.approx([hi, hi2])
+    assert cols.estimate(1).d_t_tail == 0.5 and cols.take(np.array([1])).d_t_tail.tolist() == [0.5]
+    # a window's (and the run's) D_t is its members' sum, and so is the allowance
+    run = run_level(cols)
+    assert run.d_t_tail == pytest.approx(0.5) and run_level([bare, tailed]).d_t_tail == pytest.approx(0.5)
+    r_lo, _ = run.interval()
+    e, se = run.eta_debiased, run.se
+    from reward_lens.measure.ledger.moderated import t975
+
+    assert r_lo == pytest.approx((e - t975(run.dof) * se) * 4.0 / 4.5)

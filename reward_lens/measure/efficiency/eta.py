@@ -108,6 +108,10 @@ class EtaEstimate:
     # envelope test and a window's sums the jackknife's own ``cov``
     se_pooled: float | None = None
     dof_pooled: float | None = None
+    # D_t's tail allowance (``ledger.paired.tail_allowance``; a window's members' summed): where the
+    # sample of a sharpened policy may have missed the tail of the token KL, D_t may be that much
+    # larger, and eta that much smaller: the interval's lower end allows for it (``tail_low``)
+    d_t_tail: float = 0.0
 
     @property
     def null_kl(self) -> float:
@@ -151,10 +155,11 @@ class EtaEstimate:
         return _ratio_se(self.kl_min_debiased, self.d_t, self.cov)
 
     def interval(self) -> tuple[float, float]:
-        """95 % interval of eta_debiased: t quantile with the SE's degrees of freedom."""
+        """95 % interval of eta_debiased: t quantile with the SE's degrees of freedom, the lower end
+        allowing for D_t's tail (``tail_low``)."""
         q = _t975(self.dof_pooled if self.se_pooled is not None else self.dof)
         e, se = self.eta_debiased, self.se
-        return (e - q * se, e + q * se)
+        return (float(tail_low(e - q * se, self.d_t, self.d_t_tail)), e + q * se)
 
     @property
     def excess_z(self) -> float:
@@ -189,6 +194,7 @@ class EtaColumns:
     # ``EtaEstimate.se_pooled`` and ``dof_pooled`` of each, NaN where None (None: not pooled at all)
     se_pooled: np.ndarray | None = None
     dof_pooled: np.ndarray | None = None
+    d_t_tail: np.ndarray | None = None  # (P,) ``EtaEstimate.d_t_tail`` of each; None: 0 for all
 
     def __len__(self) -> int:
         return len(self.kl_min)
@@ -223,7 +229,8 @@ class EtaColumns:
             converged=np.array([e.converged for e in es], dtype=bool),
             steps=np.array([e.steps for e in es], dtype=np.int64),
             groups_varying=np.array([-1 if e.groups_varying is None else e.groups_varying for e in es],
-                                    dtype=np.int64), se_pooled=opt("se_pooled"), dof_pooled=opt("dof_pooled"))
+                                    dtype=np.int64), se_pooled=opt("se_pooled"), dof_pooled=opt("dof_pooled"),
+            d_t_tail=np.array([e.d_t_tail for e in es], dtype=np.float64) if any(e.d_t_tail for e in es) else None)
 
     def estimate(self, i: int) -> EtaEstimate:
         gv = int(self.groups_varying[i])
@@ -234,7 +241,8 @@ class EtaColumns:
                            dof=float(self.dof[i]), converged=bool(self.converged[i]), steps=int(self.steps[i]),
                            groups_varying=None if gv < 0 else gv,
                            se_pooled=float(self.se_pooled[i]) if pooled else None,
-                           dof_pooled=float(self.dof_pooled[i]) if pooled else None)
+                           dof_pooled=float(self.dof_pooled[i]) if pooled else None,
+                           d_t_tail=0.0 if self.d_t_tail is None else float(self.d_t_tail[i]))
 
     def estimates(self) -> list[EtaEstimate]:
         return [self.estimate(i) for i in range(len(self))]
@@ -246,7 +254,8 @@ class EtaColumns:
                           cov=self.cov[idx], dof=self.dof[idx], converged=self.converged[idx], steps=self.steps[idx],
                           groups_varying=self.groups_varying[idx],
                           se_pooled=None if self.se_pooled is None else self.se_pooled[idx],
-                          dof_pooled=None if self.dof_pooled is None else self.dof_pooled[idx])
+                          dof_pooled=None if self.dof_pooled is None else self.dof_pooled[idx],
+                          d_t_tail=None if self.d_t_tail is None else self.d_t_tail[idx])
 
     @property
     def null_kl(self) -> np.ndarray:
@@ -299,7 +308,8 @@ class EtaColumns:
         q = t975s(self.dof if self.se_pooled is None else np.where(self.pooled, self.dof_pooled, self.dof))
         e, se = self.eta_debiased, self.se
         with np.errstate(invalid="ignore"):
-            return e - q * se, e + q * se
+            lo = e - q * se
+            return (lo if self.d_t_tail is None else tail_low(lo, self.d_t, self.d_t_tail)), e + q * se
 
     @property
     def excess_z(self) -> np.ndarray:
@@ -310,6 +320,18 @@ class EtaColumns:
         with np.errstate(divide="ignore", invalid="ignore"):
             z = diff / np.sqrt(np.where(pos, var, 1.0))
         return np.where(pos, z, np.where(diff > 0, np.inf, -np.inf))
+
+
+def tail_low(lo, d_t, tail):
+    """An interval's lower end of eta = K / D allowing for D_t's tail allowance ``tail``
+    (``ledger.paired.tail_allowance``): D_t may be up to ``tail`` larger than measured (its own
+    interval's upper end carries it), so eta down to ``lo * D / (D + tail)``. Only a positive
+    lower end moves (a lower end at or below 0 already allows an eta of 0), and only where D_t
+    and the allowance are positive and finite; elementwise on arrays."""
+    lo, d, a = (np.asarray(x, dtype=np.float64) for x in (lo, d_t, tail))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        move = (lo > 0) & (d > 0) & np.isfinite(d) & (a > 0) & np.isfinite(a)
+        return np.where(move, lo * d / np.where(move, d + a, 1.0), lo)
 
 
 def moderate(est: EtaColumns) -> EtaColumns:
@@ -516,8 +538,10 @@ def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], de
         col["kl_min"][rows], col["kl_min_debiased"][rows], col["d_t"][rows] = k_full, k_jk, d_g.mean(axis=1)
         col["cov"][rows], col["converged"][rows], col["groups_varying"][rows] = covs, jk.converged, varying
         col["dof"][rows] = jackknife_dofs(varying, g)
+    tails = np.array([lg.d_t_tail if lg.d_t_tail is not None and math.isfinite(lg.d_t_tail) else 0.0
+                      for lg, _ in items], dtype=np.float64)
     return EtaColumns(step_pair=step_pairs, kind="paired", p_value=p_values,
-                      steps=step_pairs[:, 1] - step_pairs[:, 0], **col)
+                      steps=step_pairs[:, 1] - step_pairs[:, 0], d_t_tail=tails if (tails > 0).any() else None, **col)
 
 
 def groups_varying(z: np.ndarray, codes: np.ndarray, n_groups: int) -> np.ndarray:
@@ -750,7 +774,7 @@ def window(estimates: Sequence[EtaEstimate] | EtaColumns) -> EtaEstimate:
         d_t=sum(e.d_t for e in estimates), p_value=fisher_combined([e.p_value for e in estimates]),
         cov=np.sum([e.cov for e in estimates], axis=0),
         dof=sum(e.dof for e in estimates), converged=all(e.converged for e in estimates),
-        steps=sum(e.steps for e in estimates))
+        steps=sum(e.steps for e in estimates), d_t_tail=sum(e.d_t_tail for e in estimates))
 
 
 def _window_of_columns(c: EtaColumns) -> EtaEstimate:
@@ -760,7 +784,8 @@ def _window_of_columns(c: EtaColumns) -> EtaEstimate:
         step_pair=(int(c.step_pair[0, 0]), int(c.step_pair[-1, 1])), kind=c.kind,
         kl_min=sum(c.kl_min.tolist()), kl_min_debiased=sum(c.kl_min_debiased.tolist()), d_t=sum(c.d_t.tolist()),
         p_value=fisher_combined(c.p_value), cov=np.sum(np.ascontiguousarray(c.cov), axis=0),
-        dof=sum(c.dof.tolist()), converged=bool(c.converged.all()), steps=sum(c.steps.tolist()))
+        dof=sum(c.dof.tolist()), converged=bool(c.converged.all()), steps=sum(c.steps.tolist()),
+        d_t_tail=0.0 if c.d_t_tail is None else sum(c.d_t_tail.tolist()))
 
 
 def windows(estimates: Sequence[EtaEstimate], w: int | str) -> list[EtaEstimate]:
