@@ -97,7 +97,9 @@ class EfficiencyRows(_M):
     interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased, t on "
                                                        "its SE's degrees of freedom (a paired row of one step "
                                                        "pair: the jackknife's SE pooled with the neighbouring "
-                                                       "updates'; a window of pairs: its own); null where nothing "
+                                                       "updates'; a window of pairs: its own), its lower end "
+                                                       "allowing for kl_spent's tail allowance (D_t may be that "
+                                                       "much larger, eta that much smaller); null where nothing "
                                                        "was priced or no_interval")
     no_interval: list[bool] = Field(description="priced, but a priced behaviour varies in one prompt group only: the "
                                                 "jackknife's spread is the estimate itself, so eta states no interval "
@@ -168,7 +170,8 @@ class CostSection(_M):
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
         "rows_nothing_priced, rows_no_interval (priced rows whose eta has no interval: one prompt group varies), "
         "eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
-        "when none is priced), eta_run_interval ([lo, hi]), kl_min_total and d_t_total (nats over those rows), "
+        "when none is priced), eta_run_interval ([lo, hi]; the lower end allowing for the rows' D_t tail "
+        "allowances, summed), kl_min_total and d_t_total (nats over those rows), "
         "eta_median (debiased, resolved rows with an interval only: selected on significance, so it leans high; kept for "
         "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
