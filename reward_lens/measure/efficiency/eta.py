@@ -159,7 +159,8 @@ class EtaEstimate:
         allowing for D_t's tail (``tail_low``)."""
         q = _t975(self.dof_pooled if self.se_pooled is not None else self.dof)
         e, se = self.eta_debiased, self.se
-        return (float(tail_low(e - q * se, self.d_t, self.d_t_tail)), e + q * se)
+        lo = e - q * se
+        return (float(tail_low(lo, self.d_t, self.d_t_tail)) if self.d_t_tail else lo, e + q * se)
 
     @property
     def excess_z(self) -> float:

@@ -660,8 +660,8 @@ SHARP_SEEN = 0.5
 SAME_COMPLETION_NATS = 1e-4
 
 
-def tail_allowance(logp: np.ndarray, logp_prev: np.ndarray, kl: np.ndarray, codes: np.ndarray, n_groups: int
-                   ) -> np.ndarray:
+def tail_allowance(logp: np.ndarray, logp_prev: np.ndarray, kl: np.ndarray, codes: np.ndarray, n_groups: int,
+                   sharp: float = SHARP_SEEN) -> np.ndarray:
     """What D_t's 95 % interval adds above its upper end for the tail its sample did not hold,
     nats per sequence, for P samples of one layout: ``logp``, ``logp_prev`` and ``kl`` (P, n) each
     row's log pi_{t+1}, log pi_t and token KL, ``codes`` (n,) its prompt group.
@@ -672,16 +672,21 @@ def tail_allowance(logp: np.ndarray, logp_prev: np.ndarray, kl: np.ndarray, code
     own or its neighbours', covers the truth (on the truth harness's collapsing run the moderated
     intervals covered 82 % of the redraws, 61 % on updates under 0.05 nats). What the sample
     does say is how much of pi_{t+1}'s probability it holds: the sum of pi_{t+1} over a group's
-    distinct completions, ``s_g``. Where ``s_g`` >= ``SHARP_SEEN`` (the group is sharpened: what
-    is missing is its tail), the mass it did not hold, ``1 - s_g``, is allowed the largest token
-    KL any completion of the group carried:
+    distinct completions, ``s_g``. Where ``s_g`` >= ``sharp`` (``SHARP_SEEN``: the group is
+    sharpened, what is missing is its tail), the mass it did not hold, ``1 - s_g``, is allowed the
+    largest token KL any completion of the group carried:
 
-        tail = mean_g [s_g >= SHARP_SEEN] (1 - s_g) max_i kl_gi        (D_t = mean_g E_q[kl])
+        tail = mean_g [s_g >= sharp] (1 - s_g) max_i kl_gi        (D_t = mean_g E_q[kl])
+
+    One completion: in order of log pi_{t+1} within the group, a row whose log-probabilities
+    under both policies are within ``SAME_COMPLETION_NATS`` of the row before it repeats that
+    row's completion (a chain of such rows is one; sorting keeps it O(n log n) per group).
 
     It is an allowance, not a bound: an unseen completion may carry more than any seen one. A
     group whose distinct completions hold less than half of the mass (a policy that still
     spreads) is sampled as its SE assumes and is allowed nothing. The harness measures what it
-    buys (docs/science.md). Returns (P,) >= 0; a sample without a finite token KL gets NaN."""
+    buys (docs/science.md). Returns (P,) >= 0, NaN where a sharpened group's token KL is not
+    finite (the ledgers pass only samples whose token KL is finite on every row)."""
     lp = np.asarray(logp, dtype=np.float64)
     lpp = np.asarray(logp_prev, dtype=np.float64)
     k = np.asarray(kl, dtype=np.float64)
@@ -701,19 +706,23 @@ def tail_allowance(logp: np.ndarray, logp_prev: np.ndarray, kl: np.ndarray, code
     # the rows' mass with repeats counted again bounds the distinct completions' from above: a
     # group below the threshold even so (every group of a policy that spreads) needs no more
     seen = mass.sum(axis=-1)  # (P, G)
-    near = seen >= SHARP_SEEN
+    near = seen >= sharp
     if near.any():
-        ac, bc = a[near], lpp[:, idx][near]  # (K, c)
-        on = np.broadcast_to(valid[None], a.shape)[near]
-        # a row repeats an earlier row of its group when both its log-probabilities agree within the tolerance
-        same = ((np.abs(ac[:, :, None] - ac[:, None, :]) <= SAME_COMPLETION_NATS)
-                & (np.abs(bc[:, :, None] - bc[:, None, :]) <= SAME_COMPLETION_NATS)
-                & on[:, None, :] & np.tril(np.ones((c, c), dtype=bool), -1)[None])
-        seen[near] = np.where(on & ~same.any(axis=-1), mass[near], 0.0).sum(axis=-1)
+        on = np.broadcast_to(valid[None], a.shape)[near]  # (K, c)
+        key = np.where(on, a[near], np.inf)  # padding sorts last
+        order = np.argsort(key, axis=1, kind="stable")
+        a_s = np.take_along_axis(key, order, axis=1)
+        b_s = np.take_along_axis(lpp[:, idx][near], order, axis=1)
+        new = np.ones(a_s.shape, dtype=bool)
+        with np.errstate(invalid="ignore"):  # inf - inf in the padding, which counts for nothing
+            new[:, 1:] = ((np.abs(np.diff(a_s, axis=1)) > SAME_COMPLETION_NATS)
+                          | (np.abs(np.diff(b_s, axis=1)) > SAME_COMPLETION_NATS))
+        first = np.take_along_axis(on, order, axis=1) & new
+        seen[near] = np.where(first, np.take_along_axis(mass[near], order, axis=1), 0.0).sum(axis=1)
     seen = np.minimum(seen, 1.0)
     top = np.where(valid[None], k[:, idx], -np.inf).max(axis=-1)
     with np.errstate(invalid="ignore"):
-        out = np.where(seen >= SHARP_SEEN, (1.0 - seen) * np.maximum(top, 0.0), 0.0).mean(axis=1)
+        out = np.where(seen >= sharp, (1.0 - seen) * np.maximum(top, 0.0), 0.0).mean(axis=1)
     return np.where(np.isfinite(out), out, np.nan)
 
 
