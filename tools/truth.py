@@ -681,6 +681,8 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
     """The record's numbers (what ``reward-lens report`` reads) against the oracle's, pair by
     pair and cell by cell; and, by replicates drawn from the oracle's samples, the estimator's
     bias and real spread."""
+    import math
+
     import numpy as np
 
     from reward_lens.measure.efficiency.of_run import price_run
@@ -735,6 +737,17 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
         if lg is not None and pair in moderated:
             result.d_t_report[pair] = (lg.d_t, *moderated[pair], truth.d_t, truth.d_t_se, lg.d_t_se, lg.d_t_dof,
                                        lg.d_t_tail)
+            # the interval ``d_t_coverage`` checks is the one the book states, where the book has the row
+            row = rows.get(pair)
+            stated = getattr(row, "kl_spent_interval", None) if row is not None else None
+            if stated is not None:
+                from reward_lens.measure.ledger.moderated import t975
+
+                se, dof = moderated[pair]
+                half = t975(dof) * se
+                mine = (max(lg.d_t - half, 0.0), lg.d_t + half + (lg.d_t_tail or 0.0))
+                if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(mine, stated)):
+                    raise RuntimeError(f"{pair}: the harness's D_t interval {mine} is not the book's {stated}")
     result.seconds["check"] = time.monotonic() - t0
     if replicates:
         active = {}
@@ -867,6 +880,7 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
     from reward_lens.measure.decisions import t_dof
     from reward_lens.measure.efficiency.cost import _window_spread
     from reward_lens.measure.efficiency.eta import EtaColumns, moderate, paired_estimates
+    from reward_lens.measure.ledger.paired import tail_allowance
     from reward_lens.measure.ledger.paired import paired_ledger
 
     rng = np.random.default_rng(1)
@@ -953,7 +967,9 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         eta = np.array([e.eta_debiased for e, _ in rows])
         for key, ses, ivs in (("eta", np.array([e.se for e, _ in rows]), [e.interval() for e, _ in rows]),
                               ("eta_own", np.array([e.own_se for e, _ in rows]),
-                               [dataclasses.replace(e, se_pooled=None, dof_pooled=None).interval() for e, _ in rows])):
+                               # as before issue 41's pooling and allowance: the jackknife's SE, no tail allowance
+                               [dataclasses.replace(e, se_pooled=None, dof_pooled=None, d_t_tail=0.0).interval()
+                                for e, _ in rows])):
             c = out[key]
             if np.isfinite(ses).all() and eta.std(ddof=1) > 0:
                 c["ratio"].append(eta.std(ddof=1) / math.sqrt(np.mean(ses ** 2)))
@@ -994,6 +1010,19 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
                     iv = _window_spread(lg.d_t, [(e, f)], [lg.d_t_tail])[1]
                     inside = iv[0] <= truth.d_t <= iv[1] if iv is not None else lg.d_t == truth.d_t
                     c["covered_no_tail"] = c.get("covered_no_tail", 0) + bool(abs(lg.d_t - truth.d_t) <= q975(f) * e)
+                    # the small updates alone, and the allowance at other sharpness thresholds (measured, not adopted)
+                    if lg.d_t < SMALL_D_T:
+                        c["small_covered"] = c.get("small_covered", 0) + bool(inside)
+                        c["small_draws"] = c.get("small_draws", 0) + 1
+                    c["allowed"] = c.get("allowed", 0) + bool(lg.d_t_tail and lg.d_t_tail > 0)
+                    if lg.d_t_tail and lg.d_t_tail > 0 and lg.d_t > 0:
+                        c.setdefault("allowance_share", []).append(lg.d_t_tail / lg.d_t)
+                    for th in SHARP_SWEEP:
+                        a = float(tail_allowance(lp[None], (lp - lg.log_ratio)[None], lg.kl[None], lg.codes,
+                                                 lg.n_groups, sharp=th)[0])
+                        jv = _window_spread(lg.d_t, [(e, f)], [a])[1]
+                        c.setdefault("sweep", {}).setdefault(th, 0)
+                        c["sweep"][th] += bool(jv[0] <= truth.d_t <= jv[1] if jv is not None else lg.d_t == truth.d_t)
                 else:
                     inside = abs(lg.d_t - truth.d_t) <= q975(f) * e
                 c["covered"] += inside
@@ -1014,6 +1043,9 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
     out["eta_run"] = _run_levels(run_draws)
     return out
 
+
+# The sharpness thresholds of D_t's tail allowance measured beside the book's (``SHARP_SEEN``, 0.5).
+SHARP_SWEEP = (0.3, 0.5, 0.7, 0.9)
 
 # The windows the moderation of D_t's SE was chosen among (measured updates on either side; None:
 # the whole run), each measured on the same redrawn runs (``_window_sweep``).
@@ -1233,6 +1265,7 @@ def summary_lines(res: RegimeResult) -> list[str]:
     import numpy as np
 
     from reward_lens.measure.ledger.moderated import MODERATION_WINDOW
+    from reward_lens.measure.ledger.paired import SHARP_SEEN
 
     rep = res.reported()
     within = sum(c.within for c in rep)
@@ -1311,7 +1344,7 @@ def summary_lines(res: RegimeResult) -> list[str]:
                      "95 % intervals covering the truth, over draws")
         for q, words in (("d_t_own", "D_t, the sample's own SE"),
                          ("d_t", "D_t, moderated across updates, the upper end raised by the tail allowance"),
-                         ("dz", "dz"), ("eta_own", "eta, the jackknife's own SE"),
+                         ("dz", "dz"), ("eta_own", "eta, the jackknife's own SE without the tail allowance"),
                          ("eta", "eta, moderated across updates")):
             c = cal.get(q)
             if c is None:
@@ -1323,10 +1356,21 @@ def summary_lines(res: RegimeResult) -> list[str]:
                             f"{cover(c, 'bounded')})" if "bounded" in c else "")
                          + (f" (without the tail allowance: {cover(c, 'covered_no_tail')})"
                             if "covered_no_tail" in c else ""))
+        c = cal.get("d_t") or {}
+        if c.get("draws") and "sweep" in c:
+            small = (f"{100 * c['small_covered'] / c['small_draws']:.1f} % of {c['small_draws']}"
+                     if c.get("small_draws") else "none")
+            share = (f", a median {np.median(c['allowance_share']):.2f} of D_t where it is"
+                     if c.get("allowance_share") else "")
+            lines.append(f"    D_t's tail allowance: on {100 * c['allowed'] / c['draws']:.0f} % of the draws{share}; "
+                         f"the updates under {SMALL_D_T:g} nats alone covered on {small}; the coverage at other "
+                         "thresholds of a sharpened group's mass (the report's is "
+                         f"{SHARP_SEEN:g}, measured, not adopted): " + ", ".join(
+                             f"{th:g}: {100 * v / c['draws']:.1f} %" for th, v in c["sweep"].items()))
     sw = cal.get("windows") if cal else None
     if sw:
         lines.append("  D_t moderated over other windows (measured updates on either side; the report's is "
-                     f"{MODERATION_WINDOW}): " + "; ".join(
+                     f"{MODERATION_WINDOW}; without the tail allowance): " + "; ".join(
                          f"{'the whole run' if w is None else w}: cover {100 * c:.1f} %, SD / SE {q:.2f}"
                          for w, (c, q) in sw.items()))
     er = cal.get("eta_run") if cal else None
