@@ -685,6 +685,7 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
 
     import numpy as np
 
+    from reward_lens.measure.efficiency.cost import _window_spread
     from reward_lens.measure.efficiency.of_run import price_run
     from reward_lens.measure.ledger.price import steps_from_run
     from reward_lens.record.reader import open_run
@@ -741,11 +742,7 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
             row = rows.get(pair)
             stated = getattr(row, "kl_spent_interval", None) if row is not None else None
             if stated is not None:
-                from reward_lens.measure.ledger.moderated import t975
-
-                se, dof = moderated[pair]
-                half = t975(dof) * se
-                mine = (max(lg.d_t - half, 0.0), lg.d_t + half + (lg.d_t_tail or 0.0))
+                mine = _window_spread(lg.d_t, [moderated[pair]], [lg.d_t_tail])[1] or (math.nan, math.nan)
                 if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(mine, stated)):
                     raise RuntimeError(f"{pair}: the harness's D_t interval {mine} is not the book's {stated}")
     result.seconds["check"] = time.monotonic() - t0
@@ -880,8 +877,7 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
     from reward_lens.measure.decisions import t_dof
     from reward_lens.measure.efficiency.cost import _window_spread
     from reward_lens.measure.efficiency.eta import EtaColumns, moderate, paired_estimates
-    from reward_lens.measure.ledger.paired import tail_allowance
-    from reward_lens.measure.ledger.paired import paired_ledger
+    from reward_lens.measure.ledger.paired import paired_ledger, tail_allowance
 
     rng = np.random.default_rng(1)
     # per update: the real SD over the root mean square of the SEs ("ratio"), and the median draw's
