@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from functools import cached_property
 
 import numpy as np
@@ -623,19 +624,56 @@ def _samples(steps: np.ndarray, z: np.ndarray, cols: dict[str, np.ndarray], null
     arrays = {"z": z, **{OPTIONAL_COLUMNS[c]: v for c, v in cols.items()}}
     for a in arrays.values():
         a.flags.writeable = False  # shared by every sample and by ``stacked``
-    bounds = list(zip(starts.tolist(), ends.tolist()))
-    views = {attr: [None if c in absent and absent[c][i] else v[a:b] for i, (a, b) in enumerate(bounds)]
+    ns = ends - starts
+    views = {attr: _step_views(v, starts, ns, absent.get(c))
              for attr, c, v in [("z", None, z), *[(OPTIONAL_COLUMNS[c], c, v) for c, v in cols.items()]]}
-    stack = StepStack(arrays=arrays, starts=starts, ns=ends - starts, views=views)
+    stack = StepStack(arrays=arrays, starts=starts, ns=ns, views=views)
     present = [OPTIONAL_COLUMNS[c] for c in OPTIONAL_COLUMNS if c in cols]
-    g = [None] * len(bounds) if n_groups is None else n_groups.tolist()
-    zs = views["z"]
+    g = [None] * len(starts) if n_groups is None else n_groups.tolist()
     step_of = steps[starts].tolist()
-    attach = attach or {}
-    return [StepSample(step_of[i], names, zs[i], n_groups=g[i], stack=stack, index=i,
-                       **{attr: views[attr][i] for attr in present if views[attr][i] is not None},
-                       **{k: v[step_of[i]] for k, v in attach.items() if step_of[i] in v})
-            for i in range(len(bounds))]
+    # every field of each sample, as the dataclass's __init__ sets them, made column by column
+    # and put in place without it: at 10,000 steps x 2 sides its frozen __setattr__ per field
+    # was a third of a second on the critical path of a tapped report (bench/report_phases.py)
+    fields = {f: [None] * len(starts) for f in _SAMPLE_FIELDS}
+    fields.update(step=step_of, names=[names] * len(starts), n_groups=g, stack=[stack] * len(starts),
+                  index=list(range(len(starts))), **{attr: views[attr] for attr in ("z", *present)})
+    for k, v in (attach or {}).items():
+        fields[k] = [v.get(s) for s in step_of]
+    return _made(list(zip(*fields.values())), tuple(fields))
+
+
+# StepSample's fields in declaration order, for ``_made``
+_SAMPLE_FIELDS = tuple(f.name for f in dataclass_fields(StepSample))
+
+
+def _made(rows: list[tuple], names: tuple[str, ...]) -> list[StepSample]:
+    """StepSamples with the fields ``names`` set to each row's values -- every field, so that
+    each is what ``StepSample(**dict(zip(names, row)))`` makes (tests/unit/test_step_samples.py),
+    without a frozen dataclass's ``object.__setattr__`` per field."""
+    if set(names) != set(_SAMPLE_FIELDS):
+        raise ValueError(f"_made needs every field of StepSample, not {names}")
+    new = object.__new__
+    out = []
+    for row in rows:
+        s = new(StepSample)
+        s.__dict__.update(zip(names, row))
+        out.append(s)
+    return out
+
+
+def _step_views(v: np.ndarray, starts: np.ndarray, ns: np.ndarray, absent: np.ndarray | None) -> list:
+    """Each step's rows of ``v`` (rows sorted by step, step i's from ``starts[i]``, ``ns[i]`` of
+    them) as a view, None where ``absent`` says the column is absent at the step. Steps of equal
+    size in a C-contiguous column are the rows of one reshaped view, listed in C (10,000 slices
+    in Python are 20 ms a column); the same views as slicing, of the same memory."""
+    if len(ns) and v.flags.c_contiguous and (ns == ns[0]).all() and int(ns[0]) * len(ns) == len(v):
+        out = list(v.reshape(len(ns), int(ns[0]), *v.shape[1:]))
+    else:
+        out = [v[a:a + n] for a, n in zip(starts.tolist(), ns.tolist())]
+    if absent is not None:
+        for i in np.flatnonzero(absent).tolist():
+            out[i] = None
+    return out
 
 
 FEATURE_THREADS = min(4, os.cpu_count() or 1)
