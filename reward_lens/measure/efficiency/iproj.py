@@ -205,7 +205,8 @@ STEP_MIN_ROWS = 4
 
 
 def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_groups: int,
-                    heldout: np.ndarray | None = None, deletions: str = "checked") -> GroupJackknife:
+                    heldout: np.ndarray | None = None, deletions: str = "checked",
+                    workers: int | None = None) -> GroupJackknife:
     """KL_min of P samples that share one group layout (as ``i_projections``: rows ordered by
     group) and of each with each prompt group deleted, the delete-one-group jackknife's
     replicates.
@@ -231,7 +232,9 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     samples whose second step still expected to gain more than ``STEP_TOL`` of the jackknife's
     SE. The value is floored at 0 as a solve's is (the deleted dual is 0 at lambda = 0).
     Measured against the exact solves in bench/jackknife_deletions.py and
-    tests/unit/test_jackknife.py."""
+    tests/unit/test_jackknife.py. ``workers``: threads for its batches (default ``THREADS``; a
+    caller that runs it on threads of its own passes 1). Every sample's arithmetic is its own, so
+    the numbers do not depend on it, nor on which samples are passed together."""
     if deletions not in DELETIONS:
         raise ValueError(f"deletions must be one of {DELETIONS}, not {deletions!r}")
     codes = np.asarray(codes)
@@ -277,7 +280,7 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         hi = min(n_pairs, lo + TILT_BATCH)
         return _fixed_tilt_bias_blocks(r[lo:hi], a_all[lo:hi], side, varies[lo:hi], n_groups, m)
 
-    workers = THREADS if len(los) > 1 else 1
+    workers = (THREADS if workers is None else workers) if len(los) > 1 else 1
     with ThreadPoolExecutor(min(workers, len(los))) if workers > 1 else _inline() as pool:
         parts = list(pool.map(batch, los))
         if two_sided and m:
