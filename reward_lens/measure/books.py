@@ -120,8 +120,11 @@ class RunContext:
     def beside_books(self) -> threading.Thread:
         """What reads the samples alone, made on a thread of its own while the books are priced
         (started, returned): the findings' ``watch`` and the cause book's selection
-        differentials. The samples are read once, by whichever asks first; an error is kept for
-        the one that asks for the same thing next (``cached``, the read's ``memo``)."""
+        differentials; then the record's field presence (``Run.fields``, a second read of its
+        partly null columns, after the samples' read), which the summary and the findings ask
+        for at the end. The samples are read once, by whichever asks first; an error is kept for
+        the one that asks for the same thing next (``cached``, the read's ``memo``; ``fields``
+        raises it again when asked)."""
         from reward_lens.measure.cause import selection_of_run
 
         def make():
@@ -129,6 +132,10 @@ class RunContext:
                 self.watch
                 selection_of_run(self.samples)
             except Exception:  # noqa: BLE001 -- raised again where the book or the findings ask
+                pass
+            try:
+                self.run.fields()
+            except Exception:  # noqa: BLE001 -- not cached: raised again where it is asked for
                 pass
         t = threading.Thread(target=make, name="reward-lens-watch", daemon=True)
         t.start()

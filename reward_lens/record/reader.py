@@ -547,7 +547,7 @@ class Run:
                 for seg, pf in self._segments:
                     col = self._read(pf, seg, ["step", spec.column])
                     valid = pc.is_valid(col.column(spec.column)).to_numpy(zero_copy_only=False)
-                    steps_with.update(np.unique(col.column("step").to_numpy()[valid]).tolist())
+                    steps_with.update(_distinct(col.column("step").to_numpy()[valid]).tolist())
                 if steps_with:
                     # scores under the previous policy belong to a step pair: the first
                     # generation has no earlier policy to be scored under
@@ -563,7 +563,7 @@ class Run:
                 # held-out rows belong to a step pair, filed under its later generation: the first
                 # generation has none, and with one generation feeding R steps one in R has them
                 of = max(n_roll - 1, 1)
-                out["heldout"] = Presence(min(len(np.unique(ho)), of), of)
+                out["heldout"] = Presence(min(len(_distinct(ho)), of), of)
         if self.manifest.checkpoints:
             ck = {c.step for c in self.manifest.checkpoints}
             out["checkpoints"] = Presence(len(ck), n)
@@ -598,6 +598,14 @@ class Run:
                 p = self.path / ck.path / name
                 if not is_regular(p) or sha256_file(p) != entry.sha256:
                     raise RecordError(p, "checkpoint file missing or changed since the record was written")
+
+
+def _distinct(a: np.ndarray) -> np.ndarray:
+    """``np.unique(a)``: without its sort where ``a`` is already in order (a writer's rows are in
+    step order: a sort of 640,000 steps a column was a tenth of a second of every report)."""
+    if len(a) < 2 or (a[1:] < a[:-1]).any():
+        return np.unique(a)
+    return a[np.r_[True, a[1:] != a[:-1]]]
 
 
 # Rollout columns that score a rollout under the policy before its step's: absent on the first
