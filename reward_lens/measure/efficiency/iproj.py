@@ -81,6 +81,12 @@ def i_projection(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_grou
 # replicates: 1.9-2.4x less time than in 32 MiB batches on one thread (bench/blocks.py).
 BATCH_FLOATS = 250_000
 THREADS = os.cpu_count() or 1
+# ``group_jackknife``'s batches are larger: it makes a few dozen numpy calls a batch on arrays of
+# G x n x k floats a sample, and at 250,000 floats (32 tapped samples) their overhead was a tenth
+# of its time. On 2,048 tapped step pairs (96 rows, 9 features, 8 groups), chunks of 512 on two
+# threads as the paired book runs it: 0.35 s at 250,000, 0.28 s at 500,000, 0.25 s at 1,000,000,
+# 0.28 s at 2,000,000 (this host, AVX2). Each sample's numbers do not depend on the batch.
+JACKKNIFE_BATCH_FLOATS = 1_000_000
 # Samples whose tilt bias (``_fixed_tilt_bias_blocks``, on (P, G, m) arrays) is made in one batch:
 # 1,024 samples of 96 rows are 0.75 MiB an array.
 TILT_BATCH = 1024
@@ -255,7 +261,7 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     side = np.asarray(heldout, dtype=bool) if two_sided else None
     # the deletions hold each row's outer product of its deviations (n x k x k floats a sample)
     # and, for a second step, each row's tilted weight and features under every deletion (G x n x k)
-    per_batch = max(1, BATCH_FLOATS // max(1, n * k * max(k, n_groups if steps == 2 else 1)))
+    per_batch = max(1, JACKKNIFE_BATCH_FLOATS // max(1, n * k * max(k, n_groups if steps == 2 else 1)))
     los = list(range(0, n_pairs, per_batch))
     m = blocks(codes, n_groups)
 
