@@ -485,16 +485,16 @@ def within_group_metric(ledgers) -> MetricG:
     for members in layouts.values():
         lg0 = ledgers[members[0]]
         codes, g = np.asarray(lg0.codes), lg0.n_groups
-        z = stack_views([ledgers[q].z for q in members])  # (L, n, k): a view where a batch holds them so
         m = blocks(codes, g)
         size = None if m else np.bincount(codes, minlength=g).astype(float)
         # small temporaries: reused, not faulted in; each block its own rows of cs and mean_z, so
-        # the blocks go to threads (numpy releases the GIL inside each array operation)
-        tasks += [(z[lo:lo + LEDGER_BLOCK], members[lo:lo + LEDGER_BLOCK], codes, g, m, size)
-                  for lo in range(0, len(members), LEDGER_BLOCK)]
+        # the blocks go to threads (numpy releases the GIL inside each array operation), each
+        # stacking its own ledgers' samples (a view where a batch of ledgers holds them so)
+        tasks += [(members[lo:lo + LEDGER_BLOCK], codes, g, m, size) for lo in range(0, len(members), LEDGER_BLOCK)]
 
     def block(task: tuple) -> None:
-        zq, rows, codes, g, m, size = task
+        rows, codes, g, m, size = task
+        zq = stack_views([ledgers[q].z for q in rows])  # (L, n, k)
         if m:  # groups of m rollouts one after another: sums by reshape, as bincount adds them,
             # and centred by broadcasting (a gather of the means to every row costs 3-20x more)
             zb = zq.reshape(len(zq), g, m, k)
