@@ -823,10 +823,10 @@ def render_template_string(text: str, ctx: dict[str, Any]) -> str:
 def _compiled(text: str):
     """A spec's template, compiled once: the tap renders every live finding at every step, and
     compiling took most of a check's time."""
-    from reward_lens_spec.render import _env
+    from reward_lens_spec.render import _env, from_string
     from reward_lens_spec.paths import templates_dir
 
-    return _env(str(templates_dir())).from_string(text)
+    return from_string(_env(str(templates_dir())), text)
 
 
 def _jsonable(v: Any) -> Any:

@@ -139,3 +139,23 @@ def test_a_directory_others_can_write_or_own_is_never_loaded_from(monkeypatch, t
     home.chmod(0o777)
     assert spec_render.cache_directory() is None
     home.chmod(0o700)
+
+
+def test_a_string_template_is_cached_by_its_text_and_compiled_again_when_edited(tmp_path, monkeypatch):
+    """The findings' templates are strings in their specs (``spec_render.from_string``): kept in the
+    same cache, keyed by their text, and never served for another text."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = _env(tmp_path, cache, "prose", False)
+    assert spec_render.from_string(env, "a {{ v }}").render(v=1) == "a 1"
+    assert len(os.listdir(cache)) == 1
+    compiled = []
+    fresh = _env(tmp_path, cache, "prose", False)
+    monkeypatch.setattr(fresh, "compile", lambda *a, **k: compiled.append(a) or jinja2.Environment.compile(fresh, *a, **k))
+    assert spec_render.from_string(fresh, "a {{ v }}").render(v=2) == "a 2" and not compiled  # loaded, not compiled
+    assert spec_render.from_string(fresh, "b {{ v }}").render(v=2) == "b 2" and len(compiled) == 1
+    assert len(os.listdir(cache)) == 2
+    # without a cache, or with one that cannot be written, it is Jinja's own from_string
+    plain = jinja2.Environment()
+    assert spec_render.from_string(plain, "c {{ v }}").render(v=3) == "c 3"
+    assert spec_render.from_string(_env(tmp_path, tmp_path / "nowhere", "prose", False), "d {{ v }}").render(v=4) == "d 4"
