@@ -15,6 +15,7 @@ from operator import attrgetter, is_
 from pathlib import Path
 
 import jinja2
+import numpy as np
 from markupsafe import Markup, escape
 from pydantic import BaseModel
 
@@ -151,8 +152,16 @@ def fmt_all(values, digits: int = 4) -> list[str]:
         return [fmt(x, digits) for x in values]
     values = values if values.__class__ in (list, tuple) else list(values)
     g, e = f"%.{digits}g", f"%.{digits - 1}e"
-    specs = [("%.0s0" if x == 0 else "%.0s—" if x != x else e if -1e-3 < x < 1e-3 or not -1e5 < x < 1e5 else g)
-             if x.__class__ is float else "%s" for x in values]
+    if len(values) > 64 and set(map(type, values)) == {float}:
+        # a column of floats (nearly every long one): each value's spec chosen by array operations,
+        # the same choice as the loop below makes (a fifth of the time of formatting it)
+        a = np.array(values, dtype=np.float64)
+        with np.errstate(invalid="ignore"):
+            sci = ((-1e-3 < a) & (a < 1e-3)) | ~((-1e5 < a) & (a < 1e5))
+        specs = np.where(a == 0, "%.0s0", np.where(a != a, "%.0s—", np.where(sci, e, g))).tolist()
+    else:
+        specs = [("%.0s0" if x == 0 else "%.0s—" if x != x else e if -1e-3 < x < 1e-3 or not -1e5 < x < 1e5 else g)
+                 if x.__class__ is float else "%s" for x in values]
     if not specs:
         return []
     if "%s" in specs:
