@@ -256,7 +256,8 @@ def selection_gradient(samples: Sequence[StepSample]) -> Gradient:
         aa += float(ac @ ac)
     n = len(z)
     scale = np.sqrt(np.clip(np.diag(zz), 0, None) / n)
-    live = scale > 1e-12 * np.maximum(1.0, np.maximum(z.max(axis=0), -z.min(axis=0)))
+    z_max, z_min = _column_extremes(z)
+    live = scale > 1e-12 * np.maximum(1.0, np.maximum(z_max, -z_min))
     beta, se, p, p_joint = nan.copy(), nan.copy(), nan.copy(), nan.copy()
     direction = np.zeros(k, dtype=int)
     if not live.any() or total < 3:
@@ -311,6 +312,21 @@ def selection_gradient(samples: Sequence[StepSample]) -> Gradient:
     # is the summation order's and would decide whether it "moved as asked"
     beta[live_idx[zero]] = 0.0
     return Gradient(beta, se, p, [[int(live_idx[m]) for m in c] for c in clusters if len(c) > 1], p_joint, direction)
+
+
+def _column_extremes(z: np.ndarray, rows: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """``z.max(axis=0), z.min(axis=0)`` of rows z (n, k), by reducing ``rows`` rows' worth of
+    columns at a time (a reduction down a column of k = 9 is a strided loop, 7x slower at
+    640,000 rows): a maximum is the same in any order."""
+    n, k = z.shape
+    cut = n - n % rows if z.flags.c_contiguous else 0
+    hi, lo = np.full(k, -np.inf), np.full(k, np.inf)
+    if cut:
+        flat = z[:cut].reshape(-1, rows * k)
+        hi, lo = flat.max(axis=0).reshape(rows, k).max(axis=0), flat.min(axis=0).reshape(rows, k).min(axis=0)
+    if cut < n:
+        hi, lo = np.maximum(hi, z[cut:].max(axis=0)), np.minimum(lo, z[cut:].min(axis=0))
+    return hi, lo
 
 
 def _clusters(adjacent: np.ndarray) -> list[list[int]]:
