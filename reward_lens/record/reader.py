@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -508,8 +509,11 @@ class Run:
     # ------------------------------------------------------------------ presence
     def fields(self) -> dict[str, Presence]:
         """Which record fields are present, and on how many steps: the resolver's input (worked
-        out once per opened record; each call gets its own dict)."""
-        return dict(self._presence)
+        out once per opened record; each call gets its own dict). Worked out by one thread at a
+        time (a report asks for it on several, and it reads the record's files, whose readers are
+        shared): ``cached_property`` no longer locks from Python 3.12."""
+        with _PRESENCE_LOCK:
+            return dict(self._presence)
 
     @cached_property
     def _presence(self) -> dict[str, Presence]:
@@ -598,6 +602,9 @@ class Run:
                 p = self.path / ck.path / name
                 if not is_regular(p) or sha256_file(p) != entry.sha256:
                     raise RecordError(p, "checkpoint file missing or changed since the record was written")
+
+
+_PRESENCE_LOCK = threading.RLock()
 
 
 def _distinct(a: np.ndarray) -> np.ndarray:
