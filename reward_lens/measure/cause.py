@@ -319,6 +319,8 @@ def _column_extremes(z: np.ndarray, rows: int = 256) -> tuple[np.ndarray, np.nda
     columns at a time (a reduction down a column of k = 9 is a strided loop, 7x slower at
     640,000 rows): a maximum is the same in any order."""
     n, k = z.shape
+    if not z.size:  # no rows or no columns: numpy's own (which raises where there is no row)
+        return z.max(axis=0), z.min(axis=0)
     cut = n - n % rows if z.flags.c_contiguous else 0
     hi, lo = np.full(k, -np.inf), np.full(k, np.inf)
     if cut:

@@ -510,8 +510,9 @@ class Run:
     def fields(self) -> dict[str, Presence]:
         """Which record fields are present, and on how many steps: the resolver's input (worked
         out once per opened record; each call gets its own dict). Worked out by one thread at a
-        time (a report asks for it on several, and it reads the record's files, whose readers are
-        shared): ``cached_property`` no longer locks from Python 3.12."""
+        time (a report asks for it on several): ``cached_property`` no longer locks from Python
+        3.12. The lock keeps calls of ``fields`` apart, not ``fields`` from the record's other
+        reads: a report asks for it on its watch thread only after the samples' read."""
         with _PRESENCE_LOCK:
             return dict(self._presence)
 

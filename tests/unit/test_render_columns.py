@@ -19,6 +19,9 @@ def test_fmt_all_is_fmt_of_every_value():
     values = edges + [rng.uniform(-1e6, 1e6) * 10 ** rng.randint(-8, 3) for _ in range(20_000)]
     for digits in (3, 4):
         assert fmt_all(values, digits) == [fmt(v, digits) for v in values]
+    # a column of floats alone past 64 values takes the array path: every edge there too
+    floats = [v for v in edges if v.__class__ is float] * 10
+    assert len(floats) > 64 and fmt_all(floats, 4) == [fmt(v, 4) for v in floats]
     bits = [struct.unpack("d", struct.pack("Q", rng.getrandbits(64)))[0] for _ in range(50_000)]
     texts = ["a\x00b", "50 %", "%s", ""]  # text where a number was expected (a report read from a file)
     for column in (bits, bits[:100] + texts, texts, [], (v for v in edges)):

@@ -61,15 +61,36 @@ def test_step_views_are_the_slices_of_the_same_memory(sizes):
     assert all(np.shares_memory(x, w) for x in got) and np.array_equal(got[1], w[4:8])
 
 
+def _reference_samples(stack, steps, names, attach):
+    """The samples as ``price._samples`` made them before ``_made``: the constructor, each step's
+    rows sliced from the stack's arrays, a column absent at a step left at None."""
+    out = []
+    for i, (a, n) in enumerate(zip(stack.starts.tolist(), stack.ns.tolist())):
+        kw = {attr: v[a:a + n] for attr, v in stack.arrays.items()
+              if attr != "z" and stack.views[attr][i] is not None}
+        out.append(StepSample(steps[i], names, stack.arrays["z"][a:a + n], stack=stack, index=i, **kw,
+                              n_groups=None if stack.views.get("groups") is None else int(kw["groups"].max()) + 1,
+                              **{k: v.get(steps[i]) for k, v in attach.items()}))
+    return out
+
+
 def test_the_samples_of_a_read_are_what_their_constructor_makes():
     run = open_run(example_record("tapped"))
     samples = steps_from_run(run, SurfaceFeatures())
     assert len(samples) > 10
     names = [f.name for f in dataclasses.fields(StepSample)]
-    for s in samples:
-        again = StepSample(**{k: getattr(s, k) for k in names})
-        assert vars(s).keys() == vars(again).keys()
-        assert all(getattr(s, k) is getattr(again, k) for k in names)
+    steps = [s.step for s in samples]
+    attach = {side: {s.step: getattr(s, side) for s in samples if getattr(s, side) is not None}
+              for side in ("heldout", "fresh")}
+    for s, ref in zip(samples, _reference_samples(samples[0].stack, steps, samples[0].names, attach)):
+        assert vars(s).keys() == vars(ref).keys()
+        for k in names:  # the same values, and each array the same rows of the same memory
+            a, b = getattr(s, k), getattr(ref, k)
+            if isinstance(b, np.ndarray):
+                assert a.shape == b.shape and a.strides == b.strides and np.shares_memory(a, b)
+                assert np.array_equal(a, b, equal_nan=True) and not a.flags.writeable
+            else:
+                assert a is b or a == b, (s.step, k)
         assert s.z is s.stack.views["z"][s.index]
         for side in (s.heldout, s.fresh):
             if side is not None:
@@ -79,17 +100,40 @@ def test_the_samples_of_a_read_are_what_their_constructor_makes():
     assert np.array_equal(z, np.concatenate([s.z for s in samples])) and np.shares_memory(z, samples[0].z)
 
 
-def test_paired_estimates_do_not_depend_on_the_chunk_or_the_threads(monkeypatch):
+def _tapped_items():
     run = open_run(example_record("tapped"))
     samples = steps_from_run(run, SurfaceFeatures())
     ledgers, _ = paired_ledger_series(samples, heldout={s.step: s.heldout for s in samples if s.heldout is not None})
     k = len(samples[0].names)
-    items = [(lg, np.arange(k)) for lg in ledgers if lg.kl is not None]
-    assert len(items) > 10
+    return [(lg, np.arange(k)) for lg in ledgers if lg.kl is not None]
+
+
+def _irregular_items():
+    """Forty step pairs of one layout whose groups are not equal consecutive blocks (groups of
+    5, 7, 4 and 6 rollouts, 3 held-out rows each), and the irregular layouts of
+    ``test_cost_columns``: their weights' group sums are matrix products."""
+    from tests.unit.test_cost_columns import _irregular, _step
+
+    rng = np.random.default_rng(7)
+    steps = [_step(rng, t, [5, 7, 4, 6], held=3) for t in range(1, 41)]
+    samples, held = [s for s, _ in steps], {s.step: h for s, h in steps}
+    more, more_held = _irregular(0)
+    ledgers, _ = paired_ledger_series(samples, heldout=held)
+    ledgers += paired_ledger_series(more, heldout=more_held)[0]
+    k = len(samples[0].names)
+    return [(lg, np.arange(k)) for lg in ledgers if lg.kl is not None and np.isfinite(lg.kl).all()]
+
+
+@pytest.mark.parametrize("make", [_tapped_items, _irregular_items])
+def test_paired_estimates_do_not_depend_on_the_chunk_the_batch_or_the_threads(monkeypatch, make):
+    items = make()
+    assert len(items) > 5
+    if make is _irregular_items:  # the case the chunks must not reach: not every layout in blocks
+        assert any(not price.blocks(np.sort(np.asarray(lg.codes)), lg.n_groups) for lg, _ in items)
     want = eta_mod.paired_estimate_columns(items)
-    for chunk, threads in ((1, 1), (3, 2), (len(items) + 5, 4)):
+    for chunk, floats, threads in ((1, 10_000, 1), (3, 250_000, 2), (len(items) + 5, 4_000_000, 4)):
         monkeypatch.setattr(eta_mod, "ESTIMATE_CHUNK", chunk)
-        monkeypatch.setattr(iproj, "THREADS", threads)
+        monkeypatch.setattr(iproj, "JACKKNIFE_BATCH_FLOATS", floats)
         monkeypatch.setattr(price, "FEATURE_THREADS", threads)
         got = eta_mod.paired_estimate_columns(items)
         for f in dataclasses.fields(got):

@@ -509,13 +509,19 @@ def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], de
             got = layouts[mk] = (key, order)
         order_of.append(got[1])
         batches.setdefault(got[0], []).append(q)
-    tasks = [(key, members[lo:lo + ESTIMATE_CHUNK]) for key, members in batches.items()
-             for lo in range(0, len(members), ESTIMATE_CHUNK)]
+    tasks = []
+    for key, members in batches.items():
+        # a layout whose groups lie in equal consecutive blocks (the tap's) in chunks; any other
+        # whole, as before: its group sums are matrix products, whose last bit depends on how many
+        # pairs they are handed together
+        codes = np.asarray(items[members[0]][0].codes)[order_of[members[0]]]
+        chunk = ESTIMATE_CHUNK if blocks(codes, key[0]) else max(len(members), 1)
+        tasks += [(key, members[lo:lo + chunk]) for lo in range(0, len(members), chunk)]
 
     def estimate(task: tuple) -> tuple:
         """One chunk of step pairs of one layout, from the gather of their rows to their columns:
-        on a thread, in cache (every pair's arithmetic is its own, so the same numbers as for all
-        the layout's pairs at once)."""
+        on a thread, in cache (in equal group blocks every pair's arithmetic is its own, so the
+        same numbers as for all the layout's pairs at once)."""
         (g, _, side_key, idx), members = task
         idx = np.array(idx, dtype=int)
         lg0 = items[members[0]][0]

@@ -85,7 +85,9 @@ THREADS = os.cpu_count() or 1
 # G x n x k floats a sample, and at 250,000 floats (32 tapped samples) their overhead was a tenth
 # of its time. On 2,048 tapped step pairs (96 rows, 9 features, 8 groups), chunks of 512 on two
 # threads as the paired book runs it: 0.35 s at 250,000, 0.28 s at 500,000, 0.25 s at 1,000,000,
-# 0.28 s at 2,000,000 (this host, AVX2). Each sample's numbers do not depend on the batch.
+# 0.28 s at 2,000,000 (this host, AVX2). Where the groups lie in equal consecutive blocks (the
+# tap's layout) each sample's numbers do not depend on its batch; elsewhere they do, in the last
+# bit (a matrix product's), and ``group_jackknife`` keeps ``BATCH_FLOATS`` there.
 JACKKNIFE_BATCH_FLOATS = 1_000_000
 # Samples whose tilt bias (``_fixed_tilt_bias_blocks``, on (P, G, m) arrays) is made in one batch:
 # 1,024 samples of 96 rows are 0.75 MiB an array.
@@ -239,8 +241,9 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     SE. The value is floored at 0 as a solve's is (the deleted dual is 0 at lambda = 0).
     Measured against the exact solves in bench/jackknife_deletions.py and
     tests/unit/test_jackknife.py. ``workers``: threads for its batches (default ``THREADS``; a
-    caller that runs it on threads of its own passes 1). Every sample's arithmetic is its own, so
-    the numbers do not depend on it, nor on which samples are passed together."""
+    caller that runs it on threads of its own passes 1); the numbers do not depend on it. Where
+    the groups lie in equal consecutive blocks they do not depend on which samples are passed
+    together either; elsewhere a matrix product's last bit does (``paired._group_lse``)."""
     if deletions not in DELETIONS:
         raise ValueError(f"deletions must be one of {DELETIONS}, not {deletions!r}")
     codes = np.asarray(codes)
@@ -261,9 +264,13 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     side = np.asarray(heldout, dtype=bool) if two_sided else None
     # the deletions hold each row's outer product of its deviations (n x k x k floats a sample)
     # and, for a second step, each row's tilted weight and features under every deletion (G x n x k)
-    per_batch = max(1, JACKKNIFE_BATCH_FLOATS // max(1, n * k * max(k, n_groups if steps == 2 else 1)))
-    los = list(range(0, n_pairs, per_batch))
     m = blocks(codes, n_groups)
+    # where the groups are not equal consecutive blocks, the group sums of the weights are matrix
+    # products (``paired._group_lse``), whose last bit depends on how many samples they are handed:
+    # there the batches stay as they were (``BATCH_FLOATS``), so the numbers do too
+    floats = JACKKNIFE_BATCH_FLOATS if m else BATCH_FLOATS
+    per_batch = max(1, floats // max(1, n * k * max(k, n_groups if steps == 2 else 1)))
+    los = list(range(0, n_pairs, per_batch))
 
     def batch(lo: int) -> tuple[np.ndarray, ...]:
         hi = min(n_pairs, lo + per_batch)
