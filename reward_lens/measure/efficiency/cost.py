@@ -25,7 +25,6 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
-from scipy import special
 
 from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.metric import MetricG, active_index
@@ -927,13 +926,10 @@ def _window_spreads(d_t: np.ndarray, se: np.ndarray, dof: np.ndarray, on: np.nda
 def _t975s_moderated(dof: np.ndarray) -> np.ndarray:
     """``ledger.moderated.t975`` of each entry: the normal's quantile where the degrees of freedom
     are NaN or infinite, else Student's t on at least one, the same ufunc on all of them at once
-    (tests/unit/test_cost_columns.py holds it to ``t975`` of each)."""
+    (tests/unit/test_cost_columns.py holds it to ``t975`` of each): ``eta.t975s`` of each finite
+    entry floored at one."""
     dof = np.asarray(dof, dtype=np.float64)
-    out = np.full(dof.shape, 1.959963984540054)
-    fin = np.isfinite(dof)
-    if fin.any():
-        out[fin] = special.stdtrit(np.maximum(dof[fin], 1.0), 0.975)
-    return out
+    return _eta.t975s(np.where(np.isfinite(dof), np.maximum(dof, 1.0), dof))
 
 
 class _RowShares(Sequence):

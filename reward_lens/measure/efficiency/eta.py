@@ -369,18 +369,13 @@ def ratio_ses(k: np.ndarray, d: np.ndarray, cov: np.ndarray) -> np.ndarray:
 
 
 def t975s(dof: np.ndarray) -> np.ndarray:
-    """``_t975`` of each entry (a book's rows share a few values: each worked out once)."""
+    """``_t975`` of each entry: the ufunc it calls on every finite entry at once, the normal's
+    quantile elsewhere."""
     dof = np.asarray(dof, dtype=np.float64)
-    out = np.empty(dof.shape)
-    if not dof.size:
-        return out
-    values, inverse = np.unique(dof, return_inverse=True)  # NaNs: one entry each, as many as there are
-    # ``_t975`` of each distinct value, by one call of the ufunc it calls (moderated degrees of
-    # freedom are seldom shared: 10,000 scalar calls were a tenth of a second on one core)
-    q = np.full(values.shape, 1.959963984540054)
-    fin = np.isfinite(values)
-    q[fin] = special.stdtrit(values[fin], 0.975)
-    out[...] = q[inverse.reshape(dof.shape)]
+    out = np.full(dof.shape, 1.959963984540054)
+    fin = np.isfinite(dof)
+    if fin.any():
+        out[fin] = special.stdtrit(dof[fin], 0.975)
     return out
 
 
@@ -493,6 +488,7 @@ def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], de
     p_values = np.array(rollout_tests(items), dtype=np.float64)
     batches: dict[tuple, list[int]] = {}
     layouts: dict[tuple, tuple] = {}  # (id of codes, of sides, of idx) -> (batch key, order)
+    codes_of: dict[tuple, np.ndarray] = {}  # batch key -> its rows' group codes, in group order
     order_of = []
     for q, (lg, idx) in enumerate(items):
         if lg.kl is None:
@@ -504,9 +500,10 @@ def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], de
         if got is None:
             order = np.argsort(lg.codes, kind="stable")  # groups contiguous, as i_projections needs
             side = None if lg.heldout is None else np.asarray(lg.heldout)[order]
-            key = (lg.n_groups, np.asarray(lg.codes)[order].tobytes(), None if side is None else side.tobytes(),
-                   tuple(np.asarray(idx).tolist()))
+            codes = np.asarray(lg.codes)[order]
+            key = (lg.n_groups, codes.tobytes(), None if side is None else side.tobytes(), tuple(np.asarray(idx).tolist()))
             got = layouts[mk] = (key, order)
+            codes_of.setdefault(key, codes)
         order_of.append(got[1])
         batches.setdefault(got[0], []).append(q)
     tasks = []
@@ -514,19 +511,19 @@ def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], de
         # a layout whose groups lie in equal consecutive blocks (the tap's) in chunks; any other
         # whole, as before: its group sums are matrix products, whose last bit depends on how many
         # pairs they are handed together
-        codes = np.asarray(items[members[0]][0].codes)[order_of[members[0]]]
-        chunk = ESTIMATE_CHUNK if blocks(codes, key[0]) else max(len(members), 1)
+        chunk = ESTIMATE_CHUNK if blocks(codes_of[key], key[0]) else max(len(members), 1)
         tasks += [(key, members[lo:lo + chunk]) for lo in range(0, len(members), chunk)]
 
     def estimate(task: tuple) -> tuple:
         """One chunk of step pairs of one layout, from the gather of their rows to their columns:
         on a thread, in cache (in equal group blocks every pair's arithmetic is its own, so the
         same numbers as for all the layout's pairs at once)."""
-        (g, _, side_key, idx), members = task
+        key, members = task
+        g, _, side_key, idx = key
         idx = np.array(idx, dtype=int)
         lg0 = items[members[0]][0]
         order = order_of[members[0]]
-        codes = np.asarray(lg0.codes)[order]
+        codes = codes_of[key]
         side = None if side_key is None else np.asarray(lg0.heldout)[order]
         lgs = [items[q][0] for q in members]
         if all(order_of[q] is order for q in members):  # one gather for the chunk
@@ -560,10 +557,10 @@ def paired_estimate_columns(items: Sequence[tuple[PairedLedger, np.ndarray]], de
     done: dict[tuple, list] = {}
     for (key, members), got in in_threads(iter(tasks), estimate):
         done.setdefault(key, []).append((members, got))
-    for (g, _, _, _), parts in done.items():
+    for key, parts in done.items():
+        g, codes = key[0], codes_of[key]
         rows = np.array([q for members, _ in parts for q in members], dtype=np.int64)
         k_full, k_jk, k_del, w_kl, converged, varying, dofs = (np.concatenate(x) for x in zip(*(got for _, got in parts)))
-        codes = np.asarray(items[rows[0]][0].codes)[order_of[rows[0]]]
         onehot = np.zeros((len(codes), g))
         onehot[np.arange(len(codes)), codes] = 1.0
         d_g = w_kl @ onehot  # (P, G) token-level D per group
