@@ -297,15 +297,17 @@ def test_a_known_variance_adds_nothing_to_the_degrees_of_freedom_and_bad_input_i
 
 
 def test_the_books_eta_intervals_are_the_pooled_ses_computed_apart():
-    """On the bundled tapped run, every paired row's interval is eta_debiased -+ t x SE with SE and
-    t worked out here apart from the book: each row's own SE by the delta method from the
+    """On the bundled tapped run, every paired row's interval is eta_debiased -+ c x SE with SE and
+    c worked out here apart from the book: each row's own SE by the delta method from the
     jackknife's covariance of (KL_jk, D_t), pooled by a written-out loop over the rows that state an
     interval in step order (three on either side, half its own variance and half the window's
-    mean), t from scipy on Welch-Satterthwaite's degrees of freedom. The headline's interval reads
+    mean); c the bias-aware critical value on Welch-Satterthwaite's degrees of freedom, found by
+    scipy's root finder on scipy's t: P(|T + b / SE| <= c) = 0.95 with b the row's own bias
+    correction in eta, |KL_min - KL_jk| / D_t (t975 where b is 0). The headline's interval reads
     the same SEs; the statuses are the book's decision, which pooling does not touch."""
     from pathlib import Path
 
-    from scipy import stats
+    from scipy import optimize, stats
 
     from reward_lens.measure.efficiency import eta as eta_mod
     from reward_lens.measure.efficiency.cost import cost_series
@@ -326,19 +328,24 @@ def test_the_books_eta_intervals_are_the_pooled_ses_computed_apart():
         own.append(math.sqrt(max(float(grad @ e.cov @ grad), 0.0)))
         dof.append(e.dof)
     rows = {r.step_pair: r for r in book.rows}
-    stated = 0
+    stated = widened = 0
     for i, p in enumerate(pairs):
         window = range(max(0, i - 3), min(len(pairs), i + 4))
         m = len(window)
         coef = {j: 0.5 / m + (0.5 if j == i else 0.0) for j in window}
         v = sum(c * own[j] ** 2 for j, c in coef.items())
         ws = v * v / sum((c * own[j] ** 2) ** 2 / dof[j] for j, c in coef.items())
-        q = float(stats.t.ppf(0.975, ws))
+        b = abs(est[p].kl_min - est[p].kl_min_debiased) / est[p].d_t / math.sqrt(v)
+        q = optimize.brentq(lambda c: stats.t.cdf(c - b, ws) - stats.t.cdf(-c - b, ws) - 0.95, 0.0, b + 100.0,
+                            xtol=1e-14, rtol=1e-14)
+        assert q >= float(stats.t.ppf(0.975, ws)) - 1e-12 and q <= b + float(stats.t.ppf(0.975, ws)) + 1e-12
         lo, hi = rows[p].interval
         e = est[p].eta_debiased
         assert lo == pytest.approx(e - q * math.sqrt(v), rel=1e-9, abs=1e-12), p
         assert hi == pytest.approx(e + q * math.sqrt(v), rel=1e-9, abs=1e-12), p
         stated += 1
+        widened += b > 0.1
+    assert widened >= 3  # rows whose correction is a tenth of their SE or more: the bound is at work
     assert stated >= 10 and all(rows[p].interval is None for p in est if not est[p].estimable)
     # pooling moves no status, and the headline's interval is not the unpooled one
     plain = eta_mod.moderate

@@ -97,10 +97,12 @@ class EfficiencyRows(_M):
     interval: list[tuple[float, float] | None] = Field(description="95 % interval of efficiency_debiased, t on "
                                                        "its SE's degrees of freedom (a paired row of one step "
                                                        "pair: the jackknife's SE pooled with the neighbouring "
-                                                       "updates'; a window of pairs: its own), its lower end "
-                                                       "allowing for kl_spent's tail allowance (D_t may be that "
-                                                       "much larger, eta that much smaller); null where nothing "
-                                                       "was priced or no_interval")
+                                                       "updates', and widened to cover a bias up to the row's "
+                                                       "own bias correction, |efficiency - efficiency_debiased|, "
+                                                       "either way; a window of pairs: its own SE), its lower "
+                                                       "end allowing for kl_spent's tail allowance (D_t may be "
+                                                       "that much larger, eta that much smaller); null where "
+                                                       "nothing was priced or no_interval")
     no_interval: list[bool] = Field(description="priced, but a priced behaviour varies in one prompt group only: the "
                                                 "jackknife's spread is the estimate itself, so eta states no interval "
                                                 "and is left out of eta_median")
