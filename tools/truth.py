@@ -540,7 +540,8 @@ class RegimeResult:
     truths: dict
     cells: list[Cell]
     d_t: dict  # pair -> (record's kl_to_previous or None, in-sample token KL, truth, truth SE, record's SE)
-    eta_rows: list  # (pair, status, eta_debiased, interval, truth eta)
+    eta_rows: list  # (pair, status, eta_debiased, interval, truth eta, the interval without its bias bound,
+    #                   p-value, the test's degrees of freedom (dfn, dfd), Benjamini-Hochberg's threshold)
     eta_run: tuple | None  # (estimate, (lo, hi), truth over the priced pairs)
     replicates: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
@@ -569,11 +570,12 @@ class RegimeResult:
         ok = sum(D_T_BAND[0] <= v[which] / v[2] <= D_T_BAND[1] for v in rows)
         return ok, len(rows)
 
-    def eta_coverage(self, oracle_error: bool = True) -> tuple[int, int]:
+    def eta_coverage(self, oracle_error: bool = True, bound: bool = True) -> tuple[int, int]:
         """(priced pairs whose 95 % interval of eta covers the truth, priced pairs). With
         ``oracle_error``, as D_t's and dz's: the oracle's own error (its bootstrap SD) added to the
-        interval's half-width (``_covers``); else against the oracle's eta alone."""
-        rows = [r for r in self.eta_rows if r[3] is not None]
+        interval's half-width (``_covers``); else against the oracle's eta alone. ``bound`` False:
+        the intervals without their bias bound (``EtaEstimate.bias_bound``)."""
+        rows = [(r[0], r[1], r[2], r[3] if bound else r[5], r[4]) for r in self.eta_rows if r[3] is not None]
         if not oracle_error:
             return sum(r[3][0] <= r[4] <= r[3][1] for r in rows), len(rows)
         # the interval need not be centred on the estimate (its lower end allows for D_t's tail,
@@ -598,6 +600,18 @@ class RegimeResult:
             up = (allowance or 0.0) if t > est and tail else 0.0
             covered += _covers(est, t975(dof) * se + up, t, t_se) if se == se else False
         return covered, len(self.d_t_report)
+
+    def resolved_bias_adjusted(self) -> float | None:
+        """``resolved_bias`` with each resolved row's eta adjusted for its selection
+        (``selection_adjusted``: a candidate, not adopted)."""
+        import numpy as np
+
+        rows = [r for r in self.eta_rows if r[1] == "resolved" and r[3] is not None]
+        if not rows:
+            return None
+        eta, truth, p, dfn, dfd, p_star = (np.array(x, dtype=np.float64)
+                                           for x in zip(*[(r[2], r[4], *r[6:10]) for r in rows]))
+        return float(np.median(selection_adjusted(eta, p, dfn, dfd, p_star) - truth))
 
     def resolved_bias(self) -> float | None:
         """The median of (eta - truth) over the resolved rows that state an interval, as the
@@ -686,6 +700,8 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
     import numpy as np
 
     from reward_lens.measure.efficiency.cost import _window_spread
+    from reward_lens.measure.efficiency.eta import FDR_Q
+    from reward_lens.measure.efficiency.metric import active_index
     from reward_lens.measure.efficiency.of_run import price_run
     from reward_lens.measure.ledger.price import steps_from_run
     from reward_lens.record.reader import open_run
@@ -699,6 +715,9 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
     ledgers = {tuple(lg.step_pair): lg for lg in priced.ledgers}
     premises = dict(book.kl_min.premises) if book is not None else {}
     rows = {r.step_pair: r for r in book.rows} if book is not None else {}
+    # Benjamini-Hochberg's threshold of the book's decision: q times its rejections over its tests
+    decided = [r for r in book.rows if r.status in ("resolved", "unresolved")] if book is not None else []
+    p_star = FDR_Q * sum(r.status == "resolved" for r in decided) / max(len(decided), 1)
     d_rec = run.telemetry_column("kl_to_previous")
     d_rec_se = run.telemetry_column("kl_to_previous_se")
     names = list(basis.names)
@@ -723,7 +742,11 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
                      d_rec_se.get(pair[0], float("nan")))
         r = rows.get(pair)
         if r is not None and r.efficiency_debiased is not None:
-            eta_rows.append((pair, r.status, r.efficiency_debiased, r.interval, truth.eta))
+            est = book.estimates[pair]
+            eta_rows.append((pair, r.status, r.efficiency_debiased, r.interval, truth.eta,
+                             dataclasses.replace(est, bias_bound=None).interval() if r.interval is not None else None,
+                             r.p_value, *_rollout_dfs(lg, active_index(priced.metric.names, priced.metric.active_of(pair[0]))),
+                             p_star))
     eta_run = None
     run_est = book.run_level() if book is not None else None
     if run_est is not None:
@@ -942,7 +965,8 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         for j, e, no in zip(js, every_est, refused.tolist()):
             if e.groups_varying != 0 and not no:  # priced: in the redrawn run j's book-wide decision
                 priced_draws.setdefault(j, []).append((e.p_value, e.estimable, e.eta_debiased - truth.eta,
-                                                       _heldout_test(every[j][0], idx)))
+                                                       _heldout_test(every[j][0], idx), e.eta_debiased,
+                                                       truth.eta, *_rollout_dfs(every[j][0], idx)))
                 run_draws.setdefault(j, []).append((e, truth))
     # eta's intervals as the report states them: in each redrawn run j, each row's SE pooled with
     # its neighbouring updates' (``eta.moderate``, over the run's priced rows in step order); and
@@ -963,9 +987,10 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         eta = np.array([e.eta_debiased for e, _ in rows])
         for key, ses, ivs in (("eta", np.array([e.se for e, _ in rows]), [e.interval() for e, _ in rows]),
                               ("eta_own", np.array([e.own_se for e, _ in rows]),
-                               # as before issue 41's pooling and allowance: the jackknife's SE, no tail allowance
-                               [dataclasses.replace(e, se_pooled=None, dof_pooled=None, d_t_tail=0.0).interval()
-                                for e, _ in rows])):
+                               # as before issue 41's pooling and allowances: the jackknife's SE, no tail
+                               # allowance, no bias bound
+                               [dataclasses.replace(e, se_pooled=None, dof_pooled=None, d_t_tail=0.0,
+                                                    bias_bound=None).interval() for e, _ in rows])):
             c = out[key]
             if np.isfinite(ses).all() and eta.std(ddof=1) > 0:
                 c["ratio"].append(eta.std(ddof=1) / math.sqrt(np.mean(ses ** 2)))
@@ -973,12 +998,10 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
             c["covered"] += sum(lo <= truth.eta <= hi for lo, hi in ivs)
             c["draws"] += len(rows)
             if key == "eta":
-                # a candidate measured, not adopted: the jackknife's own correction |K - K_jk| / D_t
-                # taken as a bound on the bias it leaves, added to the half-width
-                c["bounded"] = c.get("bounded", 0) + sum(
-                    abs(e.eta_debiased - truth.eta) <= _side(e.eta_debiased, (lo, hi), truth.eta)
-                    + abs(e.kl_min - e.kl_min_debiased) / e.d_t
-                    for (e, _), (lo, hi) in zip(rows, ivs))
+                # the same intervals without the bias bound (``EtaEstimate.bias_bound``): what it buys
+                c["unbounded"] = c.get("unbounded", 0) + sum(
+                    lo <= truth.eta <= hi for lo, hi in (dataclasses.replace(e, bias_bound=None).interval()
+                                                         for e, _ in rows))
     # D_t, every draw (the tap records it whatever the premises), as the report forms its SE: the
     # j-th draws of every update are one redrawn run, its SEs moderated across its updates
     # (``moderated_d_t_se``); and with the sample's own SE (``d_t_own``), as before
@@ -1122,6 +1145,74 @@ def _heldout_test(lg, idx) -> float:
     return float(within_group_r2_tests(z[None], r[None], g, len(kept))[1][0])
 
 
+def _rollout_dfs(lg, idx) -> tuple[int, int]:
+    """The degrees of freedom of the book's test of a paired sample (``eta.rollout_test``: the
+    within-group F test over the rollouts' side): the priced features, and the rows less the
+    groups less the features."""
+    import numpy as np
+
+    roll = ~np.asarray(lg.heldout, dtype=bool)
+    n, g = int(roll.sum()), len(np.unique(np.asarray(lg.codes)[roll]))
+    return len(idx), n - g - len(idx)
+
+
+# Bisection steps of ``selection_adjusted`` (each halves the bracket of the noncentrality).
+SELECTION_BISECTIONS = 60
+
+
+def selection_adjusted(eta, p, dfn, dfd, p_star):
+    """A candidate for the resolved rows' lean, measured, not adopted: eta scaled by how much the
+    selection inflated the test's noncentrality. The book's test is an F test (``rollout_test``),
+    under the noncentral F(dfn, dfd, lambda) with lambda about 2 n KL_min / sigma^2 to first
+    order, and a row is resolved when its p-value is at most Benjamini-Hochberg's threshold
+    ``p_star`` (the row's run's rejections times q over its tests). The conditional
+    median-unbiased lambda given that selection over the unconditional one
+    (``selection_lambdas``; the winner's-curse correction of Zhong & Prentice, Biostatistics 2008,
+    for an F) is the factor, 0 where the conditional one is 0. It treats eta's noise as the
+    test's, which it is only in part (eta reads the held-out side too), and sets a barely resolved
+    row's eta to 0: measured for the owner's choice, not adopted. Elementwise on arrays."""
+    import numpy as np
+
+    eta = np.asarray(eta, dtype=np.float64)
+    lam_u, lam_c = selection_lambdas(p, dfn, dfd, p_star)
+    factor = np.where(np.isinf(lam_u), 1.0, lam_c / np.where((lam_u > 0) & np.isfinite(lam_u), lam_u, 1.0))
+    return np.where(lam_u > 0, eta * factor, eta)
+
+
+def selection_lambdas(p, dfn, dfd, p_star):
+    """(lambda_u, lambda_c) of F tests with p-values ``p`` on (dfn, dfd) degrees of freedom,
+    selected where p <= ``p_star``: the unconditional median-unbiased noncentrality, P(F > F_obs;
+    lambda_u) = 1/2, and the conditional one given the selection, P(F > F_obs | F > F_c;
+    lambda_c) = 1/2 (F_c the threshold's F), each 0 where even lambda = 0 puts half the mass
+    above F_obs, both infinite where p is 0 (its F beyond a float). Both probabilities increase with lambda (the noncentral F's monotone likelihood
+    ratio): ``SELECTION_BISECTIONS`` bisections each. Elementwise on arrays."""
+    import numpy as np
+    from scipy import special, stats
+
+    p, dfn, dfd, p_star = (np.asarray(x, dtype=np.float64) for x in (p, dfn, dfd, p_star))
+    f_obs = stats.f.isf(p, dfn, dfd)
+    f_c = stats.f.isf(p_star, dfn, dfd)
+    strong = ~np.isfinite(f_obs)  # a p-value of 0 (below the smallest float): no selection to undo
+    f_obs = np.where(strong, 1.0, f_obs)
+
+    def sf(f, lam):
+        return 1.0 - special.ncfdtr(dfn, dfd, lam, f)
+
+    def solve(half_at) -> np.ndarray:  # the lambda where half_at(lambda) = 1/2
+        lo, hi = np.zeros_like(f_obs), 4.0 * dfn * f_obs + 100.0
+        zero = half_at(lo) >= 0.5
+        for _ in range(SELECTION_BISECTIONS):
+            mid = 0.5 * (lo + hi)
+            up = half_at(mid) < 0.5
+            lo, hi = np.where(up, mid, lo), np.where(up, hi, mid)
+        return np.where(zero, 0.0, 0.5 * (lo + hi))
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lam_u = solve(lambda lam: sf(f_obs, lam))
+        lam_c = solve(lambda lam: sf(f_obs, lam) / np.maximum(sf(f_c, lam), 1e-300))
+    return np.where(strong, np.inf, lam_u), np.where(strong, np.inf, lam_c)
+
+
 def _selection(priced_draws: dict[int, list]) -> dict:
     """eta - truth over the redrawn runs' rows that state an interval: every one, those the
     run's book-wide decision resolves (Benjamini-Hochberg over each redrawn run's priced pairs,
@@ -1131,24 +1222,30 @@ def _selection(priced_draws: dict[int, list]) -> dict:
     candidate, not adopted."""
     import numpy as np
 
-    from reward_lens.measure.efficiency.eta import benjamini_hochberg
+    from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 
-    every, resolved, other, held = [], [], [], []
+    every, resolved, other, held, adjusted = [], [], [], [], []
     for rows in priced_draws.values():
-        decided = benjamini_hochberg([p for p, _, _, _ in rows])
-        by_held = benjamini_hochberg([ph for _, _, _, ph in rows])
-        for (_, estimable, diff, _), rej, rej_h in zip(rows, decided, by_held):
+        decided = benjamini_hochberg([r[0] for r in rows])
+        by_held = benjamini_hochberg([r[3] for r in rows])
+        p_star = FDR_Q * int(decided.sum()) / len(rows)
+        for (p, estimable, diff, _, eta, truth, dfn, dfd), rej, rej_h in zip(rows, decided, by_held):
             if estimable:
                 every.append(diff)
                 (resolved if rej else other).append(diff)
                 if rej_h:
                     held.append(diff)
+                if rej:
+                    adjusted.append((eta, truth, p, dfn, dfd, p_star))
+    if adjusted:
+        eta, truth, *rest = (np.array(x, dtype=np.float64) for x in zip(*adjusted))
+        adjusted = (selection_adjusted(eta, *rest) - truth).tolist()
 
     def med(x):
         return float(np.median(x)) if x else None
 
     return {"every": med(every), "resolved": med(resolved), "other": med(other), "n_resolved": len(resolved),
-            "n": len(every), "heldout": med(held), "n_heldout": len(held)}
+            "n": len(every), "heldout": med(held), "n_heldout": len(held), "adjusted": med(adjusted)}
 
 
 # The tail diagnostics the issue proposed for a D_t whose sample missed where its KL sits, each
@@ -1269,6 +1366,7 @@ def summary_lines(res: RegimeResult) -> list[str]:
     d_old, n_old = res.d_t_within(1)
     cov, n_cov = res.eta_coverage()
     alone, _ = res.eta_coverage(oracle_error=False)
+    unbound, _ = res.eta_coverage(bound=False)
     lines = [f"{res.regime}: {len(res.pairs)} step pairs, {len(res.cells)} (pair, feature) cells",
              *([f"  the tap measured {res.bought[0]} of {res.bought[1]} step pairs: "
                 f"{res.bought[2]:g} of {res.bought[3]} prompt groups, {res.bought[4]:g} completions per group and "
@@ -1285,10 +1383,11 @@ def summary_lines(res: RegimeResult) -> list[str]:
         null = [r for r in res.eta_rows if r[4] < NULL_ETA]
         lines.append(f"  eta: per-pair 95 % intervals cover the truth on {cov} of {n_cov} priced pairs that state one "
                      f"({100 * cov / n_cov:.0f} %), the oracle's own error added ({alone}, {100 * alone / n_cov:.0f} %, "
-                     f"against its eta alone)"
+                     f"against its eta alone), {unbound} without the bias bound"
                      + (f", {len(bare)} more with no interval (one prompt group varies)" if bare else "")
                      + f"; {len(resolved)} rows resolved with an interval, median (eta - truth) over them "
-                     + (f"{res.resolved_bias():+.3f}" if resolved else "(none)")
+                     + (f"{res.resolved_bias():+.3f} (adjusted for their selection, a candidate, not adopted: "
+                        f"{res.resolved_bias_adjusted():+.3f})" if resolved else "(none)")
                      + f"; of the {len(null)} pairs whose true eta is below {NULL_ETA:g}, "
                      f"{sum(r[1] == 'resolved' for r in null)} resolved")
     if res.eta_run is not None:
@@ -1340,16 +1439,15 @@ def summary_lines(res: RegimeResult) -> list[str]:
                      "95 % intervals covering the truth, over draws")
         for q, words in (("d_t_own", "D_t, the sample's own SE"),
                          ("d_t", "D_t, moderated across updates, the upper end raised by the tail allowance"),
-                         ("dz", "dz"), ("eta_own", "eta, the jackknife's own SE without the tail allowance"),
-                         ("eta", "eta, moderated across updates")):
+                         ("dz", "dz"), ("eta_own", "eta, the jackknife's own SE without the tail allowance or the bias bound"),
+                         ("eta", "eta, moderated across updates, widened by the bias bound")):
             c = cal.get(q)
             if c is None:
                 continue
             typical = f"{np.median(c['typical']):.2f}" if c["typical"] else "-"
             lines.append(f"    {words}: SD / SE {ratio(c, 'ratio')}; typical SE / SD {typical}; cover "
                          f"{cover(c, 'covered')} of {c['draws']}"
-                         + (f" (with the jackknife's correction added as a bias bound, not adopted: "
-                            f"{cover(c, 'bounded')})" if "bounded" in c else "")
+                         + (f" (without the bias bound: {cover(c, 'unbounded')})" if "unbounded" in c else "")
                          + (f" (without the tail allowance: {cover(c, 'covered_no_tail')})"
                             if "covered_no_tail" in c else ""))
         c = cal.get("d_t") or {}
@@ -1384,7 +1482,9 @@ def summary_lines(res: RegimeResult) -> list[str]:
                      f"interval, {signed(sel['resolved'])} over the {sel['n_resolved']} resolved, "
                      f"{signed(sel['other'])} over the others (the resolved rows are selected on their own noise); "
                      f"decided on the held-out side's test alone (a candidate, not adopted: eta reads that side too) "
-                     f"{signed(sel.get('heldout'))} over its {sel.get('n_heldout', 0)} resolved")
+                     f"{signed(sel.get('heldout'))} over its {sel.get('n_heldout', 0)} resolved; the resolved rows' "
+                     f"eta adjusted for their selection (a candidate, not adopted) "
+                     f"{signed(sel.get('adjusted'))}")
     if cal.get("tail"):
         lines.append("  tail diagnostics for D_t, on the same draws: the share of the band's misses, of the "
                      "intervals' misses and of the other draws each flags, at the threshold that flags a quarter "

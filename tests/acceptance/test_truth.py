@@ -67,15 +67,16 @@ def test_moderate_run_level_eta_interval_covers_the_truth(moderate):
 
 def test_eta_intervals_cover_the_truth_over_redraws_of_the_taps_sampling(moderate, collapse, sharpened):
     """The 95 % intervals of eta over 100 redraws of the tap's 4 + 4 completions per prompt, each
-    row's SE pooled with its neighbouring updates' as the book pools it (``eta.moderate``): at
-    their rate on the moderate run, above it on the sharpened one (whose jackknife SE was already
-    wider than the spread), and nine in ten on the collapsing run (92.7 % on AVX2 with the lower
-    end allowing for D_t's tail, 91.4 % without; the jackknife's own SE covered 87.7 %: with t on
-    G - 1 it was 68 %). Pooling never covers less often than the row's own SE."""
+    row's SE pooled with its neighbouring updates' as the book pools it (``eta.moderate``) and
+    widened by its bias bound: at or above their rate on the moderate and sharpened runs (the
+    sharpened run's jackknife SE was already wider than the spread), and nine in ten on the
+    collapsing run (93.9 % on AVX2; 92.7 % without the bias bound, 91.4 % without the lower end's
+    allowance for D_t's tail as well; the jackknife's own SE covered 87.7 %: with t on G - 1 it was
+    68 %). Neither pooling nor the bound ever covers less often than the row's own SE."""
     for res, floor in ((moderate, 0.93), (collapse, 0.9), (sharpened, 0.93)):
         cal, own = res.calibration["eta"], res.calibration["eta_own"]
         assert cal["draws"] == own["draws"] >= 2500 and cal["covered"] >= floor * cal["draws"]
-        assert cal["covered"] >= own["covered"]
+        assert cal["covered"] >= own["covered"] and cal["covered"] >= cal["unbounded"]
 
 
 def test_the_run_level_eta_of_redrawn_runs(moderate, collapse, sharpened):
@@ -121,11 +122,14 @@ def test_collapse_run_level_eta_interval_covers_the_truth(collapse):
     assert e - lo > hi - e  # it is the lower end that moved
 
 
-@pytest.mark.xfail(strict=True, reason="a known miss (issue 41): the collapsing run's per-pair intervals cover the "
-                   "truth on most of its updates, not 90 %, even with the oracle's own error in eta added")
 def test_collapse_eta_intervals_cover_the_truth(collapse):
+    """The collapsing run's per-pair intervals cover the truth on nine priced pairs in ten once each
+    row's interval covers a bias up to its own correction (``EtaEstimate.bias_bound``): 53 of 56 on
+    AVX2, 50 without the bound (the strict xfail this test was until then). The bound never covers
+    fewer."""
     covered, priced = collapse.eta_coverage()
-    assert covered >= 0.9 * priced
+    assert priced >= 30 and covered >= 0.9 * priced
+    assert covered >= collapse.eta_coverage(bound=False)[0]
 
 
 def test_the_oracles_own_error_in_eta_is_measured_and_counted_where_the_samples_are_independent(collapse):

@@ -88,13 +88,35 @@ def test_the_resolved_rows_of_redrawn_runs_are_decided_book_wide_per_run():
     held-out side's p-values (the fourth entries) alone: run 0's 0.5 and 0.001 reject the second
     (0.001 <= 0.025; 0.5 > 0.05), run 1's 0.001, 0.002 and 0.9 the first two (thresholds 0.0167
     and 0.033), so its resolved rows read 0.1, -0.2 and -0.4."""
-    draws = {0: [(0.001, True, 0.3, 0.5), (0.04, True, 0.1, 0.001)],
-             1: [(0.03, True, -0.2, 0.001), (0.9, True, -0.4, 0.002), (0.5, False, 9.0, 0.9)]}
+    # each entry: (p, estimable, eta - truth, held-out p, eta, truth, the test's dfn and dfd)
+    draws = {0: [(0.001, True, 0.3, 0.5, 0.8, 0.5, 3, 21), (0.04, True, 0.1, 0.001, 0.6, 0.5, 3, 21)],
+             1: [(0.03, True, -0.2, 0.001, 0.3, 0.5, 3, 21), (0.9, True, -0.4, 0.002, 0.1, 0.5, 3, 21),
+                 (0.5, False, 9.0, 0.9, 9.5, 0.5, 3, 21)]}
     sel = truth._selection(draws)
     assert sel["n"] == 4 and sel["n_resolved"] == 2
     assert sel["resolved"] == pytest.approx(0.2) and sel["other"] == pytest.approx(-0.3)
     assert sel["every"] == pytest.approx(-0.05)
     assert sel["n_heldout"] == 3 and sel["heldout"] == pytest.approx(-0.2)
+    # the candidate adjusts run 0's two resolved rows (its threshold 0.05 * 2 / 2): 0.04 is barely
+    # in, its eta goes to 0 (-0.5 from the truth); 0.001's scaled down, so the median falls
+    adjusted = truth.selection_adjusted(np.array([0.8, 0.6]), np.array([0.001, 0.04]), 3, 21, 0.05)
+    assert adjusted[1] == 0.0 and 0.0 < adjusted[0] < 0.8
+    assert sel["adjusted"] == pytest.approx(float(np.median(adjusted - 0.5)))
+
+
+def test_the_selection_candidates_noncentralities_solve_their_equations():
+    """``selection_lambdas`` checked against scipy.stats' noncentral F: the unconditional lambda puts
+    half the mass above the observed F, the conditional one half the mass above F_c above it too."""
+    from scipy import stats
+
+    p, dfn, dfd, p_star = np.array([1e-4, 0.003, 1e-9]), np.array([3, 2, 9]), np.array([21, 22, 15]), 0.03
+    lam_u, lam_c = truth.selection_lambdas(p, dfn, dfd, p_star)
+    f_obs, f_c = stats.f.isf(p, dfn, dfd), stats.f.isf(p_star, dfn, dfd)
+    assert (lam_c <= lam_u).all() and (lam_c < lam_u).any() and (lam_c > 0).all()
+    assert stats.ncf.sf(f_obs, dfn, dfd, lam_u) == pytest.approx(0.5, abs=1e-6)
+    # a p-value of 0 (its F beyond a float) is left as it is
+    assert truth.selection_adjusted(np.array([0.7, 0.7]), np.array([0.0, 0.001]), 3, 21, 0.05)[0] == 0.7
+    assert (stats.ncf.sf(f_obs, dfn, dfd, lam_c) / stats.ncf.sf(f_c, dfn, dfd, lam_c)) == pytest.approx(0.5, abs=1e-6)
 
 
 def test_a_yes_or_no_tail_flag_is_scored_on_the_misses_it_flags():
