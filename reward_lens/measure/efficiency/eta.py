@@ -382,9 +382,9 @@ def moderate(est: EtaColumns) -> EtaColumns:
 # sharpened one, at the median over every row). So a paired row's interval covers any bias up to
 # the correction's own size, either way: the bias-aware critical value of Armstrong & Kolesar
 # ("Simple and honest confidence intervals in nonparametric regression", Quantitative Economics
-# 2020), c with P(|T + b / SE| <= c) = 95 %, between t975 (no bias) and b / SE + t95. Newton's
-# method from the lower end of that range, where the coverage is concave in c, climbs to the root
-# without overshooting; three or four steps reach it to 1e-12.
+# 2020), c with P(|T + b / SE| <= c) = 95 %, at least t975 (no bias) and b / SE + t95, at most
+# b / SE + t975. Newton's method from below that root, where the coverage is concave in c (past
+# b / SE), climbs to it without overshooting; three to five steps reach it to 1e-12.
 _BIAS_NEWTON_STEPS = 30
 _BIAS_NEWTON_RTOL = 1e-12
 
@@ -395,7 +395,8 @@ def bias_aware_halves(dof: np.ndarray, se: np.ndarray, bound: np.ndarray) -> np.
     ``dof`` (the normal where infinite); ``bound`` itself where ``se`` is 0, infinite where ``se``
     is. Elementwise on 1-d arrays of one length; a bound of 0 (or NaN) gives t975 * se."""
     dof, se, bound = (np.asarray(x, dtype=np.float64) for x in (dof, se, bound))
-    half = t975s(dof) * se
+    q975 = t975s(dof)
+    half = q975 * se
     on = (bound > 0) & np.isfinite(bound) & (se > 0) & np.isfinite(se)
     half[(bound > 0) & np.isfinite(bound) & (se == 0)] = bound[(bound > 0) & np.isfinite(bound) & (se == 0)]
     if not on.any():
@@ -412,7 +413,8 @@ def bias_aware_halves(dof: np.ndarray, se: np.ndarray, bound: np.ndarray) -> np.
         return np.where(fin[i], np.exp(log_k[i] - (nu[i] + 1.0) / 2.0 * np.log1p(x * x / nu[i])),
                         np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
 
-    c = np.maximum(t975s(dof[on]), shift + np.where(fin, special.stdtrit(nu, 0.95), 1.6448536269514722))
+    # t's 95 % quantile is at least the normal's: a lower end of the range without another inversion
+    c = np.maximum(q975[on], shift + 1.6448536269514722)
     live = np.arange(len(c))
     for _ in range(_BIAS_NEWTON_STEPS):  # each entry steps until its own step is small: its bits are its own
         if not len(live):
