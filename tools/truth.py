@@ -1147,13 +1147,14 @@ def _heldout_test(lg, idx) -> float:
 
 def _rollout_dfs(lg, idx) -> tuple[int, int]:
     """The degrees of freedom of the book's test of a paired sample (``eta.rollout_test``: the
-    within-group F test over the rollouts' side): the priced features, and the rows less the
-    groups less the features."""
+    within-group F test over the rollouts' side, every row of a one-sided sample): the priced
+    features, and the rows less the groups less the features."""
     import numpy as np
 
-    roll = ~np.asarray(lg.heldout, dtype=bool)
-    n, g = int(roll.sum()), len(np.unique(np.asarray(lg.codes)[roll]))
-    return len(idx), n - g - len(idx)
+    codes = np.asarray(lg.codes)
+    if lg.heldout is not None:  # two-sided: the test reads the rollouts' side (a one-sided sample is all rollouts)
+        codes = codes[~np.asarray(lg.heldout, dtype=bool)]
+    return len(idx), len(codes) - len(np.unique(codes)) - len(idx)
 
 
 # Bisection steps of ``selection_adjusted`` (each halves the bracket of the noncentrality).
@@ -1192,6 +1193,8 @@ def selection_lambdas(p, dfn, dfd, p_star):
     p, dfn, dfd, p_star = (np.asarray(x, dtype=np.float64) for x in (p, dfn, dfd, p_star))
     f_obs = stats.f.isf(p, dfn, dfd)
     f_c = stats.f.isf(p_star, dfn, dfd)
+    if not (np.all(dfd >= 1) and np.all(dfn >= 1)):
+        raise ValueError("selection_lambdas: an F test needs at least one degree of freedom on either side")
     strong = ~np.isfinite(f_obs)  # a p-value of 0 (below the smallest float): no selection to undo
     f_obs = np.where(strong, 1.0, f_obs)
 

@@ -384,46 +384,62 @@ def moderate(est: EtaColumns) -> EtaColumns:
 # ("Simple and honest confidence intervals in nonparametric regression", Quantitative Economics
 # 2020), c with P(|T + b / SE| <= c) = 95 %, at least t975 (no bias) and b / SE + t95, at most
 # b / SE + t975. Newton's method from below that root, where the coverage is concave in c (past
-# b / SE), climbs to it without overshooting; three to five steps reach it to 1e-12.
+# b / SE), climbs to it without overshooting; a few steps reach it to 1e-12 (up to seven at one
+# to three degrees of freedom).
 _BIAS_NEWTON_STEPS = 30
 _BIAS_NEWTON_RTOL = 1e-12
+# Above this many degrees of freedom t is the normal to 1e-10, and t's density constant (a
+# difference of two log-gammas near 0.5 log(dof)) loses its digits: the normal's functions instead.
+NORMAL_DOF = 1e10
 
 
 def bias_aware_halves(dof: np.ndarray, se: np.ndarray, bound: np.ndarray) -> np.ndarray:
     """Half-widths of 95 % intervals that cover the truth whatever the estimate's bias, up to
     ``bound`` either way: ``se`` times c with P(|T + bound / se| <= c) = 0.95, T Student's t on
-    ``dof`` (the normal where infinite); ``bound`` itself where ``se`` is 0, infinite where ``se``
-    is. Elementwise on 1-d arrays of one length; a bound of 0 (or NaN) gives t975 * se."""
+    ``dof`` (the normal where infinite or above ``NORMAL_DOF``). Elementwise on 1-d arrays of one
+    length. A bound of 0 (or NaN) gives t975 * se; an infinite bound, or an infinite se, an
+    infinite half; se 0, the bound itself; a bound so many SEs out that their ratio overflows,
+    the range's upper end, bound + t975 * se."""
     dof, se, bound = (np.asarray(x, dtype=np.float64) for x in (dof, se, bound))
     q975 = t975s(dof)
-    half = q975 * se
-    on = (bound > 0) & np.isfinite(bound) & (se > 0) & np.isfinite(se)
-    half[(bound > 0) & np.isfinite(bound) & (se == 0)] = bound[(bound > 0) & np.isfinite(bound) & (se == 0)]
-    if not on.any():
-        return half
-    shift, nu, fin = bound[on] / se[on], dof[on], np.isfinite(dof[on])
-    nu = np.where(fin, nu, 1.0)
-    log_k = special.gammaln((nu + 1.0) / 2.0) - special.gammaln(nu / 2.0) - 0.5 * np.log(nu * np.pi)
+    with np.errstate(all="ignore"):
+        half = q975 * se
+        some = bound > 0  # NaN reads False: no allowance
+        half[some & np.isinf(bound)] = np.inf
+        at_zero = some & np.isfinite(bound) & (se == 0)
+        half[at_zero] = bound[at_zero]
+        shift = np.where(some & (se > 0), bound / np.where(se > 0, se, 1.0), 0.0)
+        on = some & np.isfinite(bound) & (se > 0) & np.isfinite(se)
+        far = on & ~np.isfinite(shift)
+        half[far] = bound[far] + q975[far] * se[far]
+        on &= np.isfinite(shift)
+        if not on.any():
+            return half
+        shift, nu = shift[on], dof[on]
+        fin = np.isfinite(nu) & (nu <= NORMAL_DOF)
+        nu = np.where(fin, nu, 1.0)
+        log_k = special.gammaln((nu + 1.0) / 2.0) - special.gammaln(nu / 2.0) - 0.5 * np.log(nu * np.pi)
 
-    def coverage(c: np.ndarray, i: np.ndarray) -> np.ndarray:  # P(|T + shift| <= c) of entries i
-        x, f, n = shift[i], fin[i], nu[i]
-        return np.where(f, special.stdtr(n, c - x) - special.stdtr(n, -c - x), special.ndtr(c - x) - special.ndtr(-c - x))
+        def coverage(c: np.ndarray, i: np.ndarray) -> np.ndarray:  # P(|T + shift| <= c) of entries i
+            x, f, n = shift[i], fin[i], nu[i]
+            return np.where(f, special.stdtr(n, c - x) - special.stdtr(n, -c - x),
+                            special.ndtr(c - x) - special.ndtr(-c - x))
 
-    def density(x: np.ndarray, i: np.ndarray) -> np.ndarray:
-        return np.where(fin[i], np.exp(log_k[i] - (nu[i] + 1.0) / 2.0 * np.log1p(x * x / nu[i])),
-                        np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
+        def density(x: np.ndarray, i: np.ndarray) -> np.ndarray:
+            return np.where(fin[i], np.exp(log_k[i] - (nu[i] + 1.0) / 2.0 * np.log1p(x * x / nu[i])),
+                            np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi))
 
-    # t's 95 % quantile is at least the normal's: a lower end of the range without another inversion
-    c = np.maximum(q975[on], shift + 1.6448536269514722)
-    live = np.arange(len(c))
-    for _ in range(_BIAS_NEWTON_STEPS):  # each entry steps until its own step is small: its bits are its own
-        if not len(live):
-            break
-        cl, x = c[live], shift[live]
-        step = (0.95 - coverage(cl, live)) / (density(cl - x, live) + density(cl + x, live))
-        c[live] = cl + step
-        live = live[np.abs(step) > _BIAS_NEWTON_RTOL * cl]
-    half[on] = c * se[on]
+        # t's 95 % quantile is at least the normal's: a start below the root without another inversion
+        c = np.maximum(q975[on], shift + 1.6448536269514722)
+        live = np.arange(len(c))
+        for _ in range(_BIAS_NEWTON_STEPS):  # each entry steps until its own step is small: its bits are its own
+            if not len(live):
+                break
+            cl, x = c[live], shift[live]
+            step = (0.95 - coverage(cl, live)) / (density(cl - x, live) + density(cl + x, live))
+            c[live] = cl + step
+            live = live[np.abs(step) > _BIAS_NEWTON_RTOL * cl]
+        half[on] = c * se[on]
     return half
 
 

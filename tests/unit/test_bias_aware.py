@@ -1,0 +1,98 @@
+"""eta's bias-aware interval (``eta.bias_aware_halves``, issue 41): the half-width covers the truth
+at 95 % whatever the estimate's bias up to a bound, checked against scipy's root finder on scipy's
+t, at its edges, and row by row against the columns the book computes."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from scipy import optimize, stats
+
+from reward_lens.measure.efficiency.eta import EtaColumns, EtaEstimate, bias_aware_halves, moderate
+
+
+def _reference(dof: float, se: float, bound: float) -> float:
+    """se times the c with P(|T + bound / se| <= c) = 0.95 (T: scipy's t on dof, its normal where
+    dof is infinite), by brentq over [0, bound / se + 100]."""
+    dist = stats.norm() if math.isinf(dof) else stats.t(dof)
+    b = bound / se
+    c = optimize.brentq(lambda c: dist.cdf(c - b) - dist.cdf(-c - b) - 0.95, 0.0, b + 100.0, xtol=1e-14, rtol=1e-14)
+    return c * se
+
+
+def test_the_half_width_is_the_bias_aware_critical_value():
+    rng = np.random.default_rng(7)
+    dof = np.concatenate([rng.uniform(0.7, 60.0, 300), [1.0, 2.0, 3.0, 1e6, 1e12, np.inf]])
+    se = rng.uniform(0.005, 0.6, len(dof))
+    bound = se * rng.choice([0.0, 0.01, 0.3, 1.0, 3.0, 30.0], len(dof))
+    got = bias_aware_halves(dof, se, bound)
+    want = np.array([_reference(d, s, b) for d, s, b in zip(dof, se, bound)])
+    assert np.allclose(got, want, rtol=1e-10, atol=0)
+    # between t975 * se (no bias) and bound + t975 * se, and t975 * se exactly where the bound is 0
+    q975 = np.where(np.isinf(dof), stats.norm.ppf(0.975), stats.t.ppf(0.975, np.where(np.isinf(dof), 1.0, dof)))
+    assert (got >= q975 * se * (1 - 1e-12)).all() and (got <= bound + q975 * se * (1 + 1e-12)).all()
+    assert np.allclose(got[bound == 0], (q975 * se)[bound == 0], rtol=1e-13, atol=0)
+    # and far out, the one-sided quantile above the bound: c - b -> t95
+    far = bias_aware_halves(np.array([np.inf]), np.array([1.0]), np.array([50.0]))[0]
+    assert far == pytest.approx(50.0 + stats.norm.ppf(0.95), rel=1e-12)
+
+
+def test_its_edges_are_named():
+    dof = np.array([5.0, 5.0, 5.0, 5.0, 5.0, 5.0, 5.0])
+    se = np.array([0.0, np.inf, 0.1, 0.1, 0.1, 1e-300, 0.0])
+    bound = np.array([0.2, 0.2, np.inf, np.nan, 0.0, 1e10, 0.0])
+    got = bias_aware_halves(dof, se, bound)
+    q975 = stats.t.ppf(0.975, 5.0)
+    assert got[0] == 0.2  # no sampling error: the bias alone
+    assert math.isinf(got[1]) and math.isinf(got[2])  # an infinite SE or bound is an infinite half
+    assert got[3] == pytest.approx(q975 * 0.1, rel=1e-15) and got[4] == pytest.approx(q975 * 0.1, rel=1e-15)
+    assert got[5] == pytest.approx(1e10, rel=1e-12)  # a ratio that overflows: the range's upper end
+    assert got[6] == 0.0
+    assert bias_aware_halves(np.zeros(0), np.zeros(0), np.zeros(0)).shape == (0,)
+    # degrees of freedom past NORMAL_DOF read as the normal, finite where t's constant loses its digits
+    huge = bias_aware_halves(np.array([1e17, np.inf]), np.array([0.1, 0.1]), np.array([0.05, 0.05]))
+    assert np.isfinite(huge).all() and huge[0] == pytest.approx(huge[1], rel=1e-9)
+
+
+def test_a_rows_half_width_does_not_depend_on_its_batch():
+    rng = np.random.default_rng(3)
+    dof = rng.uniform(1.0, 20.0, 200)
+    se = rng.uniform(0.01, 0.3, 200)
+    bound = se * rng.uniform(0.0, 5.0, 200)
+    whole = bias_aware_halves(dof, se, bound)
+    assert all(bias_aware_halves(dof[i:i + 1], se[i:i + 1], bound[i:i + 1])[0] == whole[i] for i in range(200))
+    back = bias_aware_halves(dof[::-1], se[::-1], bound[::-1])[::-1]
+    assert (back == whole).all()
+
+
+def test_a_moderated_book_states_the_bound_and_its_rows_agree_with_its_columns():
+    """``moderate`` sets each stated row's bound to |KL_min - KL_jk| / D_t; the columns' intervals
+    and each row's own (``EtaEstimate.interval``) are the same numbers to the last bit, and
+    without the bound the interval is the plain t one, inside the bounded one."""
+    rng = np.random.default_rng(11)
+    n = 40
+    est = []
+    for i in range(n):
+        d = float(rng.uniform(0.2, 2.0))
+        k = float(rng.uniform(0.0, 1.0)) * d
+        k_jk = k - float(rng.uniform(0.0, 0.1)) * d
+        a = rng.normal(size=(2, 2)) * 0.02
+        est.append(EtaEstimate(step_pair=(i, i + 1), kind="paired", kl_min=k, kl_min_debiased=k_jk, d_t=d,
+                               p_value=float(rng.uniform()), cov=a @ a.T + np.eye(2) * 1e-4, dof=float(rng.integers(1, 8)),
+                               groups_varying=int(rng.integers(2, 9))))
+    cols = moderate(EtaColumns.of(est, "paired"))
+    assert cols.bias_bound is not None
+    assert np.allclose(cols.bias_bound, np.abs(cols.kl_min - cols.kl_min_debiased) / cols.d_t, rtol=0, atol=0)
+    lo, hi = cols.interval()
+    for i in range(n):
+        e = cols.estimate(i)
+        assert e.bias_bound == cols.bias_bound[i]
+        assert e.interval() == (lo[i], hi[i])
+        plain_lo, plain_hi = dataclasses.replace(e, bias_bound=None).interval()
+        q = stats.t.ppf(0.975, e.dof_pooled)
+        assert plain_hi - e.eta_debiased == pytest.approx(q * e.se, rel=1e-12)
+        assert lo[i] <= plain_lo and plain_hi <= hi[i]
+    # taking rows keeps their bounds
+    part = cols.take(np.array([3, 1]))
+    assert (part.bias_bound == cols.bias_bound[[3, 1]]).all()
