@@ -208,6 +208,20 @@ def test_eta_columns_compute_each_estimates_properties_to_the_last_bit():
     assert all(_same(vars(c.take(np.array(sub)).estimate(q)), vars(es[i])) for q, i in enumerate(sub))
 
 
+def test_a_moderated_books_intervals_with_their_bias_bounds_are_each_rows_own():
+    """The same estimates as a paired book states them (``eta.moderate``: the SE pooled and each
+    stated row's bias bound set): the columns' intervals are each row's own to the last bit, edges
+    included, and some bounds are at work."""
+    from reward_lens.measure.efficiency.eta import moderate
+
+    rng = np.random.default_rng(5)
+    c = moderate(EtaColumns.of(_estimates(rng, 3000)))
+    assert c.bias_bound is not None and int((c.bias_bound > 0).sum()) >= 1000
+    lo, hi = c.interval()
+    for j in range(len(c)):
+        assert _same((float(lo[j]), float(hi[j])), c.estimate(j).interval())
+
+
 def test_windows_run_level_and_headline_of_columns_are_those_of_the_estimates():
     rng = np.random.default_rng(8)
     es = [e for e in _estimates(rng, 400) if e.d_t > 0 and e.d_t < 1e30 and np.isfinite(e.cov).all()]
