@@ -1185,16 +1185,17 @@ def selection_lambdas(p, dfn, dfd, p_star):
     selected where p <= ``p_star``: the unconditional median-unbiased noncentrality, P(F > F_obs;
     lambda_u) = 1/2, and the conditional one given the selection, P(F > F_obs | F > F_c;
     lambda_c) = 1/2 (F_c the threshold's F), each 0 where even lambda = 0 puts half the mass
-    above F_obs, both infinite where p is 0 (its F beyond a float). Both probabilities increase with lambda (the noncentral F's monotone likelihood
-    ratio): ``SELECTION_BISECTIONS`` bisections each. Elementwise on arrays."""
+    above F_obs, both infinite where p is 0 (its F beyond a float). Both probabilities increase
+    with lambda (the noncentral F's monotone likelihood ratio): ``SELECTION_BISECTIONS``
+    bisections each. Elementwise on arrays."""
     import numpy as np
     from scipy import special, stats
 
     p, dfn, dfd, p_star = (np.asarray(x, dtype=np.float64) for x in (p, dfn, dfd, p_star))
-    f_obs = stats.f.isf(p, dfn, dfd)
-    f_c = stats.f.isf(p_star, dfn, dfd)
     if not (np.all(dfd >= 1) and np.all(dfn >= 1)):
         raise ValueError("selection_lambdas: an F test needs at least one degree of freedom on either side")
+    f_obs = stats.f.isf(p, dfn, dfd)
+    f_c = stats.f.isf(p_star, dfn, dfd)
     strong = ~np.isfinite(f_obs)  # a p-value of 0 (below the smallest float): no selection to undo
     f_obs = np.where(strong, 1.0, f_obs)
 

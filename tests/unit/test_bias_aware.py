@@ -1,24 +1,16 @@
 """eta's bias-aware interval (``eta.bias_aware_halves``, issue 41): the half-width covers the truth
 at 95 % whatever the estimate's bias up to a bound, checked against scipy's root finder on scipy's
-t, at its edges, and row by row against the columns the book computes."""
+t (``interval_helpers``), at its edges, and row by row against the columns the book computes."""
 
 import dataclasses
 import math
 
 import numpy as np
 import pytest
-from scipy import optimize, stats
+from scipy import stats
 
 from reward_lens.measure.efficiency.eta import EtaColumns, EtaEstimate, bias_aware_halves, moderate
-
-
-def _reference(dof: float, se: float, bound: float) -> float:
-    """se times the c with P(|T + bound / se| <= c) = 0.95 (T: scipy's t on dof, its normal where
-    dof is infinite), by brentq over [0, bound / se + 100]."""
-    dist = stats.norm() if math.isinf(dof) else stats.t(dof)
-    b = bound / se
-    c = optimize.brentq(lambda c: dist.cdf(c - b) - dist.cdf(-c - b) - 0.95, 0.0, b + 100.0, xtol=1e-14, rtol=1e-14)
-    return c * se
+from tests.unit.interval_helpers import bias_aware_half
 
 
 def test_the_half_width_is_the_bias_aware_critical_value():
@@ -27,7 +19,7 @@ def test_the_half_width_is_the_bias_aware_critical_value():
     se = rng.uniform(0.005, 0.6, len(dof))
     bound = se * rng.choice([0.0, 0.01, 0.3, 1.0, 3.0, 30.0], len(dof))
     got = bias_aware_halves(dof, se, bound)
-    want = np.array([_reference(d, s, b) for d, s, b in zip(dof, se, bound)])
+    want = np.array([bias_aware_half(d, s, b) for d, s, b in zip(dof, se, bound)])
     assert np.allclose(got, want, rtol=1e-10, atol=0)
     # between t975 * se (no bias) and bound + t975 * se, and t975 * se exactly where the bound is 0
     q975 = np.where(np.isinf(dof), stats.norm.ppf(0.975), stats.t.ppf(0.975, np.where(np.isinf(dof), 1.0, dof)))

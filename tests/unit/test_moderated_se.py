@@ -302,12 +302,14 @@ def test_the_books_eta_intervals_are_the_pooled_ses_computed_apart():
     jackknife's covariance of (KL_jk, D_t), pooled by a written-out loop over the rows that state an
     interval in step order (three on either side, half its own variance and half the window's
     mean); c the bias-aware critical value on Welch-Satterthwaite's degrees of freedom, found by
-    scipy's root finder on scipy's t: P(|T + b / SE| <= c) = 0.95 with b the row's own bias
+    scipy's root finder on scipy's t (``interval_helpers``): P(|T + b / SE| <= c) = 0.95 with b the row's own bias
     correction in eta, |KL_min - KL_jk| / D_t (t975 where b is 0). The headline's interval reads
     the same SEs; the statuses are the book's decision, which pooling does not touch."""
     from pathlib import Path
 
-    from scipy import optimize, stats
+    from scipy import stats
+
+    from tests.unit.interval_helpers import bias_aware_half
 
     from reward_lens.measure.efficiency import eta as eta_mod
     from reward_lens.measure.efficiency.cost import cost_series
@@ -336,8 +338,7 @@ def test_the_books_eta_intervals_are_the_pooled_ses_computed_apart():
         v = sum(c * own[j] ** 2 for j, c in coef.items())
         ws = v * v / sum((c * own[j] ** 2) ** 2 / dof[j] for j, c in coef.items())
         b = abs(est[p].kl_min - est[p].kl_min_debiased) / est[p].d_t / math.sqrt(v)
-        q = optimize.brentq(lambda c: stats.t.cdf(c - b, ws) - stats.t.cdf(-c - b, ws) - 0.95, 0.0, b + 100.0,
-                            xtol=1e-14, rtol=1e-14)
+        q = bias_aware_half(ws, 1.0, b)  # in SEs
         assert q >= float(stats.t.ppf(0.975, ws)) - 1e-12 and q <= b + float(stats.t.ppf(0.975, ws)) + 1e-12
         lo, hi = rows[p].interval
         e = est[p].eta_debiased

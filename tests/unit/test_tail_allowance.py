@@ -151,25 +151,15 @@ def test_etas_lower_end_allows_for_d_ts_tail():
     assert r_lo == pytest.approx((e - t975(run.dof) * se) * 4.0 / 4.5)
 
 
-def _bias_aware_half(dof: float, se: float, bound: float) -> float:
-    """eta's half-width worked out apart from the book: se times the c with P(|T + bound / se| <= c)
-    = 0.95, T Student's t on dof, by scipy's root finder (``eta.bias_aware_halves``)."""
-    from scipy import optimize, stats
-
-    b = bound / se
-    c = optimize.brentq(lambda c: stats.t.cdf(c - b, dof) - stats.t.cdf(-c - b, dof) - 0.95, 0.0, b + 100.0,
-                        xtol=1e-14, rtol=1e-14)
-    return c * se
-
-
 def test_both_books_state_the_allowance_on_a_sharpened_record(monkeypatch):
     """The task record (a Qwen3 pretrained to answer nearly deterministically, tapped two-sided):
     its prompt groups' samples hold most of pi_{t+1}'s mass, so its updates carry an allowance.
     The book of columns and the row-by-row book state the same intervals, to the last bit, and
     those are the moderated t interval of D_t with the allowance on its upper end, and eta's (its
-    bias-aware half-width, ``_bias_aware_half``) with its lower end moved by it."""
+    bias-aware half-width, ``interval_helpers.bias_aware_half``) with its lower end moved by it."""
     import reward_lens.measure.efficiency.cost as cost_mod
     from reward_lens.measure.efficiency.of_run import price_run
+    from tests.unit.interval_helpers import bias_aware_half
     from reward_lens.measure.ledger.features import features_from
     from reward_lens.measure.ledger.moderated import moderated_by_pair
     from reward_lens.measure.ledger.price import steps_from_run, whole_run
@@ -200,7 +190,7 @@ def test_both_books_state_the_allowance_on_a_sharpened_record(monkeypatch):
         assert r.kl_spent_interval[0] == pytest.approx(max(r.kl_spent - half, 0.0), rel=1e-12, abs=1e-15)
         est = a.book._estimates[r.step_pair] if r.interval is not None else None
         if est is not None and tails[r.step_pair] > 0:
-            lo = est.eta_debiased - _bias_aware_half(est.dof_pooled, est.se, abs(est.kl_min - est.kl_min_debiased) / est.d_t)
+            lo = est.eta_debiased - bias_aware_half(est.dof_pooled, est.se, abs(est.kl_min - est.kl_min_debiased) / est.d_t)
             want = lo * r.kl_spent / (r.kl_spent + tails[r.step_pair]) if lo > 0 else lo
             assert r.interval[0] == pytest.approx(want, rel=1e-12, abs=1e-15)
             moved += lo > 0
