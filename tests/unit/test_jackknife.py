@@ -213,3 +213,29 @@ def test_few_groups_or_tiny_groups_are_solved_not_stepped():
         assert g < STEP_MIN_GROUPS or min(sizes) < STEP_MIN_ROWS
         assert checked.solved.all()
         assert np.array_equal(checked.deleted, exact.deleted) and np.array_equal(checked.full, exact.full)
+
+
+def test_workers_reach_the_solves_the_jackknife_falls_back_on(monkeypatch):
+    """A caller on threads of its own passes ``workers=1`` (``eta.paired_estimate_columns``): the
+    deletions solved from scratch -- a layout of few groups, and the samples whose steps the gain
+    did not trust -- then start no threads of their own either (they did: a pool per chunk on
+    top of the caller's), and the numbers are those of the solves on threads."""
+    rng = np.random.default_rng(16)
+    # enough samples that each solve is split over several batches (``BATCH_FLOATS``)
+    few = (3, *_samples(rng, 1200, 3, 1.0, True))  # fewer than STEP_MIN_GROUPS: every deletion solved
+    z, r, codes = _collapsing(rng, 600)
+    stepped = (8, z, r, codes, None)
+    on_threads = {name: group_jackknife(z_, r_, c_, g, s_) for name, (g, z_, r_, c_, s_)
+                  in (("few", few), ("stepped", stepped))}
+    assert on_threads["stepped"].solved.sum() * 8 * 64 * 4 > 2 * iproj.BATCH_FLOATS  # > 1 batch of solves
+    assert not on_threads["stepped"].solved.all()
+
+    class NoThreads:
+        def __init__(self, *a, **k):
+            raise AssertionError("a thread pool was started under workers=1")
+    monkeypatch.setattr(iproj, "ThreadPoolExecutor", NoThreads)
+    for name, (g, z_, r_, c_, s_) in (("few", few), ("stepped", stepped)):
+        inline = group_jackknife(z_, r_, c_, g, s_, workers=1)
+        want = on_threads[name]
+        assert np.array_equal(inline.full, want.full) and np.array_equal(inline.deleted, want.deleted)
+        assert np.array_equal(inline.solved, want.solved) and np.array_equal(inline.converged, want.converged)

@@ -109,13 +109,16 @@ class _inline:
 
 
 def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_groups: int,
-                  group_weights: np.ndarray | None = None, heldout: np.ndarray | None = None) -> list[Projection]:
+                  group_weights: np.ndarray | None = None, heldout: np.ndarray | None = None,
+                  workers: int | None = None) -> list[Projection]:
     """``i_projection`` of P samples that share one group layout, solved as one batch (the
     same damped Newton, each replicate of each sample with its own step and backtracking).
 
     ``z`` (P, n, k) and ``log_ratio`` (P, n): the samples, rows ordered so that ``codes`` (n,),
     shared by all of them, is non-decreasing (groups contiguous); ``group_weights`` (B, G) as
-    in ``i_projection``, the same replicates for every sample; ``heldout`` (n,) as there, shared."""
+    in ``i_projection``, the same replicates for every sample; ``heldout`` (n,) as there, shared.
+    ``workers``: threads for its batches (default ``THREADS``; a caller on threads of its own
+    passes 1); each batch's arithmetic is its own, so the numbers do not depend on it."""
     z = np.asarray(z, dtype=np.float64)
     r = np.asarray(log_ratio, dtype=np.float64)
     codes = np.asarray(codes)
@@ -137,8 +140,9 @@ def i_projections(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_gro
                            converged=converged[i * b:(i + 1) * b], lam=lam[i * b:(i + 1) * b])
                 for i in range(hi - lo)]
 
-    if len(los) > 1 and THREADS > 1:
-        with ThreadPoolExecutor(min(THREADS, len(los))) as pool:
+    workers = THREADS if workers is None else workers
+    if len(los) > 1 and workers > 1:
+        with ThreadPoolExecutor(min(workers, len(los))) as pool:
             parts = list(pool.map(batch, los))
     else:
         parts = [batch(lo) for lo in los]
@@ -251,7 +255,8 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
     sizes = np.bincount(codes, minlength=n_groups) if n_groups else np.zeros(0, np.int64)
     few = n_groups < STEP_MIN_GROUPS or (len(sizes) and int(sizes.min()) < STEP_MIN_ROWS)
     if deletions == "exact" or n_groups < 2 or (deletions == "checked" and few):
-        values, converged, lam = _solved_deletions(z, log_ratio, codes, n_groups, heldout, with_full=True)
+        values, converged, lam = _solved_deletions(z, log_ratio, codes, n_groups, heldout, with_full=True,
+                                                   workers=workers)
         return GroupJackknife(values[:, 0], values[:, 1:], converged, np.ones(n_pairs, dtype=bool), lam)
     z = np.asarray(z, dtype=np.float64)
     r = np.asarray(log_ratio, dtype=np.float64)
@@ -317,13 +322,14 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
             trusted = (g - 1) * gain.max(axis=1) <= STEP_TOL * se + 4 * g * VALUE_RTOL * (1.0 + np.abs(full))
         solved = ~(trusted & np.isfinite(deleted).all(axis=1) & converged)
         if solved.any():
-            again, ok, _ = _solved_deletions(z[solved], r[solved], codes, n_groups, heldout, with_full=False)
+            again, ok, _ = _solved_deletions(z[solved], r[solved], codes, n_groups, heldout, with_full=False,
+                                             workers=workers)
             deleted[solved] = again
             converged[solved] &= ok
     return GroupJackknife(full, deleted, converged, solved, lam, bias)
 
 
-def _solved_deletions(z, r, codes, n_groups, heldout, with_full: bool
+def _solved_deletions(z, r, codes, n_groups, heldout, with_full: bool, workers: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """KL_min of each sample with each group deleted, solved from lambda = 0 (P, G), preceded by
     the whole sample's (P, G + 1) ``with_full``; whether every solve converged (P,); and, with
@@ -331,7 +337,7 @@ def _solved_deletions(z, r, codes, n_groups, heldout, with_full: bool
     weights = 1.0 - np.eye(n_groups)
     if with_full:
         weights = np.vstack([np.ones((1, n_groups)), weights])
-    projs = i_projections(z, r, codes, n_groups, weights, heldout)
+    projs = i_projections(z, r, codes, n_groups, weights, heldout, workers=workers)
     lam = np.stack([proj.lam[0] for proj in projs]) if with_full else None
     return np.stack([proj.kl_min for proj in projs]), np.stack([proj.converged for proj in projs]).all(axis=1), lam
 
