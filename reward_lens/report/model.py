@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, WithJsonSchem
 from reward_lens.findings import FindingOut
 from reward_lens.measure.figures import FigureOut
 
-SCHEMA_VERSION = "7.2"
+SCHEMA_VERSION = "7.3"
 
 
 class _M(BaseModel):

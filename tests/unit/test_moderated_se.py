@@ -62,8 +62,8 @@ def test_every_se_zero_is_zero_without_degrees_of_freedom_and_states_no_interval
     se, dof = moderated_d_t_se([0.3, 0.4], [0.0, 0.0], [float("nan"), float("nan")], [8, 8])
     assert se.tolist() == [0.0, 0.0] and np.isnan(dof).all()
     assert t975(float("nan")) == pytest.approx(1.959963984540054)
-    assert _window_spread(0.3, [(0.0, float("nan"))]) == (None, None)
-    assert _window_spread(0.3, [None]) == (None, None)
+    assert _window_spread(0.3, [(0.0, float("nan"))]) == (None, None, None)
+    assert _window_spread(0.3, [None]) == (None, None, None)
 
 
 def test_a_small_term_beside_large_ones_is_not_lost_to_rounding():
@@ -78,8 +78,8 @@ def test_a_windows_interval_takes_its_members_fewest_degrees_of_freedom():
     """Members' moderated SEs share most of their pooled terms, so their dof do not add."""
     from reward_lens.measure.efficiency.cost import _window_spread
 
-    se, (lo, hi) = _window_spread(2.0, [(0.3, 10.0), (0.4, 4.0)])
-    assert se == pytest.approx(0.5) and (hi - lo) / 2 == pytest.approx(t975(4.0) * 0.5)
+    se, (lo, hi), tail = _window_spread(2.0, [(0.3, 10.0), (0.4, 4.0)])
+    assert se == pytest.approx(0.5) and (hi - lo) / 2 == pytest.approx(t975(4.0) * 0.5) and tail == 0.0
 
 
 def test_the_interval_of_a_kl_stops_at_zero():
@@ -88,12 +88,28 @@ def test_the_interval_of_a_kl_stops_at_zero():
     as columns alike); the upper end is unchanged."""
     from reward_lens.measure.efficiency.cost import _window_spread, _window_spreads
 
-    se, (lo, hi) = _window_spread(0.1, [(0.2, 4.0)])
+    se, (lo, hi), _ = _window_spread(0.1, [(0.2, 4.0)])
     assert se == pytest.approx(0.2) and lo == 0.0 and hi == pytest.approx(0.1 + 2.7764451051977987 * 0.2)
-    out, has, los, his = _window_spreads(np.array([0.1, 5.0]), np.array([0.2, 0.2]), np.array([4.0, 4.0]),
+    out, has, los, his, _ = _window_spreads(np.array([0.1, 5.0]), np.array([0.2, 0.2]), np.array([4.0, 4.0]),
                                          np.array([True, True]))
     assert has.all() and los.tolist() == [0.0, pytest.approx(5.0 - 2.7764451051977987 * 0.2)]
     assert his.tolist() == [pytest.approx(hi), pytest.approx(5.0 + 2.7764451051977987 * 0.2)]
+
+
+def test_the_tail_allowance_is_stated_beside_the_interval_it_raises():
+    """The upper end adds the members' tail allowances (a window's summed; None adds nothing) and
+    the book states how much, so a reader can tell sampling spread from the allowance: by hand,
+    D_t 2.0 with members' SEs 0.3 and 0.4 on 10 and 4 dof and allowances 0.25, None and 0.5."""
+    from reward_lens.measure.efficiency.cost import _window_spread, _window_spreads
+
+    se, (lo, hi), tail = _window_spread(2.0, [(0.3, 10.0), (0.4, 4.0)], [0.25, None, 0.5])
+    assert tail == 0.75 and hi == pytest.approx(2.0 + 2.7764451051977987 * 0.5 + 0.75)
+    assert lo == pytest.approx(2.0 - 2.7764451051977987 * 0.5)  # the lower end is the t interval's
+    # as columns: a row with an allowance, one without (NaN adds nothing: 0), one with no SE (none stated)
+    *_, his, tails = _window_spreads(np.array([2.0, 2.0, 2.0]), np.array([0.5, 0.5, np.nan]), np.array([4.0] * 3),
+                                     np.array([True, True, False]), np.array([0.75, np.nan, 0.75]))
+    assert tails[:2].tolist() == [0.75, 0.0] and np.isnan(tails[2])
+    assert his[0] == pytest.approx(hi) and his[1] == pytest.approx(hi - 0.75)
 
 
 def test_bad_shapes_are_named():

@@ -83,18 +83,20 @@ def test_it_is_the_loop_over_groups_on_any_layout(seed):
 
 
 def test_the_interval_of_d_t_raises_its_upper_end_by_the_allowance_only():
-    se, (lo, hi) = _window_spread(0.1, [(0.02, 6.0)], [0.05])
+    se, (lo, hi), tail = _window_spread(0.1, [(0.02, 6.0)], [0.05])
     half = t975(6.0) * 0.02
-    assert se == pytest.approx(0.02)
+    assert se == pytest.approx(0.02) and tail == 0.05
     assert lo == pytest.approx(0.1 - half) and hi == pytest.approx(0.1 + half + 0.05)
     # a window's members: SEs add in quadrature, allowances add (a window's D_t is their sum)
-    se, (lo, hi) = _window_spread(0.3, [(0.03, 5.0), (0.04, 8.0)], [0.01, None])
+    se, (lo, hi), tail = _window_spread(0.3, [(0.03, 5.0), (0.04, 8.0)], [0.01, None])
+    assert tail == 0.01
     assert hi == pytest.approx(0.3 + t975(5.0) * 0.05 + 0.01)
     # the columns: a NaN allowance adds nothing, and the ends match the row-by-row form
-    out, has, los, his = _window_spreads(np.array([0.1, 0.3]), np.array([0.02, 0.05]), np.array([6.0, 5.0]),
+    out, has, los, his, added = _window_spreads(np.array([0.1, 0.3]), np.array([0.02, 0.05]), np.array([6.0, 5.0]),
                                          np.array([True, True]), np.array([0.05, np.nan]))
     assert his[0] == pytest.approx(0.1 + t975(6.0) * 0.02 + 0.05) and his[1] == pytest.approx(0.3 + t975(5.0) * 0.05)
     assert los[0] == pytest.approx(0.1 - t975(6.0) * 0.02)
+    assert added.tolist() == [0.05, 0.0]
 
 
 def test_the_paired_ledger_carries_the_allowance_of_its_sample():
@@ -178,12 +180,17 @@ def test_both_books_state_the_allowance_on_a_sharpened_record(monkeypatch):
     rows_a, rows_b = a.book.rows, b.book.rows
     assert [r.step_pair for r in rows_a] == [r.step_pair for r in rows_b]
     assert [r.kl_spent_interval for r in rows_a] == [r.kl_spent_interval for r in rows_b]
+    assert [r.kl_spent_tail for r in rows_a] == [r.kl_spent_tail for r in rows_b]
+    # the report's column states the allowance each interval carries (null with the interval)
+    assert a.book.columns.lists("kl_spent_tail") == [r.kl_spent_tail for r in rows_a]
     assert [r.interval for r in rows_a] == [r.interval for r in rows_b]
     spread = moderated_by_pair(a.ledgers)
     moved = 0
     for r in rows_a:
         if r.kl_spent_interval is None:
+            assert r.kl_spent_tail is None
             continue
+        assert r.kl_spent_tail == tails[r.step_pair]
         se, dof = spread[r.step_pair]
         half = t975(dof) * se
         assert r.kl_spent_interval[1] == pytest.approx(r.kl_spent + half + tails[r.step_pair], rel=1e-12)

@@ -200,6 +200,9 @@ class CostRow:
     # the record's SE as recorded
     kl_spent_se: float | None = None
     kl_spent_interval: tuple[float, float] | None = None
+    # nats the interval's upper end adds for that tail (a window's members' summed; 0 where none was
+    # added, as on the unpaired ledger), None where there is no interval
+    kl_spent_tail: float | None = None
 
 
 class EtaEstimates(Mapping):
@@ -271,6 +274,7 @@ class CostColumns:
     kl_spent_se: np.ndarray
     kl_spent_lo: np.ndarray
     kl_spent_hi: np.ndarray
+    kl_spent_tail: np.ndarray  # what kl_spent_hi adds for the tail (stated where kl_spent_se_on)
 
     def __len__(self) -> int:
         return len(self.kl_min)
@@ -290,7 +294,8 @@ class CostColumns:
             no_interval=bool(self.no_interval[i]),
             kl_spent_se=float(self.kl_spent_se[i]) if self.kl_spent_se_on[i] else None,
             kl_spent_interval=(float(self.kl_spent_lo[i]), float(self.kl_spent_hi[i])) if self.kl_spent_se_on[i]
-            else None)
+            else None,
+            kl_spent_tail=float(self.kl_spent_tail[i]) if self.kl_spent_se_on[i] else None)
 
     def lists(self, name: str) -> list:
         """Column ``name`` as the rows hold it (None where a row states none): what a report's
@@ -298,7 +303,8 @@ class CostColumns:
         opt = {"kl_spent": ("kl_spent", self.kl_spent_on), "efficiency": ("efficiency", self.priced),
                "efficiency_null": ("efficiency_null", self.priced),
                "efficiency_debiased": ("efficiency_debiased", self.priced), "p_value": ("p_value", self.priced),
-               "kl_spent_se": ("kl_spent_se", self.kl_spent_se_on)}
+               "kl_spent_se": ("kl_spent_se", self.kl_spent_se_on),
+               "kl_spent_tail": ("kl_spent_tail", self.kl_spent_se_on)}
         if name in opt:
             attr, on = opt[name]
             return [v if o else None for v, o in zip(getattr(self, attr).tolist(), on.tolist())]
@@ -345,7 +351,8 @@ class CostColumns:
             d_t_disagrees=np.array([r.d_t_disagrees for r in rows], dtype=bool),
             no_interval=np.array([r.no_interval for r in rows], dtype=bool), kl_spent_se_on=se_on, kl_spent_se=se,
             kl_spent_lo=floats(r.kl_spent_interval[0] if r.kl_spent_interval else None for r in rows)[0],
-            kl_spent_hi=floats(r.kl_spent_interval[1] if r.kl_spent_interval else None for r in rows)[0])
+            kl_spent_hi=floats(r.kl_spent_interval[1] if r.kl_spent_interval else None for r in rows)[0],
+            kl_spent_tail=floats(r.kl_spent_tail for r in rows)[0])
 
 
 @dataclass(frozen=True, eq=False)
@@ -757,9 +764,9 @@ def cost_series(
         else:
             d_t, source = denoms[pair[0]]
         if not priced_any[i]:
-            d_se, d_iv = _window_spread(d_t, [spread.get(pair)], [getattr(lg, "d_t_tail", None)])
+            d_se, d_iv, d_tail = _window_spread(d_t, [spread.get(pair)], [getattr(lg, "d_t_tail", None)])
             nothing.append(CostRow(pair, 0.0, d_t, None, source, False, {}, status="nothing_priced", ledger=kind,
-                                   kl_spent_se=d_se, kl_spent_interval=d_iv))
+                                   kl_spent_se=d_se, kl_spent_interval=d_iv, kl_spent_tail=d_tail))
             continue
         idx = active_index(g.names, g.active_of(pair[0]))
         if kind == "paired":
@@ -801,15 +808,15 @@ def cost_series(
                 if on:
                     shares[f] = shares.get(f, 0.0) + v
         checks = members[0][2] if len(members) == 1 else {}
-        d_se, d_iv = _window_spread(est.d_t, [spread.get(pairs[m[0]]) for m in members],
-                                    [getattr(ledgers[place[pairs[m[0]]]], "d_t_tail", None) for m in members])
+        d_se, d_iv, d_tail = _window_spread(est.d_t, [spread.get(pairs[m[0]]) for m in members],
+                                            [getattr(ledgers[place[pairs[m[0]]]], "d_t_tail", None) for m in members])
         rows.append(CostRow(
             step_pair=est.step_pair, kl_min=est.kl_min, kl_spent=est.d_t, efficiency=est.eta,
             kl_spent_source=members[0][1], resolved=bool(rej), shares=shares,
             status="resolved" if rej else "unresolved", efficiency_debiased=est.eta_debiased,
             efficiency_null=est.eta_null, interval=est.interval() if est.estimable else None, p_value=est.p_value,
             ledger=kind, steps=est.steps, d_t_checks=checks, d_t_disagrees=_disagree(checks),
-            no_interval=not est.estimable, kl_spent_se=d_se, kl_spent_interval=d_iv))
+            no_interval=not est.estimable, kl_spent_se=d_se, kl_spent_interval=d_iv, kl_spent_tail=d_tail))
     rows.sort(key=lambda r: r.step_pair)
     return CostBook(CostColumns.from_rows(rows, kind), tuple(refusals), series, run_id, ledger=kind, window=window,
                     _estimates=EtaEstimates.of(priced, kind))
@@ -866,7 +873,7 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
     estimable = est.estimable
     lo, hi = est.interval()
     tails = np.array([np.nan if lgs[i].d_t_tail is None else lgs[i].d_t_tail for i in at.tolist()], dtype=np.float64)
-    se, se_on, se_lo, se_hi = _window_spreads(d_spent, spread_se[at], spread_dof[at], spread_on[at], tails)
+    se, se_on, se_lo, se_hi, se_tail = _window_spreads(d_spent, spread_se[at], spread_dof[at], spread_on[at], tails)
     checks = _DtChecks.of(lgs, kept, est, run_)
 
     def cat(nothing_value, priced_values, dtype=np.float64) -> np.ndarray:
@@ -884,7 +891,8 @@ def _paired_columns(ledgers: Sequence[PairedLedger], series: KlMinSeries, run_: 
         shares=_RowShares(cols, np.where(order >= m, rows, -1)),
         d_t_checks=_RowsOf(checks, np.where(order >= m, order - m, -1)),
         d_t_disagrees=cat(False, checks.disagrees(), bool), no_interval=cat(False, ~estimable, bool),
-        kl_spent_se_on=se_on[order], kl_spent_se=se[order], kl_spent_lo=se_lo[order], kl_spent_hi=se_hi[order])
+        kl_spent_se_on=se_on[order], kl_spent_se=se[order], kl_spent_lo=se_lo[order], kl_spent_hi=se_hi[order],
+        kl_spent_tail=se_tail[order])
     return columns, EtaEstimates(est)
 
 
@@ -909,18 +917,19 @@ def _paired_sources(lgs: Sequence[PairedLedger]) -> list[str]:
 
 
 def _window_spreads(d_t: np.ndarray, se: np.ndarray, dof: np.ndarray, on: np.ndarray, tail: np.ndarray | None = None
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``_window_spread`` of rows of one member each (``on``: the member has an SE and degrees of
     freedom; ``tail`` its tail allowance, NaN adding nothing): the SE (sqrt of its square, as the
-    window's sum of one), whether there is one, and the interval's ends."""
+    window's sum of one), whether there is one, the interval's ends, and what the upper end adds."""
     with np.errstate(invalid="ignore"):
         has = on & np.isfinite(se) & (se > 0)
         out = np.sqrt(np.where(has, se * se, np.nan))
         f = np.where(has & (dof == dof) & (dof > 0), dof, np.nan)
         half = _t975s_moderated(f) * out
-    add = 0.0 if tail is None else np.where(np.isfinite(tail), tail, 0.0)
+    add = np.zeros(len(d_t)) if tail is None else np.where(np.isfinite(tail), tail, 0.0)
     # a KL is never negative: the interval's lower end stops at 0; the upper adds the tail (``_window_spread``)
-    return out, has, np.where(has, np.maximum(d_t - half, 0.0), np.nan), np.where(has, d_t + half + add, np.nan)
+    return (out, has, np.where(has, np.maximum(d_t - half, 0.0), np.nan), np.where(has, d_t + half + add, np.nan),
+            np.where(has, add, np.nan))
 
 
 def _t975s_moderated(dof: np.ndarray) -> np.ndarray:
@@ -1023,7 +1032,7 @@ class _DtChecks(Sequence):
 
 
 def _window_spread(d_t: float, parts: list[tuple[float, float] | None], tails: Sequence[float | None] = ()
-                   ) -> tuple[float | None, tuple[float, float] | None]:
+                   ) -> tuple[float | None, tuple[float, float] | None, float | None]:
     """A row's D_t SE and 95 % interval from its members' (SE, dof) -- a window's members are
     separate samples, so their variances add; their moderated SEs share most of their pooled
     terms, so the window's degrees of freedom are its members' fewest, not Welch-Satterthwaite's
@@ -1032,14 +1041,15 @@ def _window_spread(d_t: float, parts: list[tuple[float, float] | None], tails: S
     than an exact one. The lower end stops at 0: D_t is a KL, never negative, so a t interval's
     reach below 0 says nothing (and cutting it there changes no coverage). The upper end adds the
     members' ``tails`` (``ledger.paired.tail_allowance``: what a sharpened policy's sample did not
-    hold; a window's D_t is its members' sum, and so is their allowance; None adds nothing)."""
+    hold; a window's D_t is its members' sum, and so is their allowance; None adds nothing), and
+    the third value says how much that added (None with the interval)."""
     if not parts or any(x is None or not (math.isfinite(x[0]) and x[0] > 0) for x in parts):
-        return None, None
+        return None, None, None
     se = math.sqrt(sum(s * s for s, _ in parts))
     dofs = [f for _, f in parts if f == f and f > 0]
     half = t975(min(dofs) if dofs else float("nan")) * se
-    tail = sum(a for a in tails if a is not None and math.isfinite(a))
-    return se, (max(d_t - half, 0.0), d_t + half + tail)
+    tail = float(sum(a for a in tails if a is not None and math.isfinite(a)))
+    return se, (max(d_t - half, 0.0), d_t + half + tail), tail
 
 
 def premise_refusal(book, run_id: str | None, premise: str, items: list[dict[str, Any]]) -> Refusal:

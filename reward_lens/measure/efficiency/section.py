@@ -86,6 +86,11 @@ class EfficiencyRows(_M):
                                                                 "the sample of a sharpened prompt group did not "
                                                                 "hold, allowed the largest token KL it saw); null "
                                                                 "where kl_spent_se is")
+    kl_spent_tail: list[float | None] = Field(description="nats by which kl_spent_interval's upper "
+                                              "end was raised for that tail (a window's members' summed): 0 where "
+                                              "nothing was added (no prompt group sharpened, or the unpaired "
+                                              "ledger's interval, the record's as recorded); null where "
+                                              "kl_spent_interval is")
     efficiency: list[Annotated[float, Field(ge=0.0)] | None] = Field(
         description="KL_min / D_t as the sample gives it, dimensionless, >= 0 (validated); unpaired rows are in "
                     "[0, 1] (the seed's envelope); paired rows divide by an independent D_t and may exceed 1 by "
@@ -301,7 +306,7 @@ def cost_section(ctx: RunContext) -> BookResult:
     rows = book.columns  # the rows as columns: one list per quantity, made from arrays
     eff = EfficiencyRows(  # validated: a few lists, not one model per row
         **{f: rows.lists(f) for f in ("step_pair", "steps", "status", "kl_min", "kl_spent", "kl_spent_se",
-                                      "kl_spent_interval", "efficiency", "efficiency_null", "efficiency_debiased",
+                                      "kl_spent_interval", "kl_spent_tail", "efficiency", "efficiency_null", "efficiency_debiased",
                                       "interval", "p_value", "resolved", "d_t_checks", "d_t_disagrees", "no_interval")},
         source=rows.lists("source"))
     sums, squares = step_sums(samples)  # each step's mean and standard error, all steps at once
