@@ -220,6 +220,7 @@ def test_workers_reach_the_solves_the_jackknife_falls_back_on(monkeypatch):
     deletions solved from scratch -- a layout of few groups, and the samples whose steps the gain
     did not trust -- then start no threads of their own either (they did: a pool per chunk on
     top of the caller's), and the numbers are those of the solves on threads."""
+    monkeypatch.setattr(iproj, "THREADS", 4)  # the solves' default is threads, whatever the host's cores
     rng = np.random.default_rng(16)
     # enough samples that each solve is split over several batches (``BATCH_FLOATS``)
     few = (3, *_samples(rng, 1200, 3, 1.0, True))  # fewer than STEP_MIN_GROUPS: every deletion solved
@@ -239,3 +240,20 @@ def test_workers_reach_the_solves_the_jackknife_falls_back_on(monkeypatch):
         want = on_threads[name]
         assert np.array_equal(inline.full, want.full) and np.array_equal(inline.deleted, want.deleted)
         assert np.array_equal(inline.solved, want.solved) and np.array_equal(inline.converged, want.converged)
+
+
+def test_a_default_caller_s_fallback_solves_keep_their_threads(monkeypatch):
+    """The other way round (an independent review): a caller that leaves ``workers`` at its
+    default gets threads for the deletions solved anew, even where the jackknife's own steps fit
+    in one batch and so ran on one thread: the solves are batched anew, many more floats each."""
+    monkeypatch.setattr(iproj, "THREADS", 4)
+    seen = []
+    real = iproj.i_projections
+
+    def spy(*a, workers=None, **k):
+        seen.append(workers)
+        return real(*a, workers=workers, **k)
+    monkeypatch.setattr(iproj, "i_projections", spy)
+    z, r, codes = _collapsing(np.random.default_rng(17), 300)
+    jk = group_jackknife(z, r, codes, 8, None)
+    assert jk.solved.any() and seen and set(seen) == {4}

@@ -99,10 +99,10 @@ def test_the_interval_of_a_kl_stops_at_zero():
 def test_the_tail_allowance_is_stated_beside_the_interval_it_raises():
     """The upper end adds the members' tail allowances (a window's summed; None adds nothing) and
     the book states how much, so a reader can tell sampling spread from the allowance: by hand,
-    D_t 2.0 with members' SEs 0.3 and 0.4 on 10 and 4 dof and allowances 0.25, None and 0.5."""
+    D_t 2.0 with members' SEs 0.3 and 0.4 on 10 and 4 dof and allowances 0.25 and 0.5."""
     from reward_lens.measure.efficiency.cost import _window_spread, _window_spreads
 
-    se, (lo, hi), tail = _window_spread(2.0, [(0.3, 10.0), (0.4, 4.0)], [0.25, None, 0.5])
+    se, (lo, hi), tail = _window_spread(2.0, [(0.3, 10.0), (0.4, 4.0)], [0.25, 0.5])
     assert tail == 0.75 and hi == pytest.approx(2.0 + 2.7764451051977987 * 0.5 + 0.75)
     assert lo == pytest.approx(2.0 - 2.7764451051977987 * 0.5)  # the lower end is the t interval's
     # as columns: a row with an allowance, one without (NaN adds nothing: 0), one with no SE (none stated)

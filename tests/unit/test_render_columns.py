@@ -60,7 +60,7 @@ def test_the_efficiency_columns_refuse_a_negative_eta():
     from reward_lens.measure.efficiency.section import EfficiencyRows
 
     row = dict(step_pair=[(0, 1)], steps=[1], status=["resolved"], kl_min=[1.0], kl_spent=[2.0], kl_spent_se=[0.1],
-               kl_spent_interval=[(1.8, 2.2)], efficiency=[0.5],
+               kl_spent_interval=[(1.8, 2.2)], kl_spent_tail=[0.0], efficiency=[0.5],
                efficiency_null=[0.1], efficiency_debiased=[0.44], interval=[(0.3, 0.6)], no_interval=[False], p_value=[0.01],
                source=["record"], resolved=[True], d_t_checks=[{}], d_t_disagrees=[False])
     assert len(EfficiencyRows(**row)) == 1

@@ -298,7 +298,8 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         hi = min(n_pairs, lo + TILT_BATCH)
         return _fixed_tilt_bias_blocks(r[lo:hi], a_all[lo:hi], side, varies[lo:hi], n_groups, m)
 
-    workers = (THREADS if workers is None else workers) if len(los) > 1 else 1
+    asked = THREADS if workers is None else workers  # the fallback's solves below are batched anew
+    workers = asked if len(los) > 1 else 1
     with ThreadPoolExecutor(min(workers, len(los))) if workers > 1 else _inline() as pool:
         parts = list(pool.map(batch, los))
         if two_sided and m:
@@ -323,7 +324,7 @@ def group_jackknife(z: np.ndarray, log_ratio: np.ndarray, codes: np.ndarray, n_g
         solved = ~(trusted & np.isfinite(deleted).all(axis=1) & converged)
         if solved.any():
             again, ok, _ = _solved_deletions(z[solved], r[solved], codes, n_groups, heldout, with_full=False,
-                                             workers=workers)
+                                             workers=asked)
             deleted[solved] = again
             converged[solved] &= ok
     return GroupJackknife(full, deleted, converged, solved, lam, bias)
