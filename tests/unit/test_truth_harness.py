@@ -97,6 +97,9 @@ def test_the_resolved_rows_of_redrawn_runs_are_decided_book_wide_per_run():
     assert sel["resolved"] == pytest.approx(0.2) and sel["other"] == pytest.approx(-0.3)
     assert sel["every"] == pytest.approx(-0.05)
     assert sel["n_heldout"] == 3 and sel["heldout"] == pytest.approx(-0.2)
+    # each run's own median over the rows it resolves, as a record's is taken: run 0's of 0.3 and
+    # 0.1; run 1 resolves none and is left out
+    assert sel["per_run"] == [pytest.approx(0.2)]
     # the candidate adjusts run 0's two resolved rows (its threshold 0.05 * 2 / 2): 0.04 is barely
     # in, its eta goes to 0 (-0.5 from the truth); 0.001's scaled down, so the median falls
     adjusted = truth.selection_adjusted(np.array([0.8, 0.6]), np.array([0.001, 0.04]), 3, 21, 0.05)
