@@ -253,11 +253,61 @@ def fmt_columns(columns: dict, names, digits: int = 4) -> list[list[str]]:
     return [fmt_all(columns[n], digits) for n in names]
 
 
-def md_rows(columns: list[list[str]]) -> str:
+def md_rows(columns: list[list[str]], gap: int | None = None) -> str:
     """Markdown table rows, one per entry of the columns (cells already formatted and safe):
-    each row's cells joined by one ``join``, the rows by another (no Python per row or cell)."""
+    each row's cells joined by one ``join``, the rows by another (no Python per row or cell).
+    ``gap``: a row of "…" after that many rows, where a ``Shown`` table leaves rows out."""
     rows = list(map(" | ".join, zip(*columns)))
+    if gap is not None and rows:
+        rows.insert(gap, " | ".join(["…"] * len(columns)))
     return "| " + " |\n| ".join(rows) + " |\n" if rows else ""
+
+
+# A page's table of a row per step pair shows every row up to TABLE_WHOLE of them; a longer one
+# shows its first and last TABLE_ENDS rows (a run of 10,000 steps is 10,000 rows a table, 30,000
+# lines of Markdown no one reads and most of the time a report spends rendering). The figures
+# plot every row, and report.json holds every row. The margin between the two (at least 50 rows
+# left out) keeps a table from being cut by a handful.
+TABLE_WHOLE = 250
+TABLE_ENDS = 100
+
+
+class Shown:
+    """The rows of a long table that a page shows (see ``TABLE_WHOLE``): ``shown.name`` is column
+    ``name`` of ``columns`` (attributes that are lists, in row order), cut to its first and last
+    ``TABLE_ENDS`` entries where the table has more than ``TABLE_WHOLE`` rows. ``total``: the
+    table's rows; ``gap``: where the rows left out were (after the first ``TABLE_ENDS``), for
+    ``md_rows`` and ``html_rows``, None where none were; ``omitted``: how many."""
+
+    def __init__(self, columns, key: str = "step_pair"):
+        self._columns = columns
+        self.total = len(self._column(key))
+        cut = self.total > TABLE_WHOLE
+        self.gap = TABLE_ENDS if cut else None
+        self.omitted = self.total - 2 * TABLE_ENDS if cut else 0
+
+    def _column(self, name: str):
+        try:
+            return getattr(self._columns, name)
+        except AttributeError:  # a section read back from JSON is a dict
+            return self._columns[name]
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        column = self._column(name)
+        if self.gap is None:
+            return column
+        if isinstance(column, dict):  # columns by name (a book's shares per behaviour)
+            return {k: v[:TABLE_ENDS] + v[-TABLE_ENDS:] for k, v in column.items()}
+        return column[:TABLE_ENDS] + column[-TABLE_ENDS:]
+
+    def note(self, what: str) -> str:
+        """The sentence that says which rows a cut table shows ("" for a whole one)."""
+        if self.gap is None:
+            return ""
+        return (f"The first {TABLE_ENDS} and the last {TABLE_ENDS} of {self.total:,} {what} are shown "
+                f"({self.omitted:,} between them are left out here; report.json holds every row).")
 
 
 def _escape_all(cells: list[str]) -> list[str]:
@@ -281,12 +331,14 @@ def _wrapped_all(cells: list[str], open_: str, close: str) -> list[str]:
     return (open_ + str(escape(joined)).replace("\x00", close + "\x00" + open_) + close).split("\x00")
 
 
-def html_rows(columns: list[list[str]], classes: list[str], row_classes: list[str] | None = None) -> Markup:
+def html_rows(columns: list[list[str]], classes: list[str], row_classes: list[str] | None = None,
+              gap: int | None = None) -> Markup:
     """HTML table rows, one per entry of the columns: every cell escaped, ``classes[j]`` the
     class of column j's cells (empty: none), ``row_classes[i]`` the class of row i. As many
     rows as the shortest column (and ``row_classes``), a cell for each column that has a class.
     Each column's cells are wrapped in their tags at once (``_wrapped_all``), each row's cells
-    joined by one ``join`` and the rows by another."""
+    joined by one ``join`` and the rows by another. ``gap``: a row of "…" after that many rows,
+    where a ``Shown`` table leaves rows out."""
     if not columns:
         return Markup("")
     count = min(len(col) for col in columns)
@@ -296,7 +348,11 @@ def html_rows(columns: list[list[str]], classes: list[str], row_classes: list[st
              for c, col in zip(classes, columns)]
     cells.insert(0, _wrapped_all(row_classes[:count], '<tr class="', '">') if row_classes is not None else
                  ["<tr>"] * count)
-    return Markup("</tr>\n".join(map("".join, zip(*cells))) + "</tr>\n" if count else "")
+    rows = list(map("".join, zip(*cells)))
+    if gap is not None and rows:
+        rows.insert(gap, '<tr class="gap">' + "".join(f'<td class="{c}">…</td>' if c else "<td>…</td>"
+                                                      for c in classes[:len(columns)]))
+    return Markup("</tr>\n".join(rows) + "</tr>\n" if count else "")
 
 
 @lru_cache(maxsize=None)
@@ -308,7 +364,7 @@ def environment(root: str, autoescape: bool) -> jinja2.Environment:
                        pct=percent, codes=code_list, prose_cell=prose_cell,
                        fmt_all=fmt_all, text_all=text_all, pairs_all=pairs_all, fmt_columns=fmt_columns,
                        md_rows=md_rows, html_rows=html_rows, fmt_interval_all=fmt_interval_all, with_note=with_note,
-                       md_cell_all=md_cell_all, prefixed=prefixed, columns=Columns,
+                       md_cell_all=md_cell_all, prefixed=prefixed, columns=Columns, shown=Shown,
                        prose_html=lambda t: Markup(html_view(t)), md_inline=lambda t: Markup(inline_html(t)),
                        prose_cell_capped=prose_cell_capped, in_sentence=in_sentence, first_sentence=first_sentence,
                        rest_after_first=lambda t: t[len(first_sentence(t)):].strip())

@@ -407,3 +407,30 @@ def test_publishing_fewer_runs_keeps_the_others_unless_pruned(tmp_path):
     assert all(n in index for n in before)
     assert _cli("publish", str(PAIRED), "--site", str(site), "--prune", "--quiet").returncode == 0
     assert [p.name for p in (site / "runs").iterdir()] == [paired]
+
+
+def test_a_long_run_s_tables_are_cut_on_the_page_and_whole_in_the_json(monkeypatch):
+    """A report's tables of a row per step pair show every row up to TABLE_WHOLE, and past it
+    the first and last TABLE_ENDS with the count of those left out; report.json keeps every
+    row. The paired example's 79 step pairs, with the bound lowered to 50 and 10."""
+    from reward_lens.report import render
+
+    report = build_report(open_run(PAIRED))
+    whole_md, whole_html, whole_json = to_markdown(report), to_html(report), to_json(report)
+    monkeypatch.setattr(render, "TABLE_WHOLE", 50)
+    monkeypatch.setattr(render, "TABLE_ENDS", 10)
+    md, html = to_markdown(report), to_html(report)
+    assert to_json(report) == whole_json
+    cost = next(b for b in report.books if b.id == "cost").data
+    pairs = [f"{a}→{b}" for a, b in cost.efficiency.step_pair]
+    assert len(pairs) == 79
+    note = "The first 10 and the last 10 of 79 step pairs are shown (59 between them are left out here"
+    # the efficiency, KL_min and price tables, each in both pages
+    assert md.count(note) == 3 and html.count(note) == 3 and note not in whole_md
+    assert md.count("\n| … |") == 3 and html.count('<tr class="gap">') == 3
+    for page, whole in ((md, whole_md), (html, whole_html)):
+        rows = re.findall(r"(?:\n\| |<tr[^>]*><td>)(\d+→\d+)", page)
+        every = re.findall(r"(?:\n\| |<tr[^>]*><td>)(\d+→\d+)", whole)
+        assert every == pairs * 3 and rows == (pairs[:10] + pairs[-10:]) * 3
+    # the figures still plot every step pair: the pages' svg is unchanged
+    assert re.findall(r"<svg.*?</svg>", html, re.S) == re.findall(r"<svg.*?</svg>", whole_html, re.S)
