@@ -265,9 +265,9 @@ def md_rows(columns: list[list[str]], gap: int | None = None) -> str:
 
 # A page's table of a row per step pair shows every row up to TABLE_WHOLE of them; a longer one
 # shows its first and last TABLE_ENDS rows (a run of 10,000 steps is 10,000 rows a table, 30,000
-# lines of Markdown no one reads and most of the time a report spends rendering). The figures
-# plot every row, and report.json holds every row. The margin between the two (at least 50 rows
-# left out) keeps a table from being cut by a handful.
+# lines of Markdown no one reads and most of the time a report spends rendering). The HTML
+# figures cover every row, and the JSON report holds every row. The margin between the two (at
+# least 50 rows left out) keeps a table from being cut by a handful.
 TABLE_WHOLE = 250
 TABLE_ENDS = 100
 
@@ -282,9 +282,14 @@ class Shown:
     def __init__(self, columns, key: str = "step_pair"):
         self._columns = columns
         self.total = len(self._column(key))
-        cut = self.total > TABLE_WHOLE
+        cut = self.total > max(TABLE_WHOLE, 2 * TABLE_ENDS)  # never a row shown twice
         self.gap = TABLE_ENDS if cut else None
         self.omitted = self.total - 2 * TABLE_ENDS if cut else 0
+
+    def _cut(self, column: list) -> list:
+        # the rows of the table's own length (``key``'s): a column of another length (a report.json
+        # edited by hand) shows each value beside its own step pair, or none, never another's
+        return column[:TABLE_ENDS] + column[self.total - TABLE_ENDS:self.total]
 
     def _column(self, name: str):
         try:
@@ -299,15 +304,15 @@ class Shown:
         if self.gap is None:
             return column
         if isinstance(column, dict):  # columns by name (a book's shares per behaviour)
-            return {k: v[:TABLE_ENDS] + v[-TABLE_ENDS:] for k, v in column.items()}
-        return column[:TABLE_ENDS] + column[-TABLE_ENDS:]
+            return {k: self._cut(v) for k, v in column.items()}
+        return self._cut(column)
 
     def note(self, what: str) -> str:
         """The sentence that says which rows a cut table shows ("" for a whole one)."""
         if self.gap is None:
             return ""
-        return (f"The first {TABLE_ENDS} and the last {TABLE_ENDS} of {self.total:,} {what} are shown "
-                f"({self.omitted:,} between them are left out here; report.json holds every row).")
+        return (f"The first {TABLE_ENDS} and the last {TABLE_ENDS} of {self.total} {what} are shown "
+                f"({self.omitted} between them are left out here; the report in JSON holds every row).")
 
 
 def _escape_all(cells: list[str]) -> list[str]:

@@ -412,25 +412,48 @@ def test_publishing_fewer_runs_keeps_the_others_unless_pruned(tmp_path):
 def test_a_long_run_s_tables_are_cut_on_the_page_and_whole_in_the_json(monkeypatch):
     """A report's tables of a row per step pair show every row up to TABLE_WHOLE, and past it
     the first and last TABLE_ENDS with the count of those left out; report.json keeps every
-    row. The paired example's 79 step pairs, with the bound lowered to 50 and 10."""
+    row. The paired example's 79 step pairs, with the bound lowered to 50 and 10: every row the
+    pages show is, cell for cell and class for class, the row the whole table has."""
     from reward_lens.report import render
 
     report = build_report(open_run(PAIRED))
+    as_dicts = report.model_copy(update={"books": [b.model_copy(update={"data": b.data_dict()}) for b in report.books]})
     whole_md, whole_html, whole_json = to_markdown(report), to_html(report), to_json(report)
     monkeypatch.setattr(render, "TABLE_WHOLE", 50)
     monkeypatch.setattr(render, "TABLE_ENDS", 10)
     md, html = to_markdown(report), to_html(report)
     assert to_json(report) == whole_json
+    assert (to_markdown(as_dicts), to_html(as_dicts)) == (md, html)  # a report read back from its JSON
     cost = next(b for b in report.books if b.id == "cost").data
     pairs = [f"{a}→{b}" for a, b in cost.efficiency.step_pair]
     assert len(pairs) == 79
-    note = "The first 10 and the last 10 of 79 step pairs are shown (59 between them are left out here"
+    note = ("The first 10 and the last 10 of 79 step pairs are shown (59 between them are left out here; "
+            "the report in JSON holds every row).")
     # the efficiency, KL_min and price tables, each in both pages
-    assert md.count(note) == 3 and html.count(note) == 3 and note not in whole_md
+    assert md.count(note) == 3 and html.count(note) == 3 and note not in whole_md and note not in whole_html
+    assert html.count("(79 rows") == whole_html.count("(79 rows") == 2  # the collapsed tables' summaries
+    md_rows_ = re.findall(r"^\| (\d+→\d+) \|.*$", md, re.M)
+    html_rows_ = re.findall(r"<tr[^>]*><td>(\d+→\d+)</td>.*?</tr>", html)
+    assert md_rows_ == html_rows_ == (pairs[:10] + pairs[-10:]) * 3
+    assert re.findall(r"^\| (\d+→\d+) \|", whole_md, re.M) == pairs * 3
+    whole_md_lines = set(whole_md.splitlines())
+    for line in re.findall(r"^\| \d+→\d+ \|.*$", md, re.M):
+        assert line in whole_md_lines, line
+    for row in re.findall(r"<tr[^>]*><td>\d+→\d+</td>.*?</tr>", html):
+        assert row in whole_html, row
+    # each gap row has as many cells as its table's header
+    gaps = 0
+    for line in md.splitlines():
+        if line.startswith("|---"):
+            header = line
+        elif line.startswith("| … "):
+            gaps += 1
+            assert line.count("…") == header.count("---"), line
+    for table in html.split("<table>")[1:]:
+        for gap in re.findall(r'<tr class="gap">.*?</tr>', table.split("</table>")[0]):
+            gaps += 1
+            assert gap.count("<td") == table.split("</tr>")[0].count("<th"), gap
+    assert gaps == 6
     assert md.count("\n| … |") == 3 and html.count('<tr class="gap">') == 3
-    for page, whole in ((md, whole_md), (html, whole_html)):
-        rows = re.findall(r"(?:\n\| |<tr[^>]*><td>)(\d+→\d+)", page)
-        every = re.findall(r"(?:\n\| |<tr[^>]*><td>)(\d+→\d+)", whole)
-        assert every == pairs * 3 and rows == (pairs[:10] + pairs[-10:]) * 3
-    # the figures still plot every step pair: the pages' svg is unchanged
-    assert re.findall(r"<svg.*?</svg>", html, re.S) == re.findall(r"<svg.*?</svg>", whole_html, re.S)
+    # the figures still cover every step pair: the pages' svg is unchanged
+    assert re.findall(r"<svg.*?</svg>", html, re.S) == re.findall(r"<svg.*?</svg>", whole_html, re.S) != []

@@ -187,26 +187,39 @@ def test_a_long_table_shows_its_first_and_last_rows_with_a_gap_between(monkeypat
     from reward_lens.report import render
     from reward_lens.report.render import Shown
 
-    def table(n):
-        return SimpleNamespace(step_pair=[(t, t + 1) for t in range(n)], x=list(range(n)), shares={"a": list(range(n))})
+    def table(n, short=0):
+        return SimpleNamespace(step_pair=[(t, t + 1) for t in range(n)], x=list(range(n - short)),
+                               shares={"a": list(range(n))})
 
     whole = Shown(table(render.TABLE_WHOLE))
     assert whole.gap is None and whole.omitted == 0 and whole.total == render.TABLE_WHOLE and whole.note("rows") == ""
     assert whole.x == list(range(render.TABLE_WHOLE))
-    n = render.TABLE_WHOLE + 1
-    cut = Shown(table(n))
     ends = render.TABLE_ENDS
-    assert cut.total == n and cut.gap == ends and cut.omitted == n - 2 * ends
-    assert cut.x == list(range(ends)) + list(range(n - ends, n))
-    assert cut.shares == {"a": cut.x} and cut.step_pair[ends] == (n - ends, n - ends + 1)
-    assert cut.note("step pairs") == (f"The first {ends} and the last {ends} of {n} step pairs are shown "
-                                      f"({n - 2 * ends} between them are left out here; report.json holds every row).")
-    # a section read back from report.json is a dict: the same rows
-    assert Shown({"step_pair": table(n).step_pair, "x": table(n).x}).x == cut.x
-    # the gap row, after the first rows, in Markdown and in HTML (each column's class kept)
+    for n in (render.TABLE_WHOLE + 1, 10_000):
+        cut = Shown(table(n))
+        assert cut.total == n and cut.gap == ends and cut.omitted == n - 2 * ends
+        assert cut.x == list(range(ends)) + list(range(n - ends, n))
+        assert cut.shares == {"a": cut.x} and cut.step_pair[ends] == (n - ends, n - ends + 1)
+        assert cut.note("step pairs") == (f"The first {ends} and the last {ends} of {n} step pairs are shown "
+                                          f"({n - 2 * ends} between them are left out here; the report in JSON "
+                                          "holds every row).")
+        # a section read back from report.json is a dict: the same rows
+        assert Shown({"step_pair": table(n).step_pair, "x": table(n).x}).x == cut.x
+    # a column shorter than the table (a report.json edited by hand): each value stays beside its
+    # own step pair, and the rows it lacks are not filled with another's
+    short = Shown(table(1000, short=50))
+    assert short.x == list(range(ends)) + list(range(1000 - ends, 950))
+    # a bound below twice the ends never shows a row twice
+    monkeypatch.setattr(render, "TABLE_WHOLE", 10)
+    assert Shown(table(2 * ends)).gap is None and Shown(table(2 * ends + 1)).omitted == 1
+    # the gap row, after the first rows, in Markdown and in HTML (each column's class kept, and
+    # each row's class beside its own row)
     cols = [["1", "2", "3"], ["a", "b", "c"]]
     assert md_rows(cols, 2) == "| 1 | a |\n| 2 | b |\n| … | … |\n| 3 | c |\n"
     assert html_rows(cols, ["", "num"], None, 1) == (
         '<tr><td>1</td><td class="num">a</td></tr>\n<tr class="gap"><td>…</td><td class="num">…</td></tr>\n'
         '<tr><td>2</td><td class="num">b</td></tr>\n<tr><td>3</td><td class="num">c</td></tr>\n')
+    assert html_rows(cols, ["", "num"], ["r1", "r2", "r3"], 2) == (
+        '<tr class="r1"><td>1</td><td class="num">a</td></tr>\n<tr class="r2"><td>2</td><td class="num">b</td></tr>\n'
+        '<tr class="gap"><td>…</td><td class="num">…</td></tr>\n<tr class="r3"><td>3</td><td class="num">c</td></tr>\n')
     assert md_rows(cols) == "| 1 | a |\n| 2 | b |\n| 3 | c |\n" and md_rows([[], []], 0) == ""
