@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from reward_lens.report.model import Report
 from reward_lens_spec.paths import templates_dir
 from reward_lens_spec.render import (code_list, compiled_templates, first_sentence, format_nats, html_view,
-                                     in_sentence, inline_html, markdown_view, percent)
+                                     in_sentence, inline_html, markdown_view, percent, render_template)
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
@@ -311,8 +311,8 @@ class Shown:
         """The sentence that says which rows a cut table shows ("" for a whole one)."""
         if self.gap is None:
             return ""
-        return (f"The first {TABLE_ENDS} and the last {TABLE_ENDS} of {self.total} {what} are shown "
-                f"({self.omitted} between them are left out here; the report in JSON holds every row).")
+        return render_template("report/table_cut.j2", {"ends": TABLE_ENDS, "total": self.total, "what": what,
+                                                       "omitted": self.omitted})
 
 
 def _escape_all(cells: list[str]) -> list[str]:
