@@ -477,17 +477,17 @@ def _ratio_se(k: float, d: float, cov: np.ndarray) -> float:
     """Delta-method SE of K / D from the covariance of (K, D)."""
     if not d > 0:
         return float("inf")
-    k, d = np.float64(k), np.float64(d)
-    if 1e-30 < d < 1e30 and abs(k) < 1e30 and bool((np.abs(cov) < 1e30).all()):
-        # no step below can overflow: the same arithmetic without the cost of np.errstate (a
-        # context variable set and reset per row)
-        grad = np.array([1.0 / d, -k / d / d])
-        var = float(grad @ cov @ grad)
-    else:
-        with np.errstate(all="ignore"):  # overflow at absurd scales reads as an infinite SE
-            grad = np.array([1.0 / d, -k / d / d])
-            var = float(grad @ cov @ grad)
-    return math.sqrt(var) if var >= 0 else (float("inf") if not np.isfinite(var) else 0.0)
+    # grad^T cov grad written out, each product and sum on its own, in the order ``ratio_ses``
+    # takes them: a BLAS dot (``grad @ cov @ grad``) fuses multiply and add where the CPU has FMA
+    # (AVX512 kernels), so its last bit differed from the columns' by host. Python floats overflow
+    # to inf without a warning: at absurd scales the SE reads infinite
+    k, d = float(k), float(d)
+    c00, c01, c10, c11 = (float(x) for x in np.asarray(cov, dtype=np.float64).reshape(4))
+    g0, g1 = 1.0 / d, -k / d / d
+    v0 = g0 * c00 + g1 * c10
+    v1 = g0 * c01 + g1 * c11
+    var = v0 * g0 + v1 * g1
+    return math.sqrt(var) if var >= 0 else (float("inf") if not math.isfinite(var) else 0.0)
 
 
 @lru_cache(maxsize=256)
