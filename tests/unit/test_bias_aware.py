@@ -88,3 +88,32 @@ def test_a_moderated_book_states_the_bound_and_its_rows_agree_with_its_columns()
     # taking rows keeps their bounds
     part = cols.take(np.array([3, 1]))
     assert (part.bias_bound == cols.bias_bound[[3, 1]]).all()
+
+
+def _paired(pair, k, kd, d, var_k, var_d, kind="paired", tail=0.0):
+    return EtaEstimate(step_pair=pair, kind=kind, kl_min=k, kl_min_debiased=kd, d_t=d, p_value=0.01,
+                       cov=np.array([[var_k, 0.0], [0.0, var_d]]), dof=20.0, groups_varying=8, d_t_tail=tail)
+
+
+def test_a_window_and_the_runs_interval_cover_a_bias_up_to_their_sums_correction():
+    """The run's eta (a window of every row) has the bound a row has, on its sums: by hand,
+    (0.30 + 0.10 - 0.22 - 0.06) / (1.0 + 0.5) = 0.08, and its half-width is the bias-aware critical
+    value on that bound (checked against scipy's root finder), not t975 * SE."""
+    from reward_lens.measure.efficiency.eta import run_level, window
+
+    rows = [_paired((0, 1), 0.30, 0.22, 1.0, 4e-4, 1e-4), _paired((1, 2), 0.10, 0.06, 0.5, 1e-4, 4e-5)]
+    for w in (window(rows), run_level(rows), run_level(EtaColumns.of(rows, "paired"))):
+        assert w.bias_bound == pytest.approx(0.08, rel=1e-12)
+        lo, hi = w.interval()
+        half = bias_aware_half(w.dof, w.se, 0.08)
+        assert hi - w.eta_debiased == pytest.approx(half, rel=1e-9)
+        assert w.eta_debiased - lo == pytest.approx(half, rel=1e-9)
+        plain = dataclasses.replace(w, bias_bound=None).interval()
+        assert plain[0] > lo and plain[1] < hi  # the bound widens it; the estimate does not move
+    # a correction of nothing states no bound's width; an unpaired window no bound at all
+    none = run_level([_paired((0, 1), 0.3, 0.3, 1.0, 4e-4, 1e-4)])
+    assert none.bias_bound == 0.0
+    assert none.interval() == dataclasses.replace(none, bias_bound=None).interval()
+    assert run_level([_paired((0, 1), 0.3, 0.2, 1.0, 4e-4, 1e-4, kind="unpaired")]).bias_bound is None
+    # a window whose D_t is not positive states no bound
+    assert window([_paired((0, 1), 0.3, 0.2, 0.0, 4e-4, 1e-4)]).bias_bound is None

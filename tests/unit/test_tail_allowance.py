@@ -148,9 +148,12 @@ def test_etas_lower_end_allows_for_d_ts_tail():
     assert run.d_t_tail == pytest.approx(0.5) and run_level([bare, tailed]).d_t_tail == pytest.approx(0.5)
     r_lo, _ = run.interval()
     e, se = run.eta_debiased, run.se
-    from reward_lens.measure.ledger.moderated import t975
+    from tests.unit.interval_helpers import bias_aware_half
 
-    assert r_lo == pytest.approx((e - t975(run.dof) * se) * 4.0 / 4.5)
+    # the run's interval also covers a bias up to its sums' correction, (2.0 - 1.8) / 4.0
+    # (``eta.window``), and its lower end then allows for the summed tail
+    assert run.bias_bound == pytest.approx(0.05)
+    assert r_lo == pytest.approx((e - bias_aware_half(run.dof, se, 0.05)) * 4.0 / 4.5, rel=1e-9)
 
 
 def test_both_books_state_the_allowance_on_a_sharpened_record(monkeypatch):
