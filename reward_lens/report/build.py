@@ -270,19 +270,30 @@ def summary_card(g: Glance | None, books: list[BookOut]) -> list[str]:
 def required_so_far(est) -> tuple[list[float], list[float], list[float]]:
     """What the named behaviours needed, summed over the updates so far, with a 95 % band: the sum
     of the debiased KL_min (noise's expected share taken out) and its SE from the rows' variances
-    (independent rows: they add). A KL is never negative, so neither is the curve: where noise
-    takes the debiased sum below 0 it is drawn at 0 (the positive part, which is never further
-    from the truth than the sum itself), and so is the band's lower edge."""
-    from reward_lens.measure.efficiency.eta import EtaColumns
+    (independent rows: they add). Paired estimates' band also covers a bias up to the sum's own
+    jackknife correction so far, |sum KL_min - sum KL_jk|, as the run's eta interval does
+    (``eta.window``; ``bias_aware_halves`` on the normal): the card and the curve say the same of
+    what the run needed. A KL is never negative, so neither is the curve: where noise takes the
+    debiased sum below 0 it is drawn at 0 (the positive part, which is never further from the
+    truth than the sum itself), and so is the band's lower edge."""
+    from reward_lens.measure.efficiency.eta import EtaColumns, bias_aware_halves
 
     if isinstance(est, EtaColumns):  # the estimates as columns (``CostBook.estimates``)
         k, var = est.kl_min_debiased, est.cov[:, 0, 0]
+        paired = est.kind == "paired"
+        corr = est.kl_min - est.kl_min_debiased if paired else None
     else:
         k, var = [e.kl_min_debiased for e in est], np.array([float(e.cov[0, 0]) for e in est], dtype=np.float64)
+        paired = bool(est) and all(getattr(e, "kind", None) == "paired" for e in est)
+        corr = np.array([e.kl_min - e.kl_min_debiased for e in est], dtype=np.float64) if paired else None
     mid = np.cumsum(k, dtype=np.float64)
     se = np.sqrt(np.cumsum(np.where(0.0 > var, 0.0, var)))  # max(v, 0.0) of each, as Python's max takes it
-    return (np.maximum(mid - 1.96 * se, 0.0).tolist(), np.maximum(mid, 0.0).tolist(),
-            np.maximum(mid + 1.96 * se, 0.0).tolist())
+    if corr is not None and len(mid):
+        half = bias_aware_halves(np.full(len(mid), np.inf), se, np.abs(np.cumsum(corr, dtype=np.float64)))
+    else:
+        half = 1.96 * se
+    return (np.maximum(mid - half, 0.0).tolist(), np.maximum(mid, 0.0).tolist(),
+            np.maximum(mid + half, 0.0).tolist())
 
 
 def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | None:

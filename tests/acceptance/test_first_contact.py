@@ -303,6 +303,29 @@ def test_the_needed_curve_of_a_short_noisy_run_is_its_positive_part():
     assert lo == [0.0, 0.0, 0.0] and min(hi) >= 0
 
 
+def test_the_needed_band_of_paired_updates_covers_their_summed_correction_as_the_runs_interval_does():
+    """Two paired updates whose jackknife took 0.03 and then 0.01 nats out of KL_min: the band
+    around the sums 0.10 and 0.15 is the bias-aware half-width on the sums' SE with a bound of
+    0.03 and then 0.04 (by scipy's root finder), where an unpaired band is 1.96 SE."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from reward_lens.report.build import required_so_far
+    from tests.unit.interval_helpers import bias_aware_half
+
+    est = [SimpleNamespace(kind="paired", kl_min=k + c, kl_min_debiased=k, cov=np.array([[v, 0.0], [0.0, 1.0]]))
+           for k, c, v in ((0.10, 0.03, 4e-4), (0.05, 0.01, 5e-4))]
+    lo, mid, hi = required_so_far(est)
+    se = np.sqrt([4e-4, 9e-4])
+    halves = [bias_aware_half(np.inf, s, b) for s, b in zip(se, (0.03, 0.04))]
+    assert mid == pytest.approx([0.10, 0.15])
+    assert hi == pytest.approx([m + h for m, h in zip(mid, halves)], rel=1e-9)
+    assert lo == pytest.approx([max(m - h, 0.0) for m, h in zip(mid, halves)], rel=1e-9, abs=1e-12)
+    plain = required_so_far([SimpleNamespace(kl_min_debiased=e.kl_min_debiased, cov=e.cov) for e in est])
+    assert plain[2] == pytest.approx((np.array(mid) + 1.96 * se).tolist())  # no kind: no bound
+
+
 def test_the_diff_keeps_its_headlines_code_spans(tmp_path):
     """diff.md quoted the books' headlines with escaped backticks (\\`frac\\_lower\\`): they are
     prose from templates, and keep their code spans; the HTML shows them as code."""
