@@ -324,6 +324,14 @@ def test_the_needed_band_of_paired_updates_covers_their_summed_correction_as_the
     assert lo == pytest.approx([max(m - h, 0.0) for m, h in zip(mid, halves)], rel=1e-9, abs=1e-12)
     plain = required_so_far([SimpleNamespace(kl_min_debiased=e.kl_min_debiased, cov=e.cov) for e in est])
     assert plain[2] == pytest.approx((np.array(mid) + 1.96 * se).tolist())  # no kind: no bound
+    # the columns the report hands it (``CostBook.estimates``) give the same band; none, none
+    from reward_lens.measure.efficiency.eta import EtaColumns, EtaEstimate
+
+    rows = [EtaEstimate(step_pair=(i, i + 1), kind="paired", kl_min=e.kl_min, kl_min_debiased=e.kl_min_debiased,
+                        d_t=1.0, p_value=0.01, cov=e.cov, groups_varying=8) for i, e in enumerate(est)]
+    cols = required_so_far(EtaColumns.of(rows, "paired"))
+    assert cols[0] == pytest.approx(lo, abs=1e-12) and cols[2] == pytest.approx(hi, rel=1e-12)
+    assert required_so_far(EtaColumns.of(rows[:0], "paired")) == ([], [], [])
 
 
 def test_the_diff_keeps_its_headlines_code_spans(tmp_path):

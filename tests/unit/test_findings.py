@@ -344,7 +344,7 @@ def test_what_the_specs_say_they_were_validated_on():
     assert task["clipping_saturation"] == "holds" and task["reward_plateau"] == "holds"
     assert task["entropy_collapse"] == "clear" and task["collateral_behaviour"] == "clear"
     assert task["length_drift"] == "clear" and task["moving_against_reward"] == "clear"
-    assert task["spending_without_buying"] == "not_evaluated"  # 9 % [3 %, 14 %]: across 5 %
+    assert task["spending_without_buying"] == "not_evaluated"  # 9 % [-3 %, 20 %]: across 5 %
     assert paired["spending_without_buying"] == "clear" and tapped["spending_without_buying"] == "clear"
     assert paired["reward_plateau"] == "clear" and tapped["reward_plateau"] == "not_evaluated"  # 29 steps of 30
     assert {task["kl_spikes"], paired["kl_spikes"], tapped["kl_spikes"]} == {"clear"}

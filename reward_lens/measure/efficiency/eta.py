@@ -27,8 +27,8 @@ A paired book of single step pairs then pools each row's variance with those of 
 that state an interval on either side (``moderate``, ``ledger.moderated``), and its t interval
 reads the pooled SE on Welch-Satterthwaite degrees of freedom, widened to cover a bias up to the
 row's own correction |KL_min - KL_jk| / D_t either way (``bias_aware_halves``: on a sharpened
-policy the correction leaves a bias of its own order); a window of several pairs keeps its own SE
-and no bound. The p-value of "the features bought nothing" (KL_min = 0) is the F-test of the
+policy the correction leaves a bias of its own order); a window of several pairs keeps its own SE,
+and its interval, like the run's, covers a bias up to its sums' correction (``window``). The p-value of "the features bought nothing" (KL_min = 0) is the F-test of the
 within-group regression of r on the features over the rollouts (``rollout_test``: n - G degrees
 of freedom, not G - 1). How often the intervals cover the truth, in three regimes: docs/science.md
 quotes the truth harness.
@@ -913,7 +913,8 @@ def _with_bias_bound(e: EtaEstimate) -> EtaEstimate:
     if e.kind != "paired" or not (e.d_t > 0 and math.isfinite(e.d_t)):
         return e
     bound = abs(e.kl_min - e.kl_min_debiased) / e.d_t
-    return dataclasses.replace(e, bias_bound=bound) if math.isfinite(bound) else e
+    # an infinite bound is kept, as a row's is (``moderate``): its interval is then unbounded
+    return e if math.isnan(bound) else dataclasses.replace(e, bias_bound=bound)
 
 
 def _window_of_columns(c: EtaColumns) -> EtaEstimate:

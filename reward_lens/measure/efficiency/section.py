@@ -177,7 +177,8 @@ class CostSection(_M):
         "ledger ('paired' | 'unpaired'), window, rows_total, rows_resolved, rows_unresolved, rows_refused, "
         "rows_nothing_priced, rows_no_interval (priced rows whose eta has no interval: one prompt group varies), "
         "eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
-        "when none is priced), eta_run_interval ([lo, hi]; the lower end allowing for the rows' D_t tail "
+        "when none is priced), eta_run_interval ([lo, hi]; paired: covering a bias up to the sums' jackknife "
+        "correction, |sum KL_min - sum KL_jk| / sum D_t, and the lower end allowing for the rows' D_t tail "
         "allowances, summed), kl_min_total and d_t_total (nats over those rows), "
         "eta_median (debiased, resolved rows with an interval only: selected on significance, so it leans high; kept for "
         "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
