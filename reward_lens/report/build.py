@@ -273,9 +273,9 @@ def required_so_far(est) -> tuple[list[float], list[float], list[float]]:
     (independent rows: they add). Paired estimates' band also covers a bias up to the sum's own
     jackknife correction so far, |sum KL_min - sum KL_jk|, the bound the run's eta interval carries
     (``eta.window``; here ``bias_aware_halves`` on the normal, on KL's variance alone): the curve
-    does not claim what the card's interval does not. A KL is never negative, so neither is the curve: where noise takes the
-    debiased sum below 0 it is drawn at 0 (the positive part, which is never further from the
-    truth than the sum itself), and so is the band's lower edge."""
+    does not claim what the card's interval does not. A KL is never negative, so neither is the
+    curve: where noise takes the debiased sum below 0 it is drawn at 0 (the positive part, which is
+    never further from the truth than the sum itself), and so is the band's lower edge."""
     from reward_lens.measure.efficiency.eta import EtaColumns, bias_aware_halves
 
     if isinstance(est, EtaColumns):  # the estimates as columns (``CostBook.estimates``)

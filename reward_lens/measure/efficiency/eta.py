@@ -28,10 +28,11 @@ that state an interval on either side (``moderate``, ``ledger.moderated``), and 
 reads the pooled SE on Welch-Satterthwaite degrees of freedom, widened to cover a bias up to the
 row's own correction |KL_min - KL_jk| / D_t either way (``bias_aware_halves``: on a sharpened
 policy the correction leaves a bias of its own order); a window of several pairs keeps its own SE,
-and its interval, like the run's, covers a bias up to its sums' correction (``window``). The p-value of "the features bought nothing" (KL_min = 0) is the F-test of the
-within-group regression of r on the features over the rollouts (``rollout_test``: n - G degrees
-of freedom, not G - 1). How often the intervals cover the truth, in three regimes: docs/science.md
-quotes the truth harness.
+and its interval, like the run's, covers a bias up to its sums' correction (``window``). The
+p-value of "the features bought nothing" (KL_min = 0) is the F-test of the within-group regression
+of r on the features over the rollouts (``rollout_test``: n - G degrees of freedom, not G - 1).
+How often the intervals cover the truth, in three regimes: docs/science.md quotes the truth
+harness.
 
 Because D_t is independent of KL_min, eta is no longer <= 1 by construction: a point estimate
 may exceed 1 by noise, and is shown with its interval. Only a row whose KL_jk exceeds D_t by
@@ -117,7 +118,7 @@ class EtaEstimate:
     # paired: what the bias correction may have left, in eta -- the correction's own size,
     # |KL_min - KL_jk| / D_t, a row's (``moderate``) or a window's and the run's of their sums
     # (``window``); the interval covers any bias up to it (``bias_aware_halves``). None: no
-    # allowance (unpaired rows and windows)
+    # allowance (unpaired rows and unpaired windows)
     bias_bound: float | None = None
 
     @property
