@@ -137,6 +137,21 @@ class CheckpointEntry(BaseModel):
     files: dict[str, FileEntry]
 
 
+class NonFiniteValue(BaseModel):
+    """A value the run produced that was not a finite number (a diverged step's NaN loss, an
+    infinite reward): data about the run, not a broken file. The record stores the field as
+    null at that step and keeps here what it was and where it came from, so a finding can say
+    the run diverged from that step (ARCHITECTURE.md: the record layer is the ground floor)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step: int = Field(ge=0, description="the step whose value it was")
+    field: str = Field(description="the record field it would have filled (specs/fields.yaml), or the "
+                                   "framework's own key where the record has no such field")
+    value: str = Field(pattern=r"^(nan|\+inf|-inf)$", description="what it was: nan, +inf or -inf")
+    source: str = Field(description="where it was read: a file and line, a key, or the tap's call")
+
+
 class RunManifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -152,6 +167,8 @@ class RunManifest(BaseModel):
     notes: list[str] = Field(default_factory=list)
     files: dict[str, FileEntry] = Field(default_factory=dict)
     checkpoints: list[CheckpointEntry] = Field(default_factory=list)
+    non_finite: list[NonFiniteValue] = Field(
+        default_factory=list, description="values stored as null because they were NaN or infinite")
 
 
 def content_run_id(manifest: RunManifest) -> str:
@@ -167,11 +184,16 @@ def content_run_id(manifest: RunManifest) -> str:
     for section, key in _LATER_OPTIONAL:
         if payload.get(section, {}).get(key, 0) is None:
             del payload[section][key]
+    for key in _LATER_LISTS:
+        if not payload.get(key):
+            payload.pop(key, None)
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return f"run:{digest}"
 
 
 _LATER_OPTIONAL = (("model", "eos_token_id"),)
+# Manifest lists added later: hashed only when non-empty, for the same reason.
+_LATER_LISTS = ("non_finite",)
 
 _ARROW_TYPES = {
     "int64": pa.int64(),
