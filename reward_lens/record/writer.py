@@ -30,6 +30,7 @@ from reward_lens.record.schema import (
     TELEMETRY_FILE,
     CheckpointEntry,
     FileEntry,
+    NonFiniteValue,
     OptimizerTelemetry,
     Rollout,
     RunManifest,
@@ -208,12 +209,14 @@ def write_run(
     checkpoints: Mapping[int, str | Path] | None = None,
     overwrite: bool = False,
     heldout: Iterable[Rollout] | pa.Table | None = None,
+    non_finite: Iterable[NonFiniteValue] = (),
 ) -> RunManifest:
     """Write a record directory at ``path`` and return its manifest.
 
     ``checkpoints`` maps a step to a directory (safetensors + config + tokenizer files) that
     is copied into ``checkpoints/step-<step>/``. ``heldout``: held-out completions of pi_t
-    (rows of the rollouts schema), written to ``heldout.parquet``.
+    (rows of the rollouts schema), written to ``heldout.parquet``. ``non_finite``: the NaN or
+    infinite values the run produced, stored as null in their columns (RunManifest.non_finite).
     """
     dest = Path(path)
     recover_swap(dest)
@@ -248,7 +251,7 @@ def write_run(
             framework=dict(framework), model=dict(model), optimizer=optimizer,
             trainer_config=dict(trainer_config or {}), telemetry_per_step=telemetry_per_step,
             logging_steps=logging_steps, created_by=f"reward-lens {__version__}", notes=list(notes),
-            files=files, checkpoints=ckpts,
+            files=files, checkpoints=ckpts, non_finite=list(non_finite),
         )
         manifest = commit_manifest(tmp, manifest)
         # mkdtemp makes the directory 0700; a record is data to share, so give it the
