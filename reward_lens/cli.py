@@ -457,6 +457,8 @@ def cmd_import(args) -> int:
     if args.rollouts and args.framework != "verl":
         raise ValueError("--rollouts reads veRL's generation dumps; a TRL output directory holds its own "
                          "completions_<step>.parquet")
+    if args.framework in ("nemo-rl", "openrlhf"):
+        return _import_registered(args)
     if args.framework == "verl":
         from reward_lens.record.importers.verl import import_verl
 
@@ -472,6 +474,44 @@ def cmd_import(args) -> int:
         for note in m.notes:
             _emit(f"  note: {_visible(note)}")
     return EXIT_OK
+
+
+def _import_registered(args) -> int:
+    """``import nemo-rl|openrlhf``: the registered importer, which reads only its source."""
+    from reward_lens.record.importers import importer
+
+    given = [o for o, v in (("--config", args.config), ("--checkpoint", args.checkpoint), ("--rollouts", args.rollouts))
+             if v]
+    if given:
+        raise ValueError(f"{', '.join(given)} are not read by `import {args.framework}` (see `reward-lens import "
+                         f"{args.framework} --help` for what it reads)")
+    m = importer(args.framework)(args.source, args.record_dir, framework_version=args.framework_version,
+                                 overwrite=args.overwrite)
+    if not args.quiet:
+        _emit(f"wrote record {args.record_dir} ({m.run_id})")
+        for note in m.notes:
+            _emit(f"  note: {_visible(note)}")
+    return EXIT_OK
+
+
+class _ImportHelp(argparse.Action):
+    """``import --help``, and after a framework (``import nemo-rl --help``) what that framework's
+    import reads and where the run leaves it (specs/importers.yaml)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="show this help (after a framework: what it reads)")
+
+    def __call__(self, p, namespace, values, option_string=None):
+        p.print_help()
+        name = getattr(namespace, "framework", None)
+        from reward_lens_spec import load_importers
+
+        spec = load_importers().importers.get(name) if name else None
+        if spec is not None:
+            from reward_lens_spec.render import render_template
+
+            _emit(render_template("cli/import_help.txt.j2", {"name": name, "s": spec}, prose=False))
+        p.exit()
 
 
 def parser() -> argparse.ArgumentParser:
@@ -560,8 +600,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_publish)
 
-    i = sub.add_parser("import", help="convert a framework's output directory into a record")
-    i.add_argument("framework", choices=("trl", "verl"))
+    i = sub.add_parser("import", help="convert a framework's output directory into a record", add_help=False)
+    i.add_argument("-h", "--help", action=_ImportHelp)
+    i.add_argument("framework", choices=("trl", "verl", "nemo-rl", "openrlhf"))
     i.add_argument("source", help="TRL: the output directory; veRL: the metrics log (JSON lines or console)")
     i.add_argument("record_dir", help="where to write the record")
     i.add_argument("--config", help="the trainer arguments as JSON/YAML (TRL saves them only as a pickle)")

@@ -12,6 +12,7 @@ from reward_lens_spec.loader import (
     load_fields,
     load_findings,
     load_frameworks,
+    load_importers,
     load_refusal_codes,
     load_taps,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "load_fields",
     "load_findings",
     "load_frameworks",
+    "load_importers",
     "load_refusal_codes",
     "load_taps",
     "make_refusal",

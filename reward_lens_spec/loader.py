@@ -9,7 +9,14 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from reward_lens_spec.errors import SpecError
-from reward_lens_spec.models import BookSpec, FieldsCatalog, FindingSpec, FrameworkSpec, RefusalCatalog
+from reward_lens_spec.models import (
+    BookSpec,
+    FieldsCatalog,
+    FindingSpec,
+    FrameworkSpec,
+    ImportersCatalog,
+    RefusalCatalog,
+)
 from reward_lens_spec.paths import specs_dir
 from reward_lens_spec.yamlload import line_for, load_yaml_with_lines
 
@@ -139,3 +146,13 @@ def _findings_cached(root: str) -> dict[str, FindingSpec]:
 def load_findings(root: Path | None = None) -> dict[str, FindingSpec]:
     """Every finding spec in ``specs/findings/``, by id, in file-name order."""
     return _findings_cached(str(root or specs_dir()))
+
+
+@lru_cache(maxsize=None)
+def _importers_cached(root: str) -> ImportersCatalog:
+    return load_model(Path(root) / "importers.yaml", ImportersCatalog)
+
+
+def load_importers(root: Path | None = None) -> ImportersCatalog:
+    """What each ``reward-lens import <framework>`` reads and where the run leaves it."""
+    return _importers_cached(str(root or specs_dir()))

@@ -274,3 +274,18 @@ class FindingSpec(_Strict):
     remedy: str
     reference: str | None = None
     validated: str = Field(description="how the finding was validated, in words (the docs' table)")
+
+
+class ImporterSpec(_Strict):
+    """What ``reward-lens import <name>`` reads and where a run of that framework leaves it
+    (``specs/importers.yaml``): the words of ``import <name> --help``."""
+
+    title: str
+    source: str = Field(description="what the SOURCE argument is")
+    reads: list[str] = Field(min_length=1, description="each file or key read, and what it becomes")
+    where: str = Field(description="where a run leaves it, and what to switch on for it")
+    options: list[str] = Field(default_factory=list, description="the import options this framework reads")
+
+
+class ImportersCatalog(_Strict):
+    importers: dict[str, ImporterSpec]

@@ -147,3 +147,21 @@ def validate_config(cfg: dict[str, Any], framework, where: str | Path) -> dict[s
         what = _EXPECT[spec.type] + (f" ({', '.join(bounds)})" if bounds else "")
         raise RecordError(where, f"`{key}` is {shown(value)}, not {what}", field=key) from None
     return {**cfg, **{k: getattr(model, k) for k in typed}}
+
+
+# `reward-lens import <name>`: the function that reads each framework's output, by module path so
+# that naming one imports nothing of the others (specs/importers.yaml says what each reads).
+IMPORTERS = {
+    "trl": "reward_lens.record.importers.trl_output:import_trl",
+    "verl": "reward_lens.record.importers.verl:import_verl",
+    "nemo-rl": "reward_lens.record.importers.nemo_rl:import_nemo_rl",
+    "openrlhf": "reward_lens.record.importers.openrlhf:import_openrlhf",
+}
+
+
+def importer(name: str):
+    """The import function registered for framework ``name`` (a key of IMPORTERS)."""
+    from importlib import import_module
+
+    module, func = IMPORTERS[name].split(":")
+    return getattr(import_module(module), func)
