@@ -21,7 +21,11 @@ What NeMo-RL leaves in ``logger.log_dir`` (``logs/exp_NNN`` by default) and what
   - ``prev_logprobs``: the trainer's per-token log-probabilities under pi_t (``policy.get_logprobs``
     before the update). Their sum over the same tokens is ``logp_pre``. Both sums run over exactly
     the tokens the loss masks in (loss_functions.py:381-391 reads both shifted together), so
-    ``logp_sampler - logp_pre`` is the engine's log-ratio to pi_t per sequence.
+    ``logp_sampler - logp_pre`` is the engine's log-ratio to pi_t per sequence. NeMo-RL scores
+    ``prev_logprobs`` at the generation's temperature and top-k/top-p (TrainingSamplingParams,
+    nemo_rl/models/automodel/train.py:180, 385), as the record's ``logp_pre`` is defined. Under
+    ``async_grpo_train`` (grpo.py:5258-5281, the same keys) a rollout may come from a policy some
+    updates older, and that staleness is part of the gap.
   - ``advantages``: per token; GRPO's are one value per rollout expanded over the sequence
     (advantage_estimator.py:69-98), read as the rollout's ``advantage``. Token-level advantages
     that differ within a completion (another estimator) are not a per-rollout advantage: the
@@ -218,8 +222,8 @@ def _scalar(v: Any, where: str, key: str) -> float:
     return float(v)
 
 
-def _validation(path: Path, step: int) -> tuple[float | None, int]:
-    """The mean reward of a val_data_step{N}.jsonl and its count (None: a reward was not finite)."""
+def _validation(path: Path, step: int) -> tuple[float, int]:
+    """The mean reward of a val_data_step{N}.jsonl (NaN or infinite where a reward was) and its count."""
     rewards = []
     for _, where, obj in _lines(path):
         content = _one(obj, "content", where)
@@ -229,8 +233,7 @@ def _validation(path: Path, step: int) -> tuple[float | None, int]:
         rewards.append(_scalar(_one(obj, "rewards", where), where, "rewards"))
     if not rewards:
         raise RecordError(path, "an empty validation dump", steps=[step], step_key=STEP_KEY)
-    mean = float(np.mean(rewards))
-    return (mean if math.isfinite(mean) else None), len(rewards)
+    return float(np.mean(rewards)), len(rewards)
 
 
 def _dumps(folder: Path) -> tuple[dict[int, Path], dict[int, Path]]:
@@ -321,8 +324,8 @@ def import_nemo_rl(source: str | Path, record_dir: str | Path, *, framework_vers
     validation = {n: _validation(val[n], n) for n in sorted(val)} or {t: (v, None) for t, v in tb_val.items()}
     last = max(rows) if rows else -1
     for n, (mean, count) in validation.items():
-        if mean is None:
-            non_finite.append(NonFiniteValue(step=n, field="validation_reward_mean", value="nan",
+        if not math.isfinite(mean):
+            non_finite.append(NonFiniteValue(step=n, field="validation_reward_mean", value=non_finite_name(mean),
                                              source=f"{val[n].name}: `rewards`"))
         elif n <= last:
             rows.setdefault(n, {"step": n})["validation_reward_mean"] = mean
@@ -338,7 +341,7 @@ def import_nemo_rl(source: str | Path, record_dir: str | Path, *, framework_vers
     if non_finite:
         first = min(non_finite, key=lambda v: v.step)
         notes.append(f"{len(non_finite)} values were NaN or infinite, kept as null (the manifest's non_finite); the "
-                     f"first at step {first.step} (`{first.field}`)")
+                     f"first at record step {first.step} (`{first.field}`)")
     table = rollouts.table() if train else []
     return write_run(record_dir, framework={"name": "nemo-rl", "version": framework_version},
                      model={"description": "unknown policy (NeMo-RL's logs do not name it)"},
