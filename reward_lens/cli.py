@@ -545,7 +545,7 @@ def parser() -> argparse.ArgumentParser:
                        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     a.add_argument("config", help="TRL GRPOConfig arguments (YAML/JSON, e.g. the TRL CLI's --config file), a veRL "
                    "Hydra config, a record directory, or a record's manifest.json")
-    a.add_argument("--framework", help="trl or verl, when it cannot be told from the keys")
+    a.add_argument("--framework", help="trl, verl or nemo_rl, when it cannot be told from the keys")
     a.add_argument("--format", choices=("table", "json"), default="table")
     a.add_argument("--require", action="append", metavar="BOOK", help="exit 1 if this book would refuse")
     a.add_argument("--fail-on", choices=FAIL_ON, default="incomplete",

@@ -182,3 +182,38 @@ def test_import_help_says_what_it_reads_and_where(capsys):
     out = capsys.readouterr().out
     assert "train_data_step{N}.jsonl" in out and "val_data_step{N}.jsonl" in out and "logger.log_dir" in out
     assert "tensorboard_enabled" in out
+
+
+def test_the_audit_of_a_nemo_rl_config_says_what_the_import_will_find(tmp_path):
+    """examples/configs/nemo_rl_grpo.yaml (NeMo-RL's grpo_math_1B.yaml, TensorBoard on): the same
+    fields the import reads from such a run, and what no switch gives."""
+    import yaml
+
+    from reward_lens.audit import audit
+
+    cfg = Path(__file__).resolve().parents[2] / "examples" / "configs" / "nemo_rl_grpo.yaml"
+    res = audit(cfg)
+    assert res.framework == "nemo_rl"
+    found = {f.finding: f.verdict for f in res.findings}
+    assert found["entropy_collapse"] == found["advantage_collapse"] == "will evaluate"
+    assert found["kl_spikes"] == "will not evaluate"  # no D_t: the import finds none either
+    assert {b.book: b.verdict for b in res.books} == {"agreement": "will compute", "cause": "will compute",
+                                                      "effect": "will compute", "cost": "will refuse",
+                                                      "price": "will refuse"}
+    # the fields the audit projects are the ones the import of such a run fills
+    import_nemo_rl(RUN, tmp_path / "rec")
+    run = open_run(tmp_path / "rec")
+    have = {c for c in ("learning_rate", "grad_norm_unclipped", "reward_mean", "entropy", "sampler_kl_token",
+                        "sampler_token_prob_error", "kl_to_previous", "update_norm", "max_grad_norm")
+            if run.telemetry_column(c)}
+    assert have == {f for f in res.fields if "." not in f}
+    cols = run.read_rollouts(["advantage", "logp_pre", "logp_sampler", "completion_ids", "num_tokens"]).to_pylist()
+    assert all(all(v is not None for v in r.values()) for r in cols)
+    assert {"rollout.advantage", "rollout.logp_pre", "rollout.logp_sampler", "rollout.completion_ids"} <= set(res.fields)
+    # TensorBoard off: the audit says what is lost, and entropy collapse will not be evaluated
+    off = yaml.safe_load(cfg.read_text())
+    off["logger"]["tensorboard_enabled"] = False
+    (tmp_path / "off.yaml").write_text(yaml.safe_dump(off))
+    res = audit(tmp_path / "off.yaml")
+    assert any(s.key == "logger.tensorboard_enabled" and "set it to true" in s.says for s in res.statements)
+    assert {f.finding: f.verdict for f in res.findings}["entropy_collapse"] == "will not evaluate"
