@@ -5,6 +5,7 @@ meaning, validation kept apart from held-out, a diverged run read as data, a bad
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -126,6 +127,8 @@ def _rewrite(path: Path, line: int, change) -> None:
     (lambda o: {**o, "rewards": ["high"]}, r"train_data_step2\.jsonl:3: field `rewards`: `rewards` is 'high', not a number"),
     (lambda o: {**o, "prev_logprobs": [o["prev_logprobs"][0][:-1]]}, r":3: field `prev_logprobs`: .* positions"),
     (lambda o: {**o, "token_loss_mask": [[1] + o["token_loss_mask"][0][1:]]}, r":3: field `token_loss_mask`: .*multi-turn"),
+    (lambda o: {**o, "token_ids": [[10 ** 30] + o["token_ids"][0][1:]]}, r":3: field `token_ids`: .*whole numbers"),
+    (lambda o: {**o, "input_lengths": [10 ** 6]}, r":3: field `input_lengths`: `input_lengths` is 1000000"),
 ])
 def test_a_malformed_line_is_refused_by_file_line_and_key(tmp_path, change, match):
     run = _copy(tmp_path)
@@ -139,6 +142,10 @@ def test_a_misnamed_dump_and_an_empty_folder_are_refused(tmp_path):
     run = _copy(tmp_path)
     shutil.copy(run / "train_data_step2.jsonl", run / "train_data_step02.jsonl")
     with pytest.raises(RecordError, match=r"train_data_step02\.jsonl: is named like a NeMo-RL dump"):
+        import_nemo_rl(run, tmp_path / "rec")
+    (run / "train_data_step02.jsonl").unlink()
+    os.mkfifo(run / "train_data_step11.jsonl")  # never opened: a FIFO would block the import
+    with pytest.raises(RecordError, match=r"train_data_step11\.jsonl: .*FIFO"):
         import_nemo_rl(run, tmp_path / "rec")
     (tmp_path / "empty").mkdir()
     with pytest.raises(RecordError, match="not a NeMo-RL GRPO run's log folder"):

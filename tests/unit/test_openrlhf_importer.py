@@ -5,6 +5,7 @@ used it, a diverged run read as data, a damaged event file refused by name."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -69,6 +70,11 @@ def test_a_damaged_event_file_is_refused_by_name(tmp_path):
     f.write_bytes(data[:2000] + bytes(200) + data[2200:])  # corrupted in the middle
     with pytest.raises(RecordError, match=rf"{f.name}: record \d+: damaged \(failed (header|event) crc32 check"):
         import_openrlhf(run, tmp_path / "rec")
+    fifo = run / "events.out.tfevents.1.host.1.0"
+    os.mkfifo(fifo)  # never opened: a FIFO would block the import
+    with pytest.raises(RecordError, match=r"events\.out\.tfevents\.1\.host\.1\.0: .*FIFO"):
+        import_openrlhf(run, tmp_path / "rec")
+    fifo.unlink()
     f.write_text("step,actor/ppo_kl\n1,0.1\n")
     with pytest.raises(RecordError, match=rf"{f.name}: record 1: damaged"):
         import_openrlhf(run, tmp_path / "rec")

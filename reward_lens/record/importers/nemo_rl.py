@@ -66,7 +66,7 @@ import numpy as np
 import pyarrow as pa
 
 from reward_lens.record.errors import RecordError
-from reward_lens.record.importers import finite_number, one_based_step, shown
+from reward_lens.record.importers import INT64_MAX, finite_number, one_based_step, shown
 from reward_lens.record.importers.openrlhf import non_finite_name
 from reward_lens.record.importers.tensorboard import read_scalars
 from reward_lens.record.schema import NonFiniteValue, OptimizerTelemetry, RunManifest, arrow_schema
@@ -164,8 +164,8 @@ class _Rollouts:
             for k in _TRAIN_KEYS:
                 _one(obj, k, where)
             ids = _numbers(obj["token_ids"][0], where, "token_ids")
-            if not np.all(ids == np.round(ids)) or (ids < 0).any():
-                raise RecordError(where, "`token_ids` are not whole numbers from 0", field="token_ids")
+            if not np.all(ids == np.round(ids)) or (ids < 0).any() or (ids >= INT64_MAX).any():
+                raise RecordError(where, "`token_ids` are not whole numbers from 0 to 2^63 - 1", field="token_ids")
             n = len(ids)
             tok = {k: _numbers(obj[k][0], where, k, n) for k in _TOKEN_KEYS[1:]}
             length = obj["input_lengths"][0]
