@@ -454,11 +454,11 @@ def cmd_import(args) -> int:
 
         raise RecordError(dest, "a record already exists here; pass --overwrite to replace it (a record reward-lens "
                           "wrote is replaced, your own files in its folder are kept; another folder is never touched)")
+    if args.framework in ("nemo-rl", "openrlhf"):
+        return _import_registered(args)
     if args.rollouts and args.framework != "verl":
         raise ValueError("--rollouts reads veRL's generation dumps; a TRL output directory holds its own "
                          "completions_<step>.parquet")
-    if args.framework in ("nemo-rl", "openrlhf"):
-        return _import_registered(args)
     if args.framework == "verl":
         from reward_lens.record.importers.verl import import_verl
 

@@ -180,6 +180,8 @@ def test_cli_imports_and_report_and_check_read_it(tmp_path, capsys):
     assert main(["import", "nemo-rl", str(run), str(tmp_path / "rec2"), "--quiet"]) == 2
     assert not (tmp_path / "rec2").exists()
     assert "train_data_step2.jsonl:3" in capsys.readouterr().err
+    assert main(["import", "nemo-rl", str(RUN), str(tmp_path / "rec3"), "--rollouts", str(RUN)]) == 2
+    assert "--rollouts are not read by `import nemo-rl`" in capsys.readouterr().err
 
 
 def test_import_help_says_what_it_reads_and_where(capsys):
