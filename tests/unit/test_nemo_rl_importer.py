@@ -12,11 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("tensorboard")
-
-from reward_lens.cli import main  # noqa: E402
-from reward_lens.record import RecordError, open_run  # noqa: E402
-from reward_lens.record.importers.nemo_rl import import_nemo_rl  # noqa: E402
+from reward_lens.cli import main
+from reward_lens.record import RecordError, open_run
+from reward_lens.record.importers.nemo_rl import import_nemo_rl
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "nemo_rl"
 RUN = FIX / "exp_001"

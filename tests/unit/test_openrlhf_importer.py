@@ -11,12 +11,10 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("tensorboard")
-
-from reward_lens.cli import main  # noqa: E402
-from reward_lens.record import RecordError, open_run  # noqa: E402
-from reward_lens.record.importers.openrlhf import import_openrlhf  # noqa: E402
-from reward_lens.record.importers.tensorboard import read_scalars  # noqa: E402
+from reward_lens.cli import main
+from reward_lens.record import RecordError, open_run
+from reward_lens.record.importers.openrlhf import import_openrlhf
+from reward_lens.record.importers.tensorboard import read_scalars
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "openrlhf"
 RUN = FIX / "run" / "grpo_qwen"
