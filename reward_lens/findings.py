@@ -628,7 +628,7 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
     """Every finding on a finished record (with its report's books where a finding reads them,
     and its read of the rollouts, ``samples``, where it made one, with their sequential watch
     ``watch`` where it made that)."""
-    from reward_lens.record.importers.trl_output import assumed_reward_weights
+    from reward_lens.record.notes import assumed_reward_weights
 
     specs = specs if specs is not None else load_findings()
     fields = run.fields()

@@ -53,16 +53,15 @@ import pyarrow.parquet as pq
 import yaml
 
 from reward_lens.record.errors import RecordError
+from reward_lens.record.notes import ASSUMED_WEIGHTS, assumed_reward_weights  # noqa: F401 (re-exported)
 from reward_lens.record.importers import INT64_MAX, finite_number, one_based_step, shown, validate_config, whole_number
 from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
+from reward_lens_spec.conditions import holds
 from reward_lens_spec.files import UnreadableFile, read_text, require_regular
 from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
 
-# The note a record carries when the importer had to assume the reward weights (its first words
-# are how a reader of the record finds it: ``assumed_reward_weights``).
-ASSUMED_WEIGHTS = "reward weights assumed"
 # torch.nn.utils.clip_grad_norm_ scales by max_norm / (total_norm + 1e-6), clamped at 1.
 _CLIP_EPS = 1e-6
 _COMPLETION_BASE = ("step", "prompt", "completion", "advantage")
@@ -264,9 +263,7 @@ def import_trl(
 
 def _rejected(when, cfg: Mapping[str, Any]) -> bool:
     """A ``rejects`` condition of the TRL spec holds for ``cfg`` (the audit's reading of it)."""
-    from reward_lens.audit import _holds
-
-    return _holds(when, dict(cfg), {})
+    return holds(when, dict(cfg), {})
 
 
 def _logging_steps(cfg: Mapping[str, Any], state: Mapping[str, Any], where, state_path: Path) -> int:
@@ -338,11 +335,6 @@ def _assumed_weights(cfg: Mapping[str, Any], reward_names: list[str]) -> str | N
     return (f"{ASSUMED_WEIGHTS}: each rollout's `reward` is its reward functions' scores summed at weight 1 "
             f"({pairs}: GRPOConfig's default), because {why}; if the run set reward_weights, the per-rollout "
             "reward and every number read from it are wrong (pass the config to the import)")
-
-
-def assumed_reward_weights(notes: Sequence[str]) -> str | None:
-    """The record's note that its reward weights were assumed at import, if it has one."""
-    return next((n for n in notes if n.startswith(ASSUMED_WEIGHTS)), None)
 
 
 def _rollouts(files: list[tuple[Path, pa.Table]], cfg: Mapping[str, Any], reward_names: list[str],
