@@ -16,3 +16,13 @@ ASSUMED_WEIGHTS = "reward weights assumed"
 def assumed_reward_weights(notes: Sequence[str]) -> str | None:
     """The record's note that its reward weights were assumed at import, if it has one."""
     return next((n for n in notes if n.startswith(ASSUMED_WEIGHTS)), None)
+
+
+# The note a record carries when its rollouts' advantages were derived at import (veRL dumps none;
+# for GRPO they follow from score and group), not read from what the trainer's loss used.
+DERIVED_ADVANTAGES = "advantages derived"
+
+
+def derived_advantages(notes: Sequence[str]) -> str | None:
+    """The record's note that its advantages were derived at import, if it has one."""
+    return next((n for n in notes if n.startswith(DERIVED_ADVANTAGES)), None)

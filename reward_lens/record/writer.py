@@ -28,8 +28,10 @@ from reward_lens.record.schema import (
     MANIFEST_FILE,
     ROLLOUTS_FILE,
     TELEMETRY_FILE,
+    VALIDATION_FILE,
     CheckpointEntry,
     FileEntry,
+    NonFiniteValue,
     OptimizerTelemetry,
     Rollout,
     RunManifest,
@@ -158,7 +160,8 @@ def recover_swap(dest: Path) -> None:
             return
 
 
-_RECORD_FILE = re.compile(r"^\.?(manifest\.json|(telemetry|rollouts|heldout)(-\d{5})?\.parquet)(\.tmp)?$")
+_RECORD_FILE = re.compile(r"^\.?(manifest\.json|(telemetry|rollouts|heldout)(-\d{5})?\.parquet|validation\.parquet)"
+                          r"(\.tmp)?$")
 
 
 def record_file_name(name: str) -> bool:
@@ -208,12 +211,18 @@ def write_run(
     checkpoints: Mapping[int, str | Path] | None = None,
     overwrite: bool = False,
     heldout: Iterable[Rollout] | pa.Table | None = None,
+    non_finite: Iterable[NonFiniteValue] = (),
+    validation: Iterable[Rollout] | pa.Table | None = None,
 ) -> RunManifest:
     """Write a record directory at ``path`` and return its manifest.
 
     ``checkpoints`` maps a step to a directory (safetensors + config + tokenizer files) that
     is copied into ``checkpoints/step-<step>/``. ``heldout``: held-out completions of pi_t
-    (rows of the rollouts schema), written to ``heldout.parquet``.
+    (rows of the rollouts schema), written to ``heldout.parquet``. ``non_finite``: the values the
+    run logged as NaN or infinite, stored as null in their columns (``RunManifest.non_finite``).
+    ``validation``: completions of held-out *prompts* the trainer drew to validate pi_step (veRL's
+    ``validation_data_dir``), rows of the rollouts schema written to ``validation.parquet``: apart
+    from ``heldout`` (the same prompts' draws the paired ledger reads) and from the rollouts.
     """
     dest = Path(path)
     recover_swap(dest)
@@ -237,6 +246,10 @@ def write_run(
             ho = _rollouts_table(heldout)
             pq.write_table(ho, tmp / HELDOUT_FILE, compression="zstd", row_group_size=ROLLOUT_ROW_GROUP)
             files[HELDOUT_FILE] = _file_entry(tmp / HELDOUT_FILE, ho.num_rows)
+        if validation is not None:
+            va = _rollouts_table(validation)
+            pq.write_table(va, tmp / VALIDATION_FILE, compression="zstd", row_group_size=ROLLOUT_ROW_GROUP)
+            files[VALIDATION_FILE] = _file_entry(tmp / VALIDATION_FILE, va.num_rows)
         ckpts = []
         for step, src in sorted((checkpoints or {}).items()):
             rel = f"checkpoints/step-{int(step)}"
@@ -248,7 +261,7 @@ def write_run(
             framework=dict(framework), model=dict(model), optimizer=optimizer,
             trainer_config=dict(trainer_config or {}), telemetry_per_step=telemetry_per_step,
             logging_steps=logging_steps, created_by=f"reward-lens {__version__}", notes=list(notes),
-            files=files, checkpoints=ckpts,
+            files=files, checkpoints=ckpts, non_finite=list(non_finite),
         )
         manifest = commit_manifest(tmp, manifest)
         # mkdtemp makes the directory 0700; a record is data to share, so give it the
