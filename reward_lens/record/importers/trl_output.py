@@ -24,6 +24,9 @@ What TRL leaves on disk and what this reads:
 
 Every file is checked to be a regular file before it is opened (a FIFO never blocks the
 import), and every error names the file, the key and TRL's own ``step`` (not the record's t).
+A NaN or infinite logged value (a diverged run's entropy, a reward function that returned None)
+is data about the run: kept as null, with a ``NonFiniteValue`` in the manifest naming the entry,
+the step and the key; a value of the wrong type (a string, a list) is still refused.
 
 Fields are mapped by meaning through ``specs/fields.yaml``: TRL's ``grad_norm`` is what
 ``clip_grad_norm_`` returned, the pre-clip norm (``grad_norm_unclipped``); TRL's ``kl``
@@ -54,8 +57,9 @@ import yaml
 
 from reward_lens.record.errors import RecordError
 from reward_lens.record.notes import ASSUMED_WEIGHTS, assumed_reward_weights  # noqa: F401 (re-exported)
-from reward_lens.record.importers import INT64_MAX, finite_number, one_based_step, shown, validate_config, whole_number
-from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
+from reward_lens.record.importers import (INT64_MAX, logged_number, one_based_step, shown,
+                                          validate_config, whole_number)
+from reward_lens.record.schema import NonFiniteValue, OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
 from reward_lens_spec.conditions import holds
@@ -228,7 +232,12 @@ def import_trl(
                      f"{logging_steps} optimizer steps (grad_norm and learning_rate are the window's last step); "
                      "these are not per-step values")
 
-    telemetry = _telemetry(history, cfg, state_path)
+    non_finite: list[NonFiniteValue] = []
+    telemetry = _telemetry(history, cfg, state_path, non_finite)
+    if non_finite:
+        nf = non_finite[0]
+        notes.append(f"{len(non_finite)} value(s) the run logged as NaN or infinite are kept as null (the manifest's "
+                     f"non_finite); the first at record step {nf.step}: `{nf.field}` = {nf.value}")
     logged = {t.step for t in telemetry}
     reward_names = sorted({k.split("/")[1] for e in history for k in e
                            if k.startswith("rewards/") and k.endswith("/mean")})
@@ -258,7 +267,8 @@ def import_trl(
     return write_run(record_dir, framework=framework, model=model, telemetry=telemetry, rollouts=rollouts,
                      optimizer=str(optimizer) if optimizer else None, trainer_config=trainer_config,
                      telemetry_per_step=per_step, logging_steps=logging_steps, notes=notes,
-                     checkpoints={0: checkpoint} if checkpoint is not None else None, overwrite=overwrite)
+                     checkpoints={0: checkpoint} if checkpoint is not None else None, overwrite=overwrite,
+                     non_finite=non_finite)
 
 
 def _rejected(when, cfg: Mapping[str, Any]) -> bool:
@@ -280,7 +290,10 @@ def _logging_steps(cfg: Mapping[str, Any], state: Mapping[str, Any], where, stat
     return int(value)
 
 
-def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path) -> list[OptimizerTelemetry]:
+def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path,
+               non_finite: list[NonFiniteValue]) -> list[OptimizerTelemetry]:
+    """The telemetry rows of TRL's log; a NaN or infinite logged value is appended to ``non_finite``
+    and left out of its row (null)."""
     keys = load_fields().framework_keys("trl")  # TRL key -> record field, by meaning
     max_norm = cfg.get("max_grad_norm")
     beta = cfg.get("beta")
@@ -298,7 +311,14 @@ def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path
         row: dict[str, Any] = {"step": t}
         for key, field in keys.items():
             if key in entry and entry[key] is not None:
-                row[field] = finite_number(entry[key], path, key, s)
+                # transformers writes trainer_state.json with json.dumps: a NaN entropy or reward is the
+                # literal NaN there, read back as a float nan: a diverged step, kept as null and named
+                v, what = logged_number(entry[key], path, key, s)
+                if what is not None:
+                    non_finite.append(NonFiniteValue(step=t, field=field, value=what,
+                                                     source=f"{path.name} log_history entry {i} (step {s}) `{key}`"))
+                elif v is not None:
+                    row[field] = v
         if max_norm is not None and max_norm > 0:
             row["max_grad_norm"] = float(max_norm)
             pre = row.get("grad_norm_unclipped")
