@@ -7,6 +7,14 @@ Run it in a throwaway venv outside the repository, never in the project's:
     /tmp/verlvenv/bin/pip install orjson packaging numpy omegaconf pyyaml tqdm pydantic cachetools torch==2.13.0
     /tmp/verlvenv/bin/python tools/make_verl_fixtures.py tests/fixtures/verl
 
+and for veRL 0.4.1 (its console logger rounds every value to three decimals; it has no file
+logger, and its ``_dump_generations`` writes no ``gts``), in a second venv:
+
+    python3 -m venv /tmp/verl04
+    /tmp/verl04/bin/pip install --no-deps verl==0.4.1
+    /tmp/verl04/bin/pip install packaging numpy torch==2.13.0 omegaconf orjson tqdm pyyaml
+    /tmp/verl04/bin/python tools/make_verl_fixtures.py tests/fixtures/verl
+
 (torch 2.13.0 installs the CPU wheel; veRL's console logger, ``verl.utils.logger.LocalLogger``,
 imports it.) What runs is veRL 0.9.1's code: ``verl.utils.tracking.Tracking`` with its ``console``
 and ``file`` backends writes the metric logs, the legacy trainer's static
@@ -47,7 +55,10 @@ from pathlib import Path
 _STANDIN = ("ray", "tensordict", "codetiming", "hydra", "transformers", "datasets", "torchdata", "peft", "wandb",
             "torchvision", "flash_attn", "liger_kernel", "vllm", "sglang", "accelerate", "safetensors", "tensorboard",
             "pylatexenc", "math_verify", "mathruler", "qwen_vl_utils", "transfer_queue", "pyarrow", "pandas", "PIL",
-            "fastapi", "uvicorn", "regex", "aiohttp", "psutil")
+            "fastapi", "uvicorn", "regex", "aiohttp", "psutil",
+            # verl 0.4.1's __init__ imports pkg_resources (used only on Ascend NPUs), which the setuptools
+            # torch 2.13.0 needs no longer has
+            "pkg_resources")
 
 
 class _Placeholder(type):
@@ -107,7 +118,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import verl  # noqa: E402
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
-from verl.trainer.ppo.v1.trainer_base import PPOTrainer as V1Trainer  # noqa: E402
+if not verl.__version__.startswith("0.4"):  # the v1 trainer exists from 0.9
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer as V1Trainer  # noqa: E402
 from verl.utils.tracking import Tracking  # noqa: E402
 
 CYAN, RESET = "\x1b[36m", "\x1b[0m"  # colorama.Fore.CYAN, colorama.Style.RESET_ALL
@@ -122,6 +134,8 @@ def _ray_prefixed(text: str, pid: int = 48213) -> str:
 def _config(path: Path, **overrides) -> None:
     """veRL's own trainer config with the run's overrides, saved as Hydra saves it."""
     base = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+    if not base.exists():  # veRL 0.4: one flat file
+        base = base.with_name("ppo_trainer.yaml")
     cfg = OmegaConf.load(base)
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, force_add=True)
@@ -282,8 +296,38 @@ def v1_resumed(out: Path, steps: int = 8, crash_after: int = 5, resume_from: int
     (out / "console.log").write_text(_ray_prefixed(console.getvalue(), pid=7711))
 
 
+def v04_console(out: Path, steps: int = 6, diverged_from: int = 5, seed: int = 3) -> None:
+    """veRL 0.4.1: the console logger only (``f"{k}:{v:.3f}"``: three decimals, ``nan``), the
+    dumps of ``RayPPOTrainer._dump_generations`` (an instance method then, reading
+    ``self.global_steps``; no ``gts``), and a run whose update turns NaN at step ``diverged_from``."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(seed)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    _config(out / ".hydra" / "config.yaml", **{
+        "algorithm.adv_estimator": "grpo", "actor_rollout_ref.rollout.n": N, "trainer.logger": ["console"],
+        "trainer.rollout_data_dir": "dumps", "trainer.total_training_steps": steps})
+    console = io.StringIO()
+    tracking = Tracking("verl_04", "arith", default_backend="console")
+    _log(tracking, {"val-core/openai/gsm8k/reward/mean@1": 0.5}, 0, console)
+    for step in range(1, steps + 1):
+        inputs, outputs, _, scores, extra = _generations(rng, step, steps)
+        trainer = SimpleNamespace(global_steps=step)
+        with contextlib.redirect_stdout(io.StringIO()):
+            RayPPOTrainer._dump_generations(trainer, inputs, outputs, scores,
+                                            {"acc": [bool(a) for a in extra["acc"]]}, str(out / "dumps"))
+        data = _metrics(rng, step, steps, scores, [len(o.split()) * 3 for o in outputs], diverged_from)
+        _log(tracking, data, step, console)
+    (out / "console.log").write_text(_ray_prefixed(console.getvalue(), pid=30211))
+
+
 def main(dest: str) -> None:
     root = Path(dest)
+    if verl.__version__.startswith("0.4"):
+        v04_console(root / "v04_console")
+        print(f"wrote v04_console under {root} with veRL {verl.__version__}")
+        return
     legacy_grpo(root / "legacy_grpo")
     v1_resumed(root / "v1_resumed")
     legacy_grpo(root / "diverged", steps=8, diverged_from=5, seed=2)

@@ -321,3 +321,18 @@ def test_import_help_says_what_the_verl_import_reads(capsys):
     for words in (".hydra/config.yaml", "trainer.rollout_data_dir", "trainer.validation_data_dir", "TaskRunner pid=N",
                   "<project_name>/<experiment_name>.jsonl"):
         assert words in out, words
+
+
+def test_a_verl_04_console_rounded_to_three_decimals_is_read_as_rounded(tmp_path):
+    """veRL 0.4.1's console printed f"{v:.3f}" (tests/fixtures/verl/v04_console, written by 0.4.1's
+    own Tracking): the record says its values are rounded, and a value printed as 0.000 (a learning
+    rate of 1e-6) is left null rather than recorded as zero."""
+    d = FIX / "v04_console"
+    assert "actor/lr:0.000" in (d / "console.log").read_text()
+    m = import_verl(d, tmp_path / "rec")
+    run = open_run(tmp_path / "rec")
+    assert run.telemetry_column("learning_rate") == {}
+    assert run.telemetry_column("grad_norm_unclipped")[0] == 1.11
+    assert any("rounded every value to three decimals" in n and "learning_rate" in n for n in m.notes)
+    assert min(v.step for v in m.non_finite) == 4  # `nan` from veRL step 5 on
+    assert any(n.startswith("advantages derived") for n in m.notes)  # 0.4.1's GRPO: the same formula

@@ -106,6 +106,12 @@ class _Line:
     data: dict[str, Any]
     console: bool
     where: str
+    rounded: bool = False  # veRL < 0.5's console: f"{v:.3f}" for every value
+    zeroed: frozenset[str] = frozenset()  # keys printed as 0.000 on a rounded line: |v| < 0.0005, not 0
+
+
+_THREE = re.compile(r"^-?\d+\.\d{3}$")
+_ZERO = re.compile(r"^-?0\.000$")
 
 
 def _parse_line(line: str, path: Path, lineno: int) -> _Line | None:
@@ -132,12 +138,18 @@ def _parse_line(line: str, path: Path, lineno: int) -> _Line | None:
     if not m:
         return None  # other console output interleaved with the metrics
     step = int(m.group(1))
-    data = {}
+    raw = {}
     for part in (m.group(2) or "").split(" - "):
         key, sep, value = part.rpartition(":")
         if sep and key.strip():
-            data[key.strip()] = _console_value(value.strip(), where, key.strip(), step)
-    return _Line(step, data, True, where)
+            raw[key.strip()] = value.strip()
+    data = {k: _console_value(v, where, k, step) for k, v in raw.items()}
+    # veRL before 0.5 printed every value as f"{v:.3f}" (utils/logger/aggregate_logger.py,
+    # concat_dict_to_str): a line whose every finite value has exactly three decimals was rounded
+    finite = [v for v in raw.values() if v not in ("nan", "-nan", "inf", "-inf")]
+    rounded = len(finite) >= 3 and all(_THREE.match(v) for v in finite)
+    zeroed = frozenset(k for k, v in raw.items() if rounded and _ZERO.match(v))
+    return _Line(step, data, True, where, rounded, zeroed)
 
 
 @dataclass
@@ -149,6 +161,8 @@ class Metrics:
     unmapped: set[str] = field(default_factory=set)  # in neither fields.yaml's fields nor its logged_keys
     known: set[str] = field(default_factory=set)  # in logged_keys: meaning known, no record field
     not_measured: int = 0  # NaN values a key's catalogue entry says mean "not measured"
+    rounded_lines: int = 0  # lines of a console that rounded to three decimals (veRL < 0.5)
+    zeroed: set[str] = field(default_factory=set)  # record fields printed as 0.000 there, left null
     repeated: set[int] = field(default_factory=set)
     validation_lines: int = 0
     console: bool = False
@@ -179,6 +193,7 @@ def read_metrics(path: Path) -> Metrics:
                 out.validation_lines += 1  # val_before_train's line: pi_0's validation, not an update
                 continue
             t = one_based_step(line.step, line.where)
+            out.rounded_lines += line.rounded
             if t in out.rows:
                 out.repeated.add(line.step)  # a resumed run logs its steps again: the later line wins
             row: dict[str, Any] = {"step": t}
@@ -199,6 +214,8 @@ def read_metrics(path: Path) -> Metrics:
                     bad.append(NonFiniteValue(step=t, field=name or key, value=what, source=src))
                 if name is None:
                     (out.known if entry is not None else out.unmapped).add(key)
+                elif key in line.zeroed:
+                    out.zeroed.add(name)  # 0.000 on a rounded console: under 0.0005, not known to be 0
                 elif v is not None:
                     row[name] = v
             out.rows[t] = row
@@ -685,7 +702,12 @@ def import_verl(source: str | Path, record_dir: str | Path, *, framework_version
         notes.append(f"{m.not_measured} NaN value(s) of keys where veRL logs NaN for 'not measured' (specs/fields.yaml "
                      "`logged_keys`, e.g. training/rollout_probs_diff_* without rollout log-probabilities) were not "
                      "read as the run diverging")
-    if m.console:
+    if m.console and m.rounded_lines:
+        notes.append(f"read from veRL's console logger, which rounded every value to three decimals on {m.rounded_lines} "
+                     "line(s) (veRL before 0.5): the record's values are rounded"
+                     + (f"; a value printed as 0.000 is under 0.0005, not zero, and is left null ({sorted(m.zeroed)})"
+                        if m.zeroed else ""))
+    elif m.console:
         notes.append("read from veRL's console logger (pprint of each value: full precision since veRL 0.5; earlier "
                      "versions' console rounded, the file logger never does)")
     if non_finite:
