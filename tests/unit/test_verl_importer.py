@@ -336,3 +336,17 @@ def test_a_verl_04_console_rounded_to_three_decimals_is_read_as_rounded(tmp_path
     assert any("rounded every value to three decimals" in n and "learning_rate" in n for n in m.notes)
     assert min(v.step for v in m.non_finite) == 4  # `nan` from veRL step 5 on
     assert any(n.startswith("advantages derived") for n in m.notes)  # 0.4.1's GRPO: the same formula
+
+
+def test_the_audit_reads_a_verl_configs_real_keys():
+    """`grad_clip` is veRL's max_grad_norm, and GRPO's advantages follow from the dumps: the audit
+    of examples/configs/verl_grpo.yaml says so, as the import does."""
+    from reward_lens.audit import audit
+
+    cfg = Path(__file__).resolve().parents[2] / "examples" / "configs" / "verl_grpo.yaml"
+    out = audit(cfg)
+    verdict = {f.finding: f.verdict for f in out.findings}
+    assert verdict["clipping_saturation"] == "will evaluate"  # grad_clip: 1.0 supplies max_grad_norm
+    assert verdict["moving_against_reward"] == "will evaluate" and verdict["run_diverged"] == "will evaluate"
+    said = " ".join(s.says for s in out.statements)
+    assert "`actor_rollout_ref.actor.grad_clip` = 1.0" in said and "derives GRPO's" in said
