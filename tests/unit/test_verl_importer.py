@@ -350,3 +350,14 @@ def test_the_audit_reads_a_verl_configs_real_keys():
     assert verdict["moving_against_reward"] == "will evaluate" and verdict["run_diverged"] == "will evaluate"
     said = " ".join(s.says for s in out.statements)
     assert "`actor_rollout_ref.actor.grad_clip` = 1.0" in said and "derives GRPO's" in said
+
+
+def test_a_run_folder_reads_the_console_where_the_file_log_lost_steps_to_a_resume(tmp_path):
+    d = _copy(tmp_path)
+    log = d / "verl_grpo" / "arith.jsonl"
+    log.write_text("\n".join(log.read_text().splitlines()[7:]) + "\n")  # truncated by a resume at step 6
+    m = import_verl(d, tmp_path / "rec")
+    assert open_run(tmp_path / "rec").steps.tolist() == list(range(12))
+    assert "metrics from console.log" in m.notes[0] and "verl_grpo/arith.jsonl" in m.notes[0]
+    m = import_verl(LEGACY, tmp_path / "rec2")  # both whole: the file logger's exact values
+    assert "metrics from verl_grpo/arith.jsonl" in m.notes[0]

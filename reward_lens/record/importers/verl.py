@@ -549,6 +549,22 @@ def _metric_kind(path: Path) -> str | None:
     return None
 
 
+def _step_count(path: Path) -> int:
+    """How many distinct training steps (from 1) a metric log has lines for: a quick scan, no parse."""
+    steps: set[str] = set()
+    pattern = re.compile(r'^\{"step":\s*([0-9]+)|^step:([0-9]+) - ')
+    try:
+        with open(path, "rb") as fh:
+            for raw in fh:
+                line = _RAY.sub("", _ANSI.sub("", raw.decode("utf-8", errors="replace")).strip())
+                m = pattern.match(line)
+                if m and (m.group(1) or m.group(2)) not in ("0", None):
+                    steps.add(m.group(1) or m.group(2))
+    except OSError:
+        return 0
+    return len(steps)
+
+
 def _is_dump_dir(d: Path) -> bool:
     names = [f.name for f in d.glob("*.jsonl")] if d.is_dir() else []
     return bool(names) and any(_DUMP_NAME.match(n) for n in names)
@@ -568,6 +584,11 @@ def find_run(folder: Path, config_path: Path | None = None) -> RunFolder | None:
     logs = [p for p, k in kinds if k == "file"] + [p for p, k in kinds if k == "console"]
     if not logs:
         return None
+    # the file logger's values are exact, but it truncates its file when a run resumes: a console
+    # log holding more training steps than it (the steps before the resume) is read instead
+    counts = {p: _step_count(p) for p in logs}
+    best = max(counts.values())
+    logs = [p for p in logs if counts[p] == best] + [p for p in logs if counts[p] != best]
     run = RunFolder(metrics=logs[0], also=logs[1:])
     cfg_path = config_path
     if cfg_path is None:
