@@ -42,3 +42,9 @@ def test_findings_and_audit_read_no_importer_module_above_the_package():
 
 def test_spec_layer_knows_nothing_of_reward_lens():
     assert _offenders("reward_lens_spec", ("reward_lens.",)) == {}
+
+
+def test_the_books_import_no_finding_audit_tap_report_or_cli():
+    # the books circle (measure -> findings/report -> measure) stays out
+    assert _offenders("reward_lens/measure", ("reward_lens.audit", "reward_lens.findings", "reward_lens.taps",
+                                              "reward_lens.report", "reward_lens.cli")) == {}
