@@ -362,3 +362,20 @@ def test_a_run_folder_reads_the_console_where_the_file_log_lost_steps_to_a_resum
     assert "metrics from console.log" in m.notes[0] and "verl_grpo/arith.jsonl" in m.notes[0]
     m = import_verl(LEGACY, tmp_path / "rec2")  # both whole: the file logger's exact values
     assert "metrics from verl_grpo/arith.jsonl" in m.notes[0]
+
+
+def test_an_older_ray_prefix_with_rounded_nan_values(tmp_path):
+    """The shape of a diverged run's console line under an older veRL, as a public report shows it
+    (https://github.com/Jiayi-Pan/TinyZero/issues/101: `(main_task pid=N) step:N - ...:nan - ...`,
+    three decimals); the values here are ours, not copied."""
+    log = tmp_path / "train.log"
+    log.write_text("(main_task pid=4242) step:1 - critic/score/mean:0.250 - actor/grad_norm:0.812 - actor/lr:0.000\n"
+                   "(main_task pid=4242) step:2 - critic/score/mean:0.000 - actor/pg_loss:nan - actor/ppo_kl:nan - "
+                   "actor/grad_norm:nan - actor/lr:0.000\n")
+    m = import_verl(log, tmp_path / "rec")
+    run = open_run(tmp_path / "rec")
+    assert run.telemetry_column("grad_norm_unclipped") == {0: 0.812}
+    # a key with no record field keeps veRL's own name in non_finite
+    assert [(v.step, v.field) for v in m.non_finite] == [(1, "actor/pg_loss"), (1, "ppo_kl"), (1, "grad_norm_unclipped")]
+    # 0.000 on a rounded line is |v| < 0.0005: unknown, null (the reward of step 2 too), said in a note
+    assert run.telemetry_column("learning_rate") == {} and run.telemetry_column("reward_mean") == {0: 0.25}

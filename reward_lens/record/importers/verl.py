@@ -146,8 +146,9 @@ def _parse_line(line: str, path: Path, lineno: int) -> _Line | None:
     data = {k: _console_value(v, where, k, step) for k, v in raw.items()}
     # veRL before 0.5 printed every value as f"{v:.3f}" (utils/logger/aggregate_logger.py,
     # concat_dict_to_str): a line whose every finite value has exactly three decimals was rounded
+    # (decided for the whole log in read_metrics: a line of two values may have three decimals by chance)
     finite = [v for v in raw.values() if v not in ("nan", "-nan", "inf", "-inf")]
-    rounded = len(finite) >= 3 and all(_THREE.match(v) for v in finite)
+    rounded = bool(finite) and all(_THREE.match(v) for v in finite)
     zeroed = frozenset(k for k, v in raw.items() if rounded and _ZERO.match(v))
     return _Line(step, data, True, where, rounded, zeroed)
 
@@ -162,6 +163,8 @@ class Metrics:
     known: set[str] = field(default_factory=set)  # in logged_keys: meaning known, no record field
     not_measured: int = 0  # NaN values a key's catalogue entry says mean "not measured"
     rounded_lines: int = 0  # lines of a console that rounded to three decimals (veRL < 0.5)
+    console_lines: int = 0
+    finite_values: int = 0
     zeroed: set[str] = field(default_factory=set)  # record fields printed as 0.000 there, left null
     repeated: set[int] = field(default_factory=set)
     validation_lines: int = 0
@@ -179,6 +182,7 @@ def read_metrics(path: Path) -> Metrics:
     catalog = load_fields()
     keys = catalog.framework_keys("verl")  # veRL key -> record field
     out = Metrics()
+    zero_candidates: dict[int, set[str]] = {}  # record step -> fields printed 0.000 on a three-decimal line
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             try:
@@ -193,11 +197,15 @@ def read_metrics(path: Path) -> Metrics:
                 out.validation_lines += 1  # val_before_train's line: pi_0's validation, not an update
                 continue
             t = one_based_step(line.step, line.where)
-            out.rounded_lines += line.rounded
+            if line.console:
+                out.console_lines += 1
+                out.rounded_lines += line.rounded
+                out.finite_values += sum(1 for v in line.data.values() if v is not None and math.isfinite(v))
             if t in out.rows:
                 out.repeated.add(line.step)  # a resumed run logs its steps again: the later line wins
             row: dict[str, Any] = {"step": t}
             bad: list[NonFiniteValue] = []
+            zero_candidates.pop(t, None)  # a step logged again: its later line's values only
             for key, value in line.data.items():
                 name = keys.get(key)
                 if _VALIDATION_KEY.match(key) or isinstance(value, bool):
@@ -214,12 +222,22 @@ def read_metrics(path: Path) -> Metrics:
                     bad.append(NonFiniteValue(step=t, field=name or key, value=what, source=src))
                 if name is None:
                     (out.known if entry is not None else out.unmapped).add(key)
-                elif key in line.zeroed:
-                    out.zeroed.add(name)  # 0.000 on a rounded console: under 0.0005, not known to be 0
                 elif v is not None:
                     row[name] = v
+                    if key in line.zeroed:
+                        zero_candidates.setdefault(t, set()).add(name)
             out.rows[t] = row
             out.non_finite[t] = bad
+    # veRL before 0.5 printed every value with three decimals: a log whose every step line does is
+    # rounded, and there a 0.000 is |v| < 0.0005, not known to be zero: left null, said in a note
+    if out.console_lines and out.rounded_lines == out.console_lines and out.finite_values >= 3:
+        for t, names in zero_candidates.items():
+            for name in names:
+                if out.rows.get(t, {}).get(name) == 0.0:
+                    del out.rows[t][name]
+                    out.zeroed.add(name)
+    else:
+        out.rounded_lines = 0
     return out
 
 
