@@ -217,8 +217,9 @@ def read_metrics(path: Path) -> Metrics:
                     out.not_measured += 1  # e.g. training/rollout_probs_diff_* without rollout log-probabilities
                     what = None
                 if what is not None:
-                    src = f"{line.where} (step {line.step}) `{key}`" + (" (null in the file logger, which writes NaN and +-inf as null)"
-                                                     if value is None else "")
+                    src = f"{line.where} (step {line.step}) `{key}`"
+                    if value is None:
+                        src += " (null in the file logger, which writes NaN and +-inf as null)"
                     bad.append(NonFiniteValue(step=t, field=name or key, value=what, source=src))
                 if name is None:
                     (out.known if entry is not None else out.unmapped).add(key)
@@ -662,11 +663,14 @@ def import_verl(source: str | Path, record_dir: str | Path, *, framework_version
         cfg_path = cfg_path or found.config
         rollouts = rollouts if rollouts is not None else found.rollouts
         validation = validation if validation is not None else found.validation
-        notes.append(f"a veRL run folder: metrics from {metrics_path.relative_to(src).as_posix()}"
+        def rel(p: Path) -> str:
+            return p.relative_to(src).as_posix() if p.is_relative_to(src) else str(p)
+
+        notes.append(f"a veRL run folder: metrics from {rel(metrics_path)}"
                      + (f" ({len(found.also)} other metric log(s) not read: "
-                        f"{', '.join(p.relative_to(src).as_posix() for p in found.also[:3])})" if found.also else "")
-                     + (f", config from {cfg_path.relative_to(src).as_posix() if cfg_path.is_relative_to(src) else cfg_path}"
-                        if cfg_path is not None else ", no config (.hydra/config.yaml)"))
+                        f"{', '.join(rel(p) for p in found.also[:3])})" if found.also else "")
+                     + (f", config from {rel(cfg_path)}" if cfg_path is not None
+                        else ", no config (.hydra/config.yaml)"))
     else:
         metrics_path = src
     m = read_metrics(metrics_path)
@@ -710,8 +714,8 @@ def import_verl(source: str | Path, record_dir: str | Path, *, framework_version
                          "advantages; these are the ones its loss used only where the dumped score is the whole "
                          "reward it optimised")
     else:
-        notes.append("no rollout dumps were given (`--rollouts`, veRL's `trainer.rollout_data_dir`): this record has no "
-                     "rollouts")
+        notes.append("no rollout dumps were given (`--rollouts`, veRL's `trainer.rollout_data_dir`): this record has "
+                     "no rollouts")
     val_table = None
     if validation is not None:
         v = read_rollout_dumps(validation, validation=True)
@@ -742,8 +746,8 @@ def import_verl(source: str | Path, record_dir: str | Path, *, framework_version
                      "`logged_keys`, e.g. training/rollout_probs_diff_* without rollout log-probabilities) were not "
                      "read as the run diverging")
     if m.console and m.rounded_lines:
-        notes.append(f"read from veRL's console logger, which rounded every value to three decimals on {m.rounded_lines} "
-                     "line(s) (veRL before 0.5): the record's values are rounded"
+        notes.append(f"read from veRL's console logger, which rounded every value to three decimals on "
+                     f"{m.rounded_lines} line(s) (veRL before 0.5): the record's values are rounded"
                      + (f"; a value printed as 0.000 is under 0.0005, not zero, and is left null ({sorted(m.zeroed)})"
                         if m.zeroed else ""))
     elif m.console:
