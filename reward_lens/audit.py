@@ -27,6 +27,7 @@ from reward_lens.record.errors import RecordError
 from reward_lens.record.importers import validate_config, whole_number
 from reward_lens_spec import (Presence, Refusal, Subject, load_books, load_fields, load_frameworks, load_taps,
                               make_refusal, resolve)
+from reward_lens_spec.conditions import config_value, empty, holds
 from reward_lens_spec.models import BookSpec, Condition, FrameworkSpec
 from reward_lens_spec.files import UnreadableFile, read_text
 from reward_lens_spec.render import first_sentence, render_macro
@@ -125,38 +126,10 @@ def json_schema() -> dict[str, Any]:
 
 # ---------------------------------------------------------------- reading a config
 
-def _get(cfg: dict[str, Any], dotted: str, defaults: dict[str, Any]) -> tuple[Any, str]:
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return (defaults[dotted], "default") if dotted in defaults else (None, "unset")
-        node = node[part]
-    return node, "config"
-
-
-def _holds(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dict[str, Any]) -> bool:
-    if isinstance(cond, list):
-        return all(_holds(c, cfg, defaults) for c in cond)
-    v, _ = _get(cfg, cond.key, defaults)
-    if cond.op == "set":
-        return not _empty(v) and v is not False
-    if cond.op == "unset":
-        return _empty(v)
-    if cond.op == "eq":
-        return v == cond.value
-    if cond.op == "ne":
-        return v != cond.value
-    try:
-        x = float(v)
-    except (TypeError, ValueError):
-        return False
-    return x > float(cond.value) if cond.op == "gt" else x < float(cond.value)
-
-
-def _empty(value: Any) -> bool:
-    """No value: null, an empty string, or an empty list or mapping (transformers reads an
-    empty `fsdp` list as FSDP off)."""
-    return value is None or (isinstance(value, (str, list, dict)) and not value)
+# One reading of a spec's conditions, shared with the importers (reward_lens_spec.conditions).
+_get = config_value
+_holds = holds
+_empty = empty
 
 
 def _first_failing(cond: Condition | list[Condition], cfg: dict[str, Any], defaults: dict[str, Any]) -> Condition:

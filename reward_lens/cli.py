@@ -160,11 +160,15 @@ def cmd_report(args) -> int:
     spec = args.features or (example_features(args.example) if args.example else None)
     features = features_from(spec)  # a bad basis file is named before any record is read
     progress = Progress(args.quiet)
-    run = open_run(_record_path(args))
-    progress("verifying checksums")
-    run.verify()  # a same-size edit of a data file is refused, naming the file
-    progress("building the report")
-    report = build_report(run, progress, ledger=args.ledger, window=window, features=features)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="reward-lens-report-") as tmp:
+        # a record, or a TRL output directory or veRL run folder imported on the fly (as `check` reads them)
+        run, _ = _open_for_check(_record_path(args), Path(tmp))
+        progress("verifying checksums")
+        run.verify()  # a same-size edit of a data file is refused, naming the file
+        progress("building the report")
+        report = build_report(run, progress, ledger=args.ledger, window=window, features=features)
     progress("rendering")
     render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html),
               "json": ("report.json", lambda r: to_json(r, pretty=args.pretty))}
@@ -385,14 +389,18 @@ def cmd_publish(args) -> int:
 
 
 def _open_for_check(path: Path, tmp: Path):
-    """A record, or a TRL output directory (``trainer_state.json``) imported on the fly as a
-    record of its logged scalars: the findings that need only those are evaluated, the rest are
-    not evaluated and name what they lack."""
-    from reward_lens.record.reader import open_run
+    """A record, or a framework's run folder imported on the fly into ``tmp``: a TRL output
+    directory (``trainer_state.json``), as a record of its logged scalars where it has no
+    completions, or a veRL run folder (its metric log, .hydra/config.yaml and dump folders,
+    ``import_verl``'s ``find_run``). The findings its data supports are evaluated; the rest are not
+    evaluated and name what they lack."""
     from reward_lens.record.importers.trl_output import state_file
+    from reward_lens.record.reader import open_run
 
     manifest = path / "manifest.json"
-    state = state_file(path) if path.is_dir() and not (manifest.exists() or manifest.is_symlink()) else None
+    if not path.is_dir() or manifest.exists() or manifest.is_symlink():
+        return open_run(path), str(path)
+    state = state_file(path)
     if state is not None:
         from reward_lens.record.importers.trl_output import import_trl
 
@@ -400,6 +408,14 @@ def _open_for_check(path: Path, tmp: Path):
         read = state.relative_to(path).as_posix()
         return open_run(tmp / "record"), (f"{path} (a TRL output directory, read through `reward-lens import trl`: "
                                           f"its log from {read})")
+    from reward_lens.record.importers.verl import find_run, import_verl
+
+    found = find_run(path)
+    if found is not None:
+        import_verl(path, tmp / "record")
+        read = found.metrics.relative_to(path).as_posix()
+        return open_run(tmp / "record"), (f"{path} (a veRL run folder, read through `reward-lens import verl`: its "
+                                          f"metrics from {read})")
     return open_run(path), str(path)
 
 
@@ -454,6 +470,8 @@ def cmd_import(args) -> int:
 
         raise RecordError(dest, "a record already exists here; pass --overwrite to replace it (a record reward-lens "
                           "wrote is replaced, your own files in its folder are kept; another folder is never touched)")
+    if args.validation and args.framework != "verl":
+        raise ValueError("--validation reads veRL's validation dumps (`trainer.validation_data_dir`)")
     if args.framework in ("nemo-rl", "openrlhf"):
         return _import_registered(args)
     if args.rollouts and args.framework != "verl":
@@ -463,7 +481,8 @@ def cmd_import(args) -> int:
         from reward_lens.record.importers.verl import import_verl
 
         m = import_verl(args.source, args.record_dir, framework_version=args.framework_version,
-                        overwrite=args.overwrite, rollouts=args.rollouts)
+                        overwrite=args.overwrite, rollouts=args.rollouts, config=args.config,
+                        validation=args.validation)
     else:
         from reward_lens.record.importers.trl_output import import_trl
 
@@ -600,15 +619,24 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true")
     s.set_defaults(func=cmd_publish)
 
-    i = sub.add_parser("import", help="convert a framework's output directory into a record", add_help=False)
+    from reward_lens_spec.paths import templates_dir
+
+    i = sub.add_parser("import", help="convert a framework's output directory into a record", add_help=False,
+                       epilog=(templates_dir() / "cli" / "import_help.txt").read_text(encoding="utf-8"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     i.add_argument("-h", "--help", action=_ImportHelp)
     i.add_argument("framework", choices=("trl", "verl", "nemo-rl", "openrlhf"))
-    i.add_argument("source", help="TRL: the output directory; veRL: the metrics log (JSON lines or console)")
+    i.add_argument("source", help="TRL: the output directory; veRL: the run folder (its metric log, "
+                   ".hydra/config.yaml and dump folders are found in it) or the metric log itself (file logger JSON "
+                   "lines or console output); NeMo-RL: the log folder; OpenRLHF: the TensorBoard folder")
     i.add_argument("record_dir", help="where to write the record")
-    i.add_argument("--config", help="the trainer arguments as JSON/YAML (TRL saves them only as a pickle)")
+    i.add_argument("--config", help="TRL: the trainer arguments as JSON/YAML (TRL saves them only as a pickle); "
+                   "veRL: the run's Hydra config (.hydra/config.yaml), where the run folder does not hold it")
     i.add_argument("--checkpoint", help="the directory of the policy the run started from")
     i.add_argument("--rollouts", metavar="DUMP_DIR", help="veRL: the `trainer.rollout_data_dir` of the run "
-                   "({step}.jsonl generation dumps)")
+                   "({step}.jsonl generation dumps), where the run folder does not hold it")
+    i.add_argument("--validation", metavar="DUMP_DIR", help="veRL: the `trainer.validation_data_dir` of the run "
+                   "(0.jsonl, ...: completions of the validation set), where the run folder does not hold it")
     i.add_argument("--framework-version", help="the framework version the run used")
     i.add_argument("--overwrite", action="store_true")
     i.add_argument("--quiet", action="store_true")

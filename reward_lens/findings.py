@@ -99,8 +99,10 @@ class FindingData:
     field is absent and the rollouts hold it, from the rollouts (reward mean, zero-spread share)."""
 
     def __init__(self, series: Mapping[str, Mapping[int, float]], *, report=None, config: Mapping[str, Any] | None = None,
-                 reward_se: Mapping[int, float] | None = None, watch: RunWatch | None = None):
+                 reward_se: Mapping[int, float] | None = None, watch: RunWatch | None = None,
+                 non_finite: Sequence[Any] = ()):
         self._series = {k: dict(v) for k, v in series.items()}
+        self.non_finite = list(non_finite)  # the record's NonFiniteValue entries (manifest.non_finite)
         self.report = report
         self.config = dict(config or {})
         self.reward_se = dict(reward_se or {})
@@ -137,7 +139,8 @@ class FindingData:
             series["max_grad_norm"] = {s: float(cfg["max_grad_norm"]) for s in series["grad_norm_unclipped"]}
         if watch is None and samples and report is not None:
             watch = watch_samples(samples, WatchBasis.of(report.basis))
-        return cls(series, report=report, config=cfg, reward_se=reward_se, watch=watch)
+        return cls(series, report=report, config=cfg, reward_se=reward_se, watch=watch,
+                   non_finite=run.manifest.non_finite)
 
 
 def _sample_reward_stats(samples) -> tuple[dict[int, float], dict[int, float], dict[int, float]] | None:
@@ -559,8 +562,24 @@ def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: flo
     return Outcome(holds, onset, seen)
 
 
+def run_diverged(d: FindingData) -> Outcome:
+    """The run logged a NaN or infinite value (the record's ``manifest.non_finite``, kept as null
+    where it was): it diverged at the first step that has one, named with its field, what it was
+    and where it was read. A validation completion's non-finite score (``validation.*``) is not
+    the training diverging. No threshold: one non-finite number is a fact, not an estimate."""
+    vals = [v for v in d.non_finite if not v.field.startswith("validation.")]
+    if not vals:
+        return Outcome(False, evidence={"n": 0})
+    first = min(vals, key=lambda v: v.step)
+    same = sorted({v.field for v in vals if v.step == first.step and v.field != first.field})
+    steps = sorted({v.step for v in vals})
+    return Outcome(True, first.step, {"field": first.field, "value": first.value, "source": first.source,
+                                      "others": [f"`{f}`" for f in same[:6]], "n": len(vals), "n_steps": len(steps),
+                                      "last": steps[-1]})
+
+
 PREDICATES: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
-    entropy_collapse, advantage_collapse, kl_spikes, clipping_saturation, reward_plateau, moving_against_reward,
+    run_diverged, entropy_collapse, advantage_collapse, kl_spikes, clipping_saturation, reward_plateau, moving_against_reward,
     collateral, length_drift, spending_without_buying, proxy_gaming, paid_for_drift)}
 
 
@@ -588,6 +607,12 @@ def missing_target(spec: FindingSpec, targets: Mapping[str, str] | None) -> list
     """``[TARGET]`` for a finding that reads the declared targets (``needs_target``) when there are
     none (``targets`` None: the basis is not known here, as in an audit of a config: nothing)."""
     return [TARGET] if spec.needs_target and targets is not None and not targets else []
+
+
+def reads_field(spec: FindingSpec, present: Callable[[str], bool], name: str) -> bool:
+    """The first alternative of the finding's inputs that the record supplies names ``name``."""
+    alt = next((a for a in spec.inputs if all(present(f) for f in a)), None)
+    return alt is not None and name in alt
 
 
 def reads_weighted_reward(spec: FindingSpec, present: Callable[[str], bool]) -> bool:
@@ -628,7 +653,7 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
     """Every finding on a finished record (with its report's books where a finding reads them,
     and its read of the rollouts, ``samples``, where it made one, with their sequential watch
     ``watch`` where it made that)."""
-    from reward_lens.record.importers.trl_output import assumed_reward_weights
+    from reward_lens.record.notes import assumed_reward_weights, derived_advantages
 
     specs = specs if specs is not None else load_findings()
     fields = run.fields()
@@ -636,6 +661,7 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
     status = {b.id: b.status for b in report.books} if report is not None else {}
     targets = {f.name: f.target for f in report.basis.features if f.target} if report is not None else {}
     assumed = assumed_reward_weights(run.manifest.notes)
+    derived = derived_advantages(run.manifest.notes)
 
     def present(f: str) -> bool:
         if f in ("reward_mean", "frac_reward_zero_std") and not (fields.get(f) and fields[f].any):
@@ -651,6 +677,9 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
         if assumed is not None and f.status != "not_evaluated" and reads_weighted_reward(s, present):
             f = f.model_copy(update={"evidence": f"{f.evidence} " + " ".join(render_template(
                 "findings/assumed_reward_weights.j2", {"note": assumed}).split())})
+        if derived is not None and f.status != "not_evaluated" and reads_field(s, present, "rollout.advantage"):
+            f = f.model_copy(update={"evidence": f"{f.evidence} " + " ".join(render_template(
+                "findings/derived_advantages.j2", {"note": derived}).split())})
         out.append(f)
     return out
 

@@ -52,11 +52,32 @@ class Magnitude(_Strict):
     why: str
 
 
+class LoggedKey(_Strict):
+    """A key a framework logs that fills no record field (or fills one only in part): what it
+    means, since which version, why the record does not keep it, and what a NaN of it means where
+    that is not the run diverging. A key ending in ``*`` names every key with that prefix."""
+
+    meaning: str
+    why_not: str
+    versions: str | None = None
+    nan: str | None = None  # a NaN of this key is "not measured" (said why), not a diverged value
+
+
 class FieldsCatalog(_Strict):
     format_version: int
     units: dict[str, str]
     magnitude: Magnitude | None = None
     fields: dict[str, FieldSpec]
+    # framework -> key (or prefix*) -> meaning: what a framework logs that the record keeps no field of
+    logged_keys: dict[str, dict[str, LoggedKey]] = Field(default_factory=dict)
+
+    def logged_key(self, framework: str, key: str) -> LoggedKey | None:
+        """The catalogue entry of ``key`` (exact, else the longest ``prefix*`` that matches)."""
+        keys = self.logged_keys.get(framework, {})
+        if key in keys:
+            return keys[key]
+        best = max((k for k in keys if k.endswith("*") and key.startswith(k[:-1])), key=len, default=None)
+        return keys[best] if best is not None else None
 
     def by_source(self, source: str) -> dict[str, FieldSpec]:
         return {n: f for n, f in self.fields.items() if f.source == source}

@@ -33,6 +33,7 @@ from reward_lens.record.schema import (
     MANIFEST_FILE,
     D_T_FIELDS,
     HELDOUT_FILE,
+    VALIDATION_FILE,
     IN_SAMPLE_ESTIMATORS,
     ROLLOUTS_FILE,
     TELEMETRY_FILE,
@@ -134,8 +135,9 @@ def table_source(table: pa.Table, default: str | Path) -> str:
 
 
 _SEGMENT = {"rollouts": re.compile(r"^rollouts-(\d{5})\.parquet$"),
-            "heldout": re.compile(r"^heldout-(\d{5})\.parquet$")}
-_WHOLE = {"rollouts": ROLLOUTS_FILE, "heldout": HELDOUT_FILE}
+            "heldout": re.compile(r"^heldout-(\d{5})\.parquet$"),
+            "validation": re.compile(r"^validation-(\d{5})\.parquet$")}
+_WHOLE = {"rollouts": ROLLOUTS_FILE, "heldout": HELDOUT_FILE, "validation": VALIDATION_FILE}
 
 
 def rollout_segments(manifest: RunManifest, root: Path | None = None, kind: str = "rollouts") -> list[str]:
@@ -276,7 +278,10 @@ class Run:
         self._segments = [(name, self._open_parquet(name, "rollouts")) for name in rollout_segments(manifest, root)]
         self._heldout_segments = [(name, self._open_parquet(name, "rollouts"))
                                   for name in rollout_segments(manifest, root, "heldout")]
-        for name, pf in [(self.telemetry_name, self._telemetry_file), *self._segments, *self._heldout_segments]:
+        self._validation_segments = [(name, self._open_parquet(name, "rollouts"))
+                                     for name in rollout_segments(manifest, root, "validation")]
+        for name, pf in [(self.telemetry_name, self._telemetry_file), *self._segments, *self._heldout_segments,
+                         *self._validation_segments]:
             rows = manifest.files[name].rows
             if rows is not None and pf.metadata.num_rows != rows:
                 raise RecordError(root / name, f"has {pf.metadata.num_rows} rows but manifest.json records {rows}",
@@ -297,7 +302,22 @@ class Run:
         view.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_telemetry_columns")
                               and k not in ("rollout_steps", "rollout_step_values", "_presence")})
         view._segments, view._heldout_segments = self._heldout_segments, []
+        view._validation_segments = []
         view._validate_rollout_steps()
+        return view
+
+    def validation(self) -> Run | None:
+        """The record's validation completions (other prompts than the run trained on, drawn by
+        pi_step: veRL's ``validation_data_dir``), as a run whose rollouts they are, or None when
+        the record has none. Their steps are policies (0: before any update, up to the last step
+        + 1), not optimizer steps, so they are not checked against the telemetry's."""
+        if not self._validation_segments:
+            return None
+        view = object.__new__(type(self))
+        view.__dict__.update({k: v for k, v in self.__dict__.items() if not k.startswith("_telemetry_columns")
+                              and k not in ("rollout_steps", "rollout_step_values", "_presence")})
+        view._segments, view._heldout_segments = self._validation_segments, []
+        view._validation_segments = []
         return view
 
     def __repr__(self) -> str:

@@ -25,6 +25,12 @@ ROLLOUTS_FILE = "rollouts.parquet"
 # pi_{t+1} after the step, rows of the rollouts schema filed under the step whose prompts they
 # answer (t+1), kept apart from the rollouts so that nothing reading rollouts ever mixes them in.
 HELDOUT_FILE = "heldout.parquet"
+# Completions of a validation set's prompts that the trainer drew to validate pi_step (veRL's
+# `trainer.validation_data_dir`, `0.jsonl` being pi_0's): other prompts than the run trained on,
+# no log-probabilities, never in the loss. Rows of the rollouts schema filed under the policy that
+# drew them (step s: pi_s, after s updates), kept apart from both the rollouts and the held-out
+# draws, whose prompts are the step's own (the paired ledger must never read these as those).
+VALIDATION_FILE = "validation.parquet"
 MANIFEST_FILE = "manifest.json"
 _TELEMETRY_VERSIONED = re.compile(r"^telemetry-(\d{5})\.parquet$")
 

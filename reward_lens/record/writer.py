@@ -28,6 +28,7 @@ from reward_lens.record.schema import (
     MANIFEST_FILE,
     ROLLOUTS_FILE,
     TELEMETRY_FILE,
+    VALIDATION_FILE,
     CheckpointEntry,
     FileEntry,
     NonFiniteValue,
@@ -159,7 +160,8 @@ def recover_swap(dest: Path) -> None:
             return
 
 
-_RECORD_FILE = re.compile(r"^\.?(manifest\.json|(telemetry|rollouts|heldout)(-\d{5})?\.parquet)(\.tmp)?$")
+_RECORD_FILE = re.compile(r"^\.?(manifest\.json|(telemetry|rollouts|heldout)(-\d{5})?\.parquet|validation\.parquet)"
+                          r"(\.tmp)?$")
 
 
 def record_file_name(name: str) -> bool:
@@ -210,13 +212,17 @@ def write_run(
     overwrite: bool = False,
     heldout: Iterable[Rollout] | pa.Table | None = None,
     non_finite: Iterable[NonFiniteValue] = (),
+    validation: Iterable[Rollout] | pa.Table | None = None,
 ) -> RunManifest:
     """Write a record directory at ``path`` and return its manifest.
 
     ``checkpoints`` maps a step to a directory (safetensors + config + tokenizer files) that
     is copied into ``checkpoints/step-<step>/``. ``heldout``: held-out completions of pi_t
-    (rows of the rollouts schema), written to ``heldout.parquet``. ``non_finite``: the NaN or
-    infinite values the run produced, stored as null in their columns (RunManifest.non_finite).
+    (rows of the rollouts schema), written to ``heldout.parquet``. ``non_finite``: the values the
+    run logged as NaN or infinite, stored as null in their columns (``RunManifest.non_finite``).
+    ``validation``: completions of held-out *prompts* the trainer drew to validate pi_step (veRL's
+    ``validation_data_dir``), rows of the rollouts schema written to ``validation.parquet``: apart
+    from ``heldout`` (the same prompts' draws the paired ledger reads) and from the rollouts.
     """
     dest = Path(path)
     recover_swap(dest)
@@ -240,6 +246,10 @@ def write_run(
             ho = _rollouts_table(heldout)
             pq.write_table(ho, tmp / HELDOUT_FILE, compression="zstd", row_group_size=ROLLOUT_ROW_GROUP)
             files[HELDOUT_FILE] = _file_entry(tmp / HELDOUT_FILE, ho.num_rows)
+        if validation is not None:
+            va = _rollouts_table(validation)
+            pq.write_table(va, tmp / VALIDATION_FILE, compression="zstd", row_group_size=ROLLOUT_ROW_GROUP)
+            files[VALIDATION_FILE] = _file_entry(tmp / VALIDATION_FILE, va.num_rows)
         ckpts = []
         for step, src in sorted((checkpoints or {}).items()):
             rel = f"checkpoints/step-{int(step)}"

@@ -133,8 +133,29 @@ def test_mismatched_group_sizes(tmp_path):
                           r"match num_generations=4")
 
 
-def test_non_finite_metric_in_the_log(tmp_path):
+def test_a_non_finite_metric_in_the_log_is_kept_as_null_and_named(tmp_path):
+    """A diverged run's NaN (transformers writes trainer_state.json with json.dumps, whose NaN is
+    the literal `NaN`: trainer_callback.py TrainerState.save_to_json) is data, not a broken file."""
     out = _trl_output(tmp_path / "trl")
     p = out / "trainer_state.json"
-    p.write_text(p.read_text().replace('"grad_norm": 2.0', '"grad_norm": NaN'))
-    _fails(tmp_path, out, r"trainer_state\.json: field `grad_norm` at `step` 2: `grad_norm` is nan")
+    state = json.loads(p.read_text())
+    state["log_history"][1]["grad_norm"] = float("nan")
+    state["log_history"][2]["entropy"] = float("inf")
+    p.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    m = import_trl(out, tmp_path / "rec")
+    run = open_run(tmp_path / "rec")
+    assert 1 not in run.telemetry_column("grad_norm_unclipped") and 0 in run.telemetry_column("grad_norm_unclipped")
+    assert [(v.step, v.field, v.value) for v in m.non_finite] == [(1, "grad_norm_unclipped", "nan"),
+                                                                 (2, "entropy", "+inf")]
+    assert "log_history entry 1 (step 2) `grad_norm`" in m.non_finite[0].source
+    from reward_lens.findings import evaluate
+
+    (f,) = [f for f in evaluate(run) if f.id == "run_diverged"]
+    assert f.status == "holds" and f.onset == 1 and "`grad_norm_unclipped` was nan" in f.evidence
+
+
+def test_a_word_where_a_metric_belongs_is_still_refused(tmp_path):
+    out = _trl_output(tmp_path / "trl")
+    p = out / "trainer_state.json"
+    p.write_text(p.read_text().replace('"grad_norm": 2.0', '"grad_norm": "lots"'))
+    _fails(tmp_path, out, r"trainer_state\.json: field `grad_norm` at `step` 2: `grad_norm` is 'lots', not a number")

@@ -38,6 +38,26 @@ def finite_number(value: Any, where: str | Path, key: str, step: int, step_key: 
     return v
 
 
+def logged_number(value: Any, where: str | Path, key: str, step: int, step_key: str | None = "step",
+                  null_is: str | None = None) -> tuple[float | None, str | None]:
+    """A logged metric of a run as ``(value, None)``, or ``(None, what)`` where the run logged a
+    NaN or an infinity (``what``: ``nan``, ``+inf`` or ``-inf``): a diverged step is data about the
+    run, kept as null with a ``NonFiniteValue`` in the manifest (ARCHITECTURE.md), never a reason
+    to refuse the file. ``null_is``: what a JSON null stands for in a log whose writer turns
+    non-finite numbers into null (veRL's file logger: orjson writes NaN and +-inf as null);
+    elsewhere a null is ``None, None`` (not logged). Anything else that is not a number (a string
+    of words, a list, a bool) is still a RecordError naming where, the key and the step."""
+    if value is None:
+        return None, null_is
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        v = float(value)
+        if math.isnan(v):
+            return None, "nan"
+        if math.isinf(v):
+            return None, "+inf" if v > 0 else "-inf"
+    return finite_number(value, where, key, step, step_key), None
+
+
 # Steps and counts are stored as int64.
 INT64_MAX = 2 ** 63 - 1
 

@@ -24,6 +24,9 @@ What TRL leaves on disk and what this reads:
 
 Every file is checked to be a regular file before it is opened (a FIFO never blocks the
 import), and every error names the file, the key and TRL's own ``step`` (not the record's t).
+A NaN or infinite logged value (a diverged run's entropy, a reward function that returned None)
+is data about the run: kept as null, with a ``NonFiniteValue`` in the manifest naming the entry,
+the step and the key; a value of the wrong type (a string, a list) is still refused.
 
 Fields are mapped by meaning through ``specs/fields.yaml``: TRL's ``grad_norm`` is what
 ``clip_grad_norm_`` returned, the pre-clip norm (``grad_norm_unclipped``); TRL's ``kl``
@@ -43,7 +46,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +56,16 @@ import pyarrow.parquet as pq
 import yaml
 
 from reward_lens.record.errors import RecordError
-from reward_lens.record.importers import INT64_MAX, finite_number, one_based_step, shown, validate_config, whole_number
-from reward_lens.record.schema import OptimizerTelemetry, RunManifest, arrow_schema
+from reward_lens.record.notes import ASSUMED_WEIGHTS, assumed_reward_weights  # noqa: F401 (re-exported)
+from reward_lens.record.importers import (INT64_MAX, logged_number, one_based_step, shown,
+                                          validate_config, whole_number)
+from reward_lens.record.schema import NonFiniteValue, OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
+from reward_lens_spec.conditions import holds
 from reward_lens_spec.files import UnreadableFile, read_text, require_regular
 from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
 
-# The note a record carries when the importer had to assume the reward weights (its first words
-# are how a reader of the record finds it: ``assumed_reward_weights``).
-ASSUMED_WEIGHTS = "reward weights assumed"
 # torch.nn.utils.clip_grad_norm_ scales by max_norm / (total_norm + 1e-6), clamped at 1.
 _CLIP_EPS = 1e-6
 _COMPLETION_BASE = ("step", "prompt", "completion", "advantage")
@@ -229,7 +232,12 @@ def import_trl(
                      f"{logging_steps} optimizer steps (grad_norm and learning_rate are the window's last step); "
                      "these are not per-step values")
 
-    telemetry = _telemetry(history, cfg, state_path)
+    non_finite: list[NonFiniteValue] = []
+    telemetry = _telemetry(history, cfg, state_path, non_finite)
+    if non_finite:
+        nf = non_finite[0]
+        notes.append(f"{len(non_finite)} value(s) the run logged as NaN or infinite are kept as null (the manifest's "
+                     f"non_finite); the first at record step {nf.step}: `{nf.field}` = {nf.value}")
     logged = {t.step for t in telemetry}
     reward_names = sorted({k.split("/")[1] for e in history for k in e
                            if k.startswith("rewards/") and k.endswith("/mean")})
@@ -259,14 +267,13 @@ def import_trl(
     return write_run(record_dir, framework=framework, model=model, telemetry=telemetry, rollouts=rollouts,
                      optimizer=str(optimizer) if optimizer else None, trainer_config=trainer_config,
                      telemetry_per_step=per_step, logging_steps=logging_steps, notes=notes,
-                     checkpoints={0: checkpoint} if checkpoint is not None else None, overwrite=overwrite)
+                     checkpoints={0: checkpoint} if checkpoint is not None else None, overwrite=overwrite,
+                     non_finite=non_finite)
 
 
 def _rejected(when, cfg: Mapping[str, Any]) -> bool:
     """A ``rejects`` condition of the TRL spec holds for ``cfg`` (the audit's reading of it)."""
-    from reward_lens.audit import _holds
-
-    return _holds(when, dict(cfg), {})
+    return holds(when, dict(cfg), {})
 
 
 def _logging_steps(cfg: Mapping[str, Any], state: Mapping[str, Any], where, state_path: Path) -> int:
@@ -283,7 +290,10 @@ def _logging_steps(cfg: Mapping[str, Any], state: Mapping[str, Any], where, stat
     return int(value)
 
 
-def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path) -> list[OptimizerTelemetry]:
+def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path,
+               non_finite: list[NonFiniteValue]) -> list[OptimizerTelemetry]:
+    """The telemetry rows of TRL's log; a NaN or infinite logged value is appended to ``non_finite``
+    and left out of its row (null)."""
     keys = load_fields().framework_keys("trl")  # TRL key -> record field, by meaning
     max_norm = cfg.get("max_grad_norm")
     beta = cfg.get("beta")
@@ -301,7 +311,14 @@ def _telemetry(history: list[dict[str, Any]], cfg: Mapping[str, Any], path: Path
         row: dict[str, Any] = {"step": t}
         for key, field in keys.items():
             if key in entry and entry[key] is not None:
-                row[field] = finite_number(entry[key], path, key, s)
+                # transformers writes trainer_state.json with json.dumps: a NaN entropy or reward is the
+                # literal NaN there, read back as a float nan: a diverged step, kept as null and named
+                v, what = logged_number(entry[key], path, key, s)
+                if what is not None:
+                    non_finite.append(NonFiniteValue(step=t, field=field, value=what,
+                                                     source=f"{path.name} log_history entry {i} (step {s}) `{key}`"))
+                elif v is not None:
+                    row[field] = v
         if max_norm is not None and max_norm > 0:
             row["max_grad_norm"] = float(max_norm)
             pre = row.get("grad_norm_unclipped")
@@ -338,11 +355,6 @@ def _assumed_weights(cfg: Mapping[str, Any], reward_names: list[str]) -> str | N
     return (f"{ASSUMED_WEIGHTS}: each rollout's `reward` is its reward functions' scores summed at weight 1 "
             f"({pairs}: GRPOConfig's default), because {why}; if the run set reward_weights, the per-rollout "
             "reward and every number read from it are wrong (pass the config to the import)")
-
-
-def assumed_reward_weights(notes: Sequence[str]) -> str | None:
-    """The record's note that its reward weights were assumed at import, if it has one."""
-    return next((n for n in notes if n.startswith(ASSUMED_WEIGHTS)), None)
 
 
 def _rollouts(files: list[tuple[Path, pa.Table]], cfg: Mapping[str, Any], reward_names: list[str],
