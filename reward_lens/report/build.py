@@ -238,9 +238,9 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
     return Glance(
         ledger=d.ledger, ledger_fallback=d.fallback, features=len(d.names), updates=d.n_pairs, usable=len(d.usable), refused=len(d.refused),
         refused_reasons=[(REASONS.get(k, k), len(v)) for k, v in d.refused_by_reason().items()],
-        priced=len(d.priced), resolved=len(d.resolved), eta_rows=len(est) if est is not None else 0,
-        d_t_median=float(np.median(est.d_t)) if est is not None and len(est) else None,
-        d_t_total=c.get("d_t_total"), kl_min_total=c.get("kl_min_total"), eta_run=c.get("eta_run"),
+        priced=len(d.priced), resolved=len(d.resolved), d_t_updates=d.d_t_updates, d_t_median=d.d_t_median,
+        d_t_total=d.d_t_total, eta_rows=len(est) if est is not None else 0, eta_updates=c.get("eta_updates") or 0,
+        eta_d_t=c.get("eta_d_t"), kl_min_total=c.get("kl_min_total"), eta_run=c.get("eta_run"),
         eta_run_interval=tuple(interval) if interval else None,
         shares=[Share(feature=n, share=v) for n, v in shares if v > 0],
         reward_change=p.get("total_reward_change"), reward_per_nat=p.get("reward_per_nat"),

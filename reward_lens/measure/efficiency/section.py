@@ -157,6 +157,9 @@ class CostSummary(TypedDict):
     eta_run_rows: _Count
     kl_min_total: float | None
     d_t_total: float | None
+    d_t_updates: _Count
+    eta_d_t: float | None
+    eta_updates: _Count
     eta_median: float | None
     eta_interval: _Pair | None
     false_discoveries_expected: float | None
@@ -179,7 +182,10 @@ class CostSection(_M):
         "eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
         "when none is priced), eta_run_interval ([lo, hi]; paired: covering a bias up to the sums' jackknife "
         "correction, |sum KL_min - sum KL_jk| / sum D_t, and the lower end allowing for the rows' D_t tail "
-        "allowances, summed), kl_min_total and d_t_total (nats over those rows), "
+        "allowances, summed), kl_min_total and eta_d_t (nats over those rows) and eta_updates (the updates they "
+        "cover); d_t_total (nats) over d_t_updates: D_t summed over every usable update that has one, the run's "
+        "spend, the same in every basis (the decisions'; eta's rows are the subset of them where a named behaviour "
+        "varies), "
         "eta_median (debiased, resolved rows with an interval only: selected on significance, so it leans high; kept for "
         "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
@@ -333,7 +339,9 @@ def cost_section(ctx: RunContext) -> BookResult:
         "eta_run_interval": list(run_est.interval()) if run_est is not None else None,
         "eta_run_rows": len(book._estimates),
         "kl_min_total": run_est.kl_min_debiased if run_est is not None else None,
-        "d_t_total": run_est.d_t if run_est is not None else None,
+        "eta_d_t": run_est.d_t if run_est is not None else None,
+        "eta_updates": int(sum(book._estimates.columns.steps)) if run_est is not None else 0,
+        "d_t_total": d.d_t_total, "d_t_updates": d.d_t_updates,
         "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
         "false_discoveries_expected": book.false_discoveries_expected,
         "step_pairs": d.n_pairs,
