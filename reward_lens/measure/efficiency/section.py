@@ -29,7 +29,17 @@ class FeatureOut(_M):
     name: str
     doc: str
     unit: str = Field(description="the feature's unit (shares and KL_min are in nats whatever it is)")
-    status: str = Field(description="'priced', or why the feature is excluded from KL_min")
+    status: str = Field(description="'priced', or why the feature is excluded from KL_min (a per-step metric: at how "
+                                    "many of its steps, templates/report/feature_status.j2)")
+    steps: int | None = Field(None, description="per-step metric: the steps it priced (null: one pooled metric)")
+    steps_priced: int | None = Field(None, description="of them, the steps whose active set holds the feature")
+    steps_constant: int | None = Field(None, description="of them, the steps where its within-group variance is zero")
+    steps_collinear: int | None = Field(None, description="of them, the steps where earlier features explain it")
+
+    @property
+    def priced(self) -> bool:
+        """Priced at one step or more: its shares have a column."""
+        return self.status == "priced" or bool(self.steps_priced)
 
 
 class MetricOut(_M):
@@ -251,7 +261,7 @@ def cost_figures(c: CostSection) -> list[FigureOut]:
                            style="dashed", gaps=_gaps(pairs), color="#c0392b"),
                     Series(label="resolved (BH, q = 0.05)", x=[x[i] for i in res],
                            y=[k.kl_min[i] for i in res], style="points", color="#1f5fa8")])]))
-        names = [f.name for f in c.features if f.status == "priced"]
+        names = [f.name for f in c.features if f.priced]
         shares = {n: [v or 0.0 for v in k.shares.get(n, [])] for n in names}
         if any(v > 0 for n in names for v in shares[n]):
             figs.append(FigureOut(id="shares", x_label=x_label, caption=(
@@ -292,6 +302,33 @@ def cost_figures(c: CostSection) -> list[FigureOut]:
     return figs
 
 
+def feature_statuses(g, docs: dict[str, str], units: dict[str, str]) -> list[FeatureOut]:
+    """Each feature's place in KL_min. A pooled metric has one active set: priced, or its reason
+    for exclusion. A per-step metric has one per step: the feature's steps are counted by what
+    each step's set did with it (priced, constant within prompt groups, collinear), and it is
+    called constant only where it is constant at every step -- never from one step's reason (the
+    task record's ``reward_format``, collinear at 82 steps and constant at 15, read "constant"
+    because the last step's reason stood for all of them)."""
+    if g.scope != "per_step" or not len(g.by_step):
+        return [FeatureOut(name=n, doc=docs[n], unit=units[n],
+                           status="priced" if n in g.active else g.excluded.get(n, "excluded")) for n in g.names]
+    steps = list(g.by_step)
+    count = {n: [0, 0, 0] for n in g.names}  # priced, constant, collinear
+    for t in steps:
+        for n in g.active_of(t):
+            count[n][0] += 1
+        for n, why in g.excluded_of(t).items():
+            count[n][1 if why.startswith("constant") else 2] += 1
+    out = []
+    for n in g.names:
+        priced, constant, collinear = count[n]
+        status = render_template("report/feature_status.j2", {
+            "steps": len(steps), "priced": priced, "constant": constant, "collinear": collinear}).strip()
+        out.append(FeatureOut(name=n, doc=docs[n], unit=units[n], status=status, steps=len(steps), steps_priced=priced,
+                              steps_constant=constant, steps_collinear=collinear))
+    return out
+
+
 def cost_section(ctx: RunContext) -> BookResult:
     """The cost book of the run in ``ctx``, as the report shows it."""
     run, features = ctx.run, ctx.features
@@ -306,9 +343,7 @@ def cost_section(ctx: RunContext) -> BookResult:
     book: CostBook = priced.book
     g = priced.metric
     docs, units = features.docs(), features.units()
-    excluded = {n: why for ex in [g.excluded, *map(g.excluded_of, g.by_step)] for n, why in ex.items()}
-    feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
-             for n in g.names]
+    feats = feature_statuses(g, docs, units)
     kl_rows, totals = _kl_min_rows(book.kl_min.columns, g.names, set(ctx.decisions.usable))
     rows = book.columns  # the rows as columns: one list per quantity, made from arrays
     eff = EfficiencyRows(  # validated: a few lists, not one model per row
