@@ -6,6 +6,7 @@ names ``cost_section`` (builder) and ``CostSection`` (model) under ``report:``.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal
 
 from typing_extensions import TypedDict
@@ -17,6 +18,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
 from reward_lens.measure.efficiency.metric import step_sums
 from reward_lens.measure.figures import FigureOut, Panel, Series
+from reward_lens.record.schema import TAP_MIN_SHARE as MIN_SHARE
 from reward_lens_spec import Refusal, Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -215,6 +217,10 @@ class TapOut(_M):
     groups_total: float | None = Field(description="prompt groups a generation had (median)")
     per_group: float | None = Field(description="completions per group and policy on a two-sided pair (median)")
     share: float | None = Field(description="the tap's own time over the untapped step's (median over steps)")
+    floored: int = Field(0, description="step pairs planned at the budget's floor: the allowance covered less than "
+                                        "min_share of them, and min_share were measured anyway")
+    min_share: float = Field(0.25, description="the least share of the step pairs the budget measures "
+                                               "(reward_lens.taps.budget.MIN_SHARE)")
     sentence: str = Field(description="the same, in words")
 
 
@@ -232,11 +238,14 @@ def tap_summary(run) -> TapOut | None:
     measured = [t for t in pairs if groups[t] > 0]
     two = [t for t in measured if (per.get(t) or 0) > 0]
     shares = [tap_s[t] / (step_s[t] - tap_s[t]) for t in tap_s if t in step_s and step_s[t] > tap_s[t]]
+    prob = run.telemetry_column("tap_probability")
+    # the floor's probability is MIN_SHARE itself (a share the allowance covers is above it)
+    floored = sum(1 for t in pairs if prob.get(t) == MIN_SHARE)
     med = lambda xs: float(np.median(xs)) if len(xs) else None  # noqa: E731
     out = dict(budget=budgets[0] if len(budgets) == 1 else None, step_pairs=len(pairs), two_sided=len(two),
                one_sided=len(measured) - len(two), skipped=len(pairs) - len(measured),
                groups=med([groups[t] for t in measured]), groups_total=med([total[t] for t in measured if t in total]),
-               per_group=med([per[t] for t in two]), share=med(shares))
+               per_group=med([per[t] for t in two]), share=med(shares), floored=floored, min_share=MIN_SHARE)
     return TapOut(**out, sentence=render_template("report/cost_tap.j2", {"t": out}).strip())
 
 
@@ -462,12 +471,37 @@ def not_formed_refusals(run, priced, book_id: str = "cost") -> list[Refusal]:
         shown = ", ".join(f"{a}->{b}" for a, b in pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
         steps = [{"step": w.step, "count": w.count} for _, w in items]
         steps = [dict(t) for t in {tuple(d.items()) for d in steps}]  # a step can touch two pairs
+        context = {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
+                   "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
+                   "steps": sorted(steps, key=lambda d: d["step"]), "framework": run.manifest.framework.name}
+        if reason == "not_measured":  # the tap's budget left them: what it bought, what more would buy
+            tap = tap_summary(run)
+            context["tap"] = tap.model_dump(exclude={"sentence"}) if tap is not None else None
+            context["curve"] = larger_budgets(tap.budget if tap is not None else None)
         out.append(make_refusal("RECORD_INCOMPLETE", load_book(book_id), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
-                                {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
-                                 "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
-                                 "steps": sorted(steps, key=lambda d: d["step"]),
-                                 "framework": run.manifest.framework.name}))
+                                context))
     return out
+
+
+@functools.cache
+def _cost_precision() -> dict:
+    """specs/cost_precision.yaml: what each budget bought on the truth harness's moderate run
+    (written by tools/cost_precision.py --save)."""
+    import yaml
+
+    from reward_lens_spec.paths import specs_dir
+
+    return yaml.safe_load((specs_dir() / "cost_precision.yaml").read_text())
+
+
+def larger_budgets(budget: float | None) -> dict:
+    """The cost-precision curve's two-sided rows at budgets above ``budget`` (``budget=None`` last):
+    the precision a larger budget bought on the truth harness's run, which a tapped record's remedy
+    quotes. Empty where the record's budget is None (nothing larger)."""
+    data = _cost_precision()
+    rows = [r for r in data["rows"] if not r.get("own") and budget is not None
+            and (r["budget"] is None or r["budget"] > budget)]
+    return {"run": data["run"], "rows": rows}
 
 
 
