@@ -154,8 +154,9 @@ class Glance(_M):
     d_t_total: float | None = Field(description="sum of D_t over those updates, nats per sequence: the run's spend, "
                                                 "the same in every basis and on every page")
     eta_rows: int = Field(description="updates (or windows) in the run-level efficiency")
-    eta_updates: int = Field(0, description="updates those rows cover: the d_t_updates at which a named behaviour "
-                                            "varies within prompt groups (KL_min is priced)")
+    eta_updates: int = Field(0, description="updates those rows cover: of the d_t_updates, those at which a named "
+                                            "behaviour varies within prompt groups (KL_min is priced) and the row is "
+                                            "not refused")
     eta_d_t: float | None = Field(None, description="sum of D_t over those updates: eta_run's denominator")
     kl_min_total: float | None = Field(description="sum of KL_min (debiased) over those rows")
     eta_run: float | None = Field(description="kl_min_total / eta_d_t: the fraction of the divergence the "

@@ -197,7 +197,7 @@ class CostSection(_M):
         "allowances, summed), kl_min_total and eta_d_t (nats over those rows) and eta_updates (the updates they "
         "cover); d_t_total (nats) over d_t_updates: D_t summed over every usable update that has one, the run's "
         "spend, the same in every basis (the decisions'; eta's rows are the subset of them where a named behaviour "
-        "varies), "
+        "varies and the row is not refused), "
         "eta_median (debiased, resolved rows with an interval only: selected on significance, so it leans high; kept for "
         "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
