@@ -65,3 +65,13 @@ def test_a_larger_budget_is_larger():
     rows = larger_budgets(0.3)["rows"]
     assert [r["budget"] for r in rows] == [0.5, None]
     assert all(not r["own"] for r in larger_budgets(0.01)["rows"])
+
+
+def test_pairs_the_budget_left_do_not_fail_the_default_gate(tmp_path):
+    """The tap did what its budget told it: the record is whole, so `--fail-on incomplete` (the
+    default) passes; `--fail-on refused` still counts the unread pairs."""
+    from reward_lens import cli
+
+    args = ["report", str(RECORD), "--format", "json", "--quiet"]
+    assert cli.main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert cli.main([*args, "--out", str(tmp_path / "b"), "--fail-on", "refused"]) == 1
