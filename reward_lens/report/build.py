@@ -304,13 +304,17 @@ def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | N
     panels = []
     if est is not None and len(est):
         x = est.step_pair[:, 1].astype(np.float64).tolist()
-        spent = np.cumsum(est.d_t).tolist()
+        # what was spent: every update's D_t, the run's decisions' (the card's total, in every
+        # basis); what was needed: over the updates eta is read on
+        spent_of = ctx.decisions.spent
+        x_spent = [float(p[1]) for p in spent_of]
+        spent = np.cumsum(list(spent_of.values())).tolist()
         lo, mid, hi = required_so_far(est)
         panels.append(Panel(title="nats spent (Σ D_t, solid) and needed (Σ KL_min, dashed, 95 % band)",
                             y_label="nats per sequence", series=[
                                 Series(label="needed: 95 % band", x=x, y=mid, lo=lo, hi=hi, color="#1f7a4d",
                                        style="band"),
-                                Series(label="spent: Σ D_t", x=x, y=spent, color="#1f5fa8"),
+                                Series(label="spent: Σ D_t", x=x_spent, y=spent, color="#1f5fa8"),
                                 Series(label="needed: Σ KL_min", x=x, y=mid, color="#1f7a4d", style="dashed")]))
     price = books.get("price")
     if price is not None and price.data is not None and len(price.data.frontier.d) > 1:

@@ -81,6 +81,11 @@ def test_every_page_quotes_one_spend_in_every_basis(name, tmp_path):
                 quoted = _quoted(text)
                 assert quoted <= words, (quoted, words)
             assert _quoted(md) == words and _quoted(page) == words
+            # the first screen's curve of what was spent ends at the same total
+            fig = report.headline_figure
+            spent = [x for p in fig.panels for x in p.series if x.label == "spent: Σ D_t"]
+            assert len(spent) == 1 and len(spent[0].y) == updates
+            assert spent[0].y[-1] == pytest.approx(total, rel=1e-12)
         seen.append((total, updates))
     assert seen[0] == seen[1], f"{name}: D_t total and updates differ by basis: {seen}"
 
