@@ -93,4 +93,4 @@ def test_one_sided_and_unmeasured_pairs_are_said_by_name(tmp_path):
     assert all(t["kl_to_previous"][i] is not None for i in measured)
     said = _tap_sentence(tmp_path / "b", tmp_path / "tiny")
     assert f"The tap measured {2 + len(measured)} of 9 step pairs" in said
-    assert f"{7 - len(measured)} pairs not measured" in said and "a quarter" in said
+    assert f"{7 - len(measured)} pairs not measured" in said and "measured 25 % of them anyway" in said
