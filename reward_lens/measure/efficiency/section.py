@@ -37,11 +37,7 @@ class FeatureOut(_M):
     steps_priced: int | None = Field(None, description="of them, the steps whose active set holds the feature")
     steps_constant: int | None = Field(None, description="of them, the steps where its within-group variance is zero")
     steps_collinear: int | None = Field(None, description="of them, the steps where earlier features explain it")
-
-    @property
-    def priced(self) -> bool:
-        """Priced at one step or more: its shares have a column."""
-        return self.status == "priced" or bool(self.steps_priced)
+    priced: bool = Field(False, description="priced at one step or more: its shares have a column")
 
 
 class MetricOut(_M):
@@ -319,7 +315,7 @@ def feature_statuses(g, docs: dict[str, str], units: dict[str, str]) -> list[Fea
     task record's ``reward_format``, collinear at 82 steps and constant at 15, read "constant"
     because the last step's reason stood for all of them)."""
     if g.scope != "per_step" or not len(g.by_step):
-        return [FeatureOut(name=n, doc=docs[n], unit=units[n],
+        return [FeatureOut(name=n, doc=docs[n], unit=units[n], priced=n in g.active,
                            status="priced" if n in g.active else g.excluded.get(n, "excluded")) for n in g.names]
     steps = list(g.by_step)
     count = {n: [0, 0, 0] for n in g.names}  # priced, constant, collinear
@@ -334,7 +330,7 @@ def feature_statuses(g, docs: dict[str, str], units: dict[str, str]) -> list[Fea
         status = render_template("report/feature_status.j2", {
             "steps": len(steps), "priced": priced, "constant": constant, "collinear": collinear}).strip()
         out.append(FeatureOut(name=n, doc=docs[n], unit=units[n], status=status, steps=len(steps), steps_priced=priced,
-                              steps_constant=constant, steps_collinear=collinear))
+                              steps_constant=constant, steps_collinear=collinear, priced=priced > 0))
     return out
 
 
