@@ -94,7 +94,6 @@ def test_the_task_record_reads_every_update_in_both_bases():
     """The case the issue found: the task record in its own basis said 99 updates and 4.82 nats,
     in the surface basis 89 and 4.35 (the 10 updates where no surface feature varies within a
     prompt group were left out of the total)."""
-    pytest.importorskip("pyarrow")
     run = open_run(example_record("task"))
     kl = run.telemetry_column("kl_to_previous")
     from reward_lens.measure.books import RunContext
