@@ -73,7 +73,9 @@ def _visible(text: str) -> str:
 #   incomplete (default) -- a book is refused outright, or a refusal says the record lacks an
 #                           input or the instrument failed (any code but PREMISE_FAILED, which
 #                           is a limit of what some updates' samples can show); a healthy
-#                           tapped run passes, an unresolved book (numbers, none resolved) too;
+#                           tapped run passes, an unresolved book (numbers, none resolved) too,
+#                           and so do the step pairs a tap's budget chose not to measure (reason
+#                           ``not_measured``: the record is whole, the tap did as it was told);
 #   refused              -- any refusal at all, or any book that is not "computed";
 #   violated             -- only ENVELOPE_VIOLATED;
 #   never.
@@ -87,7 +89,8 @@ def _exit_for(report, fail_on: str) -> int:
     if fail_on == "violated":
         return EXIT_REFUSED if any(r.severity == "violated" for r in refusals) else EXIT_OK
     if fail_on == "incomplete":
-        bad = any(b.status == "refused" for b in report.books) or any(r.code != "PREMISE_FAILED" for r in refusals)
+        bad = any(b.status == "refused" for b in report.books) or any(
+            r.code != "PREMISE_FAILED" and (r.context or {}).get("reason") != "not_measured" for r in refusals)
         return EXIT_REFUSED if bad else EXIT_OK
     return EXIT_REFUSED if refusals or any(b.status != "computed" for b in report.books) else EXIT_OK
 

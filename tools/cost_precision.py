@@ -39,6 +39,9 @@ sys.path.insert(0, str(REPO / "tools"))
 BUDGETS = (0.05, 0.10, 0.25, 0.5, None)
 REPLICATES = 20
 RESULTS = REPO / "bench" / "results" / "cost_precision.txt"
+# The same rows as data: the report's remedy for a tapped record quotes what a larger budget buys
+# from it (templates/refusals/RECORD_INCOMPLETE/cost.remedy.j2, reason not_measured).
+CURVE = REPO / "specs" / "cost_precision.yaml"
 FIGURE = REPO / "docs" / "assets" / "cost-precision.svg"
 
 
@@ -190,6 +193,20 @@ def main() -> None:
         RESULTS.parent.mkdir(exist_ok=True)
         RESULTS.write_text(text + "\n")
         FIGURE.write_text(figure(rows) + "\n")
+        CURVE.write_text(curve(rows))
+
+
+def curve(rows: list[dict]) -> str:
+    """The rows as specs/cost_precision.yaml: each budget, what it bought, what that bought."""
+    import yaml
+
+    keep = ("budget", "share", "measured", "groups", "per_group", "rel_se", "eta_width")
+    head = ("# What the tap's cost budget buys, measured by tools/cost_precision.py --save on the truth\n"
+            "# harness's moderate run (the rows of docs/recording.md's table; `own: true`: one-sided, read\n"
+            "# off its own run). Written by that tool, never by hand; the report quotes it.\n")
+    return head + yaml.safe_dump({"run": "the truth harness's moderate run (tools/truth.py), 8 prompt groups a step",
+                                  "rows": [{**{k: r.get(k) for k in keep}, "own": bool(r.get("own"))} for r in rows]},
+                                 sort_keys=False)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ class Decisions:
     shares: Mapping[tuple[int, int], Mapping[str, float]] = field(default_factory=dict)  # priced pair -> shares (nats)
     # --ledger auto fell back to the unpaired ledger: why the paired one could not form, in words
     fallback: str | None = None
+    # usable step pair -> D_t (nats per sequence), where one was measured: read on no feature, so
+    # the same in every basis; every total of D_t on every page is ``d_t_total`` over ``spent``
+    spent: Mapping[tuple[int, int], float] = field(default_factory=dict)
 
     # ---------------------------------------------------------------- counts, made here only
     @property
@@ -95,6 +98,21 @@ class Decisions:
         return int((~self.identified).sum())
 
     @cached_property
+    def d_t_total(self) -> float | None:
+        """D_t summed over every usable step pair that has one (nats per sequence), in step order;
+        None where none has: the run's spend, the one total the card and every book quote."""
+        return float(sum(self.spent.values())) if self.spent else None
+
+    @property
+    def d_t_updates(self) -> int:
+        """The updates ``d_t_total`` is over."""
+        return len(self.spent)
+
+    @cached_property
+    def d_t_median(self) -> float | None:
+        return float(np.median(list(self.spent.values()))) if self.spent else None
+
+    @cached_property
     def resolved_kl_min(self) -> float:
         """KL_min summed over the resolved step pairs (nats per sequence), in step order."""
         return float(sum(self.kl_min[p] for p in self.resolved))
@@ -116,7 +134,7 @@ class Decisions:
     def summary(self) -> dict[str, int | str]:
         """The counts every sentence on the page takes its numbers from."""
         return {"ledger": self.ledger, "fallback": self.fallback, "step_pairs": self.n_pairs,
-                "usable": len(self.usable),
+                "usable": len(self.usable), "d_t_updates": self.d_t_updates,
                 "refused": len(self.refused), "priced": len(self.priced), "resolved": len(self.resolved),
                 "moved": len(self.pairs_moved), "cells": int(self.identified.size),
                 "cells_identified": int(self.identified.sum()), "cells_moved": int(self.moved.sum())}
@@ -155,7 +173,8 @@ def decide(priced_run, names: Sequence[str]) -> Decisions:
     if priced_run is None:
         return decide_from([], names, ledger="none")
     d = decide_from(priced_run.ledgers, names, ledger=priced_run.ledger, not_formed=priced_run.not_formed,
-                    series=priced_run.book.kl_min if priced_run.book is not None else None)
+                    series=priced_run.book.kl_min if priced_run.book is not None else None,
+                    spent=priced_run.spent)
     fb = priced_run.fallback
     if fb is None:
         return d
@@ -164,9 +183,10 @@ def decide(priced_run, names: Sequence[str]) -> Decisions:
 
 
 def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpaired",
-                not_formed: Mapping | None = None, series=None) -> Decisions:
-    """The decisions of ``ledgers`` (with the step pairs that could not be formed, and the cost
-    book's KL_min series where there is one: its premises and its BH decision)."""
+                not_formed: Mapping | None = None, series=None, spent: Mapping | None = None) -> Decisions:
+    """The decisions of ``ledgers`` (with the step pairs that could not be formed, the cost
+    book's KL_min series where there is one: its premises and its BH decision, and each step
+    pair's D_t, ``PricedRun.spent``, kept for the usable step pairs)."""
     names = tuple(names)
     k = len(names)
     refused: dict[tuple[int, int], str] = {}
@@ -206,8 +226,10 @@ def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpai
             if res:
                 resolved.append(pair)
     ledger = ledger if ledgers or not_formed else "none"
+    kept = set(usable)
+    spent = {tuple(q): float(v) for q, v in (spent or {}).items() if tuple(q) in kept}
     return Decisions(names, ledger, refused, usable, dz, se, t, p, identified, moved, tuple(priced), tuple(resolved),
-                     kl, shares)
+                     kl, shares, spent=dict(sorted(spent.items())))
 
 
 # ------------------------------------------------------------------------ verdicts, one per behaviour

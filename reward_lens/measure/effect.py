@@ -43,11 +43,14 @@ class EffectRows(_M):
     """Every usable step pair's movement, as columns: ``t[f][i]`` is feature f's t at
     ``step_pair[i]`` (one list per feature and quantity: 10,000 step pairs are 36 lists, not
     10,000 objects, and ``pandas.DataFrame(rows["t"])`` reads them as a table). A cell whose
-    feature is constant in every prompt group of the sample is not identified: null t, p, moved."""
+    feature is constant in every prompt group of the sample is not identified: null delta_z, se,
+    t, p, moved (a 0 with an SE of 0 would read "no change, exactly", which the sample cannot
+    show; the pages show a dash)."""
 
     step_pair: list[tuple[int, int]]
-    delta_z: dict[str, list[float]] = Field(description="feature units")
-    se: dict[str, list[float]]
+    delta_z: dict[str, list[float | None]] = Field(description="feature units; null: not identified (the feature is "
+                                                               "constant within every prompt group of the sample)")
+    se: dict[str, list[float | None]] = Field(description="standard error of delta_z; null: not identified")
     t: dict[str, list[float | None]]
     p: dict[str, list[float | None]]
     moved: dict[str, list[bool | None]] = Field(description="BH rejects dz = 0 for the feature at this step pair "
@@ -138,7 +141,7 @@ def effect_series(decisions: Decisions, samples: Sequence[StepSample], units: di
             return dict(zip(names, a.T.tolist()))
         return {n: [v if ok else None for v, ok in zip(col, m)] for n, col, m in zip(names, a.T.tolist(), mask.T.tolist())}
 
-    rows = EffectRows(step_pair=list(d.usable), delta_z=columns(d.delta_z), se=columns(d.se),
+    rows = EffectRows(step_pair=list(d.usable), delta_z=columns(d.delta_z, d.identified), se=columns(d.se, d.identified),
                       t=columns(d.t, d.identified), p=columns(d.p, d.identified),
                       moved=columns(d.moved, d.identified))
     dr, first, last = drift(samples, names, units)

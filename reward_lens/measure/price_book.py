@@ -14,7 +14,9 @@ KL to the initial policy: here a description of this run, not a law). Best-of-n 
 with the run's n generations per prompt spends ``log n - (n-1)/n`` nats (the analytic KL of
 best-of-n, Gao et al. eq. 1): its root is drawn as a reference, labelled as such.
 
-Needs D_t: the same refusal as the cost book when the record has none.
+Needs D_t: the same refusal as the cost book when the record has none. D_t is the run's decisions'
+(``Decisions.spent``: every usable update's, read on no feature), so the book's total is the card's
+and the cost book's, over the same updates, in every basis.
 """
 
 from __future__ import annotations
@@ -183,8 +185,11 @@ def price_figures(p: PriceSection) -> list[FigureOut]:
 def price_section(ctx: RunContext) -> BookResult:
     run = ctx.run
     book = load_book("price")
-    kl = run.telemetry_column("kl_to_previous") if run.manifest.telemetry_per_step else {}
     samples = ctx.samples
+    # D_t as the run's decisions hold it (``Decisions.spent``): the updates and the nats the card and
+    # the cost book quote, the same in every basis; a step pair (t, t+1) is filed under t
+    d = ctx.decisions
+    kl = {t: v for (t, u), v in d.spent.items() if u == t + 1}
     refusals = []
     has_rewards = any(s.rewards is not None for s in samples)
     if not has_rewards:
@@ -198,7 +203,10 @@ def price_section(ctx: RunContext) -> BookResult:
         return BookResult("refused", "No price: " + "; ".join(sorted({r.context["requirement"] for r in refusals}))
                           + " missing.", refusals)
     n = (run.manifest.trainer_config or {}).get("num_generations")
-    sec = price_series(samples, {int(k): float(v) for k, v in kl.items()}, int(n) if n else None)
+    sec = price_series(samples, kl, int(n) if n else None)
+    # a row needs a reward at both steps: where some update with a D_t has none, the book says it
+    # covers part of the run's spend rather than quoting another total
+    sec = sec.model_copy(update={"summary": {**sec.summary, "d_t_total": d.d_t_total, "d_t_updates": d.d_t_updates}})
     status = status_of(bool(sec.rows), [], bool(sec.summary["resolved"]))
     ctxt = {"s": sec.summary, "p": sec}
     return BookResult(status, render_template("report/books/price.headline.j2", ctxt).strip(), [], sec,

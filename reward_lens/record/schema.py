@@ -41,6 +41,10 @@ _TELEMETRY_VERSIONED = re.compile(r"^telemetry-(\d{5})\.parquet$")
 IN_SAMPLE_ESTIMATORS = frozenset({"rollout", "rollout_stale", "rollout_teacher_forced"})
 # The telemetry fields that are D_t or describe it, withheld at in-sample steps.
 D_T_FIELDS = ("kl_to_previous", "kl_to_previous_se")
+# The least share of the step pairs a tap's cost budget measures, whatever the allowance (a pair
+# planned at this floor records it as its ``tap_probability``): reward_lens/taps/budget.py says
+# why; here so that the report, which reads records and not taps, can name it.
+TAP_MIN_SHARE = 0.25
 
 
 def telemetry_name(name: str) -> bool:

@@ -238,9 +238,9 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
     return Glance(
         ledger=d.ledger, ledger_fallback=d.fallback, features=len(d.names), updates=d.n_pairs, usable=len(d.usable), refused=len(d.refused),
         refused_reasons=[(REASONS.get(k, k), len(v)) for k, v in d.refused_by_reason().items()],
-        priced=len(d.priced), resolved=len(d.resolved), eta_rows=len(est) if est is not None else 0,
-        d_t_median=float(np.median(est.d_t)) if est is not None and len(est) else None,
-        d_t_total=c.get("d_t_total"), kl_min_total=c.get("kl_min_total"), eta_run=c.get("eta_run"),
+        priced=len(d.priced), resolved=len(d.resolved), d_t_updates=d.d_t_updates, d_t_median=d.d_t_median,
+        d_t_total=d.d_t_total, eta_rows=len(est) if est is not None else 0, eta_updates=c.get("eta_updates") or 0,
+        eta_d_t=c.get("eta_d_t"), kl_min_total=c.get("kl_min_total"), eta_run=c.get("eta_run"),
         eta_run_interval=tuple(interval) if interval else None,
         shares=[Share(feature=n, share=v) for n, v in shares if v > 0],
         reward_change=p.get("total_reward_change"), reward_per_nat=p.get("reward_per_nat"),
@@ -304,13 +304,17 @@ def headline_figure(ctx: RunContext, books: dict[str, BookOut]) -> FigureOut | N
     panels = []
     if est is not None and len(est):
         x = est.step_pair[:, 1].astype(np.float64).tolist()
-        spent = np.cumsum(est.d_t).tolist()
+        # what was spent: every update's D_t, the run's decisions' (the card's total, in every
+        # basis); what was needed: over the updates eta is read on
+        spent_of = ctx.decisions.spent
+        x_spent = [float(p[1]) for p in spent_of]
+        spent = np.cumsum(list(spent_of.values())).tolist()
         lo, mid, hi = required_so_far(est)
         panels.append(Panel(title="nats spent (Σ D_t, solid) and needed (Σ KL_min, dashed, 95 % band)",
                             y_label="nats per sequence", series=[
                                 Series(label="needed: 95 % band", x=x, y=mid, lo=lo, hi=hi, color="#1f7a4d",
                                        style="band"),
-                                Series(label="spent: Σ D_t", x=x, y=spent, color="#1f5fa8"),
+                                Series(label="spent: Σ D_t", x=x_spent, y=spent, color="#1f5fa8"),
                                 Series(label="needed: Σ KL_min", x=x, y=mid, color="#1f7a4d", style="dashed")]))
     price = books.get("price")
     if price is not None and price.data is not None and len(price.data.frontier.d) > 1:

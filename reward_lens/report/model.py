@@ -149,11 +149,17 @@ class Glance(_M):
     refused_reasons: list[tuple[str, int]] = Field(description="(reason in words, updates)")
     priced: int = Field(description="updates whose KL_min is computed")
     resolved: int = Field(description="updates whose movement is resolved from noise")
+    d_t_updates: int = Field(0, description="usable updates with a D_t: what d_t_total is over, in every basis")
+    d_t_median: float | None = Field(description="median D_t over those updates, nats per sequence")
+    d_t_total: float | None = Field(description="sum of D_t over those updates, nats per sequence: the run's spend, "
+                                                "the same in every basis and on every page")
     eta_rows: int = Field(description="updates (or windows) in the run-level efficiency")
-    d_t_median: float | None = Field(description="median D_t over those rows, nats per sequence")
-    d_t_total: float | None = Field(description="sum of D_t over those rows, nats per sequence")
+    eta_updates: int = Field(0, description="updates those rows cover: of the d_t_updates, those at which a named "
+                                            "behaviour varies within prompt groups (KL_min is priced) and the row is "
+                                            "not refused")
+    eta_d_t: float | None = Field(None, description="sum of D_t over those updates: eta_run's denominator")
     kl_min_total: float | None = Field(description="sum of KL_min (debiased) over those rows")
-    eta_run: float | None = Field(description="kl_min_total / d_t_total: the fraction of the divergence the "
+    eta_run: float | None = Field(description="kl_min_total / eta_d_t: the fraction of the divergence the "
                                               "named behaviours required")
     eta_run_interval: tuple[float, float] | None
     shares: list[Share] = Field(description="over the resolved updates, largest first")

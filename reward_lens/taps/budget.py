@@ -17,18 +17,37 @@ costs the tap has measured so far (seconds per scored token of each kind):
 in this order of preference: the two-sided shape with the most groups at ``k = 2``, then more
 completions per group up to ``heldout`` (more groups before more rows per group: the groups are
 the units of every paired estimate's standard error); failing that (not even two groups fit
-two-sided), the one-sided shape with the most groups; failing that, the smallest shape on a share
-of the step pairs, each measured with probability ``p`` = what the allowance covers of its cost.
-Two-sided comes first because it is the estimator that is unbiased where a step sharpens the
-policy (the one-sided ledger reads such a step from its heavy-tailed side: docs/science.md).
+two-sided), **two-sided pairs on a share of the step pairs**, each measured whole (every group,
+``k = 2``), each pair measured with probability ``p`` = what the allowance covers of its cost, and
+never fewer than ``MIN_SHARE`` of the pairs. Two-sided comes first, and a share of two-sided
+pairs before one-sided pairs on all of them (the owner's ruling on issue 57: the one-sided
+estimator reads a step that sharpens the policy from its heavy-tailed side, docs/science.md), and
+a measured pair is whole so that its estimate is of the step's change over all the step's
+prompts. One-sided (the next generation's rollouts scored under pi_t) is what a tap that draws
+no extra completions (``heldout=0``, or a generation that cannot take them) measures: the most
+groups that fit, else whole on a share of the pairs as above.
+
+The floor. Where the allowance covers less than ``MIN_SHARE`` of a whole pair's cost -- a small
+or short run, where the tap's fixed work alone is a tenth of a step that takes tens of
+milliseconds -- the budget would measure a handful of pairs or none, and the report would resolve
+nothing: the run would have paid the tap's fixed cost for no answer. The budget then measures
+``MIN_SHARE`` of the pairs anyway, spends more than ``budget`` on average, and says so (the plan's
+reason ``floor``, its probability in the telemetry; the report's tap sentence).
+
+Which pairs. A share is taken by systematic sampling with a random start: a running sum of the
+pairs' probabilities, started at a uniform draw of the tap's seeded generator, and pair i is
+measured when the sum crosses an integer. Each pair is then measured with its probability ``p_i``
+exactly (as with a coin), the measured pairs are spread evenly over the run instead of in clumps,
+and the count over n pairs is within one of ``sum p_i``: a short run is never left unmeasured by
+an unlucky coin. The choice reads the pair's index and the timing only.
 
 Why this keeps the estimators unbiased. The shape depends on the timing of earlier steps only,
 never on a value sampled for the pair it measures; the ``m`` groups are drawn uniformly at
 random from the generation's groups (the tap's own seeded generator), each with the same
 probability ``m / G``; so the mean over the measured groups is an unbiased estimate of the mean
 over all of them, and its standard error across the measured groups widens with the smaller
-sample as it should (groups are the units of every paired estimate). A pair skipped by the
-coin is a pair with no measurement, recorded as such with its probability (``tap_probability``),
+sample as it should (groups are the units of every paired estimate). A pair the share skips
+is a pair with no measurement, recorded as such with its probability (``tap_probability``),
 never a pair whose number is guessed.
 
 The first step pair, before any unit cost is known, is measured whole: it is what the costs
@@ -45,6 +64,8 @@ from statistics import median
 
 import numpy as np
 
+from reward_lens.record.schema import TAP_MIN_SHARE
+
 # Steps over which the untapped step time and the fixed cost are medians.
 WINDOW = 8
 # The fewest prompt groups the budget measures where the generation has more (a standard error
@@ -53,6 +74,12 @@ MIN_GROUPS = 2
 # The fewest completions per group and side of a two-sided measurement: the paired ledger keeps
 # groups of two or more rows per side (one row has no within-group information).
 MIN_PER_GROUP = 2
+# The least share of the step pairs a budget measures, whatever the allowance: a quarter. A run of
+# 24 updates then has 6 or more pairs measured whole besides the first, which a report can pool
+# into windows; below it a small run's report resolved nothing (issue 57: 2 of 24 pairs two-sided,
+# "resolved from noise at 0 of 14"). Where it binds, the tap spends more than its budget, and the
+# plan says so (reason "floor").
+MIN_SHARE = TAP_MIN_SHARE
 
 
 @dataclass(frozen=True)
@@ -77,8 +104,9 @@ class Plan:
     groups: tuple[int, ...]
     probability: float
     # "unbounded" (no budget), "first" (whole, the unit costs are learned from it), "fits" (the
-    # largest shape the allowance covers), "share" (the smallest shape on a share of the pairs),
-    # "skipped" (the coin said no), "few_groups" (under MIN_GROUPS groups in the generation),
+    # largest shape the allowance covers), "share" (whole, on the share of the pairs the allowance
+    # covers), "floor" (whole, on MIN_SHARE of the pairs: more than the allowance covers),
+    # "skipped" (not in the share), "few_groups" (under MIN_GROUPS groups in the generation),
     # "no_side_b" (planned two-sided, but the next generation could not take the extra completions)
     reason: str
 
@@ -104,6 +132,8 @@ class Budget:
         self.heldout = int(heldout)
         self.passes = int(passes)  # forward passes per extra row (1 where the drawing policy's side is captured)
         self._rng = random.Random(seed * 7_919 + 13)
+        # the systematic share's running sum of probabilities, started at a uniform draw on first use
+        self._credit: float | None = None
         self._untapped: deque[float] = deque(maxlen=WINDOW)
         self._fixed: deque[float] = deque(maxlen=WINDOW)
         self._forward: deque[float] = deque(maxlen=WINDOW)
@@ -197,12 +227,23 @@ class Budget:
         shape = self._shape(n_groups, rows_per_group, tokens_per_row, allowance, heldout)
         if shape is not None:
             return Plan(shape, self.choose(n_groups, shape.groups), 1.0, "fits")
-        smallest = Shape(min(MIN_GROUPS, n_groups), 0)
-        cost = self.cost(smallest, rows_per_group, tokens_per_row)
-        p = max(0.0, min(1.0, allowance / cost)) if cost > 0 else 1.0
-        if p <= 0.0 or self._rng.random() >= p:
+        # whole, on a share of the pairs: two-sided where the generation can take extra completions
+        share = Shape(n_groups, MIN_PER_GROUP if heldout >= MIN_PER_GROUP else 0)
+        cost = self.cost(share, rows_per_group, tokens_per_row)
+        covered = max(0.0, min(1.0, allowance / cost)) if cost > 0 else 1.0
+        p, reason = (covered, "share") if covered >= MIN_SHARE else (MIN_SHARE, "floor")
+        if not self.take(p):
             return Plan(None, (), p, "skipped")
-        return Plan(smallest, self.choose(n_groups, smallest.groups), p, "share")
+        return Plan(share, tuple(range(n_groups)), p, reason)
+
+    def take(self, p: float) -> bool:
+        """Whether the next pair of a share is measured, with probability ``p``: systematic sampling
+        with a random start (the running sum crosses an integer). Reads no sampled value."""
+        if self._credit is None:
+            self._credit = self._rng.random()
+        before = self._credit
+        self._credit += p
+        return math.floor(self._credit) > math.floor(before)
 
     def _shape(self, n_groups: int, rows_per_group: float, tokens_per_row: float, allowance: float,
                heldout: int) -> Shape | None:
@@ -217,6 +258,7 @@ class Budget:
                 while k < heldout and fits(Shape(m, k + 1)):
                     k += 1
                 return Shape(m, k)
+            return None  # two-sided on a share of the pairs before one-sided on all of them (``plan``)
         m = next((g for g in range(n_groups, least - 1, -1) if fits(Shape(g, 0))), None)
         return Shape(m, 0) if m is not None else None
 

@@ -76,10 +76,21 @@ def test_one_sided_and_unmeasured_pairs_are_said_by_name(tmp_path):
     assert "one-sided on 3 pairs" in said and "no extra completions" in said
 
     # a budget of a ten-thousandth of a step covers less than the tap's fixed cost: after the
-    # two pairs measured whole to learn the costs, every pair is left unmeasured, with probability 0
-    ex.train(tmp_path / "tiny", steps=6, budget=1e-4)
+    # two pairs measured whole to learn the costs, the budget's floor measures a quarter of the
+    # rest, two-sided over every group (it used to leave every one unmeasured: a starved run)
+    from reward_lens.taps.budget import MIN_SHARE
+
+    ex.train(tmp_path / "tiny", steps=10, budget=1e-4)
     t = open_run(tmp_path / "tiny").telemetry.to_pydict()
-    assert t["tap_groups"][:2] == [4, 4] and t["tap_groups"][2:5] == [0, 0, 0]
-    assert t["tap_probability"][2:5] == [0.0, 0.0, 0.0] and t["kl_to_previous"][2:5] == [None] * 3
+    assert t["tap_groups"][:2] == [4, 4]
+    later = range(2, 9)  # pairs 2->3 .. 8->9 (step 9 has no next generation)
+    assert [t["tap_probability"][i] for i in later] == [MIN_SHARE] * 7
+    measured = [i for i in later if t["tap_groups"][i]]
+    # systematic sampling of 7 pairs at a quarter: 1 or 2 of them, each over all 4 groups, two-sided
+    assert len(measured) in (1, 2)
+    assert all(t["tap_groups"][i] == 4 and t["tap_per_group"][i] == 2 for i in measured)
+    assert all(t["kl_to_previous"][i] is None for i in later if i not in measured)
+    assert all(t["kl_to_previous"][i] is not None for i in measured)
     said = _tap_sentence(tmp_path / "b", tmp_path / "tiny")
-    assert "The tap measured 2 of 5 step pairs" in said and "3 pairs not measured" in said
+    assert f"The tap measured {2 + len(measured)} of 9 step pairs" in said
+    assert f"{7 - len(measured)} pairs not measured" in said and "measured 25 % of them anyway" in said

@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from reward_lens.taps.budget import Budget, Shape
+from reward_lens.taps.budget import MIN_SHARE, Budget, Shape
 
 
 def _fed(budget: Budget, *, step=10.0, tap=0.5, fixed=0.1, fwd=1e-3, gen=2e-4) -> Budget:
@@ -44,13 +44,16 @@ def test_two_sided_shapes_by_hand():
     b = _fed(Budget(0.1, heldout=4, passes=2))
     assert b.cost(Shape(1, 1), 8, 50) == pytest.approx(2 * 0.11)  # a row from each policy
     # allowance 0.85 s. Two-sided at k = 2 costs 4 rows x 0.11 = 0.44 s a group: 1 group fits, not
-    # the 2 a two-sided shape needs. One-sided costs 8 rows x 50 tokens x 1e-3 = 0.4 s a group: 2 fit.
+    # the 2 a two-sided shape needs. One-sided would fit 2 groups (0.4 s a group), but two-sided
+    # pairs on a share of the steps come first: whole (8 groups, k = 2: 3.52 s), covered 0.85 / 3.52
+    # = 0.24 of the pairs, under the floor: a quarter of them
     plan = b.plan(8, 8, 50)
-    assert plan.shape == Shape(2, 0) and plan.reason == "fits" and len(plan.groups) == 2
+    assert plan.probability == MIN_SHARE and plan.reason in ("floor", "skipped")
+    assert (plan.shape, plan.groups) in ((Shape(8, 2), tuple(range(8))), (None, ()))
     # one pass per row (the drawing side from its generation): 0.06 s a row, k = 2: 0.24 s a group
     b1 = _fed(Budget(0.1, heldout=4, passes=1))
     plan = b1.plan(8, 8, 50)
-    assert plan.shape == Shape(3, 2)  # 3 groups two-sided: 0.72 s; 4 would cost 0.96 s
+    assert plan.shape == Shape(3, 2) and plan.reason == "fits"  # 3 groups two-sided: 0.72 s; 4 would cost 0.96 s
     b2 = _fed(Budget(0.3, heldout=4, passes=1))  # allowance 0.3 * 9.5 - 0.1 = 2.75 s
     plan = b2.plan(8, 8, 50)
     # 8 groups at k = 2 cost 1.92 s; k = 3 costs 2.88 s > 2.75: two per group and policy
@@ -59,23 +62,91 @@ def test_two_sided_shapes_by_hand():
     assert b3.plan(8, 8, 50).shape == Shape(8, 4)
 
 
-def test_a_budget_too_small_for_any_group_measures_a_share_of_the_pairs():
-    b = _fed(Budget(0.02, heldout=4), fwd=1e-2)  # allowance 0.02 * 9.5 - 0.1 = 0.09 s
-    # the smallest shape, one-sided on 2 groups: 2 * 8 * 50 * 1e-2 = 8 s; p = 0.09 / 8
-    plans = [b.plan(8, 8, 50) for _ in range(4000)]
-    p = 0.09 / 8
+def test_a_share_is_two_sided_and_whole_with_the_probability_its_allowance_covers():
+    b = _fed(Budget(0.2, heldout=4, passes=2))  # allowance 0.2 * 9.5 - 0.1 = 1.8 s
+    assert b.plan(8, 8, 50).shape == Shape(4, 2)  # two-sided at k = 2 is 0.44 s a group: 4 groups, 1.76 s
+    # allowance 0.85 s: 2 groups two-sided cost 0.88 s, so no shape fits every pair. A generation of
+    # 3 groups: whole (3 groups, k = 2) costs 1.32 s, the allowance covers 0.85 / 1.32 of the pairs
+    c = _fed(Budget(0.1, heldout=4, passes=2))
+    plans = [c.plan(3, 8, 50) for _ in range(400)]
+    p = 0.85 / 1.32
     assert all(x.probability == pytest.approx(p) for x in plans)
     measured = [x for x in plans if x.measured]
-    assert all(x.shape == Shape(2, 0) and x.reason == "share" for x in measured)
+    assert all(x.shape == Shape(3, 2) and x.groups == (0, 1, 2) and x.reason == "share" for x in measured)
+    assert all(x.reason == "skipped" and x.shape is None for x in plans if not x.measured)
+    # systematic: the count is within one of n p, never an unlucky coin's
+    assert abs(len(measured) - 400 * p) <= 1
+    # a generation of 8 groups: whole costs 3.52 s, covered 0.24 < MIN_SHARE: the floor
+    plans = [c.plan(8, 8, 50) for _ in range(400)]
+    assert 0.85 / 3.52 < MIN_SHARE and all(x.probability == MIN_SHARE for x in plans)
+    assert {x.reason for x in plans} == {"floor", "skipped"}
+    assert sum(x.measured for x in plans) in (99, 100, 101)
+
+
+def test_a_budget_too_small_for_any_group_measures_a_quarter_of_the_pairs_whole():
+    b = _fed(Budget(0.02, heldout=4), fwd=1e-2)  # allowance 0.02 * 9.5 - 0.1 = 0.09 s
+    plans = [b.plan(8, 8, 50) for _ in range(800)]
+    assert all(x.probability == MIN_SHARE for x in plans)
+    measured = [x for x in plans if x.measured]
+    assert all(x.shape == Shape(8, 2) and x.reason == "floor" for x in measured)
     assert all(x.reason == "skipped" for x in plans if not x.measured)
-    # the share measured is p, within four binomial SDs
-    assert abs(len(measured) - 4000 * p) <= 4 * math.sqrt(4000 * p * (1 - p))
+    assert abs(len(measured) - 800 * MIN_SHARE) <= 1
+    # the allowance below the fixed cost (a budget of 1e-4): the floor still measures a quarter
+    tiny = _fed(Budget(1e-4, heldout=4))
+    assert tiny.allowance() < 0
+    plans = [tiny.plan(8, 8, 50) for _ in range(40)]
+    assert sum(x.measured for x in plans) in (9, 10, 11) and all(x.probability == MIN_SHARE for x in plans)
 
 
-def test_a_budget_too_small_for_extra_completions_is_one_sided():
+def test_a_budget_too_small_for_extra_completions_measures_two_sided_pairs_on_a_share():
+    """The owner's ruling (issue 57): two-sided pairs on a share of the steps before one-sided
+    pairs on all of them, which a budget that fits one-sided everywhere used to buy."""
     b = _fed(Budget(0.1, heldout=4, passes=2), gen=1e-2)  # generating is dear: no two-sided shape fits
+    plans = [b.plan(8, 8, 50) for _ in range(100)]
+    assert all(x.shape is None or x.shape.sides == "two-sided" for x in plans)
+    assert sum(x.measured for x in plans) == 25
+
+
+def test_a_tap_that_draws_no_extra_completions_is_one_sided():
+    b = _fed(Budget(0.1, heldout=0))  # one-sided costs 0.4 s a group: 2 fit the 0.85 s
     plan = b.plan(8, 8, 50)
-    assert plan.shape.per_group == 0 and plan.shape.sides == "one-sided"
+    assert plan.shape == Shape(2, 0) and plan.reason == "fits" and plan.shape.sides == "one-sided"
+    c = _fed(Budget(0.1, heldout=0), fwd=1e-2)  # a group 4 s: a share, whole, one-sided
+    plans = [c.plan(8, 8, 50) for _ in range(40)]
+    assert {x.shape for x in plans if x.measured} == {Shape(8, 0)}
+
+
+def test_a_small_run_is_never_starved():
+    """24 updates of 8 prompt groups of 4 at the default budget, where the tap's fixed work alone
+    takes a tenth of the step (issue 57: 10 of 24 updates unread, 2 two-sided, nothing resolved):
+    a quarter or more of the pairs are measured two-sided over every group, spread over the run."""
+    b = Budget(0.1, heldout=4, seed=3)
+    plans = [b.plan(8, 4, 40)]  # the first pair, whole: the costs are learned from it
+    for _ in range(23):
+        b.observe_step(0.08, 0.012, 0.009)  # an untapped step of 68 ms; the fixed work 9 ms of it
+        b.observe_forward(2e-5 * 320, 320)
+        b.observe_generation(0.05, 32, 0, 40)
+        plans.append(b.plan(8, 4, 40))
+    measured = [i for i, x in enumerate(plans) if x.measured]
+    assert plans[0].reason == "first"
+    assert len(measured) >= 1 + int(23 * MIN_SHARE)
+    assert all(plans[i].shape == Shape(8, 2) and plans[i].reason in ('share', 'floor') for i in measured[1:])
+    gaps = [b - a for a, b in zip(measured[1:], measured[2:])]
+    assert max(gaps) <= 1 / MIN_SHARE + 1  # spread evenly, not in a clump
+
+
+def test_each_pair_of_a_share_is_measured_with_its_probability():
+    """Systematic sampling with a random start: over seeds, pair i of a share is measured with
+    probability p at every position i (what keeps a share's estimators unbiased), not only on
+    average over the run."""
+    n, seeds, p = 8, 400, MIN_SHARE
+    hits = [0] * n
+    for seed in range(seeds):
+        b = _fed(Budget(0.02, heldout=4, seed=seed), fwd=1e-2)
+        for i in range(n):
+            hits[i] += b.plan(8, 8, 50).measured
+    sd = math.sqrt(seeds * p * (1 - p))
+    assert all(abs(h - seeds * p) <= 4 * sd for h in hits), hits
 
 
 def test_a_latency_bound_generation_charges_the_extra_rows_its_slope():
@@ -109,6 +180,12 @@ def test_groups_are_chosen_uniformly_at_random():
 
 
 def test_the_choice_never_reads_a_sampled_value():
-    """Two budgets fed the same timings and seed plan the same pairs, whatever else happened."""
-    a, b = _fed(Budget(0.1, heldout=4, seed=5)), _fed(Budget(0.1, heldout=4, seed=5))
-    assert [a.plan(8, 8, 50) for _ in range(20)] == [b.plan(8, 8, 50) for _ in range(20)]
+    """Two budgets fed the same timings and seed plan the same pairs, whatever else happened: a
+    plan's arguments are the generation's size and the timing, and no sampled value reaches it."""
+    import inspect
+
+    for kw in ({}, {"fwd": 1e-2}, {"gen": 1e-2}):  # fits, floor, a share instead of one-sided
+        a, b = _fed(Budget(0.1, heldout=4, seed=5), **kw), _fed(Budget(0.1, heldout=4, seed=5), **kw)
+        assert [a.plan(8, 8, 50) for _ in range(20)] == [b.plan(8, 8, 50) for _ in range(20)]
+    assert list(inspect.signature(Budget.plan).parameters) == ["self", "n_groups", "rows_per_group",
+                                                               "tokens_per_row", "heldout"]

@@ -10,15 +10,15 @@ no step escapes: ``fallback`` says so). The book says which it used, and why.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from reward_lens.measure.efficiency.cost import CostBook, cost_series
+from reward_lens.measure.efficiency.cost import CostBook, _denominators, cost_series
 from reward_lens.measure.efficiency.metric import MetricG, metric_g, within_group_metric
 from reward_lens.measure.ledger.paired import NotFormed, has_scored_groups, paired_ledger_series
-from reward_lens.measure.ledger.price import StepSample, ledger_series, learning_rates
+from reward_lens.measure.ledger.price import StepSample, ledger_arrays, ledger_series, learning_rates
 from reward_lens.record.reader import Run
 
 LEDGERS = ("auto", "paired", "unpaired")
@@ -34,6 +34,11 @@ class PricedRun:
     # --ledger auto: the paired ledger the record seemed to support and why it could not be used
     # (every step pair refused for one structural reason), when the unpaired one was used instead
     fallback: NotFormed | None = None
+    # D_t of each step pair a ledger formed for, nats per sequence: the paired ledger's own (the
+    # token-level KL along samples independent of the update), else the record's kl_to_previous.
+    # It reads no feature, so it is the same in every basis (``spent_of``); the decisions keep it
+    # for the usable step pairs, and every book and the card quote their totals from there.
+    spent: Mapping[tuple[int, int], float] = field(default_factory=dict)
 
 
 def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", window: int | str = 1) -> PricedRun:
@@ -64,7 +69,24 @@ def price_run(run: Run, samples: list[StepSample], *, ledger: str = "auto", wind
             return PricedRun(None, None, ledger, why)
         ok = [s for s in samples if s.n >= 2]
         g = metric_g(ok, method="covariance_bound", scope="auto")
-    return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why, ledgers, fallback)
+    return PricedRun(cost_series(ledgers, g, run_=run, window=window), g, ledger, why, ledgers, fallback,
+                     spent_of(ledgers, run, ledger))
+
+
+def spent_of(ledgers: Sequence, run: Run, ledger: str) -> dict[tuple[int, int], float]:
+    """D_t of each step pair of ``ledgers`` that has one, in step order (nats per sequence): a
+    paired ledger's own token-level KL (None without it: not listed), else the record's
+    ``kl_to_previous`` at the pair's first step, as the cost book divides by it. No feature
+    enters it: the one definition of what each update spent, whatever the basis."""
+    if not len(ledgers):
+        return {}
+    pairs = [tuple(int(x) for x in p) for p in ledger_arrays(ledgers).step_pairs.tolist()]
+    if ledger == "paired":
+        out = {pair: float(lg.d_t) for pair, lg in zip(pairs, ledgers) if lg.d_t is not None}
+    else:
+        denoms, _ = _denominators(ledgers, run, None, "nats_per_sequence")
+        out = {pair: denoms[pair[0]][0] for pair in pairs if pair[0] in denoms}
+    return dict(sorted(out.items()))
 
 
 # Reasons a paired ledger cannot form that no step of the run escapes (the run's layout, not a

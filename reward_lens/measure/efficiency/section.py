@@ -6,6 +6,7 @@ names ``cost_section`` (builder) and ``CostSection`` (model) under ``report:``.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated, Literal
 
 from typing_extensions import TypedDict
@@ -17,6 +18,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
 from reward_lens.measure.efficiency.metric import step_sums
 from reward_lens.measure.figures import FigureOut, Panel, Series
+from reward_lens.record.schema import TAP_MIN_SHARE as MIN_SHARE
 from reward_lens_spec import Refusal, Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -29,7 +31,13 @@ class FeatureOut(_M):
     name: str
     doc: str
     unit: str = Field(description="the feature's unit (shares and KL_min are in nats whatever it is)")
-    status: str = Field(description="'priced', or why the feature is excluded from KL_min")
+    status: str = Field(description="'priced', or why the feature is excluded from KL_min (a per-step metric: at how "
+                                    "many of its steps, templates/report/feature_status.j2)")
+    steps: int | None = Field(None, description="per-step metric: the steps it priced (null: one pooled metric)")
+    steps_priced: int | None = Field(None, description="of them, the steps whose active set holds the feature")
+    steps_constant: int | None = Field(None, description="of them, the steps where its within-group variance is zero")
+    steps_collinear: int | None = Field(None, description="of them, the steps where earlier features explain it")
+    priced: bool = Field(False, description="priced at one step or more: its shares have a column")
 
 
 class MetricOut(_M):
@@ -157,6 +165,9 @@ class CostSummary(TypedDict):
     eta_run_rows: _Count
     kl_min_total: float | None
     d_t_total: float | None
+    d_t_updates: _Count
+    eta_d_t: float | None
+    eta_updates: _Count
     eta_median: float | None
     eta_interval: _Pair | None
     false_discoveries_expected: float | None
@@ -179,7 +190,10 @@ class CostSection(_M):
         "eta_run (sum KL_min / sum D_t over every priced row, debiased: the headline; null "
         "when none is priced), eta_run_interval ([lo, hi]; paired: covering a bias up to the sums' jackknife "
         "correction, |sum KL_min - sum KL_jk| / sum D_t, and the lower end allowing for the rows' D_t tail "
-        "allowances, summed), kl_min_total and d_t_total (nats over those rows), "
+        "allowances, summed), kl_min_total and eta_d_t (nats over those rows) and eta_updates (the updates they "
+        "cover); d_t_total (nats) over d_t_updates: D_t summed over every usable update that has one, the run's "
+        "spend, the same in every basis (the decisions'; eta's rows are the subset of them where a named behaviour "
+        "varies and the row is not refused), "
         "eta_median (debiased, resolved rows with an interval only: selected on significance, so it leans high; kept for "
         "comparison), eta_interval, false_discoveries_expected, and the KL_min half's counts"))
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
@@ -199,6 +213,10 @@ class TapOut(_M):
     groups_total: float | None = Field(description="prompt groups a generation had (median)")
     per_group: float | None = Field(description="completions per group and policy on a two-sided pair (median)")
     share: float | None = Field(description="the tap's own time over the untapped step's (median over steps)")
+    floored: int = Field(0, description="step pairs planned at the budget's floor: the allowance covered less than "
+                                        "min_share of them, and min_share were measured anyway")
+    min_share: float = Field(0.25, description="the least share of the step pairs the budget measures "
+                                               "(reward_lens.taps.budget.MIN_SHARE)")
     sentence: str = Field(description="the same, in words")
 
 
@@ -216,11 +234,14 @@ def tap_summary(run) -> TapOut | None:
     measured = [t for t in pairs if groups[t] > 0]
     two = [t for t in measured if (per.get(t) or 0) > 0]
     shares = [tap_s[t] / (step_s[t] - tap_s[t]) for t in tap_s if t in step_s and step_s[t] > tap_s[t]]
+    prob = run.telemetry_column("tap_probability")
+    # the floor's probability is MIN_SHARE itself (a share the allowance covers is above it)
+    floored = sum(1 for t in pairs if prob.get(t) == MIN_SHARE)
     med = lambda xs: float(np.median(xs)) if len(xs) else None  # noqa: E731
     out = dict(budget=budgets[0] if len(budgets) == 1 else None, step_pairs=len(pairs), two_sided=len(two),
                one_sided=len(measured) - len(two), skipped=len(pairs) - len(measured),
                groups=med([groups[t] for t in measured]), groups_total=med([total[t] for t in measured if t in total]),
-               per_group=med([per[t] for t in two]), share=med(shares))
+               per_group=med([per[t] for t in two]), share=med(shares), floored=floored, min_share=MIN_SHARE)
     return TapOut(**out, sentence=render_template("report/cost_tap.j2", {"t": out}).strip())
 
 
@@ -245,7 +266,7 @@ def cost_figures(c: CostSection) -> list[FigureOut]:
                            style="dashed", gaps=_gaps(pairs), color="#c0392b"),
                     Series(label="resolved (BH, q = 0.05)", x=[x[i] for i in res],
                            y=[k.kl_min[i] for i in res], style="points", color="#1f5fa8")])]))
-        names = [f.name for f in c.features if f.status == "priced"]
+        names = [f.name for f in c.features if f.priced]
         shares = {n: [v or 0.0 for v in k.shares.get(n, [])] for n in names}
         if any(v > 0 for n in names for v in shares[n]):
             figs.append(FigureOut(id="shares", x_label=x_label, caption=(
@@ -286,6 +307,33 @@ def cost_figures(c: CostSection) -> list[FigureOut]:
     return figs
 
 
+def feature_statuses(g, docs: dict[str, str], units: dict[str, str]) -> list[FeatureOut]:
+    """Each feature's place in KL_min. A pooled metric has one active set: priced, or its reason
+    for exclusion. A per-step metric has one per step: the feature's steps are counted by what
+    each step's set did with it (priced, constant within prompt groups, collinear), and it is
+    called constant only where it is constant at every step -- never from one step's reason (the
+    task record's ``reward_format``, collinear at 82 steps and constant at 15, read "constant"
+    because the last step's reason stood for all of them)."""
+    if g.scope != "per_step" or not len(g.by_step):
+        return [FeatureOut(name=n, doc=docs[n], unit=units[n], priced=n in g.active,
+                           status="priced" if n in g.active else g.excluded.get(n, "excluded")) for n in g.names]
+    steps = list(g.by_step)
+    count = {n: [0, 0, 0] for n in g.names}  # priced, constant, collinear
+    for t in steps:
+        for n in g.active_of(t):
+            count[n][0] += 1
+        for n, why in g.excluded_of(t).items():
+            count[n][1 if why.startswith("constant") else 2] += 1
+    out = []
+    for n in g.names:
+        priced, constant, collinear = count[n]
+        status = render_template("report/feature_status.j2", {
+            "steps": len(steps), "priced": priced, "constant": constant, "collinear": collinear}).strip()
+        out.append(FeatureOut(name=n, doc=docs[n], unit=units[n], status=status, steps=len(steps), steps_priced=priced,
+                              steps_constant=constant, steps_collinear=collinear, priced=priced > 0))
+    return out
+
+
 def cost_section(ctx: RunContext) -> BookResult:
     """The cost book of the run in ``ctx``, as the report shows it."""
     run, features = ctx.run, ctx.features
@@ -300,9 +348,7 @@ def cost_section(ctx: RunContext) -> BookResult:
     book: CostBook = priced.book
     g = priced.metric
     docs, units = features.docs(), features.units()
-    excluded = {n: why for ex in [g.excluded, *map(g.excluded_of, g.by_step)] for n, why in ex.items()}
-    feats = [FeatureOut(name=n, doc=docs[n], unit=units[n], status="priced" if n in g.active else excluded.get(n, "excluded"))
-             for n in g.names]
+    feats = feature_statuses(g, docs, units)
     kl_rows, totals = _kl_min_rows(book.kl_min.columns, g.names, set(ctx.decisions.usable))
     rows = book.columns  # the rows as columns: one list per quantity, made from arrays
     eff = EfficiencyRows(  # validated: a few lists, not one model per row
@@ -333,7 +379,9 @@ def cost_section(ctx: RunContext) -> BookResult:
         "eta_run_interval": list(run_est.interval()) if run_est is not None else None,
         "eta_run_rows": len(book._estimates),
         "kl_min_total": run_est.kl_min_debiased if run_est is not None else None,
-        "d_t_total": run_est.d_t if run_est is not None else None,
+        "eta_d_t": run_est.d_t if run_est is not None else None,
+        "eta_updates": int(sum(book._estimates.columns.steps)) if run_est is not None else 0,
+        "d_t_total": d.d_t_total, "d_t_updates": d.d_t_updates,
         "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
         "false_discoveries_expected": book.false_discoveries_expected,
         "step_pairs": d.n_pairs,
@@ -419,12 +467,37 @@ def not_formed_refusals(run, priced, book_id: str = "cost") -> list[Refusal]:
         shown = ", ".join(f"{a}->{b}" for a, b in pairs[:5]) + (f" and {len(pairs) - 5} more" if len(pairs) > 5 else "")
         steps = [{"step": w.step, "count": w.count} for _, w in items]
         steps = [dict(t) for t in {tuple(d.items()) for d in steps}]  # a step can touch two pairs
+        context = {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
+                   "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
+                   "steps": sorted(steps, key=lambda d: d["step"]), "framework": run.manifest.framework.name}
+        if reason == "not_measured":  # the tap's budget left them: what it bought, what more would buy
+            tap = tap_summary(run)
+            context["tap"] = tap.model_dump(exclude={"sentence"}) if tap is not None else None
+            context["curve"] = larger_budgets(tap.budget if tap is not None else None)
         out.append(make_refusal("RECORD_INCOMPLETE", load_book(book_id), Subject(run_id=run.run_id, step_pairs=tuple(pairs)),
-                                {"requirement": "ledger", "ledger": priced.ledger, "run": run.short_id,
-                                 "n_pairs": len(pairs), "pairs_shown": shown, "reason": reason,
-                                 "steps": sorted(steps, key=lambda d: d["step"]),
-                                 "framework": run.manifest.framework.name}))
+                                context))
     return out
+
+
+@functools.cache
+def _cost_precision() -> dict:
+    """specs/cost_precision.yaml: what each budget bought on the truth harness's moderate run
+    (written by tools/cost_precision.py --save)."""
+    import yaml
+
+    from reward_lens_spec.paths import specs_dir
+
+    return yaml.safe_load((specs_dir() / "cost_precision.yaml").read_text())
+
+
+def larger_budgets(budget: float | None) -> dict:
+    """The cost-precision curve's two-sided rows at budgets above ``budget`` (``budget=None`` last):
+    the precision a larger budget bought on the truth harness's run, which a tapped record's remedy
+    quotes. Empty where the record's budget is None (nothing larger)."""
+    data = _cost_precision()
+    rows = [r for r in data["rows"] if not r.get("own") and budget is not None
+            and (r["budget"] is None or r["budget"] > budget)]
+    return {"run": data["run"], "rows": rows}
 
 
 
