@@ -141,6 +141,39 @@ def _record_path(args) -> Path:
     return Path(args.run_dir)
 
 
+def _reward_names(run) -> set[str] | None:
+    """The reward functions of a record (the keys of its first rollouts' ``rewards``), or None
+    where it has no per-function rewards."""
+    if not run.n_rollouts or "rewards" not in run.rollout_columns():
+        return None
+    for table in run.iter_rollouts(["rewards"]):
+        col = table.column("rewards").combine_chunks()
+        return set(col.keys.unique().to_pylist())
+    return None
+
+
+def _targets(args, run, features) -> list:
+    """``--target NAME[:higher|lower]`` (repeatable, or comma-separated), each resolved against
+    the basis, the record's declared targets and its reward functions."""
+    from reward_lens.measure.ledger.targets import parse_target, resolve
+
+    texts = [t for arg in (args.target or []) for t in arg.split(",") if t.strip()]
+    if not texts:
+        return []
+    rewards = _reward_names(run)
+    out = []
+    for text in texts:
+        name, want = parse_target(text)
+        out.append(resolve(name, want, features, run.manifest.targets, rewards))
+    return out
+
+
+TARGET_HELP = ("what you want of the policy, as opposed to what the reward pays for: a reward function of the record "
+               "(TRL's reward_funcs names), a feature of the basis, or a check the tap recorded, with the direction "
+               "you want (default higher); repeatable. Laid over the targets the tap recorded (attach's target=). "
+               "Without any, proxy_gaming and paid_for_drift are not evaluated")
+
+
 def cmd_report(args) -> int:
     from reward_lens.record.reader import open_run
     from reward_lens.report import build_report, to_html, to_json, to_markdown
@@ -164,7 +197,8 @@ def cmd_report(args) -> int:
     progress("verifying checksums")
     run.verify()  # a same-size edit of a data file is refused, naming the file
     progress("building the report")
-    report = build_report(run, progress, ledger=args.ledger, window=window, features=features)
+    report = build_report(run, progress, ledger=args.ledger, window=window, features=features,
+                          targets=_targets(args, run, features))
     progress("rendering")
     render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html),
               "json": ("report.json", lambda r: to_json(r, pretty=args.pretty))}
@@ -426,7 +460,8 @@ def cmd_check(args) -> int:
     with tempfile.TemporaryDirectory(prefix="reward-lens-check-") as tmp:
         run, source = _open_for_check(_record_path(args), Path(tmp))
         run.verify()
-        report = build_report(run, Progress(args.quiet), ledger=args.ledger, features=features)
+        report = build_report(run, Progress(args.quiet), ledger=args.ledger, features=features,
+                              targets=_targets(args, run, features))
     found = report.findings
     if "md" in formats:
         from reward_lens_spec.render import render_template
@@ -497,6 +532,7 @@ def parser() -> argparse.ArgumentParser:
                    "'adaptive': merge until resolved (default 1)")
     r.add_argument("--features", metavar="FILE", help="a feature basis (YAML, e.g. examples/features/task.yaml; "
                    "default: specs/features/surface.yaml)." + CALLABLE_NOTE)
+    r.add_argument("--target", action="append", metavar="NAME[:higher|lower]", help=TARGET_HELP)
     r.add_argument("--pretty", action="store_true", help="indent report.json (compact by default)")
     r.add_argument("--quiet", action="store_true", help="no progress, no summary")
     r.set_defaults(func=cmd_report)
@@ -544,6 +580,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--features", metavar="FILE", help="the feature basis the book-based findings read (default: "
                    "specs/features/surface.yaml; the task example's own)." + CALLABLE_NOTE)
     c.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired")
+    c.add_argument("--target", action="append", metavar="NAME[:higher|lower]", help=TARGET_HELP)
     c.add_argument("--list", action="store_true", help="list the findings, what each reads and how it was validated")
     c.add_argument("--quiet", action="store_true", help="no progress on stderr")
     c.set_defaults(func=cmd_check)

@@ -71,8 +71,9 @@ def _rollouts_table(rows: Iterable[Rollout] | pa.Table) -> pa.Table:
     else:
         data = [r.model_dump() for r in rows]
         for d in data:
-            if d["rewards"] is not None:
-                d["rewards"] = list(d["rewards"].items())
+            for key in ("rewards", "targets"):
+                if d[key] is not None:
+                    d[key] = list(d[key].items())
         table = pa.Table.from_pylist(data, schema=schema)
     # Stable sort keeps the within-step order the trainer produced.
     return table.take(pa.compute.sort_indices(table, sort_keys=[("step", "ascending")]))

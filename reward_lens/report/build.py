@@ -7,7 +7,7 @@ into feature vectors and dropped, so memory holds n x k floats, never every comp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -17,6 +17,7 @@ from reward_lens.measure.decisions import ASKED_DIRECTLY, ASKED_JOINTLY
 from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.record.reader import Run, Window
+from reward_lens.record.schema import TargetDecl
 from reward_lens.report.curves import RolloutCurves, training_curves
 from reward_lens.record.errors import RecordError
 from reward_lens.measure.figures import FigureOut, Panel, Series
@@ -153,12 +154,17 @@ class BrowserRows:
 
 
 def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "auto",
-                 window: int | str = 1, features: FeatureBasis | None = None) -> Report:
+                 window: int | str = 1, features: FeatureBasis | None = None,
+                 targets: Sequence[TargetDecl] = ()) -> Report:
     """Every book of ``run`` (one per spec in specs/books/, in their ``report.order``),
-    computed in the feature basis ``features`` (default: specs/features/surface.yaml)."""
+    computed in the feature basis ``features`` (default: specs/features/surface.yaml) with the
+    record's declared targets (its manifest's ``targets``) and ``targets`` (``--target``, laid
+    over them) marked in it (``measure.ledger.targets``)."""
     from reward_lens.measure.ledger.price import feature_context
+    from reward_lens.measure.ledger.targets import merged, with_targets
 
     features = features if features is not None else SurfaceFeatures()
+    features = with_targets(features, merged(run.manifest.targets, targets))
     browser, curves = BrowserRows(run, features, feature_context(run)), RolloutCurves(run)
     ctx = RunContext(run, features, ledger=ledger, window=window, progress=progress, collectors=[browser, curves])
     ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
