@@ -252,9 +252,13 @@ def audit_text(result, verbose: bool = False) -> str:
         for f in result.features:
             lines.append(f"{f.name:<18}{f.kind:<15}{f.verdict:<15}{_visible(f.says)}")
     if result.findings:
+        from reward_lens.findings import TARGET
+        from reward_lens_spec.render import render_macro
+
         lines += ["", f"{'finding':<26}{'verdict':<19}needs"]
         for f in result.findings:
-            lines.append(f"{f.finding:<26}{f.verdict:<19}{', '.join(f.missing) or '-'}"
+            needs = [render_macro("audit/says.j2", "no_target", what=m) if m == TARGET else m for m in f.missing]
+            lines.append(f"{f.finding:<26}{f.verdict:<19}{', '.join(needs) or '-'}"
                          + (" (live)" if f.live and f.verdict == "will evaluate" and result.with_tap else ""))
     if seen and not verbose:
         lines += ["", "(--verbose prints each refusal's whole detail and remedy)"]

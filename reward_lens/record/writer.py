@@ -209,12 +209,14 @@ def write_run(
     checkpoints: Mapping[int, str | Path] | None = None,
     overwrite: bool = False,
     heldout: Iterable[Rollout] | pa.Table | None = None,
+    targets: Iterable[Any] = (),
 ) -> RunManifest:
     """Write a record directory at ``path`` and return its manifest.
 
     ``checkpoints`` maps a step to a directory (safetensors + config + tokenizer files) that
     is copied into ``checkpoints/step-<step>/``. ``heldout``: held-out completions of pi_t
-    (rows of the rollouts schema), written to ``heldout.parquet``.
+    (rows of the rollouts schema), written to ``heldout.parquet``. ``targets``: what the user
+    declared they want (``TargetDecl`` or its mapping), the manifest's ``targets``.
     """
     dest = Path(path)
     recover_swap(dest)
@@ -249,7 +251,7 @@ def write_run(
             framework=dict(framework), model=dict(model), optimizer=optimizer,
             trainer_config=dict(trainer_config or {}), telemetry_per_step=telemetry_per_step,
             logging_steps=logging_steps, created_by=f"reward-lens {__version__}", notes=list(notes),
-            files=files, checkpoints=ckpts,
+            files=files, checkpoints=ckpts, targets=list(targets),
         )
         manifest = commit_manifest(tmp, manifest)
         # mkdtemp makes the directory 0700; a record is data to share, so give it the
