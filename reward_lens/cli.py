@@ -6,7 +6,7 @@ Exit codes (all subcommands):
   1  refused: what --fail-on counts happened (a normal outcome for an incomplete record; with
      --fail-on refused also any refusal, or a book with nothing resolved from noise); audit:
      a book would refuse, a --require'd book would, or the run will not start; check: a
-     finding at or above --fail-on holds
+     finding at or above --fail-on holds, or a --require'd finding is not evaluated
   2  bad input: an unreadable record, config or spec, or an output folder holding files
      reward-lens did not write; one line on stderr names the file and field (the
      traceback only with --debug)
@@ -459,6 +459,7 @@ def cmd_check(args) -> int:
     from reward_lens.measure.ledger.features import features_from
     from reward_lens.report import build_report
 
+    required = _required_findings(args.require, specs)  # before any work
     spec = args.features or (example_features(args.example) if args.example else None)
     features = features_from(spec)
     with tempfile.TemporaryDirectory(prefix="reward-lens-check-") as tmp:
@@ -467,17 +468,30 @@ def cmd_check(args) -> int:
         report = build_report(run, Progress(args.quiet), ledger=args.ledger, features=features,
                               targets=_targets(args, run, features))
     found = report.findings
+    unmet = [f for f in found if f.id in required and f.status == "not_evaluated"]
     if "md" in formats:
         from reward_lens_spec.render import render_template
 
         _emit(render_template("report/check.md.j2", {"f": found, "n": finding_counts(found), "source": source,
-                                                      "run_id": run.run_id, "fail_on": args.fail_on}, prose=False))
+                                                      "run_id": run.run_id, "fail_on": args.fail_on,
+                                                      "unmet": unmet}, prose=False))
     if "json" in formats:
         from reward_lens.report.check import CheckOut
 
-        _emit(CheckOut(run_id=run.run_id, source=source, counts=finding_counts(found),
-                       findings=list(found)).model_dump_json())
+        _emit(CheckOut(run_id=run.run_id, source=source, counts=finding_counts(found), findings=list(found),
+                       required_not_evaluated=[f.id for f in unmet]).model_dump_json())
+    if unmet:
+        return EXIT_REFUSED
     return exit_code(found, args.fail_on)
+
+
+def _required_findings(texts, specs) -> set[str]:
+    """``--require ID[,ID...]`` (repeatable): finding ids, each one of specs/findings/."""
+    ids = {t.strip() for arg in (texts or []) for t in arg.split(",") if t.strip()}
+    unknown = sorted(ids - set(specs))
+    if unknown:
+        raise ValueError(f"--require names unknown finding(s) {unknown}; the findings: {', '.join(sorted(specs))}")
+    return ids
 
 
 def render_findings_list(specs) -> str:
@@ -585,6 +599,9 @@ def parser() -> argparse.ArgumentParser:
                    "specs/features/surface.yaml; the task example's own)." + CALLABLE_NOTE)
     c.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired")
     c.add_argument("--target", action="append", metavar="NAME[:higher|lower]", help=TARGET_HELP)
+    c.add_argument("--require", action="append", metavar="FINDING[,FINDING...]", help="exit 1 when a named finding "
+                   "is not evaluated (e.g. proxy_gaming,paid_for_drift: a CI gate that fails where the run cannot be "
+                   "judged, not only where it is judged unhealthy); ids as `check --list` gives them")
     c.add_argument("--list", action="store_true", help="list the findings, what each reads and how it was validated")
     c.add_argument("--quiet", action="store_true", help="no progress on stderr")
     c.set_defaults(func=cmd_check)
