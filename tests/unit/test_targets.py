@@ -189,3 +189,18 @@ def test_the_core_resolves_a_target_against_the_trainers_reward_functions():
         declared_targets(tap_settings(target="nope").target, SurfaceFeatures(), ["fmt"])
     with pytest.raises(ValueError, match="named like the reward function"):
         declared_targets(tap_settings(target={"fmt": vowels}).target, SurfaceFeatures(), ["fmt"])
+
+
+def test_a_target_the_basis_already_reads_is_marked_not_copied():
+    """The task basis reads reward function `correctness` as `correct`: a tap's target="correctness"
+    marks that feature (the same basis id, the same books), never adds a collinear copy."""
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens.measure.ledger.targets import with_targets
+    from reward_lens.record.schema import TargetDecl
+
+    task = load_basis(REPO / "examples" / "features" / "task.yaml")
+    both = with_targets(task, [TargetDecl(name="correctness", want="higher", of="reward")])
+    assert list(both.names) == list(task.names) and both.basis_id == task.basis_id
+    assert both.targets == {"correct": "higher"}
+    fmt = with_targets(task, [TargetDecl(name="format", want="lower", of="reward")])
+    assert fmt.targets == {"correct": "higher", "reward_format": "lower"} and list(fmt.names) == list(task.names)

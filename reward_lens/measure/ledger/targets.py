@@ -9,7 +9,8 @@ basis file's ``target:`` on a feature. Each is one of
 - a check the reward does not pay for (``of: check``): scored by the tap into ``targets.NAME``.
 
 ``with_targets`` marks each in the basis (``target: higher|lower``), adding the feature where the
-basis lacks it: a target is read in the same basis as every other behaviour, so the findings that
+basis lacks it (a feature of the basis that reads the same reward function or check is marked
+instead of adding a copy): a target is read in the same basis as every other behaviour, so the findings that
 tell gaming from learning (proxy_gaming, paid_for_drift) and the agreement book see it. A target
 added to the basis is a feature of it, so it is in the basis id; a target set on a feature the
 basis already has is not (basis.py: targets are not part of the id).
@@ -76,10 +77,15 @@ def with_targets(basis: FeatureBasis, targets: Sequence[TargetDecl]) -> FeatureB
     surface = surface_definitions()[0]
     changed = False
     for t in targets:
-        if t.name in index:
-            d = defs[index[t.name]]
+        # a feature of the basis that already reads this reward function or check is the target
+        # (a second copy would be a column collinear with it)
+        same = next((d.name for d in defs if (t.of == "reward" and d.kind == "reward" and d.reward == t.name)
+                     or (t.of == "check" and d.kind == "check" and d.check == t.name)), None)
+        if t.name in index or same is not None:
+            i = index[t.name if t.name in index else same]
+            d = defs[i]
             if d.target != t.want:
-                defs[index[t.name]] = d.model_copy(update={"target": t.want})
+                defs[i] = d.model_copy(update={"target": t.want})
                 changed = True
             continue
         if t.of == "reward":
