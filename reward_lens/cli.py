@@ -406,6 +406,12 @@ def cmd_publish(args) -> int:
     check_owned(site, "site")  # before any work
     features = features_from(args.features)  # a bad basis file is named before any record is read
     progress = Progress(args.quiet)
+    for p in args.run_dirs:  # a report folder where a record is wanted: say what it got and what it wants
+        d = Path(p)
+        if d.is_dir() and not (d / "manifest.json").exists() and (d / "report.json").is_file():
+            raise ValueError(f"publish: {p} is a report folder (it has report.json, no manifest.json); publish "
+                             "reads record directories (the folder the tap or `reward-lens import` wrote, with "
+                             "manifest.json) and writes their reports itself")
     runs = [open_run(p) for p in args.run_dirs]
     for run in runs:
         run.verify()
@@ -531,6 +537,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reward-lens", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks on bad input")
+    p.add_argument("--version", action="version", version=f"reward-lens {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("report", help="write the books of a record as Markdown, HTML and JSON",
@@ -608,7 +615,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")
     s.add_argument("run_dirs", nargs="+", help="record directories")
-    s.add_argument("--site", required=True, help="the site directory (replaced atomically)")
+    s.add_argument("--out", "--site", dest="site", required=True, metavar="DIR",
+                   help="the site directory (replaced atomically); --site is the same option under its earlier name")
     s.add_argument("--features", metavar="FILE", help="the feature basis every run is read in (YAML, e.g. "
                    "examples/features/task.yaml; default: specs/features/surface.yaml)." + CALLABLE_NOTE)
     s.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired, for every run")
@@ -631,6 +639,12 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--quiet", action="store_true")
     i.set_defaults(func=cmd_import)
     return p
+
+
+def _version() -> str:
+    from reward_lens import __version__
+
+    return __version__
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -581,8 +581,8 @@ def missing_inputs(spec: FindingSpec, present: Callable[[str], bool], book_statu
 
 
 # What a finding that reads the declared targets lacks where the basis declares none.
-TARGET = ("a declared target, what you want of the policy (e.g. correctness): `target=` in RewardLensTap.attach, "
-          "`--target NAME` on report or check, or `target:` on a feature of the basis")
+TARGET = ("a declared target (what you want, e.g. correctness: `target=` in RewardLensTap.attach, `--target NAME`, "
+          "or `target:` in the basis)")
 
 
 def missing_target(spec: FindingSpec, targets: Mapping[str, str] | None) -> list[str]:

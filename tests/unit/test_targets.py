@@ -204,3 +204,27 @@ def test_a_target_the_basis_already_reads_is_marked_not_copied():
     assert both.targets == {"correct": "higher"}
     fmt = with_targets(task, [TargetDecl(name="format", want="lower", of="reward")])
     assert fmt.targets == {"correct": "higher", "reward_format": "lower"} and list(fmt.names) == list(task.names)
+
+
+def test_the_basis_page_shows_every_kind_the_loader_accepts(tmp_path):
+    """docs/basis.md: one example per kind, each loading as written (a `callable` needs its module)."""
+    import re
+
+    import yaml
+
+    from reward_lens.measure.ledger.basis import KINDS, load_basis
+
+    text = (REPO / "docs" / "basis.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    shown = set()
+    for block in blocks[1:]:  # the first is the annotated whole file
+        feats = yaml.safe_load(block)
+        shown |= {f["kind"] for f in feats}
+        if any(f["kind"] == "callable" for f in feats):
+            continue
+        path = tmp_path / "b.yaml"
+        path.write_text(yaml.safe_dump({"features": feats}))
+        assert load_basis(path).names
+    assert shown == set(KINDS)
+    (tmp_path / "whole.yaml").write_text(blocks[0])
+    assert load_basis(tmp_path / "whole.yaml").targets == {"correct": "higher"}
