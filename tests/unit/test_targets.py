@@ -228,3 +228,20 @@ def test_the_basis_page_shows_every_kind_the_loader_accepts(tmp_path):
     assert shown == set(KINDS)
     (tmp_path / "whole.yaml").write_text(blocks[0])
     assert load_basis(tmp_path / "whole.yaml").targets == {"correct": "higher"}
+
+
+def test_version_and_publish_out(tmp_path, capsys):
+    from reward_lens import __version__
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"reward-lens {__version__}"
+    # publish takes --out like every other command (--site kept), and names a report folder given for a record
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / "report.json").write_text("{}")
+    for flag in ("--out", "--site"):
+        assert cli.main(["publish", str(rep), flag, str(tmp_path / "site"), "--quiet"]) == cli.EXIT_BAD_INPUT
+        err = capsys.readouterr().err
+        assert "is a report folder (it has report.json, no manifest.json)" in err and "record directories" in err
+    assert not (tmp_path / "site").exists()
