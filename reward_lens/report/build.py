@@ -232,6 +232,8 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
             if f.verdict_key is None:
                 continue
             verdicts.setdefault(f.verdict_key, []).append(f.feature)
+            if f.moved is False:
+                still.add(f.feature)
             if f.target is not None:  # its own verdict leads the card; not among what the reward asked for
                 targets.append(TargetLine(feature=f.feature, want=f.target, key=f.verdict_key, words=f.verdict,
                                           wrong=f.verdict_key in TARGET_WRONG))
@@ -240,8 +242,6 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
                 directly.append(f.feature)
             elif f.asked == ASKED_JOINTLY and not any(f.feature in c for c in jointly):
                 jointly.append([n for n in ctx.features.names if n == f.feature or n in f.jointly_with])
-            if f.moved is False:
-                still.add(f.feature)
     effect = books.get("effect")
     moved = [x.feature for x in effect.data.drift if x.moved] if effect is not None and effect.data is not None else []
     shares = sorted((d.resolved_shares or {}).items(), key=lambda kv: -kv[1])
