@@ -185,6 +185,7 @@ class Projection:
         self.rejected: Cause | None = None
         self.blocked: dict[str, Cause] = {}  # ledger id -> why it cannot form
         self.prompt_groups: int | None = None  # prompt groups a step will hold, where known
+        self.targets: dict[str, str] = {}  # declared targets (the tap's `target:`, a record's manifest)
 
 
 def project(spec: FrameworkSpec, cfg: dict[str, Any], where: str | Path = "config",
@@ -350,7 +351,9 @@ def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = Fa
     also say which of its features the logging setup supports; with ``model_parameters`` (the
     policy's trainable parameters), the bytes the tap's snapshot of pi_t will take."""
     result, pr, record = _audit(Path(path), framework, with_tap, model_parameters)
-    result.findings = _finding_support(result, pr, features.targets if features is not None else None)
+    # what declares a target: the tap section's `target:` or the record's manifest, and the basis
+    targets = {**pr.targets, **(features.targets if features is not None else {})}
+    result.findings = _finding_support(result, pr, targets)
     if features is not None:
         result.basis = features.basis_id
         result.features = _feature_verdicts(features, result, pr, record)
@@ -389,6 +392,10 @@ def _audit(path: Path, framework: str | None, with_tap: bool, model_parameters: 
             raise RecordError(path, f"`{tap.section}:` must be a mapping of the tap's arguments", field=tap.section)
         _check_tap_section(path, tap.section, section or {})
     pr = project(spec, cfg, path, tap)
+    if tap is not None and pr.rejected is None:
+        pr.rejected = _tap_rejects(path, tap.section, section or {})
+    if tap is not None:
+        pr.targets = tap_targets(section or {})
     if tap is not None and model_parameters is not None:
         pr.statements.append(_snapshot_statement(cfg, model_parameters, tap.defaults))
     optimizer, _ = _get(cfg, "optim", spec.defaults)
@@ -429,6 +436,9 @@ def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None
 
     from reward_lens.taps.settings import TapSettings, settings_error
 
+    values = dict(values)
+    if values.get("stop_on") is not None and values.get("check_every") == 0:
+        values.pop("check_every")  # attach raises on the pair: a run that will not start (_tap_rejects)
     try:
         TapSettings(**values)
     except ValidationError as exc:
@@ -438,6 +448,27 @@ def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None
                               f"{sorted(TapSettings.model_fields)}", field=section) from None
         raise RecordError(path, f"`{section}.{settings_error(exc)}`: RewardLensTap.attach would raise on it",
                           field=section) from None
+
+
+def _tap_rejects(path: Path, section: str, values: dict[str, Any]) -> Cause | None:
+    """A tap section that RewardLensTap.attach raises on though each value is valid alone: a
+    `features` file that is not there, or a `stop_on` that can never fire (`check_every: 0`)."""
+    feats = values.get("features")
+    if isinstance(feats, str) and not any((base / feats).is_file() for base in (Path.cwd(), path.parent)):
+        return Cause(key=f"{section}.features", value=feats, origin="config", says=_say("tap_features_missing",
+                                                                                       value=feats))
+    if values.get("stop_on") is not None and values.get("check_every") == 0:
+        return Cause(key=f"{section}.check_every", value=0, origin="config", says=_say("tap_stop_never",
+                                                                                     stop_on=values["stop_on"]))
+    return None
+
+
+def tap_targets(values: dict[str, Any]) -> dict[str, str]:
+    """The targets a tap section declares (`target:`), by name: what the user wants."""
+    from reward_lens.taps.settings import tap_settings
+
+    targets = tap_settings(target=values.get("target")).target if values.get("target") is not None else ()
+    return {t.name: t.want for t in targets or ()}
 
 
 def _finding_support(result: AuditOut, pr: Projection, targets=None) -> list[FindingSupport]:
@@ -519,6 +550,7 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
                 pr.why_missing[f] = Cause(key=f, value=None, origin="record", says=_say("record_lacks", field=f))
         groups = _record_prompt_groups(run)
         pr.prompt_groups = groups
+        pr.targets = {t.name: t.want for t in run.manifest.targets}
         if groups is not None and groups < 2:  # as --ledger auto: the paired ledger cannot form on any step
             pr.blocked["paired"] = Cause(key="rollout.group_id", value=groups, origin="record",
                                          says=_say("record_prompt_groups", groups=groups))
@@ -545,6 +577,7 @@ def _audit_manifest(path: Path, cfg: dict[str, Any], frameworks: dict[str, Frame
                           f"config, and framework {fw!r} has no spec in specs/frameworks/")
     tc = validate_config(cfg.get("trainer_config") or {}, frameworks[fw], path)
     pr = project(frameworks[fw], tc, path)
+    pr.targets = {t["name"]: t["want"] for t in cfg.get("targets") or []}
     subject = "a run logged with the trainer configuration this manifest keeps"
     books = _verdicts(pr, subject=subject, audit_words=True, optimizer=cfg.get("optimizer"),
                       betas=[float(tc["beta"])] if isinstance(tc.get("beta"), (int, float)) else [], framework=fw)

@@ -6,7 +6,7 @@ Exit codes (all subcommands):
   1  refused: what --fail-on counts happened (a normal outcome for an incomplete record; with
      --fail-on refused also any refusal, or a book with nothing resolved from noise); audit:
      a book would refuse, a --require'd book would, or the run will not start; check: a
-     finding at or above --fail-on holds
+     finding at or above --fail-on holds, or a --require'd finding is not evaluated
   2  bad input: an unreadable record, config or spec, or an output folder holding files
      reward-lens did not write; one line on stderr names the file and field (the
      traceback only with --debug)
@@ -144,6 +144,39 @@ def _record_path(args) -> Path:
     return Path(args.run_dir)
 
 
+def _reward_names(run) -> set[str] | None:
+    """The reward functions of a record (the keys of its first rollouts' ``rewards``), or None
+    where it has no per-function rewards."""
+    if not run.n_rollouts or "rewards" not in run.rollout_columns():
+        return None
+    for table in run.iter_rollouts(["rewards"]):
+        col = table.column("rewards").combine_chunks()
+        return set(col.keys.unique().to_pylist())
+    return None
+
+
+def _targets(args, run, features) -> list:
+    """``--target NAME[:higher|lower]`` (repeatable, or comma-separated), each resolved against
+    the basis, the record's declared targets and its reward functions."""
+    from reward_lens.measure.ledger.targets import parse_target, resolve
+
+    texts = [t for arg in (args.target or []) for t in arg.split(",") if t.strip()]
+    if not texts:
+        return []
+    rewards = _reward_names(run)
+    out = []
+    for text in texts:
+        name, want = parse_target(text)
+        out.append(resolve(name, want, features, run.manifest.targets, rewards))
+    return out
+
+
+TARGET_HELP = ("what you want of the policy, as opposed to what the reward pays for: a reward function of the record "
+               "(TRL's reward_funcs names), a feature of the basis, or a check the tap recorded, with the direction "
+               "you want (default higher); repeatable. Laid over the targets the tap recorded (attach's target=). "
+               "Without any, proxy_gaming and paid_for_drift are not evaluated")
+
+
 def cmd_report(args) -> int:
     from reward_lens.record.reader import open_run
     from reward_lens.report import build_report, to_html, to_json, to_markdown
@@ -171,7 +204,8 @@ def cmd_report(args) -> int:
         progress("verifying checksums")
         run.verify()  # a same-size edit of a data file is refused, naming the file
         progress("building the report")
-        report = build_report(run, progress, ledger=args.ledger, window=window, features=features)
+        report = build_report(run, progress, ledger=args.ledger, window=window, features=features,
+                              targets=_targets(args, run, features))
     progress("rendering")
     render = {"md": ("report.md", to_markdown), "html": ("report.html", to_html),
               "json": ("report.json", lambda r: to_json(r, pretty=args.pretty))}
@@ -225,9 +259,13 @@ def audit_text(result, verbose: bool = False) -> str:
         for f in result.features:
             lines.append(f"{f.name:<18}{f.kind:<15}{f.verdict:<15}{_visible(f.says)}")
     if result.findings:
+        from reward_lens.findings import TARGET
+        from reward_lens_spec.render import render_macro
+
         lines += ["", f"{'finding':<26}{'verdict':<19}needs"]
         for f in result.findings:
-            lines.append(f"{f.finding:<26}{f.verdict:<19}{', '.join(f.missing) or '-'}"
+            needs = [render_macro("audit/says.j2", "no_target", what=m) if m == TARGET else m for m in f.missing]
+            lines.append(f"{f.finding:<26}{f.verdict:<19}{', '.join(needs) or '-'}"
                          + (" (live)" if f.live and f.verdict == "will evaluate" and result.with_tap else ""))
     if seen and not verbose:
         lines += ["", "(--verbose prints each refusal's whole detail and remedy)"]
@@ -375,6 +413,12 @@ def cmd_publish(args) -> int:
     check_owned(site, "site")  # before any work
     features = features_from(args.features)  # a bad basis file is named before any record is read
     progress = Progress(args.quiet)
+    for p in args.run_dirs:  # a report folder where a record is wanted: say what it got and what it wants
+        d = Path(p)
+        if d.is_dir() and not (d / "manifest.json").exists() and (d / "report.json").is_file():
+            raise ValueError(f"publish: {p} is a report folder (it has report.json, no manifest.json); publish "
+                             "reads record directories (the folder the tap or `reward-lens import` wrote, with "
+                             "manifest.json) and writes their reports itself")
     runs = [open_run(p) for p in args.run_dirs]
     for run in runs:
         run.verify()
@@ -440,24 +484,39 @@ def cmd_check(args) -> int:
     from reward_lens.measure.ledger.features import features_from
     from reward_lens.report import build_report
 
+    required = _required_findings(args.require, specs)  # before any work
     spec = args.features or (example_features(args.example) if args.example else None)
     features = features_from(spec)
     with tempfile.TemporaryDirectory(prefix="reward-lens-check-") as tmp:
         run, source = _open_for_check(_record_path(args), Path(tmp))
         run.verify()
-        report = build_report(run, Progress(args.quiet), ledger=args.ledger, features=features)
+        report = build_report(run, Progress(args.quiet), ledger=args.ledger, features=features,
+                              targets=_targets(args, run, features))
     found = report.findings
+    unmet = [f for f in found if f.id in required and f.status == "not_evaluated"]
     if "md" in formats:
         from reward_lens_spec.render import render_template
 
         _emit(render_template("report/check.md.j2", {"f": found, "n": finding_counts(found), "source": source,
-                                                      "run_id": run.run_id, "fail_on": args.fail_on}, prose=False))
+                                                      "run_id": run.run_id, "fail_on": args.fail_on,
+                                                      "unmet": unmet}, prose=False))
     if "json" in formats:
         from reward_lens.report.check import CheckOut
 
-        _emit(CheckOut(run_id=run.run_id, source=source, counts=finding_counts(found),
-                       findings=list(found)).model_dump_json())
+        _emit(CheckOut(run_id=run.run_id, source=source, counts=finding_counts(found), findings=list(found),
+                       required_not_evaluated=[f.id for f in unmet]).model_dump_json())
+    if unmet:
+        return EXIT_REFUSED
     return exit_code(found, args.fail_on)
+
+
+def _required_findings(texts, specs) -> set[str]:
+    """``--require ID[,ID...]`` (repeatable): finding ids, each one of specs/findings/."""
+    ids = {t.strip() for arg in (texts or []) for t in arg.split(",") if t.strip()}
+    unknown = sorted(ids - set(specs))
+    if unknown:
+        raise ValueError(f"--require names unknown finding(s) {unknown}; the findings: {', '.join(sorted(specs))}")
+    return ids
 
 
 def render_findings_list(specs) -> str:
@@ -540,6 +599,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reward-lens", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--debug", action="store_true", help="show tracebacks on bad input")
+    p.add_argument("--version", action="version", version=f"reward-lens {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("report", help="write the books of a record as Markdown, HTML and JSON",
@@ -559,6 +619,7 @@ def parser() -> argparse.ArgumentParser:
                    "'adaptive': merge until resolved (default 1)")
     r.add_argument("--features", metavar="FILE", help="a feature basis (YAML, e.g. examples/features/task.yaml; "
                    "default: specs/features/surface.yaml)." + CALLABLE_NOTE)
+    r.add_argument("--target", action="append", metavar="NAME[:higher|lower]", help=TARGET_HELP)
     r.add_argument("--pretty", action="store_true", help="indent report.json (compact by default)")
     r.add_argument("--quiet", action="store_true", help="no progress, no summary")
     r.set_defaults(func=cmd_report)
@@ -606,13 +667,18 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--features", metavar="FILE", help="the feature basis the book-based findings read (default: "
                    "specs/features/surface.yaml; the task example's own)." + CALLABLE_NOTE)
     c.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired")
+    c.add_argument("--target", action="append", metavar="NAME[:higher|lower]", help=TARGET_HELP)
+    c.add_argument("--require", action="append", metavar="FINDING[,FINDING...]", help="exit 1 when a named finding "
+                   "is not evaluated (e.g. proxy_gaming,paid_for_drift: a CI gate that fails where the run cannot be "
+                   "judged, not only where it is judged unhealthy); ids as `check --list` gives them")
     c.add_argument("--list", action="store_true", help="list the findings, what each reads and how it was validated")
     c.add_argument("--quiet", action="store_true", help="no progress on stderr")
     c.set_defaults(func=cmd_check)
 
     s = sub.add_parser("publish", help="a static site of reports, one page per run, relative links only")
     s.add_argument("run_dirs", nargs="+", help="record directories")
-    s.add_argument("--site", required=True, help="the site directory (replaced atomically)")
+    s.add_argument("--out", "--site", dest="site", required=True, metavar="DIR",
+                   help="the site directory (replaced atomically); --site is the same option under its earlier name")
     s.add_argument("--features", metavar="FILE", help="the feature basis every run is read in (YAML, e.g. "
                    "examples/features/task.yaml; default: specs/features/surface.yaml)." + CALLABLE_NOTE)
     s.add_argument("--ledger", default="auto", help="as for report: auto, paired or unpaired, for every run")
@@ -645,6 +711,12 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--quiet", action="store_true")
     i.set_defaults(func=cmd_import)
     return p
+
+
+def _version() -> str:
+    from reward_lens import __version__
+
+    return __version__
 
 
 def main(argv: list[str] | None = None) -> int:

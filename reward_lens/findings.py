@@ -600,7 +600,8 @@ def missing_inputs(spec: FindingSpec, present: Callable[[str], bool], book_statu
 
 
 # What a finding that reads the declared targets lacks where the basis declares none.
-TARGET = "`target:` on a feature of the basis (the behaviour the user wants, e.g. correctness; --features)"
+TARGET = ("a declared target (what you want, e.g. correctness: `target=` in RewardLensTap.attach, `--target NAME`, "
+          "or `target:` in the basis)")
 
 
 def missing_target(spec: FindingSpec, targets: Mapping[str, str] | None) -> list[str]:

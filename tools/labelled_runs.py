@@ -234,7 +234,8 @@ def prefix_record(run, k: int, dest: Path) -> Path:
            for row in run.telemetry.to_pylist() if row["step"] <= k]
     m = run.manifest
     write_run(dest, framework=m.framework.model_dump(), model=m.model.model_dump(), telemetry=tel, rollouts=rol,
-              optimizer=m.optimizer, trainer_config=m.trainer_config, notes=m.notes, heldout=hot, overwrite=True)
+              optimizer=m.optimizer, trainer_config=m.trainer_config, notes=m.notes, heldout=hot, overwrite=True,
+              targets=m.targets)
     return dest
 
 

@@ -27,7 +27,7 @@ def supported(log_completions: bool) -> tuple[list[str], list[str], int]:
 
 
 def _codes(names: list[str]) -> str:
-    names = [f"`{n}`" for n in names]
+    names = [f"`{n}`" if n.isidentifier() else n for n in names]  # a field name, or what a field would not say
     return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 

@@ -20,7 +20,13 @@ For each feature of the basis:
   (never carried along). Moved with no selection on it at all: *collateral* (the reward-hacking
   signature in the named basis); none of these: *neither*.
 
-Disagreements (not bought, the other way, against, collateral) are the headline of this book.
+A declared target (``target: higher|lower``: what the user wants) is judged against what the user
+wants instead (``decisions.target_verdict_of``): it moved the wrong way, with the reward selecting
+against it or not; no net change while the reward selects against it; moved as wanted; no net
+change. Never "asked for and bought".
+
+Disagreements (not bought, the other way, against, collateral, a target moved or pushed the wrong
+way) are the headline of this book.
 Hand-made cases are in tests/unit/test_books.py: a feature that only correlates with the
 rewarded one is carried along, not asked for.
 """
@@ -34,7 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from reward_lens.measure import decisions
 from reward_lens.measure.books import BookResult, RunContext
-from reward_lens.measure.decisions import Selection, asked_words, verdict_of
+from reward_lens.measure.decisions import Selection, asked_words, target_verdict_of, verdict_of
 from reward_lens_spec.render import render_template
 
 # The verdicts' words where no behaviour is asked for jointly (``templates/report/verdict.j2``).
@@ -48,7 +54,10 @@ NEITHER = "neither"
 SUMMARY_KEYS = {decisions.BOUGHT: "asked_for_and_bought", decisions.CARRIED: "carried_along",
                 decisions.COLLATERAL: "collateral", decisions.NOT_BOUGHT: "asked_for_not_bought",
                 decisions.OTHER_WAY: "asked_for_moved_the_other_way", decisions.AGAINST: "moved_against_selection",
-                decisions.NEITHER: "neither"}
+                decisions.NEITHER: "neither", decisions.TARGET_FELL_SELECTED_AGAINST: "target_selected_against_and_moved",
+                decisions.TARGET_FELL: "target_moved_against_want",
+                decisions.TARGET_SELECTED_AGAINST: "target_selected_against", decisions.TARGET_MET: "target_met",
+                decisions.TARGET_STILL: "target_no_net_change"}
 
 
 class _M(BaseModel):
@@ -75,6 +84,9 @@ class FeatureVerdict(_M):
                                                       "is refused")
     verdict: str | None = Field(description="the verdict in words, the same on every page; null when a book it "
                                             "needs is refused")
+    target: Literal["higher", "lower"] | None = Field(None, description=(
+        "a declared target (what the user wants of it): its verdict is judged against that, not against what "
+        "the reward asks (measure.decisions.target_verdict_of)"))
 
 
 class AgreementSection(_M):
@@ -84,7 +96,8 @@ class AgreementSection(_M):
 
 def agreement_table(features: Sequence[str], units: dict[str, str], shares: dict[str, float] | None,
                     drift: dict[str, tuple[bool, float]] | None, selection: dict[str, Selection] | None,
-                    gradients: dict[str, float | None] | None = None) -> AgreementSection:
+                    gradients: dict[str, float | None] | None = None,
+                    targets: dict[str, str] | None = None) -> AgreementSection:
     """``drift``: feature -> (resolved, value); ``selection``: feature -> what the reward selected
     of it (``decisions.Selection``); None when that book is refused. The verdicts are
     ``decisions.verdict_of``'s."""
@@ -92,8 +105,14 @@ def agreement_table(features: Sequence[str], units: dict[str, str], shares: dict
     for n in features:
         mv = drift.get(n) if drift is not None else None
         sl = selection.get(n) if selection is not None else None
-        v = verdict_of(mv[0], mv[1], sl) if mv is not None and sl is not None else None
-        out.append(FeatureVerdict(
+        want = (targets or {}).get(n)
+        if mv is None or sl is None:
+            v = None
+        elif want is not None:
+            v = target_verdict_of(n, want, mv[0], mv[1], sl)
+        else:
+            v = verdict_of(mv[0], mv[1], sl)
+        out.append(FeatureVerdict(target=want,
             feature=n, unit=units.get(n, ""), share=shares.get(n) if shares else None,
             moved=mv[0] if mv else None, drift=mv[1] if mv else None, asked=sl.asked if sl else None,
             asked_for=asked_words(sl) if sl else None, direction=sl.direction if sl else None,
@@ -120,7 +139,7 @@ def agreement_section(ctx: RunContext) -> BookResult:
     rows = cause.data.selected if cause.data is not None and cause.data.selected else None
     selection = {x.feature: selection_from_cause(x) for x in rows} if rows else None
     sec = agreement_table(names, units, ctx.decisions.resolved_shares, drift, selection,
-                          {x.feature: x.gradient for x in rows} if rows else None)
+                          {x.feature: x.gradient for x in rows} if rows else None, targets=ctx.features.targets)
     refusals = [r for b in (effect, cause) if b.data is None for r in b.refusals]
     if drift is None or selection is None:
         status = "refused" if drift is None and selection is None else "partial"

@@ -249,8 +249,19 @@ COLLATERAL = "collateral"  # moved with no selection on it, direct or indirect
 NEITHER = "neither"  # neither moved nor asked for
 VERDICTS = (BOUGHT, NOT_BOUGHT, OTHER_WAY, CARRIED, AGAINST, COLLATERAL, NEITHER)
 ASKED_VERDICTS = (BOUGHT, NOT_BOUGHT, OTHER_WAY)
+# A declared target's own verdict (what the user wants of it, ``target: higher|lower``, not what the
+# reward asks): it replaces the verdicts above for that behaviour on every page, so a target the
+# reward selects against is never "asked for and bought" (issue 57).
+TARGET_FELL_SELECTED_AGAINST = "target_against_selected"  # moved against what the user wants; the reward selected that way
+TARGET_FELL = "target_against"  # moved against what the user wants
+TARGET_SELECTED_AGAINST = "target_selected_against"  # no net change; the reward selects against what the user wants
+TARGET_MET = "target_met"  # moved the way the user wants
+TARGET_STILL = "target_still"  # no net change, and no selection against it
+TARGET_VERDICTS = (TARGET_FELL_SELECTED_AGAINST, TARGET_FELL, TARGET_SELECTED_AGAINST, TARGET_MET, TARGET_STILL)
+# The target verdicts that lead the first screen as a warning: the target moved or is pushed the wrong way.
+TARGET_WRONG = (TARGET_FELL_SELECTED_AGAINST, TARGET_FELL, TARGET_SELECTED_AGAINST)
 # A disagreement between what the reward selects and what moved: the agreement book's headline.
-DISAGREEMENTS = (NOT_BOUGHT, OTHER_WAY, AGAINST, COLLATERAL)
+DISAGREEMENTS = (NOT_BOUGHT, OTHER_WAY, AGAINST, COLLATERAL, *TARGET_WRONG)
 
 
 @dataclass(frozen=True)
@@ -317,6 +328,37 @@ def verdict_of(moved: bool, drift: float, sel: Selection) -> Verdict:
         key = CARRIED if up == (sel.differential > 0) else AGAINST
     shell = Verdict(key, sel.asked, sel.direction if sel.asked != NOT_ASKED else 0, sel.jointly_with, "")
     return dataclasses.replace(shell, words=_words("verdict", shell))
+
+
+def selection_direction(sel: Selection) -> int:
+    """The direction the reward selects a behaviour in: what it asked for of it where it asked
+    (directly or jointly), else the sign of its resolved selection differential; 0 for none."""
+    if sel.asked != NOT_ASKED:
+        return sel.direction
+    if sel.selected and sel.differential:
+        return 1 if sel.differential > 0 else -1
+    return 0
+
+
+def target_verdict_of(name: str, want: str, moved: bool, drift: float, sel: Selection) -> Verdict:
+    """The verdict of a declared target (``want``: higher or lower), judged against what the user
+    wants, not against what the reward asks: moved the wrong way (*fell*, or *rose* for a target
+    wanted lower) -- with the reward selecting that way too, or not; no net change while the reward
+    selects against it; moved as wanted; no net change. Words: ``templates/report/verdict.j2``'s
+    ``target`` macro, naming the target."""
+    sign = 1 if want == "higher" else -1
+    against = selection_direction(sel) == -sign
+    if moved and (drift > 0) == (sign > 0):
+        key = TARGET_MET
+    elif moved:
+        key = TARGET_FELL_SELECTED_AGAINST if against else TARGET_FELL
+    else:
+        key = TARGET_SELECTED_AGAINST if against else TARGET_STILL
+    from reward_lens_spec.render import render_macro
+
+    words = render_macro("report/verdict.j2", "target", key=key, target=name, want=want, up=drift > 0)
+    return Verdict(key, sel.asked, sel.direction if sel.asked != NOT_ASKED else 0, sel.jointly_with,
+                   " ".join(words.split()))
 
 
 def selection_of(direct: bool, jointly: bool, gradient: float | None, joint_direction: int,

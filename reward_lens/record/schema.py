@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
@@ -120,6 +120,9 @@ class Rollout(BaseModel):
     # step pair's side a) or the row's own step (pi_{t+1}: side b, drawn beside the generation that
     # the step's rollouts came from, never trained on); null in records of earlier taps: pi_t's
     drawn_by_step: int | None = Field(None, ge=0)
+    # the score of each declared target the reward does not pay for (a held-out check, the
+    # manifest's ``targets`` with ``of: check``), by the target's name
+    targets: dict[str, float] | None = None
 
 
 class FileEntry(BaseModel):
@@ -172,6 +175,25 @@ class NonFiniteValue(BaseModel):
     source: str = Field(description="where it was read: a file and line, a key, or the tap's call")
 
 
+TARGET_NAME = r"^[A-Za-z_][A-Za-z0-9_.]*$"
+
+
+class TargetDecl(BaseModel):
+    """What the user wants of the policy, as opposed to what the reward pays for: a reward
+    function, a feature of the basis, or a check the reward does not pay for, and the direction
+    wanted. Declared where the user already is (the tap's ``target=``, ``--target``); the
+    findings that tell gaming from learning read it (specs/fields.yaml: ``targets``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=TARGET_NAME, description="the name findings cite")
+    want: Literal["higher", "lower"] = Field(description="more of it (higher) or less (lower)")
+    of: Literal["reward", "feature", "check"] = Field(
+        description="where its value per rollout is: `rewards.NAME` (a reward function), a feature of the basis "
+                    "computed from the completion (specs/features/surface.yaml or the report's basis), or "
+                    "`targets.NAME` (a check the reward does not pay for, scored by the tap)")
+
+
 class RunManifest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -189,6 +211,7 @@ class RunManifest(BaseModel):
     checkpoints: list[CheckpointEntry] = Field(default_factory=list)
     non_finite: list[NonFiniteValue] = Field(
         default_factory=list, description="values stored as null because they were NaN or infinite")
+    targets: list[TargetDecl] = Field(default_factory=list, description="what the user declared they want")
 
 
 def content_run_id(manifest: RunManifest) -> str:
@@ -213,7 +236,7 @@ def content_run_id(manifest: RunManifest) -> str:
 
 _LATER_OPTIONAL = (("model", "eos_token_id"),)
 # Manifest lists added later: hashed only when non-empty, for the same reason.
-_LATER_LISTS = ("non_finite",)
+_LATER_LISTS = ("non_finite", "targets")
 
 _ARROW_TYPES = {
     "int64": pa.int64(),

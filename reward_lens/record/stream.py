@@ -48,7 +48,7 @@ class RecordStream:
 
     def __init__(self, path: str | Path, *, framework: Mapping[str, Any], model: Mapping[str, Any],
                  optimizer: str | None = None, trainer_config: Mapping[str, Any] | None = None,
-                 notes: list[str] | None = None, overwrite: bool = False):
+                 notes: list[str] | None = None, overwrite: bool = False, targets: list | None = None):
         self.path = Path(path)
         if self.path.exists():
             if not overwrite:
@@ -59,7 +59,7 @@ class RecordStream:
         self.path.mkdir(parents=True, exist_ok=True)
         self._base = dict(framework=dict(framework), model=dict(model), optimizer=optimizer,
                           trainer_config=dict(trainer_config or {}), created_by=f"reward-lens {__version__}",
-                          notes=list(notes or []))
+                          notes=list(notes or []), targets=list(targets or []))
         self._telemetry: dict[int, OptimizerTelemetry] = {}
         self._pending: list[Rollout] = []
         self._pending_heldout: list[Rollout] = []

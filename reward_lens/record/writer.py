@@ -73,8 +73,9 @@ def _rollouts_table(rows: Iterable[Rollout] | pa.Table) -> pa.Table:
     else:
         data = [r.model_dump() for r in rows]
         for d in data:
-            if d["rewards"] is not None:
-                d["rewards"] = list(d["rewards"].items())
+            for key in ("rewards", "targets"):
+                if d[key] is not None:
+                    d[key] = list(d[key].items())
         table = pa.Table.from_pylist(data, schema=schema)
     # Stable sort keeps the within-step order the trainer produced.
     return table.take(pa.compute.sort_indices(table, sort_keys=[("step", "ascending")]))
@@ -213,6 +214,7 @@ def write_run(
     heldout: Iterable[Rollout] | pa.Table | None = None,
     non_finite: Iterable[NonFiniteValue] = (),
     validation: Iterable[Rollout] | pa.Table | None = None,
+    targets: Iterable[Any] = (),
 ) -> RunManifest:
     """Write a record directory at ``path`` and return its manifest.
 
@@ -223,6 +225,8 @@ def write_run(
     ``validation``: completions of held-out *prompts* the trainer drew to validate pi_step (veRL's
     ``validation_data_dir``), rows of the rollouts schema written to ``validation.parquet``: apart
     from ``heldout`` (the same prompts' draws the paired ledger reads) and from the rollouts.
+    ``targets``: what the user declared they want (``TargetDecl`` or its mapping), the manifest's
+    ``targets``.
     """
     dest = Path(path)
     recover_swap(dest)
@@ -261,7 +265,7 @@ def write_run(
             framework=dict(framework), model=dict(model), optimizer=optimizer,
             trainer_config=dict(trainer_config or {}), telemetry_per_step=telemetry_per_step,
             logging_steps=logging_steps, created_by=f"reward-lens {__version__}", notes=list(notes),
-            files=files, checkpoints=ckpts, non_finite=list(non_finite),
+            files=files, checkpoints=ckpts, non_finite=list(non_finite), targets=list(targets),
         )
         manifest = commit_manifest(tmp, manifest)
         # mkdtemp makes the directory 0700; a record is data to share, so give it the

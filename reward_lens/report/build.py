@@ -7,16 +7,17 @@ into feature vectors and dropped, so memory holds n x k floats, never every comp
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from reward_lens import __version__
 from reward_lens.measure.books import RunContext
-from reward_lens.measure.decisions import ASKED_DIRECTLY, ASKED_JOINTLY
+from reward_lens.measure.decisions import ASKED_DIRECTLY, ASKED_JOINTLY, TARGET_WRONG
 from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.record.reader import Run, Window
+from reward_lens.record.schema import TargetDecl
 from reward_lens.report.curves import RolloutCurves, training_curves
 from reward_lens.record.errors import RecordError
 from reward_lens.measure.figures import FigureOut, Panel, Series
@@ -32,6 +33,7 @@ from reward_lens.report.model import (
     RunSummary,
     SampleRollout,
     Share,
+    TargetLine,
 )
 from reward_lens_spec import Refusal, load_books, load_fields, load_refusal_codes
 from reward_lens_spec.render import first_sentence, render_template
@@ -153,12 +155,17 @@ class BrowserRows:
 
 
 def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "auto",
-                 window: int | str = 1, features: FeatureBasis | None = None) -> Report:
+                 window: int | str = 1, features: FeatureBasis | None = None,
+                 targets: Sequence[TargetDecl] = ()) -> Report:
     """Every book of ``run`` (one per spec in specs/books/, in their ``report.order``),
-    computed in the feature basis ``features`` (default: specs/features/surface.yaml)."""
+    computed in the feature basis ``features`` (default: specs/features/surface.yaml) with the
+    record's declared targets (its manifest's ``targets``) and ``targets`` (``--target``, laid
+    over them) marked in it (``measure.ledger.targets``)."""
     from reward_lens.measure.ledger.price import feature_context
+    from reward_lens.measure.ledger.targets import merged, with_targets
 
     features = features if features is not None else SurfaceFeatures()
+    features = with_targets(features, merged(run.manifest.targets, targets))
     browser, curves = BrowserRows(run, features, feature_context(run)), RolloutCurves(run)
     ctx = RunContext(run, features, ledger=ledger, window=window, progress=progress, collectors=[browser, curves])
     ctx.specs = {k: v for k, v in load_books().items() if v.report is not None}
@@ -219,17 +226,22 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
     directly: list[str] = []
     jointly: list[list[str]] = []
     still: set[str] = set()
+    targets: list[TargetLine] = []
     if agreement is not None and agreement.data is not None:
         for f in agreement.data.features:
             if f.verdict_key is None:
                 continue
             verdicts.setdefault(f.verdict_key, []).append(f.feature)
+            if f.moved is False:
+                still.add(f.feature)
+            if f.target is not None:  # its own verdict leads the card; not among what the reward asked for
+                targets.append(TargetLine(feature=f.feature, want=f.target, key=f.verdict_key, words=f.verdict,
+                                          wrong=f.verdict_key in TARGET_WRONG))
+                continue
             if f.asked == ASKED_DIRECTLY:
                 directly.append(f.feature)
             elif f.asked == ASKED_JOINTLY and not any(f.feature in c for c in jointly):
                 jointly.append([n for n in ctx.features.names if n == f.feature or n in f.jointly_with])
-            if f.moved is False:
-                still.add(f.feature)
     effect = books.get("effect")
     moved = [x.feature for x in effect.data.drift if x.moved] if effect is not None and effect.data is not None else []
     shares = sorted((d.resolved_shares or {}).items(), key=lambda kv: -kv[1])
@@ -246,6 +258,7 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
         reward_change=p.get("total_reward_change"), reward_per_nat=p.get("reward_per_nat"),
         reward_per_nat_se=p.get("reward_per_nat_se"), reward_resolved=bool(p.get("resolved")), moved=moved,
         verdicts=verdicts, asked_directly=directly, asked_jointly=jointly,
+        targets_declared=list(ctx.features.targets), targets=sorted(targets, key=lambda t: not t.wrong),
         no_net_change=[s for s in stated if s.feature in still])
 
 
@@ -253,6 +266,8 @@ def summary_card(g: Glance | None, books: list[BookOut]) -> list[str]:
     """The first screen in sentences (``templates/report/card.j2``, from ``glance`` only), then
     what could not be computed and the one change that would compute most of it."""
     lines = [s for s in render_template("report/card.j2", {"g": g}).split("\n\n") if s.strip()] if g else []
+    if g is not None:  # what the user wants leads: its verdict, or that none is declared and how to declare one
+        lines = [render_template("report/card_target.j2", {"g": g}), *lines]
     missing = [b for b in books if b.status in ("refused", "partial")]
     real = [b for b in missing if any(r.code != "PREMISE_FAILED" for r in b.refusals)]
     if real:

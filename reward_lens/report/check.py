@@ -24,3 +24,5 @@ class CheckOut(BaseModel):
                                     "trainer_state.json")
     counts: dict[str, int] = Field(description="checked, holds, clear, not_evaluated, and holds by severity")
     findings: list[FindingOut]
+    required_not_evaluated: list[str] = Field(default_factory=list, description=(
+        "the findings named by --require that are not evaluated (each makes the command exit 1)"))

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, WithJsonSchem
 from reward_lens.findings import FindingOut
 from reward_lens.measure.figures import FigureOut
 
-SCHEMA_VERSION = "7.3"
+SCHEMA_VERSION = "7.4"
 
 
 class _M(BaseModel):
@@ -135,6 +135,16 @@ class Share(_M):
     share: float = Field(description="fraction of KL_min over the resolved updates (0..1)")
 
 
+class TargetLine(_M):
+    """A declared target's own verdict on the first screen (measure.decisions.target_verdict_of)."""
+
+    feature: str
+    want: Literal["higher", "lower"]
+    key: str = Field(description="one of measure.decisions.TARGET_VERDICTS")
+    words: str
+    wrong: bool = Field(description="moved, or is selected, against what the user wants")
+
+
 class Glance(_M):
     """The first screen's numbers, taken once from the run's decisions and the books: every
     sentence of the summary card and every number on the first screen is one of these."""
@@ -173,6 +183,10 @@ class Glance(_M):
     asked_directly: list[str] = Field(default_factory=list, description="behaviours the reward asked for directly")
     asked_jointly: list[list[str]] = Field(default_factory=list, description=(
         "groups of behaviours the reward asked for jointly: too collinear within prompt groups to tell apart"))
+    targets_declared: list[str] = Field(default_factory=list, description=(
+        "the declared targets of the basis (what the user wants); none: the gaming checks are off"))
+    targets: list[TargetLine] = Field(default_factory=list, description="each declared target's own verdict, "
+                                                                        "the wrong-way ones first")
     no_net_change: list[Share] = Field(default_factory=list, description=(
         "of the shares the first screen states, those of behaviours with no net change over the run resolved "
         "from noise (a share counts movement update by update, in either direction)"))

@@ -114,6 +114,7 @@ class Row:
     drawn_by: int | None = None  # extras only: the step whose policy drew it
     example: dict | None = None  # the dataset row its prompt came from (the reward functions' keyword arguments)
     hidden: torch.Tensor | None = None  # (len, d): the drawing policy's final hidden states, from its generation
+    targets: dict[str, float] = field(default_factory=dict)  # the declared checks' scores (rollouts only)
 
     def rollout(self) -> Rollout:
         return Rollout(step=self.step, group_id=f"{self.step}:{self.group}", prompt=self.prompt,
@@ -124,7 +125,7 @@ class Row:
                        logp_prev_step=self.logp_prev_step,
                        # a sum of KLs is >= 0; max() only removes float64 rounding below 0
                        kl_prev=None if self.kl_prev is None else max(self.kl_prev, 0.0),
-                       logp_sampler=self.logp_sampler, drawn_by_step=self.drawn_by)
+                       logp_sampler=self.logp_sampler, drawn_by_step=self.drawn_by, targets=self.targets or None)
 
 
 @dataclass
@@ -226,6 +227,35 @@ class _Clock:
         return out
 
 
+def declared_targets(targets, basis, reward_names: Sequence[str] | None) -> list:
+    """The tap's targets (``TapSettings.target``) as the record declares them (``TargetDecl``): a
+    function is a check (``of: check``); a name is a reward function of the trainer's, else a
+    feature of the live basis or of the surface basis; else, where the reward functions are known,
+    a ValueError naming them and the basis (at attach, before training)."""
+    from reward_lens.measure.ledger.basis import surface_definitions
+    from reward_lens.record.schema import TargetDecl
+
+    out = []
+    for t in targets or ():
+        if t.fn is not None:
+            if reward_names is not None and t.name in reward_names:
+                raise ValueError(f"RewardLensTap: target `{t.name}` is a function named like the reward function "
+                                 f"`{t.name}`: name the check apart ({{'{t.name}_check': fn}}), or pass the name alone to "
+                                 "target the reward function")
+            out.append(TargetDecl(name=t.name, want=t.want, of="check"))
+        elif reward_names is not None and t.name in reward_names:
+            out.append(TargetDecl(name=t.name, want=t.want, of="reward"))
+        elif t.name in basis.names or t.name in surface_definitions()[0]:
+            out.append(TargetDecl(name=t.name, want=t.want, of="feature"))
+        elif reward_names is not None:
+            raise ValueError(f"RewardLensTap: target `{t.name}` is neither a reward function of the trainer "
+                             f"({list(reward_names)}) nor a feature of the basis ({', '.join(basis.names)}); pass a "
+                             "function to target a check the reward does not pay for")
+        else:  # a trainer that names its reward functions only with each generation: checked there
+            out.append(TargetDecl(name=t.name, want=t.want, of="reward"))
+    return out
+
+
 class TapCore:
     """The trainer-neutral tap (module docstring). ``reward``: called with extra rows (``Row``s
     whose ``example`` is their dataset row) to fill in their ``rewards`` and ``reward``."""
@@ -236,7 +266,8 @@ class TapCore:
                  framework: dict | None = None, optimizer: str | None = None, trainer_config: dict | None = None,
                  notes: Sequence[str] = (), model_description: str | None = None, sharded: str | None = None,
                  reward: Callable[[list[Row]], None] | None = None, reuse: int = 1,
-                 captured: bool = True, max_grad_norm: float | None = None):
+                 captured: bool = True, max_grad_norm: float | None = None,
+                 reward_names: Sequence[str] | None = None):
         s = settings
         self.settings = s
         self.model = model
@@ -287,6 +318,16 @@ class TapCore:
         self._step_started = time.perf_counter()
         self._unit_samples: list[tuple] = []  # this step's ("forward", s, token passes) / ("generate", s, rows, steps, extra)
         self._generator = torch.Generator().manual_seed(int(s.seed) * 1_000_003 + 7 + self.rank)
+        from reward_lens.findings import LiveFindings
+        from reward_lens.measure.ledger.basis import load_basis
+        from reward_lens.measure.ledger.features import SurfaceFeatures
+        from reward_lens.measure.ledger.targets import with_targets
+
+        # the live findings, in the basis `check --features` would read (its default when none)
+        basis = load_basis(s.features) if s.features else SurfaceFeatures()
+        self.reward_names = list(reward_names) if reward_names is not None else None
+        self.targets = declared_targets(s.target, basis, self.reward_names)
+        self.checks = {t.name: t.fn for t in (s.target or ()) if t.fn is not None}
         self.stream = None if self.rank or record_dir is None else RecordStream(
             record_dir, framework=framework or {"name": "unknown"},
             model={"description": model_description or str(getattr(getattr(model, "config", None), "_name_or_path",
@@ -295,12 +336,9 @@ class TapCore:
                    "n_parameters": sum(p.numel() for p in model.parameters()),
                    "vocab_size": getattr(getattr(model, "config", None), "vocab_size", None),
                    "eos_token_id": eos_id},
-            optimizer=optimizer, trainer_config=trainer_config, notes=list(notes), overwrite=s.overwrite)
-        from reward_lens.findings import LiveFindings
-        from reward_lens.measure.ledger.basis import load_basis
-
-        # the live findings, in the basis `check --features` would read (its default when none)
-        self.live = LiveFindings(load_basis(s.features) if s.features else None, trainer_config, eos_token_id=eos_id)
+            optimizer=optimizer, trainer_config=trainer_config, notes=list(notes), overwrite=s.overwrite,
+            targets=self.targets)
+        self.live = LiveFindings(with_targets(basis, self.targets), trainer_config, eos_token_id=eos_id)
         self._unchecked: list = []  # rollouts written since the last check of the live findings
         self._unchecked_tel: dict[int, dict[str, float]] = {}  # telemetry committed since then, by step
 
@@ -472,6 +510,8 @@ class TapCore:
                 self._clock.add("measure", share)
             if self.reward is not None and asked:
                 self.reward([r for _, r in asked])
+            if asked:  # the held-out rows are read in the same basis as the rollouts: the checks too
+                self._checks_on([r for _, r in asked], [r.example or {} for _, r in asked])
 
     # ------------------------------------------------------------------ 3: the generation
     def on_generation(self, batch: Generation, training: bool = True) -> None:
@@ -501,6 +541,7 @@ class TapCore:
                     p.logp_sampler = batch.logp_sampler[i]
                 fresh.append(p)
             self._name_prompts(fresh, offset, group)
+            self._score_checks(fresh, batch, offset)
             if fresh:
                 self._row_tokens = float(np.mean([len(p.prompt_ids) + len(p.completion_ids) for p in fresh]))
         if self.paired and training:
@@ -511,6 +552,40 @@ class TapCore:
                     self._score_generation(t, fresh, group, offset, total)
             finally:
                 self.model.train(was)
+
+    def _score_checks(self, fresh: list[Row], batch: Generation, offset: int) -> None:
+        """The declared targets on the generation's rollouts: a reward function named as a target
+        must be one of the batch's; a check (a target the reward does not pay for) is called like a
+        reward function -- ``prompts``, ``completions`` (the texts), ``completion_ids`` and the
+        dataset row's columns as keyword arguments -- and its values kept on each rollout."""
+        missing = [t.name for t in self.targets if t.of == "reward" and t.name not in batch.reward_names]
+        if missing:
+            raise ValueError(f"RewardLensTap: target {missing} names no reward function of the trainer "
+                             f"({list(batch.reward_names)}) and no feature of the basis")
+        examples = [(batch.examples[i] if batch.examples is not None and i < len(batch.examples) else None) or {}
+                    for i in range(len(fresh))]  # this process's dataset rows, as its rollouts
+        self._checks_on(fresh, examples)
+
+    def _checks_on(self, fresh: list[Row], examples: list[dict]) -> None:
+        """Each declared check's score on ``fresh`` (their dataset rows ``examples``)."""
+        if not self.checks or not fresh:
+            return
+        keys = [k for k in examples[0] if k not in ("prompt", "completion", "completion_ids")]
+        kwargs = {k: [ex.get(k) for ex in examples] for k in keys}
+        for name, fn in self.checks.items():
+            try:
+                values = fn(prompts=[r.prompt for r in fresh], completions=[r.completion for r in fresh],
+                            completion_ids=[r.completion_ids.tolist() for r in fresh], **kwargs)
+                values = [None if v is None else float(v) for v in values]
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"RewardLensTap: target `{name}` ({getattr(fn, '__name__', fn)!s}) did not return one "
+                                 f"number per completion ({' '.join(str(exc).split())[:160]})") from None
+            if len(values) != len(fresh):
+                raise ValueError(f"RewardLensTap: target `{name}` returned {len(values)} values for {len(fresh)} "
+                                 "completions (it must return one per completion)")
+            for r, v in zip(fresh, values):
+                if v is not None and math.isfinite(v):
+                    r.targets[name] = v
 
     def _name_prompts(self, fresh: list[Row], offset: int, group: int) -> None:
         """The planned pair's prompt texts as the trainer recorded them for its rollouts (an

@@ -4,14 +4,70 @@ tap runs with. Torch-free: the audit imports it without the ``trl`` extra."""
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
 # Estimators of earlier versions, and why they are gone.
 RETIRED = {"rollout": "it summed the token KL along the rollouts the step trained on, which the update inflates "
                       "(0.36-11x the truth)",
            "both": "it recorded the in-sample `rollout` estimate beside `exact`"}
+
+
+_TARGET = re.compile(r"^(?P<name>[A-Za-z_][A-Za-z0-9_.]*)(?::(?P<want>higher|lower))?$")
+TARGET_FORMS = ("a reward function's name (TRL's reward_funcs names) or a feature of the basis, as 'NAME' or "
+                "'NAME:lower'; a function the reward does not pay for (a held-out check, called like a reward "
+                "function, one number per completion); {'NAME[:lower]': function}; or a list of these")
+
+
+@dataclass(frozen=True)
+class TapTarget:
+    """One declared target of the tap: ``fn`` None names a reward function or a feature; a
+    function is a check the reward does not pay for, scored on every rollout."""
+
+    name: str
+    want: str = "higher"
+    fn: Callable | None = None
+
+
+def _target_name(text: Any) -> tuple[str, str]:
+    m = _TARGET.match(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise ValueError(f"{text!r} is not a target name; a target is {TARGET_FORMS}")
+    return m.group("name"), m.group("want") or "higher"
+
+
+def _targets(value: Any) -> tuple[TapTarget, ...]:
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    out: list[TapTarget] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(TapTarget(*_target_name(item)))
+        elif isinstance(item, dict):
+            for key, v in item.items():
+                name, want = _target_name(key)
+                if isinstance(v, str) and v in ("higher", "lower"):  # a YAML mapping NAME: lower
+                    out.append(TapTarget(name, v))
+                elif callable(v):
+                    out.append(TapTarget(name, want, v))
+                else:
+                    raise ValueError(f"target `{name}`: {v!r} is neither a function nor higher/lower; a target is "
+                                     f"{TARGET_FORMS}")
+        elif callable(item):
+            name = getattr(item, "__name__", "")
+            if not _TARGET.match(name or "-"):
+                raise ValueError(f"the target function {item!r} has no usable name: pass {{'NAME': function}}")
+            out.append(TapTarget(name, "higher", item))
+        else:
+            raise ValueError(f"{item!r} is not a target; a target is {TARGET_FORMS}")
+    names = [t.name for t in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"target {twice} is declared twice")
+    return tuple(out)
 
 
 class TapSettings(BaseModel):
@@ -53,6 +109,14 @@ class TapSettings(BaseModel):
     features: str | None = Field(None, description="the feature basis the live findings read (a YAML file, as "
                                                    "`reward-lens check --features`; default: the surface basis, "
                                                    "check's default): the same basis gives the same findings")
+    target: Any = Field(None, description="what you want of the policy, as opposed to what the reward pays for "
+                                          "(recorded in the manifest, its values per rollout): " + TARGET_FORMS
+                                          + ". Without one, proxy_gaming and paid_for_drift are not evaluated")
+
+    @field_validator("target", mode="before")
+    @classmethod
+    def _target(cls, value):
+        return None if value is None else _targets(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -69,6 +133,9 @@ class TapSettings(BaseModel):
             raise ValueError("estimator='independent' measures D_t on the next generation's rollouts scored under "
                              "the previous policy, which is paired scoring: pass paired=True (the default), or "
                              "estimator='exact' or None")
+        if self.stop_on is not None and self.check_every == 0:
+            raise ValueError(f"stop_on={self.stop_on!r} can never stop the run with check_every=0 (the live findings "
+                             "are never evaluated): set check_every to 1 or more, or drop stop_on")
         return self
 
 

@@ -5,8 +5,14 @@ One line in a GRPO script::
     from reward_lens.taps.trl import RewardLensTap
 
     trainer = GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=...)
-    RewardLensTap.attach(trainer, "runs/my-run")  # <- the tap
+    RewardLensTap.attach(trainer, "runs/my-run", target="correctness")  # <- the tap
     trainer.train()
+
+``target=`` names what you want of the policy, as opposed to what the reward pays for: one of the
+trainer's ``reward_funcs`` (by TRL's name for it), a feature of the basis (``"n_words:lower"``),
+or a function the reward does not pay for (a held-out verifier, called like a reward function:
+``target={"vowels": my_fn}``). The record keeps the declaration and the values per rollout, so
+the live findings and every later report tell gaming from learning without a basis file.
 
 Everything that is not TRL's lives in the trainer-neutral core (``taps/core.py``: the
 measurement, the budget, the record, the live findings); this module only hooks TRL. ``attach``
@@ -247,7 +253,7 @@ class RewardLensTap(TrainerCallback):
             framework={"name": "trl", "version": trl.__version__}, optimizer=str(getattr(args.optim, "value", args.optim)),
             trainer_config=record_config(args.to_dict()), notes=notes, model_description=s.model_description,
             sharded=sharded, reward=self._reward, reuse=reuse, captured=not engine,
-            max_grad_norm=args.max_grad_norm)
+            max_grad_norm=args.max_grad_norm, reward_names=list(trainer.reward_func_names))
         self.core._cap = int(args.max_completion_length)
         # the rollouts' log pi_t from the trainer's loss forward: where the forward is the policy
         # itself (no dropout) and pi_t's side needs no copy-in

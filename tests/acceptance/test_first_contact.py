@@ -161,10 +161,17 @@ def test_one_verdict_per_behaviour_on_every_page(example):
     card, directly, jointly = _card_verdicts(report.card)
     for f, v in verdicts.items():
         words, key = v["verdict"], v["verdict_key"]
-        assert key in decisions.VERDICTS and words
         # the cause book's direct selection is the verdict's first half, in the same words
         assert selected[f]["asked"] == v["asked"] and selected[f]["asked_for"] == v["asked_for"], f
         assert (v["asked"] == decisions.ASKED_JOINTLY) == bool(v["jointly_with"]), f
+        if v["target"] is not None:  # a declared target: its own verdict, on its own card line (issue 57)
+            assert key in decisions.TARGET_VERDICTS and words.startswith(f"your target `{f}` ")
+            assert any(words[:1].upper() + words[1:] in line for line in report.card), (f, words)
+            assert page.cells[("agreement-table", f, "verdict")] == _plain(words), f
+            assert md_agreement[f][-1] == words, f
+            assert card.get(f) is None and f not in directly and f not in jointly, f
+            continue
+        assert key in decisions.VERDICTS and words
         assert (key in decisions.ASKED_VERDICTS) == (v["asked"] != decisions.NOT_ASKED), f
         # the agreement book and the cause book, in the HTML and in the Markdown
         assert page.cells[("agreement-table", f, "verdict")] == _plain(words), f
@@ -212,7 +219,10 @@ def test_the_collinear_behaviours_of_the_task_are_asked_for_jointly():
     assert agreement["reward_format"].verdict == "asked for jointly with `format_ok`, and bought"
     assert cause["format_ok"].gradient == 0.0 and cause["format_ok"].gradient_p == 1.0
     assert cause["format_ok"].joint_p < 0.05 and not cause["format_ok"].direct and cause["format_ok"].jointly
-    assert agreement["correct"].verdict == "asked for, not bought"
+    # `correct` is the task basis's declared target: judged against what the user wants (issue 57); the
+    # reward asked for more of it, so no net change is all it is, not "selected against"
+    assert agreement["correct"].verdict == "your target `correct` showed no net change"
+    assert agreement["correct"].asked_for == "yes (more)"
     headline = next(b for b in report.books if b.id == "cause").headline
     assert "more `correct` directly" in headline and "more `format_ok` and `reward_format` jointly" in headline
     # the share of a behaviour with no net change, reconciled in words beside it

@@ -251,7 +251,34 @@ def test_verdicts_are_sign_aware():
         "asked for jointly with `reward_format`, and bought"
     assert _v(False, +1.0, "jointly", +1, True, +3.0, ("a", "b")) == "asked for jointly with `a`, `b`, not bought"
     assert _v(True, -1.0, "jointly", +1, True, +3.0, ("a",)) == "asked for jointly with `a`, moved the other way"
-    assert {dec.AGAINST, dec.OTHER_WAY, dec.COLLATERAL, dec.NOT_BOUGHT} == set(dec.DISAGREEMENTS)
+    # a declared target moved or pushed the wrong way is a disagreement too (issue 57)
+    assert {dec.AGAINST, dec.OTHER_WAY, dec.COLLATERAL, dec.NOT_BOUGHT, *dec.TARGET_WRONG} == set(dec.DISAGREEMENTS)
+
+
+def test_a_declared_target_has_its_own_verdict_never_bought():
+    """Issue 57: the reward asked for less `vowels` (directly) and it fell -- for any other behaviour
+    "asked for and bought", for a target the user wants higher the headline: it fell, and the reward
+    selected against it. Judged against what the user wants, whatever the reward asks."""
+    def t(want, moved, drift, asked, direction, selected, differential):
+        sel = Selection(asked, direction, (), selected, differential)
+        return dec.target_verdict_of("vowels", want, moved, drift, sel)
+
+    v = t("higher", True, -0.12, "directly", -1, True, -5.0)
+    assert (v.key, v.words) == (dec.TARGET_FELL_SELECTED_AGAINST, "your target `vowels` fell; the reward selected against it")
+    assert _v(True, -0.12, "directly", -1, True, -5.0) == AGREE  # what it would have said without the declaration
+    assert t("higher", True, -0.12, "directly", +1, True, +5.0).key == dec.TARGET_FELL
+    assert t("higher", True, -0.12, "no", 0, True, -5.0).key == dec.TARGET_FELL_SELECTED_AGAINST  # through a correlate
+    assert t("higher", False, -0.01, "no", 0, True, -5.0).key == dec.TARGET_SELECTED_AGAINST
+    assert t("higher", False, -0.01, "no", 0, False, -5.0).key == dec.TARGET_STILL
+    met = t("lower", True, -0.12, "directly", -1, True, -5.0)
+    assert (met.key, met.words) == (dec.TARGET_MET, "your target `vowels` fell, as you want")
+    assert t("lower", True, +0.12, "no", 0, False, None).words == "your target `vowels` rose, against what you want (lower)"
+    sec = agreement_table(("vowels", "bangs"), {}, None, {"vowels": (True, -0.12), "bangs": (True, 0.9)},
+                          {"vowels": Selection("directly", -1, (), True, -5.0),
+                           "bangs": Selection("directly", +1, (), True, 9.0)}, targets={"vowels": "higher"})
+    assert [(f.feature, f.target, f.verdict_key) for f in sec.features] == [
+        ("vowels", "higher", dec.TARGET_FELL_SELECTED_AGAINST), ("bangs", None, dec.BOUGHT)]
+    assert sec.summary["disagreements"] == 1 and sec.summary["asked_for_and_bought"] == 1
 
 
 def test_a_refused_cause_book_leaves_selected_unknown():

@@ -257,7 +257,15 @@ def test_the_audit_says_which_findings_a_config_supports(tmp_path):
     assert plain["kl_spikes"].verdict == "will not evaluate" and plain["kl_spikes"].missing == ["kl_to_previous"]
     assert plain["advantage_collapse"].verdict == "will evaluate"
     tapped = {f.finding: f for f in audit(cfg, with_tap=True).findings}
-    assert all(f.verdict == "will evaluate" for f in tapped.values())
+    # the two that read a declared target say so where none is declared (issue 57): never "will evaluate"
+    from reward_lens.findings import TARGET
+
+    needs = ("proxy_gaming", "paid_for_drift")
+    assert all(f.verdict == "will evaluate" for fid, f in tapped.items() if fid not in needs)
+    assert all(tapped[fid].verdict == "will not evaluate" and tapped[fid].missing == [TARGET] for fid in needs)
+    aimed = tmp_path / "aimed.yaml"
+    aimed.write_text(cfg.read_text() + "reward_lens: {target: correctness}\n")
+    assert all(f.verdict == "will evaluate" for f in audit(aimed).findings)
     # TRL's default batch (8 completions, 8 per prompt) holds one prompt group a step on one process:
     # the sequential findings read a step from two or more, and the audit says so beforehand
     one = tmp_path / "one.yaml"

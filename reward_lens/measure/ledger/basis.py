@@ -41,6 +41,8 @@ Kinds (every built-in kind is one vectorised ``pyarrow.compute`` pass over a col
   the record's model); ``truncated``: 1 if the completion reached ``cap`` tokens (default: the
   record's ``max_completion_length``) without ending in EOS;
 - ``reward``: the record's per-rollout score of reward function ``reward`` (``rewards.NAME``);
+- ``check``: the record's per-rollout score of ``check``, a declared target the reward does not
+  pay for (``targets.NAME``: the tap's ``target=my_fn``);
 - ``json``: 1 if the completion (surrounding whitespace stripped) parses as JSON;
 - ``callable``: ``function: "module:function"``, called with a ``pyarrow`` array of completions
   and returning one finite value per completion. A report computes the features of several
@@ -122,6 +124,11 @@ class RewardDef(_Def):
     reward: str = Field(min_length=1)
 
 
+class CheckDef(_Def):
+    kind: Literal["check"]
+    check: str = Field(min_length=1)
+
+
 class JsonDef(_Def):
     kind: Literal["json"]
 
@@ -131,8 +138,9 @@ class CallableDef(_Def):
     function: str = Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-KINDS = ("regex", "length", "char_class", "ends_with_eos", "truncated", "reward", "json", "callable")
-FeatureDef = Annotated[RegexDef | LengthDef | CharClassDef | EosDef | TruncatedDef | RewardDef | JsonDef | CallableDef,
+KINDS = ("regex", "length", "char_class", "ends_with_eos", "truncated", "reward", "check", "json", "callable")
+FeatureDef = Annotated[RegexDef | LengthDef | CharClassDef | EosDef | TruncatedDef | RewardDef | CheckDef | JsonDef
+                       | CallableDef,
                        Field(discriminator="kind")]
 
 
@@ -147,7 +155,7 @@ class BasisFile(BaseModel):
 _UNITS = {"length": {"characters": "characters", "tokens": "tokens", "words": "words"}}
 # Columns each kind reads (``length: tokens`` reads completion_ids or num_tokens).
 _COLUMNS = {"regex": ["completion"], "char_class": ["completion"], "json": ["completion"],
-            "callable": ["completion"], "reward": ["rewards"], "ends_with_eos": ["completion_ids"],
+            "callable": ["completion"], "reward": ["rewards"], "check": ["targets"], "ends_with_eos": ["completion_ids"],
             "truncated": ["completion_ids"]}
 
 
@@ -162,6 +170,8 @@ def _unit(d: Any) -> str:
         return "fraction of characters"
     if d.kind == "reward":
         return "reward units"
+    if d.kind == "check":
+        return "as the check returns"
     if d.kind in ("ends_with_eos", "truncated", "json"):
         return "indicator (0/1)"
     return "as returned"
@@ -182,6 +192,8 @@ def _meaning(d: Any) -> str:
         return f"fraction of characters in {d.class_}"
     if d.kind == "reward":
         return f"the record's per-rollout score of reward function `{d.reward}`"
+    if d.kind == "check":
+        return f"the record's per-rollout score of the check `{d.check}` (a target the reward does not pay for)"
     if d.kind == "ends_with_eos":
         return "1 if the completion ends with the end-of-sequence token"
     if d.kind == "truncated":
@@ -348,16 +360,18 @@ class FeatureBasis:
                                   "(the record's trainer config has no `max_completion_length`)",
                                   field="completion_ids")
             return ((lengths >= int(cap)) & ~is_eos).astype(np.float64)
-        if d.kind == "reward":
-            col = self._col(d, table, "rewards", source)
-            v = pc.map_lookup(col, query_key=d.reward, occurrence="first")
+        if d.kind in ("reward", "check"):
+            column, key = ("rewards", d.reward) if d.kind == "reward" else ("targets", d.check)
+            what = "reward function" if d.kind == "reward" else "check"
+            col = self._col(d, table, column, source)
+            v = pc.map_lookup(col, query_key=key, occurrence="first")
             if v.null_count:
                 missing = pc.is_null(v)
                 steps = table.column("step").filter(missing).to_numpy() if "step" in table.column_names else None
                 keys = sorted(set(col.keys.unique().to_pylist()))
-                raise RecordError(source, f"feature `{d.name}` reads reward function `{d.reward}`, which "
+                raise RecordError(source, f"feature `{d.name}` reads {what} `{key}`, which "
                                   f"{'no' if v.null_count == len(v) else 'not every'} rollout has "
-                                  f"(the record's reward functions: {keys})", field="rewards",
+                                  f"(the record's {what}s: {keys})", field=column,
                                   steps=np.unique(steps) if steps is not None else None)
             return _f(v)
         if d.kind == "json":
