@@ -219,9 +219,11 @@ def summary(record: Path = DEST, every: int = 10) -> str:
         if f.status == "holds":
             lines.append(f"{f.id} ({f.severity}) from step {f.onset}")
     g = report.glance
-    lo, hi = g.eta_run_interval or (None, None)
-    lines.append(f"eta {g.eta_run:.3f} [{lo:.3f}, {hi:.3f}] over {g.eta_rows} updates; price "
-                 f"{g.reward_per_nat:.3g} +- {g.reward_per_nat_se:.2g} reward units per nat (resolved: {g.reward_resolved})")
+    eta = (f"eta {g.eta_run:.3f} [{g.eta_run_interval[0]:.3f}, {g.eta_run_interval[1]:.3f}]"
+           if g.eta_run is not None and g.eta_run_interval else "eta: none")
+    price = (f"price {g.reward_per_nat:.3g} +- {g.reward_per_nat_se:.2g} reward units per nat"
+             if g.reward_per_nat is not None and g.reward_per_nat_se is not None else "price: none")
+    lines.append(f"{eta} over {g.eta_rows} updates; {price} (resolved: {g.reward_resolved})")
     return "\n".join(lines)
 
 
