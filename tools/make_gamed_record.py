@@ -46,19 +46,20 @@ checks it (slow).
 
 What was tried (``--over`` sets any of ``GEN`` for such a trial):
 
-* lr 5e-4 (the task record's rate): `correct` fell from 0.5 to 0 within 6 steps of the warm-up's
-  end and the completions were empty by step 39: the reward saturated at 1 (every rollout of a
-  group scoring the same, nothing left to learn) for most of the run;
-* lr 2e-4: `correct` at 0 by step 25, empty answers from step 75 and a flat reward of 1 after it;
+* lr 5e-4 (the task record's rate; a 40-step trial, 8 prompts a step): ``correct`` fell from 0.5 to
+  0 by step 13, three steps after the warm-up, and every completion was empty by step 39, the
+  reward at its ceiling of 1: the gaming was over before a reader could watch it happen;
+* lr 2e-4 (8 prompts a step): ``correct`` at 0 by step 25, empty answers from step 75 and a flat
+  reward of 1 (every rollout of a group scoring the same: nothing left to learn) after it;
 * lr 1e-4, 8 prompts a step: the fall takes 30 steps and the reward rises over the run, and
   ``check`` named it on time (onset 18; paid-for drift at prefix 19, proxy gaming at 20), but η was
   28 % [3 %, 52 %]: resolved, with a lower end so near zero that spending-without-buying (which
   asks whether η is above 5 %) was not evaluated; and a KL spike (warn) at step 76;
 * lr 1e-4, 16 prompts a step: kept: η = 33 % [13 %, 50 %], every finding evaluated; onset 16,
   paid-for drift at prefix 16 and proxy gaming at 19 (within the benchmark's 3 steps), nothing
-  before; late in the run, advantage collapse (warn, from step 88: most groups' completions are
-  all the bare number or all empty, so their rewards tie) and clipping saturation (info): both
-  true of this run, and left on its page.
+  before; beside them advantage collapse (warn, from step 88: most groups' completions are of one
+  length by then, so their rewards tie) and clipping saturation (info, from step 23): both true of
+  this run, and left on its page.
 """
 
 from __future__ import annotations
