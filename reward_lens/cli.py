@@ -605,8 +605,8 @@ def parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="write the books of a record as Markdown, HTML and JSON",
                        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("run_dir", nargs="?", help="a record directory")
-    r.add_argument("--example", metavar="NAME", help="use a bundled reference record (task, long, short, tapped, "
-                   "paired); `task` is read in its own basis, examples/features/task.yaml")
+    r.add_argument("--example", metavar="NAME", help="use a bundled reference record (gamed, task, long, short, "
+                   "tapped, paired); `gamed` and `task` are read in their own bases, examples/features/NAME.yaml")
     r.add_argument("--out", default="reward-lens-report", help="output directory (default: ./reward-lens-report)")
     r.add_argument("--format", default="md,html,json", help="comma-separated: md,html,json (default: all)")
     r.add_argument("--fail-on", choices=FAIL_ON, default="incomplete",
@@ -646,8 +646,8 @@ def parser() -> argparse.ArgumentParser:
     dfp = sub.add_parser("diff", help="the books of two runs side by side (same feature basis required)")
     dfp.add_argument("run_a", nargs="?", help="a record directory, or a report directory (report.json)")
     dfp.add_argument("run_b", nargs="?", help="a record directory, or a report directory (report.json)")
-    dfp.add_argument("--example", metavar="NAME", action="append", help="a bundled reference record (task, long, "
-                     "short, tapped, paired) in place of a directory; twice for two (e.g. --example short "
+    dfp.add_argument("--example", metavar="NAME", action="append", help="a bundled reference record (gamed, task, "
+                     "long, short, tapped, paired) in place of a directory; twice for two (e.g. --example short "
                      "--example long); examples that share a basis of their own (task) are read in it")
     dfp.add_argument("--features", metavar="FILE", help="the feature basis both records are read in (default: "
                      "specs/features/surface.yaml); not for report directories." + CALLABLE_NOTE)
@@ -660,7 +660,8 @@ def parser() -> argparse.ArgumentParser:
                        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("run_dir", nargs="?", help="a record directory, or a TRL output directory (trainer_state.json: "
                    "the findings that need only logged scalars)")
-    c.add_argument("--example", metavar="NAME", help="a bundled reference record (task, long, short, tapped, paired)")
+    c.add_argument("--example", metavar="NAME", help="a bundled reference record (gamed, task, long, short, tapped, "
+                   "paired); `gamed` and `task` are read in their own bases")
     c.add_argument("--fail-on", choices=("info", "warn", "critical", "never"), default="warn",
                    help="exit 1 when a finding of this severity or above holds (default warn)")
     c.add_argument("--format", default="md", help="md (a table on stdout), json, or md,json")

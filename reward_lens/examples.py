@@ -2,7 +2,7 @@
 
 In a wheel they ship as ``reward_lens/_examples/grpo_run/<name>``; in a source checkout
 they are the test fixtures, ``tests/fixtures/grpo_run/<name>``. A record with a feature basis
-of its own (``task``) has it as ``examples/features/<name>.yaml`` (in a wheel,
+of its own (``task``, ``gamed``) has it as ``examples/features/<name>.yaml`` (in a wheel,
 ``reward_lens/_examples/features/<name>.yaml``), used unless ``--features`` names another.
 """
 

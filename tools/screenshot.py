@@ -1,8 +1,9 @@
 """Screenshot the first screen of a report for the README (docs/assets/first-screen.png).
 
-    .venv/bin/python tools/screenshot.py [--example task] [--out docs/assets/first-screen.png]
+    .venv/bin/python tools/screenshot.py [--example NAME] [--out docs/assets/first-screen.png]
 
-Builds the example's HTML report in a temporary folder and opens it in headless Chromium (the
+The example is by default the one the README's main command reports (``main_example``). Builds the
+example's HTML report in a temporary folder and opens it in headless Chromium (the
 system browser, as the browser tests do; Playwright's own download is never used) at 1280 x 800.
 
 Beside the image it writes ``<image>.json``: the example, the viewport and a hash of what the
@@ -31,6 +32,15 @@ _SVG = re.compile(r"<svg\b.*?</svg>", re.S)
 _FLOAT = re.compile(r"-?\d+\.\d+(?:e[-+]?\d+)?")
 
 
+def main_example(readme: Path = REPO / "README.md") -> str:
+    """The bundled example the README's main command reports (its ``--example NAME``)."""
+    block = re.search(r"<!-- main-command:start -->\n```\n(.+?)\n```", readme.read_text(), re.S)
+    found = re.search(r"reward-lens report --example (\S+)", block.group(1)) if block else None
+    if not found:
+        raise SystemExit(f"{readme}: its main command reports no `--example NAME`")
+    return found.group(1)
+
+
 def first_screen(html: str, figure_json: str) -> str:
     """What the first screen of a report's HTML shows, as text to hash: the <head> (its style) and
     the body up to the run's details, the headline figure's SVG replaced by its data (numbers to 4
@@ -40,7 +50,7 @@ def first_screen(html: str, figure_json: str) -> str:
     return _SVG.sub(lambda _m: data, top)
 
 
-def first_screen_hash(example: str = "task") -> str:
+def first_screen_hash(example: str) -> str:
     """sha256 of ``first_screen`` of the example's report as the current code renders it."""
     from reward_lens.examples import example_features, example_record
     from reward_lens.measure.ledger.features import features_from
@@ -59,9 +69,10 @@ def stamp_path(image: Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--example", default="task")
+    ap.add_argument("--example", help="a bundled example (default: the README's main command's)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args(argv)
+    args.example = args.example or main_example()
 
     from playwright.sync_api import sync_playwright
 

@@ -53,7 +53,7 @@ def _first_screen_html(page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", " ", text))
 
 
-@pytest.mark.parametrize("name", ["task", "paired", "tapped", "long"])
+@pytest.mark.parametrize("name", ["gamed", "task", "paired", "tapped", "long"])
 def test_every_number_on_the_first_screen_is_in_report_json(name):
     spec = example_features(name)
     report = build_report(open_run(example_record(name)), features=features_from(str(spec) if spec else None))

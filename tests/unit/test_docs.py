@@ -45,9 +45,10 @@ def test_the_site_builds_strictly(tmp_path):
 def test_the_readme_fits_on_two_screens_and_keeps_its_two_commands():
     assert len(README.splitlines()) <= 150
     main, test = _block("main-command"), _block("test-command")
-    # the main command runs the example that shows the product (D_t, eta, shares, verdicts: the task
-    # run, recorded by the tap), and exits 0 without a flag to make it
-    assert main.endswith("reward-lens report --example task --out reward-lens-report") and "torch" not in main
+    # the main command runs the example that shows the product (reward gaming named on time, with D_t,
+    # eta, the price, shares and verdicts resolved: the gamed run, recorded by the tap), and exits 0
+    # without a flag to make it
+    assert main.endswith("reward-lens report --example gamed --out reward-lens-report") and "torch" not in main
     assert "--fail-on" not in main
     assert "torch==2.13.0" in test and "pytest" in test
     assert "test-command:start" in (REPO / ".ci" / "run").read_text()
@@ -97,8 +98,12 @@ def test_the_hero_image_is_not_older_than_what_it_shows():
 
     image = REPO / "docs" / "assets" / "first-screen.png"
     stamp = json.loads(screenshot.stamp_path(image).read_text())
-    assert stamp["example"] == "task" and stamp["viewport"] == list(screenshot.VIEWPORT)
-    assert stamp["first_screen_sha256"] == screenshot.first_screen_hash("task"), (
+    # the picture is of the example the README's main command reports
+    example = re.search(r"reward-lens report --example (\S+)", _block("main-command")).group(1)
+    assert screenshot.main_example() == example
+    assert stamp["example"] == example and stamp["viewport"] == list(screenshot.VIEWPORT), (
+        "docs/assets/first-screen.png is not of the main command's example: .venv/bin/python tools/screenshot.py")
+    assert stamp["first_screen_sha256"] == screenshot.first_screen_hash(example), (
         "docs/assets/first-screen.png is stale: .venv/bin/python tools/screenshot.py")
     assert "](docs/assets/first-screen.png)" in README
 

@@ -33,6 +33,9 @@ def test_wheel_contains_specs_templates_and_examples(wheel):
                      "reward_lens/_examples/grpo_run/long/rollouts.parquet",
                      "reward_lens/_examples/grpo_run/task/manifest.json",
                      "reward_lens/_examples/features/task.yaml",
+                     # the README's main command's example, with its own basis
+                     "reward_lens/_examples/grpo_run/gamed/manifest.json",
+                     "reward_lens/_examples/features/gamed.yaml",
                      "reward_lens_spec/_data/specs/features/surface.yaml",
                      "reward_lens_spec/_data/specs/taps/trl.yaml",
                      "reward_lens/cli.py"):
