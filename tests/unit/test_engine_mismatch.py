@@ -1,0 +1,86 @@
+"""The `engine_mismatch` finding on hand-made series: its rule, onset, escalation to critical, its
+words, and a record without D_t or without the engine's log-probabilities left not evaluated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reward_lens.findings import FindingData, LiveFindings, evaluate_one, missing_inputs
+from reward_lens.measure.mismatch import step_mismatch
+from reward_lens_spec import load_findings
+
+SPEC = load_findings()["engine_mismatch"]
+
+
+def _mismatch(kl: list[float], spread: float = 0.01, groups: int = 8, seed: int = 0) -> dict:
+    """Per step, rollouts whose gap has mean ``kl[s]`` (group means spread by ``spread``)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s, k in enumerate(kl):
+        codes = np.repeat(np.arange(groups), 4)
+        gap = k + rng.normal(0.0, spread, size=len(codes))
+        out[s] = step_mismatch(s, gap, codes, groups, np.full(len(codes), 10.0))
+    return out
+
+
+def _judge(kl: list[float], d_t: float = 0.2, **series):
+    data = FindingData({"kl_to_previous": {s: d_t for s in range(len(kl))}, **series}, mismatch=_mismatch(kl))
+    return evaluate_one(SPEC, data, [])
+
+
+def test_clear_while_the_engine_matches_the_policy():
+    f = _judge([0.0] * 10)
+    assert f.status == "clear" and f.severity == "warn" and "stays under 10 %" in f.evidence
+
+
+def test_holds_from_its_onset_at_warn_and_names_the_number_and_the_switches():
+    f = _judge([0.0] * 4 + [0.06] * 6)  # 0.3 x D_t from step 4
+    assert f.status == "holds" and f.severity == "warn" and f.onset == 4
+    assert f.values["ratio"] == pytest.approx(0.3, abs=0.05)
+    assert "From step 4" in f.evidence and "per token" in f.evidence
+    assert "vllm_importance_sampling_correction" in f.remedy and "calculate_log_probs" in f.remedy
+
+
+def test_one_step_over_the_line_is_not_a_finding():
+    f = _judge([0.0] * 9 + [0.06])  # persist = 2: the last step alone
+    assert f.status == "clear"
+
+
+def test_critical_once_the_mismatch_is_the_size_of_the_updates():
+    f = _judge([0.0] * 3 + [0.06] * 3 + [0.5] * 4)  # 2.5 x D_t from step 6
+    assert f.status == "holds" and f.severity == "critical" and f.onset == 3
+    assert f.values["critical_from"] == 6 and "as large as the updates" in f.evidence
+
+
+def test_noise_the_size_of_the_threshold_is_not_resolved():
+    # mean 0.03 (0.15 x D_t) but group means spread by 0.2: not beyond 3 SE of a tenth of D_t
+    data = FindingData({"kl_to_previous": {s: 0.2 for s in range(10)}},
+                       mismatch=_mismatch([0.03] * 10, spread=0.4))
+    assert evaluate_one(SPEC, data, []).status == "clear"
+
+
+def test_not_evaluated_without_d_t_or_the_engine_log_probabilities():
+    f = evaluate_one(SPEC, FindingData({}, mismatch=_mismatch([0.1] * 5)), [])
+    assert f.status == "not_evaluated" and "no step has D_t" in f.evidence
+    lacks = missing_inputs(SPEC, lambda name: name != "rollout.logp_sampler", None)
+    assert lacks == ["rollout.logp_sampler"]
+
+
+def test_live_reads_the_rollouts_as_check_does():
+    """LiveFindings takes the tap's rows (Rollout objects) and D_t as it arrives, one step late."""
+    from reward_lens.record.schema import Rollout
+
+    live = LiveFindings()
+    rng = np.random.default_rng(1)
+    outs = []
+    for s in range(6):
+        gap = 0.08 if s >= 2 else 0.0
+        rows = [Rollout(step=s, group_id=f"{s}:{g}", prompt="ab", completion="x" * 5, num_tokens=5, reward=float(i % 2),
+                        logp_pre=-3.0, logp_sampler=-3.0 + gap + float(rng.normal(0, 0.005)))
+                for g in range(4) for i in range(4)]
+        tel = {s - 1: {"kl_to_previous": 0.2}} if s else None
+        outs.append(next(f for f in live.observe(s, rows, None, tel) if f.id == "engine_mismatch"))
+    # D_t of a step arrives with the next one: steps 0 and 1 are judged at the third look, clear
+    assert [o.status for o in outs[:3]] == ["not_evaluated", "not_evaluated", "clear"]
+    assert outs[-1].status == "holds" and outs[-1].onset == 2 and outs[-1].severity == "warn"
