@@ -84,3 +84,56 @@ def test_live_reads_the_rollouts_as_check_does():
     # D_t of a step arrives with the next one: steps 0 and 1 are judged at the third look, clear
     assert [o.status for o in outs[:3]] == ["not_evaluated", "not_evaluated", "clear"]
     assert outs[-1].status == "holds" and outs[-1].onset == 2 and outs[-1].severity == "warn"
+
+
+def _engine_record(path, gap_from: int = 3, gap: float = 0.08, steps: int = 8, d_t: float = 0.2):
+    """A hand-made record whose engine departs from the policy by ``gap`` nats a sequence from
+    step ``gap_from`` (its log-probabilities beside the trainer's), with D_t at every step."""
+    from reward_lens.record import OptimizerTelemetry, Rollout, write_run
+
+    rng = np.random.default_rng(3)
+    tel = [OptimizerTelemetry(step=s, learning_rate=1e-3, kl_to_previous=d_t if s < steps - 1 else None,
+                              kl_to_previous_estimator="test" if s < steps - 1 else None) for s in range(steps)]
+    rol = []
+    for s in range(steps):
+        for g in range(4):
+            for i in range(4):
+                lp = -20.0 + float(rng.normal(0, 1))
+                rol.append(Rollout(step=s, group_id=f"{s}:{g}", prompt=f"p{g}", completion="abc" * (i + 1),
+                                   num_tokens=3 * (i + 1), reward=float(i % 2), logp_pre=lp,
+                                   logp_sampler=lp + (gap if s >= gap_from else 0.0) + float(rng.normal(0, 0.005))))
+    write_run(path, framework={"name": "test", "version": "0"}, model={"description": "hand-made"},
+              telemetry=tel, rollouts=rol, optimizer="sgd")
+    return path
+
+
+def test_check_the_curves_and_the_first_screen_read_one_series(tmp_path):
+    from reward_lens import cli
+    from reward_lens.measure.mismatch import run_mismatch
+    from reward_lens.record import open_run
+    from reward_lens.report.curves import training_curves
+
+    rec = _engine_record(tmp_path / "rec")
+    run = open_run(rec)
+    series = run_mismatch(run)
+    assert sorted(series) == list(range(8)) and series[5].ratio == pytest.approx(0.4, abs=0.02)
+    # `check` names it, at warn, from the step the engine departed
+    assert cli.main(["check", str(rec), "--quiet", "--format", "json", "--fail-on", "warn"]) == 1
+    from reward_lens.findings import evaluate
+
+    f = next(x for x in evaluate(run) if x.id == "engine_mismatch")
+    assert f.status == "holds" and f.onset == 3 and f.severity == "warn"
+    # the D_t panel draws the same series beside D_t
+    panel = next(p for fig in training_curves(run, []) for p in fig.panels if "engine mismatch" in (p.title or ""))
+    line = next(s for s in panel.series if s.label == "engine mismatch")
+    assert line.y == [series[s].kl_seq for s in range(8)]
+
+
+def test_the_first_screen_says_it(tmp_path):
+    from reward_lens.record import open_run
+    from reward_lens.report import build_report
+
+    report = build_report(open_run(_engine_record(tmp_path / "rec", gap=0.5)))
+    f = next(x for x in report.findings if x.id == "engine_mismatch")
+    assert f.status == "holds" and f.severity == "critical"
+    assert "Engine-trainer mismatch (critical, from step 3)" in report.card[0], report.card[0]
