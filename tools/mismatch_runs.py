@@ -41,7 +41,9 @@ THE RULES, written before any finding was read, and not tuned on these seeds:
    tests/unit/test_live_findings.py) never holds, and `check` on the whole record is clear.
 
     python tools/mismatch_runs.py            # every cause and seed; prints the table and JSON
-    python tools/mismatch_runs.py --quick    # one seed of each, fewer steps (the slow test)
+    python tools/mismatch_runs.py --quick    # one seed of each cause and one clean run
+    python tools/mismatch_runs.py --json bench/results/mismatch_runs.json   # the reported run
+    python tools/mismatch_runs.py --quote    # the block docs/findings.md quotes, from that file
 """
 
 from __future__ import annotations
@@ -295,13 +297,33 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def quote(rows: list[dict]) -> str:
+    """The block docs/findings.md quotes: the table and what it adds up to."""
+    timed = [r for r in rows if r["cause"] != "clean" and r["truth_onset"] is not None]
+    below = [r for r in rows if r["cause"] != "clean" and r["truth_onset"] is None]
+    clean = [r for r in rows if r["cause"] == "clean"]
+    crit = [r for r in timed if r["truth_critical"] is not None]
+    return (table(rows) + "\n\n"
+            f"mismatched runs found within {TOLERANCE} step of the ground-truth onset: {sum(r['pass'] for r in timed)} of "
+            f"{len(timed)}; of them reaching D_t, halted live: {sum(r['halted'] is not None for r in crit)} of {len(crit)}; "
+            f"below the line and quiet: {sum(r['pass'] for r in below)} of {len(below)}; clean runs quiet at every "
+            f"prefix: {sum(r['pass'] for r in clean)} of {len(clean)}")
+
+
+RESULTS = REPO / "bench" / "results" / "mismatch_runs.json"
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one seed of each cause and one clean run")
     ap.add_argument("--causes", nargs="*", default=list(CAUSES))
     ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--json", type=Path)
+    ap.add_argument("--json", type=Path, help=f"write the rows here (the reported run: {RESULTS.relative_to(REPO)})")
+    ap.add_argument("--quote", action="store_true", help="print the block docs/findings.md quotes, from the rows kept")
     a = ap.parse_args(argv)
+    if a.quote:
+        print(quote(json.loads(RESULTS.read_text())))
+        return []
     runs = [(c, s) for c in a.causes for s in SEEDS["mismatch"][:1 if a.quick else None]]
     runs += [("clean", s) for s in SEEDS["clean"][:1 if a.quick else None]]
     rows = []

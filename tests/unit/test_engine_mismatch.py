@@ -137,3 +137,21 @@ def test_the_first_screen_says_it(tmp_path):
     f = next(x for x in report.findings if x.id == "engine_mismatch")
     assert f.status == "holds" and f.severity == "critical"
     assert "Engine-trainer mismatch (critical, from step 3)" in report.card[0], report.card[0]
+
+
+def test_the_findings_page_quotes_the_benchmark_as_its_script_prints_it():
+    import re
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "tools"))
+    import mismatch_runs
+
+    sys.path.pop(0)
+    import json
+
+    page = (repo / "docs" / "findings.md").read_text()
+    block = re.search(r"<!-- mismatch-table:start -->\n(.*?)\n<!-- mismatch-table:end -->", page, re.S).group(1)
+    assert block == mismatch_runs.quote(json.loads(mismatch_runs.RESULTS.read_text())), \
+        "python tools/mismatch_runs.py --quote"
