@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from reward_lens.measure.mismatch import mismatch_of_table, run_mismatch
 from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats, watch_samples
 from reward_lens_spec import load_findings
 from reward_lens_spec.models import FindingSpec
@@ -75,6 +76,9 @@ class Outcome:
     onset: int | None = None
     evidence: dict[str, Any] = field(default_factory=dict)
     judged: bool = True
+    # where it holds at a higher severity than its spec's (a finding that escalates, such as
+    # ``engine_mismatch`` at the size of the updates): that severity; None: the spec's
+    severity: str | None = None
 
 
 def unjudged(**evidence: Any) -> Outcome:
@@ -100,13 +104,16 @@ class FindingData:
 
     def __init__(self, series: Mapping[str, Mapping[int, float]], *, report=None, config: Mapping[str, Any] | None = None,
                  reward_se: Mapping[int, float] | None = None, watch: RunWatch | None = None,
-                 non_finite: Sequence[Any] = ()):
+                 non_finite: Sequence[Any] = (), mismatch: Mapping[int, Any] | None = None):
         self._series = {k: dict(v) for k, v in series.items()}
         self.non_finite = list(non_finite)  # the record's NonFiniteValue entries (manifest.non_finite)
         self.report = report
         self.config = dict(config or {})
         self.reward_se = dict(reward_se or {})
         self.watch = watch  # the sequential watch of the rollouts (measure.sequential), step by step
+        # the engine-trainer mismatch by step (measure.mismatch.StepMismatch), where the rollouts
+        # hold the sampler's log-probabilities
+        self.mismatch = dict(mismatch or {})
 
     def series(self, name: str) -> dict[int, float]:
         return self._series.get(name, {})
@@ -140,7 +147,7 @@ class FindingData:
         if watch is None and samples and report is not None:
             watch = watch_samples(samples, WatchBasis.of(report.basis))
         return cls(series, report=report, config=cfg, reward_se=reward_se, watch=watch,
-                   non_finite=run.manifest.non_finite)
+                   non_finite=run.manifest.non_finite, mismatch=run_mismatch(run))
 
 
 def _sample_reward_stats(samples) -> tuple[dict[int, float], dict[int, float], dict[int, float]] | None:
@@ -578,9 +585,64 @@ def run_diverged(d: FindingData) -> Outcome:
                                       "last": steps[-1]})
 
 
+def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z: float = 3.0, persist: int = 2,
+                    min_steps: int = 2) -> Outcome:
+    """The engine that sampled the rollouts departs from the policy the trainer scores them with
+    by more than ``share`` of the update's own divergence: at each of the last ``persist`` steps
+    judged, KL(pi_sampler || pi_t) along the step's rollouts (``measure.mismatch``, nats/seq) less
+    ``z`` standard errors (its own and ``share`` times D_t's, combined) exceeds ``share`` x D_t.
+    ``share`` = 0.1 is the paired ledger's ``SAMPLER_KL_MAX_SHARE``: past it the mismatch is a
+    large part of what the step's samples say, so the ledger refuses the pair; the finding and the
+    refusal are one rule on one number. Severity ``critical`` where, at those steps, the
+    mismatch is resolved at ``critical`` x D_t or more: the gradient was taken on another policy's
+    samples by as much as the update moved the policy. A step is judged where it has the
+    mismatch, its SE (two prompt groups or more) and a positive D_t; the onset is the first step of
+    the final stretch of steps over the line. z = 3 and two steps in a row: with no mismatch the
+    chance that one step's estimate crosses by noise is at most 0.00135 (a one-sided normal
+    tail), two in a row 1.8e-6, so a 1,000-step run checked at every step alarms falsely with
+    probability under 0.2 % (docs/findings.md)."""
+    from reward_lens.measure.ledger.paired import SAMPLER_KL_MAX_SHARE
+
+    if share != SAMPLER_KL_MAX_SHARE:
+        raise ValueError(f"specs/findings/engine_mismatch.yaml: share = {share}, but the paired ledger refuses a step "
+                         f"pair past SAMPLER_KL_MAX_SHARE = {SAMPLER_KL_MAX_SHARE}: one rule, one number")
+    d_t, d_se = d.series("kl_to_previous"), d.series("kl_to_previous_se")
+    rows = []
+    for s, m in sorted(d.mismatch.items()):
+        dt = d_t.get(int(s))
+        if dt is None or not dt > 0 or not (m.kl_seq_se == m.kl_seq_se):
+            continue
+        dse = d_se.get(int(s), 0.0) or 0.0
+
+        def over(level: float) -> bool:
+            return m.kl_seq - z * math.sqrt(m.kl_seq_se ** 2 + (level * dse) ** 2) > level * dt
+
+        rows.append((int(s), m, dt, over(share), over(critical)))
+    seen_steps = len(d.mismatch)
+    if (short := _too_short(len(rows), min_steps, persist, "engine_mismatch")) is not None:
+        return unjudged(**short.evidence, mismatch_steps=seen_steps, no_d_t=seen_steps > 0 and not rows)
+    steps = np.array([r[0] for r in rows], dtype=np.int64)
+    warn = np.array([r[3] for r in rows])
+    crit = np.array([r[4] for r in rows])
+    last = rows[-1]
+    peak = max(rows, key=lambda r: r[1].kl_seq / r[2])
+    seen = {"steps": len(rows), "share": share, "critical": critical, "z": z, "persist": persist,
+            "last_step": last[0], "kl_seq": last[1].kl_seq, "kl_seq_se": last[1].kl_seq_se, "d_t": last[2],
+            "ratio": last[1].kl_seq / last[2], "kl_token": last[1].kl_token, "max_log_ratio": last[1].max_log_ratio,
+            "tail_share": last[1].tail_share, "peak_step": peak[0], "peak_ratio": peak[1].kl_seq / peak[2],
+            "source": "the tap's rollouts: logp_sampler - logp_pre, k1 along the sampler's own samples"}
+    if not warn[-persist:].all():
+        return Outcome(False, None, seen)
+    _, onset = _final_stretch(steps, warn)
+    severity = "critical" if crit[-persist:].all() else None
+    if severity:
+        _, seen["critical_from"] = _final_stretch(steps, crit)
+    return Outcome(True, onset, {**seen, "severity": severity or "warn"}, severity=severity)
+
+
 PREDICATES: dict[str, Callable[..., Outcome]] = {f.__name__: f for f in (
     run_diverged, entropy_collapse, advantage_collapse, kl_spikes, clipping_saturation, reward_plateau, moving_against_reward,
-    collateral, length_drift, spending_without_buying, proxy_gaming, paid_for_drift)}
+    collateral, length_drift, spending_without_buying, proxy_gaming, paid_for_drift, engine_mismatch)}
 
 
 # ------------------------------------------------------------------------------------ evaluation
@@ -645,6 +707,11 @@ def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> Fi
         return FindingOut(**base, status="not_evaluated", evidence=evidence, missing=[needs],
                           values=_jsonable(out.evidence))
     remedy = " ".join(render_template_string(spec.remedy, ctx).split()) if holds else None
+    if holds and out.severity is not None:
+        if out.severity not in RANK or RANK[out.severity] < RANK[spec.severity]:
+            raise ValueError(f"specs/findings/{spec.id}.yaml: its predicate escalated to {out.severity!r}, under the "
+                             f"spec's {spec.severity!r}")
+        base["severity"] = out.severity
     return FindingOut(**base, status="holds" if holds else "clear", onset=out.onset, evidence=evidence,
                       remedy=remedy, values=_jsonable(out.evidence))
 
@@ -735,6 +802,7 @@ class LiveFindings:
         self.series: dict[str, dict[int, float]] = {}
         self.reward_se: dict[int, float] = {}
         self.columns: set[str] = set()  # rollout columns seen with values
+        self.mismatch: dict[int, Any] = {}  # the engine mismatch by step (measure.mismatch), as check reads it
 
     def observe(self, step: int, rollouts=None, heldout=None, telemetry: Mapping[int, Mapping[str, Any]] | None = None
                 ) -> list[FindingOut]:
@@ -743,6 +811,15 @@ class LiveFindings:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self.series.setdefault(k, {})[int(s)] = float(v)
+        if rollouts is not None and not _is_table(rollouts):
+            from reward_lens.record.writer import _rollouts_table
+
+            rollouts = _rollouts_table(list(rollouts))
+        if rollouts is not None and rollouts.num_rows:
+            last = self.watch.last_step if self.watch.last_step is not None else -1
+            for m in mismatch_of_table(rollouts):  # each new step once, as check reads the record
+                if m.step > last:
+                    self.mismatch[m.step] = m
         for sample in self._samples(rollouts):
             st = step_stats(sample)
             if st is not None:
@@ -799,7 +876,7 @@ class LiveFindings:
         if not series.get("max_grad_norm") and isinstance(self.config.get("max_grad_norm"), (int, float)):
             series["max_grad_norm"] = {s: float(self.config["max_grad_norm"]) for s in series.get("grad_norm_unclipped", {})}
         data = FindingData(series, config=self.config, reward_se=self.reward_se,
-                           watch=self.watch if self.watch.steps else None)
+                           watch=self.watch if self.watch.steps else None, mismatch=self.mismatch)
 
         def present(f: str) -> bool:  # as ``evaluate`` asks the record: a column with a value on some row
             if f.startswith("rollout."):
@@ -836,6 +913,12 @@ def exit_code(findings: Sequence[FindingOut], fail_on: str) -> int:
     if fail_on == "never":
         return 0
     return 1 if any(f.status == "holds" and RANK[f.severity] >= RANK[fail_on] for f in findings) else 0
+
+
+def _is_table(x) -> bool:
+    import pyarrow as pa
+
+    return isinstance(x, pa.Table)
 
 
 class _Evidence(dict):

@@ -1,5 +1,6 @@
 """The training curves every user expects, from what the record holds: reward (and each
-reward function's), completion length, D_t, grad norms before and after clipping, learning
+reward function's), completion length, D_t (with the engine-trainer mismatch beside it, where an
+engine sampled the rollouts), grad norms before and after clipping, learning
 rate and update norm. Drawn by ``plots.render_figure`` (reduced to at most 2,000 points a line).
 """
 
@@ -96,6 +97,22 @@ class RolloutCurves:
         return panels
 
 
+def _mismatch_series(run: Run, with_d_t: bool) -> list[Series]:
+    """Where an engine sampled the rollouts (``logp_sampler``): KL(pi_sampler || pi_t) per step
+    (``measure.mismatch``, nats per sequence, the unit of D_t it is drawn beside), so a mismatch
+    the size of the updates is seen against them. A line, not a band: the panel's scale is
+    logarithmic and an interval's lower end at or below zero has no place on it (the report's
+    finding states the SE)."""
+    from reward_lens.measure.mismatch import run_mismatch
+
+    m = run_mismatch(run)
+    if not m:
+        return []
+    xs = sorted(m)
+    return [Series(label="engine mismatch" if with_d_t else None, x=[float(s) for s in xs],
+                   y=[m[s].kl_seq for s in xs], style="dashed")]
+
+
 def training_curves(run: Run, rollout_panels: list[Panel]) -> list[FigureOut]:
     """The training curves of ``run``: the rollouts' panels (``RolloutCurves.panels``), then the
     telemetry's."""
@@ -108,6 +125,11 @@ def training_curves(run: Run, rollout_panels: list[Panel]) -> list[FigureOut]:
                 xs = sorted(col)
                 series.append(Series(label=f if len(fields) > 1 else None, x=[float(s) for s in xs],
                                      y=[float(col[s]) for s in xs], style="line" if len(series) == 0 else "dashed"))
+        if fields == ("kl_to_previous",):
+            series += _mismatch_series(run, with_d_t=bool(series))
+            if len(series) > 1:
+                series[0] = series[0].model_copy(update={"label": "D_t, the update"})
+                title = "D_t beside the engine mismatch KL(π_sampler ‖ π_t)"
         if series:
             panels.append(Panel(title=title, y_label=unit, log_y=log, series=series))
     if not panels:

@@ -403,4 +403,11 @@ def test_vllm_is_said_with_what_the_tap_records_of_it(tmp_path):
     assert "refuses a step pair whose sampler departs" in said and "vLLM itself was not run" in said
     assert res.fields["rollout.logp_sampler"].cadence == "every step"
     plain = audit(_write(tmp_path, {**PER_STEP, "reward_lens": {}}))
-    assert not [st for st in plain.statements if st.key == "use_vllm"] and "rollout.logp_sampler" not in plain.fields
+    # without vLLM the trained model samples its own rollouts: the one thing said of `use_vllm` is
+    # that there is no engine to mismatch (engine_mismatch not evaluated), and nothing is recorded of one
+    (said,) = [st.says for st in plain.statements if st.key == "use_vllm"]
+    assert "no engine to depart from the policy" in said and "rollout.logp_sampler" not in plain.fields
+    off = audit(_write(tmp_path, {**PER_STEP, "use_vllm": True, "vllm_importance_sampling_correction": False,
+                                  "reward_lens": {}}))
+    (said,) = [st.says for st in off.statements if st.key == "vllm_importance_sampling_correction"]
+    assert "no importance-sampling correction" in said and "`engine_mismatch`" in said

@@ -192,16 +192,19 @@ def test_the_healthy_task_record_has_no_warn_or_critical_finding():
     run = open_run(example_record("task"))
     report = build_report(run, features=features_from(str(example_features("task"))))
     assert exit_code(report.findings, "warn") == 0
-    # a tapped record feeds every finding; one is not evaluated all the same: its number is not
-    # resolved from noise against its threshold, and that is not "clear"
+    # a tapped record feeds every finding but one: its model sampled its own rollouts, so there is
+    # no engine log-probability to compare (engine_mismatch). One more is not evaluated all the
+    # same: its number is not resolved from noise against its threshold, and that is not "clear"
     undecided = [f for f in report.findings if f.status == "not_evaluated"]
-    assert [f.id for f in undecided] == ["spending_without_buying"] and undecided[0].missing
+    assert [f.id for f in undecided] == ["engine_mismatch", "spending_without_buying"]
+    assert all(f.missing for f in undecided) and undecided[0].missing == ["rollout.logp_sampler"]
     counts = finding_counts(report.findings)
     assert report.findings_counts == counts and counts["checked"] == len(load_findings())
     # the card leads with the health sentence, counted in one place, the three outcomes apart
     assert report.card[0].startswith("**No warn or critical finding**")
     assert f"{counts['clear']} of {counts['checked']} checks clear" in report.card[0]
-    assert f"{counts['not_evaluated']} not evaluated (spending without buying)" in report.card[0]
+    assert (f"{counts['not_evaluated']} not evaluated (engine-trainer mismatch, spending without buying)"
+            in report.card[0]), report.card[0]
     data = json.loads(report.model_dump_json())
     assert [f["id"] for f in data["findings"]] == list(load_findings())
 
@@ -261,11 +264,18 @@ def test_the_audit_says_which_findings_a_config_supports(tmp_path):
     from reward_lens.findings import TARGET
 
     needs = ("proxy_gaming", "paid_for_drift")
-    assert all(f.verdict == "will evaluate" for fid, f in tapped.items() if fid not in needs)
+    # and the engine mismatch: TRL samples with the trained model itself here (no `use_vllm`), so
+    # there is no engine's log-probability to compare
+    assert all(f.verdict == "will evaluate" for fid, f in tapped.items() if fid not in needs + ("engine_mismatch",))
     assert all(tapped[fid].verdict == "will not evaluate" and tapped[fid].missing == [TARGET] for fid in needs)
+    assert tapped["engine_mismatch"].verdict == "will not evaluate"
+    assert tapped["engine_mismatch"].missing == ["rollout.logp_sampler"]
     aimed = tmp_path / "aimed.yaml"
     aimed.write_text(cfg.read_text() + "reward_lens: {target: correctness}\n")
-    assert all(f.verdict == "will evaluate" for f in audit(aimed).findings)
+    assert all(f.verdict == "will evaluate" for f in audit(aimed).findings if f.finding != "engine_mismatch")
+    engine = tmp_path / "vllm.yaml"
+    engine.write_text(cfg.read_text() + "use_vllm: true\n")
+    assert {f.finding: f for f in audit(engine, with_tap=True).findings}["engine_mismatch"].verdict == "will evaluate"
     # TRL's default batch (8 completions, 8 per prompt) holds one prompt group a step on one process:
     # the sequential findings read a step from two or more, and the audit says so beforehand
     one = tmp_path / "one.yaml"

@@ -69,6 +69,7 @@ from functools import cached_property
 
 import numpy as np
 
+from reward_lens.measure.mismatch import group_kl
 from reward_lens.measure.ledger.price import (Ledger, LedgerArrays, LedgerBlock, StepSample, blocks, group_codes,
                                               in_threads, sample_codes, stack_range, stacked)
 
@@ -939,14 +940,12 @@ def _sampler_kl(s: StepSample, prep: _Prepared, ho: StepSample | None = None) ->
         sides.append((gap, prep.codes[len(prep.codes) - len(gap):]))
     best = (None, None)
     for gap, codes in sides:
-        ok = np.isfinite(gap)
-        if not ok.any():
+        # the engine-mismatch series' own estimator (measure.mismatch): one computation, so this
+        # check and the series (its finding, its curve) state the same number for the same rows
+        got = group_kl(gap, codes, prep.n_groups)
+        if got is None:
             continue
-        present = np.bincount(codes[ok], minlength=prep.n_groups) > 0
-        means = (np.bincount(codes[ok], weights=gap[ok], minlength=prep.n_groups)[present]
-                 / np.bincount(codes[ok], minlength=prep.n_groups)[present])
-        se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else float("nan")
-        kl = float(means.mean())
+        kl, se = got
         low = kl - 2.0 * (se if se == se else 0.0)
         if best[0] is None or low > best[0] - 2.0 * (best[1] if best[1] == best[1] else 0.0):
             best = (kl, se)

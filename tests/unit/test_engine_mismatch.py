@@ -1,0 +1,157 @@
+"""The `engine_mismatch` finding on hand-made series: its rule, onset, escalation to critical, its
+words, and a record without D_t or without the engine's log-probabilities left not evaluated."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from reward_lens.findings import FindingData, LiveFindings, evaluate_one, missing_inputs
+from reward_lens.measure.mismatch import step_mismatch
+from reward_lens_spec import load_findings
+
+SPEC = load_findings()["engine_mismatch"]
+
+
+def _mismatch(kl: list[float], spread: float = 0.01, groups: int = 8, seed: int = 0) -> dict:
+    """Per step, rollouts whose gap has mean ``kl[s]`` (group means spread by ``spread``)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for s, k in enumerate(kl):
+        codes = np.repeat(np.arange(groups), 4)
+        gap = k + rng.normal(0.0, spread, size=len(codes))
+        out[s] = step_mismatch(s, gap, codes, groups, np.full(len(codes), 10.0))
+    return out
+
+
+def _judge(kl: list[float], d_t: float = 0.2, **series):
+    data = FindingData({"kl_to_previous": {s: d_t for s in range(len(kl))}, **series}, mismatch=_mismatch(kl))
+    return evaluate_one(SPEC, data, [])
+
+
+def test_clear_while_the_engine_matches_the_policy():
+    f = _judge([0.0] * 10)
+    assert f.status == "clear" and f.severity == "warn" and "stays under 10 %" in f.evidence
+
+
+def test_holds_from_its_onset_at_warn_and_names_the_number_and_the_switches():
+    f = _judge([0.0] * 4 + [0.06] * 6)  # 0.3 x D_t from step 4
+    assert f.status == "holds" and f.severity == "warn" and f.onset == 4
+    assert f.values["ratio"] == pytest.approx(0.3, abs=0.05)
+    assert "From step 4" in f.evidence and "per token" in f.evidence
+    assert "vllm_importance_sampling_correction" in f.remedy and "calculate_log_probs" in f.remedy
+
+
+def test_one_step_over_the_line_is_not_a_finding():
+    f = _judge([0.0] * 9 + [0.06])  # persist = 2: the last step alone
+    assert f.status == "clear"
+
+
+def test_critical_once_the_mismatch_is_the_size_of_the_updates():
+    f = _judge([0.0] * 3 + [0.06] * 3 + [0.5] * 4)  # 2.5 x D_t from step 6
+    assert f.status == "holds" and f.severity == "critical" and f.onset == 3
+    assert f.values["critical_from"] == 6 and "as large as the updates" in f.evidence
+
+
+def test_noise_the_size_of_the_threshold_is_not_resolved():
+    # mean 0.03 (0.15 x D_t) but group means spread by 0.2: not beyond 3 SE of a tenth of D_t
+    data = FindingData({"kl_to_previous": {s: 0.2 for s in range(10)}},
+                       mismatch=_mismatch([0.03] * 10, spread=0.4))
+    assert evaluate_one(SPEC, data, []).status == "clear"
+
+
+def test_not_evaluated_without_d_t_or_the_engine_log_probabilities():
+    f = evaluate_one(SPEC, FindingData({}, mismatch=_mismatch([0.1] * 5)), [])
+    assert f.status == "not_evaluated" and "no step has D_t" in f.evidence
+    lacks = missing_inputs(SPEC, lambda name: name != "rollout.logp_sampler", None)
+    assert lacks == ["rollout.logp_sampler"]
+
+
+def test_live_reads_the_rollouts_as_check_does():
+    """LiveFindings takes the tap's rows (Rollout objects) and D_t as it arrives, one step late."""
+    from reward_lens.record.schema import Rollout
+
+    live = LiveFindings()
+    rng = np.random.default_rng(1)
+    outs = []
+    for s in range(6):
+        gap = 0.08 if s >= 2 else 0.0
+        rows = [Rollout(step=s, group_id=f"{s}:{g}", prompt="ab", completion="x" * 5, num_tokens=5, reward=float(i % 2),
+                        logp_pre=-3.0, logp_sampler=-3.0 + gap + float(rng.normal(0, 0.005)))
+                for g in range(4) for i in range(4)]
+        tel = {s - 1: {"kl_to_previous": 0.2}} if s else None
+        outs.append(next(f for f in live.observe(s, rows, None, tel) if f.id == "engine_mismatch"))
+    # D_t of a step arrives with the next one: steps 0 and 1 are judged at the third look, clear
+    assert [o.status for o in outs[:3]] == ["not_evaluated", "not_evaluated", "clear"]
+    assert outs[-1].status == "holds" and outs[-1].onset == 2 and outs[-1].severity == "warn"
+
+
+def _engine_record(path, gap_from: int = 3, gap: float = 0.08, steps: int = 8, d_t: float = 0.2):
+    """A hand-made record whose engine departs from the policy by ``gap`` nats a sequence from
+    step ``gap_from`` (its log-probabilities beside the trainer's), with D_t at every step."""
+    from reward_lens.record import OptimizerTelemetry, Rollout, write_run
+
+    rng = np.random.default_rng(3)
+    tel = [OptimizerTelemetry(step=s, learning_rate=1e-3, kl_to_previous=d_t if s < steps - 1 else None,
+                              kl_to_previous_estimator="test" if s < steps - 1 else None) for s in range(steps)]
+    rol = []
+    for s in range(steps):
+        for g in range(4):
+            for i in range(4):
+                lp = -20.0 + float(rng.normal(0, 1))
+                rol.append(Rollout(step=s, group_id=f"{s}:{g}", prompt=f"p{g}", completion="abc" * (i + 1),
+                                   num_tokens=3 * (i + 1), reward=float(i % 2), logp_pre=lp,
+                                   logp_sampler=lp + (gap if s >= gap_from else 0.0) + float(rng.normal(0, 0.005))))
+    write_run(path, framework={"name": "test", "version": "0"}, model={"description": "hand-made"},
+              telemetry=tel, rollouts=rol, optimizer="sgd")
+    return path
+
+
+def test_check_the_curves_and_the_first_screen_read_one_series(tmp_path):
+    from reward_lens import cli
+    from reward_lens.measure.mismatch import run_mismatch
+    from reward_lens.record import open_run
+    from reward_lens.report.curves import training_curves
+
+    rec = _engine_record(tmp_path / "rec")
+    run = open_run(rec)
+    series = run_mismatch(run)
+    assert sorted(series) == list(range(8)) and series[5].ratio == pytest.approx(0.4, abs=0.02)
+    # `check` names it, at warn, from the step the engine departed
+    assert cli.main(["check", str(rec), "--quiet", "--format", "json", "--fail-on", "warn"]) == 1
+    from reward_lens.findings import evaluate
+
+    f = next(x for x in evaluate(run) if x.id == "engine_mismatch")
+    assert f.status == "holds" and f.onset == 3 and f.severity == "warn"
+    # the D_t panel draws the same series beside D_t
+    panel = next(p for fig in training_curves(run, []) for p in fig.panels if "engine mismatch" in (p.title or ""))
+    line = next(s for s in panel.series if s.label == "engine mismatch")
+    assert line.y == [series[s].kl_seq for s in range(8)]
+
+
+def test_the_first_screen_says_it(tmp_path):
+    from reward_lens.record import open_run
+    from reward_lens.report import build_report
+
+    report = build_report(open_run(_engine_record(tmp_path / "rec", gap=0.5)))
+    f = next(x for x in report.findings if x.id == "engine_mismatch")
+    assert f.status == "holds" and f.severity == "critical"
+    assert "Engine-trainer mismatch (critical, from step 3)" in report.card[0], report.card[0]
+
+
+def test_the_findings_page_quotes_the_benchmark_as_its_script_prints_it():
+    import re
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "tools"))
+    import mismatch_runs
+
+    sys.path.pop(0)
+    import json
+
+    page = (repo / "docs" / "findings.md").read_text()
+    block = re.search(r"<!-- mismatch-table:start -->\n(.*?)\n<!-- mismatch-table:end -->", page, re.S).group(1)
+    assert block == mismatch_runs.quote(json.loads(mismatch_runs.RESULTS.read_text())), \
+        "python tools/mismatch_runs.py --quote"
