@@ -298,6 +298,8 @@ def cost_section(ctx: RunContext) -> BookResult:
     if priced.book is None:
         return _result(extra or [rollouts_refusal(run, samples)], None, spec)
     book: CostBook = priced.book
+    if not len(book.columns) and book.refusals:  # refused whole (LIMIT_EXCEEDED, UNIT_MISMATCH, ...): no rows
+        return _result([*extra, *book.refusals], None, spec)
     g = priced.metric
     docs, units = features.docs(), features.units()
     excluded = {n: why for ex in [g.excluded, *map(g.excluded_of, g.by_step)] for n, why in ex.items()}
