@@ -33,3 +33,42 @@ def test_item12_a_basis_past_the_exact_shapley_limit_is_refused_through_report(t
     assert cost["status"] == "refused"
     assert [r["code"] for r in cost["refusals"]] == ["LIMIT_EXCEEDED"]
     assert str(EXACT_MAX_FEATURES) in json.dumps(cost["refusals"][0])
+
+
+_DUP_BASIS = """name: dup
+features:
+  - name: correct
+    kind: regex
+    pattern: "ok"
+    target: higher
+    target: lower
+"""
+
+
+def test_item10_a_duplicate_key_in_a_basis_is_an_error_naming_file_and_line(tmp_path):
+    from reward_lens import cli
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens_spec.errors import SpecError
+
+    basis = tmp_path / "dup.yaml"
+    basis.write_text(_DUP_BASIS)
+    with pytest.raises(SpecError, match=r"dup\.yaml:7: .*duplicate key 'target' \(first given on line 6"):
+        load_basis(basis)
+    assert cli.main(["check", str(SHORT), "--features", str(basis), "--quiet"]) == 2
+
+
+def test_item10_a_duplicate_key_in_a_spec_or_a_config_is_an_error_naming_the_line(tmp_path):
+    from reward_lens.audit import load_config
+    from reward_lens.record.errors import RecordError
+    from reward_lens_spec.errors import SpecError
+    from reward_lens_spec.loader import load_model
+    from reward_lens_spec.models import BookSpec
+
+    spec = tmp_path / "cost.yaml"
+    spec.write_text((REPO / "specs" / "books" / "cost.yaml").read_text() + "id: again\n")
+    with pytest.raises(SpecError, match=r"cost\.yaml:\d+: .*duplicate key 'id'"):
+        load_model(spec, BookSpec)
+    config = tmp_path / "grpo.yaml"
+    config.write_text("learning_rate: 1.0e-6\nnum_generations: 8\nnum_generations: 2\n")
+    with pytest.raises(RecordError, match=r"grpo\.yaml.*duplicate key 'num_generations'.*line 3"):
+        load_config(config)
