@@ -72,3 +72,25 @@ def test_item10_a_duplicate_key_in_a_spec_or_a_config_is_an_error_naming_the_lin
     config.write_text("learning_rate: 1.0e-6\nnum_generations: 8\nnum_generations: 2\n")
     with pytest.raises(RecordError, match=r"grpo\.yaml.*duplicate key 'num_generations'.*line 3"):
         load_config(config)
+
+
+def test_item7_a_missing_features_file_leaves_no_record_folder(tmp_path):
+    from tests.unit import tap_driver as d
+
+    rec = tmp_path / "rec"
+    with pytest.raises(Exception, match="nope.yaml") as err:
+        d.core_for(rec, d.TinyPolicy(), features=str(tmp_path / "nope.yaml"), overwrite=False)
+    assert isinstance(err.value, ValueError)
+    assert not rec.exists()  # a retry without overwrite is not refused by a half-made record
+
+
+@pytest.mark.parametrize("key, value", [("budget", True), ("heldout", True), ("seed", 2**80), ("check_every", 10**12)])
+def test_item8_settings_are_strict_about_booleans_and_bounded_in_the_api_and_the_audit(tmp_path, key, value):
+    from reward_lens.audit import _check_tap_section
+    from reward_lens.record.errors import RecordError
+    from reward_lens.taps.settings import tap_settings
+
+    with pytest.raises(ValueError, match=rf"RewardLensTap: {key}:"):
+        tap_settings(**{key: value})
+    with pytest.raises(RecordError, match=rf"reward_lens\.{key}:"):
+        _check_tap_section(tmp_path / "c.yaml", "reward_lens", {key: value})
