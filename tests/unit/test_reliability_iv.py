@@ -94,3 +94,39 @@ def test_item8_settings_are_strict_about_booleans_and_bounded_in_the_api_and_the
         tap_settings(**{key: value})
     with pytest.raises(RecordError, match=rf"reward_lens\.{key}:"):
         _check_tap_section(tmp_path / "c.yaml", "reward_lens", {key: value})
+
+
+def _callable_basis(path: Path, fn: str) -> Path:
+    path.write_text(f'name: slow\nfeatures:\n  - name: mine\n    kind: callable\n    function: "tests.unit.basis_helpers:{fn}"\n')
+    return path
+
+
+def test_item4_a_callable_that_never_returns_refuses_the_basis_naming_the_feature(tmp_path, monkeypatch, capsys):
+    import time
+
+    from reward_lens import cli
+    from reward_lens.measure.ledger import basis as basis_mod
+
+    monkeypatch.setattr(basis_mod, "CALLABLE_SECONDS", 0.5)
+    spec = _callable_basis(tmp_path / "hang.yaml", "never_returns")
+    t0 = time.perf_counter()
+    assert cli.main(["check", str(SHORT), "--features", str(spec), "--quiet"]) == 2
+    assert time.perf_counter() - t0 < 60
+    err = capsys.readouterr().err
+    assert "hang.yaml" in err and "feature `mine`" in err and "did not return within the 0.5 s limit per call" in err
+
+
+def test_item4_the_callables_of_a_basis_have_a_limit_in_all(tmp_path, monkeypatch):
+    import pyarrow as pa
+
+    from reward_lens.measure.ledger import basis as basis_mod
+    from reward_lens_spec.errors import SpecError
+
+    monkeypatch.setattr(basis_mod, "CALLABLE_SECONDS", 5.0)
+    monkeypatch.setattr(basis_mod, "CALLABLE_TOTAL_SECONDS", 0.5)
+    b = basis_mod.load_basis(_callable_basis(tmp_path / "slow.yaml", "slow_vowels"))
+    table = pa.table({"step": [0, 0], "completion": ["abc", "xyz"]})
+    assert b.compute(table).ravel().tolist() == [1.0, 0.0]  # 0.3 s: inside both limits
+    with pytest.raises(SpecError, match=r"slow\.yaml: feature `mine`: .* within the 0\.5 s limit of the basis's "
+                                        r"callables in all"):
+        b.compute(table)  # 0.3 s more would pass 0.5 s in all
