@@ -361,6 +361,28 @@ def _watch_short(d: FindingData, min_steps: int, min_groups: int) -> Outcome | N
     return _too_short(n, min_steps, 2, "sequential findings")
 
 
+def _no_selection(d: FindingData) -> Outcome | None:
+    """Not evaluated where no within-group selection can be read at all: every prompt group one
+    completion (veRL PPO with n=1, lost group ids) or advantages that never differ within a group.
+    A selection differential of 0 with no standard error is then not "nothing selected": the
+    findings that judge what the reward selects, or that nothing explains a movement, cannot say
+    (issue 61: they read clear, or held "with no selection explaining it", on such records)."""
+    w = d.watch
+    if w.selection is None or not bool((np.asarray(w.selection_var, dtype=float) > 0).any()):
+        return unjudged(no_selection=True)
+    return None
+
+
+def _constant_targets(d: FindingData) -> Outcome | None:
+    """Not evaluated where every declared target is constant within every step (no spread): its
+    movement cannot be sized, so "no target moved" would be read from a target that cannot."""
+    targets = list(d.watch.basis.targets)
+    flat = [t for t in targets if t in d.watch.series and not d.watch.series[t].spread]
+    if targets and len(flat) == len(targets):
+        return unjudged(constant_target=flat)
+    return None
+
+
 def _movement(d: FindingData, name: str, direction: int, h: float) -> dict[str, Any] | None:
     """The movement of ``name`` in ``direction`` while its CUSUM is at ``h`` or above: where it
     began, the reference level and the stretch's mean, and the change in units of the
@@ -398,6 +420,8 @@ def moving_against_reward(d: FindingData, h: float = 4.0, z_sel: float = 3.0, mi
     ``h`` or above, by at least ``min_size`` of its within-step standard deviation."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (unread := _no_selection(d)) is not None:
+        return unread
     rows = []
     for name in d.watch.basis.names:
         sel, z = d.watch.selected(name, z_sel)
@@ -425,6 +449,8 @@ def collateral(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_explain
     direction it moved (the reward-hacking signature in the named basis)."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (unread := _no_selection(d)) is not None:
+        return unread
     rows = []
     for name in d.watch.basis.names:
         for direction in (1, -1):
@@ -444,6 +470,8 @@ def length_drift(d: FindingData, h: float = 4.0, min_relative: float = 0.1, z_ex
     reference level, with no selection explaining it (as ``collateral``)."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (unread := _no_selection(d)) is not None:
+        return unread
     rows = []
     for name in d.watch.basis.names:
         if d.watch.basis.kinds.get(name) != "length":
@@ -480,6 +508,8 @@ def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: 
     target's, or where the reward's rise began if it only rose and that is later."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (flat := _constant_targets(d)) is not None:
+        return flat
     reward = d.watch.reward
     rose = reward.cusum(1) >= h
     rows = []
@@ -497,6 +527,8 @@ def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: 
                 "reward_to": reward.up_side.level, "reward_onset": reward.since(1),
                 "targets": list(d.watch.basis.targets)}
     if not gamed:
+        if rows and (unread := _no_selection(d)) is not None:  # a fallen target whose selection cannot be read
+            return unread
         return Outcome(False, evidence=evidence)
     onset = _onset(gamed)
     if rose and not any(r["selected_against"] or r["reward_held"] for r in gamed):
@@ -512,6 +544,10 @@ def paid_for_drift(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_relat
     moved the way the user wants: the reward buys its own proxy, not the target."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (flat := _constant_targets(d)) is not None:
+        return flat
+    if (unread := _no_selection(d)) is not None:
+        return unread
     bought = _bought(d, h, min_size)
     rows = []
     for name in d.watch.basis.names:

@@ -130,3 +130,66 @@ def test_item4_the_callables_of_a_basis_have_a_limit_in_all(tmp_path, monkeypatc
     with pytest.raises(SpecError, match=r"slow\.yaml: feature `mine`: .* within the 0\.5 s limit of the basis's "
                                         r"callables in all"):
         b.compute(table)  # 0.3 s more would pass 0.5 s in all
+
+
+def _length_paid_record(path: Path, *, own_groups: bool, steps: int = 12, n: int = 16) -> Path:
+    """A record whose reward pays for length, lengths growing step by step; with ``own_groups``
+    every rollout is its own prompt group (veRL PPO with n=1, or lost group ids)."""
+    import numpy as np
+
+    from reward_lens.record import OptimizerTelemetry, Rollout, write_run
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for s in range(steps):
+        lengths = rng.integers(5 + 3 * s, 15 + 3 * s, size=n)
+        reward = lengths / 50.0
+        for i, k in enumerate(lengths):
+            g = f"{s}:{i}" if own_groups else f"{s}:{i // 4}"
+            members = [j for j in range(n) if (j if own_groups else j // 4) == (i if own_groups else i // 4)]
+            adv = float(reward[i] - reward[members].mean())
+            rows.append(Rollout(step=s, group_id=g, prompt=f"p{i // 4}", completion="ab" * int(k),
+                                reward=float(reward[i]), advantage=adv))
+    tel = [OptimizerTelemetry(step=s, learning_rate=1e-3) for s in range(steps)]
+    write_run(path, framework={"name": "test", "version": "0"}, model={"description": "hand-made"},
+              telemetry=tel, rollouts=rows)
+    return path
+
+
+SELECTION_FINDINGS = ("moving_against_reward", "collateral_behaviour", "length_drift", "paid_for_drift")
+
+
+def test_item2_groups_of_one_leave_the_selection_findings_not_evaluated_by_name(tmp_path, capsys):
+    from reward_lens import cli
+
+    basis = tmp_path / "b.yaml"
+    basis.write_text("name: b\nfeatures:\n  - name: length\n    kind: length\n    of: characters\n"
+                     "  - name: good\n    kind: regex\n    pattern: '(ab){15}'\n    target: higher\n")
+    rec = _length_paid_record(tmp_path / "rec", own_groups=True)
+    assert cli.main(["check", str(rec), "--features", str(basis), "--format", "json", "--quiet",
+                     "--fail-on", "never"]) == 0
+    by = {f["id"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    for fid in SELECTION_FINDINGS:
+        assert by[fid]["status"] == "not_evaluated", (fid, by[fid])
+        assert "no selection within prompt groups can be read" in by[fid]["evidence"], fid
+        assert "advantages differ" in by[fid]["missing"][0]
+    # the same record in groups of four is judged (the selection can be read there)
+    rec4 = _length_paid_record(tmp_path / "rec4", own_groups=False)
+    cli.main(["check", str(rec4), "--features", str(basis), "--format", "json", "--quiet", "--fail-on", "never"])
+    by4 = {f["id"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    assert all("no selection within" not in by4[fid]["evidence"] for fid in SELECTION_FINDINGS)
+    assert by4["moving_against_reward"]["status"] != "not_evaluated"
+
+
+def test_item2_a_constant_target_leaves_the_target_findings_not_evaluated_by_name(tmp_path, capsys):
+    from reward_lens import cli
+
+    basis = tmp_path / "b.yaml"  # every completion holds "ab": the target never varies
+    basis.write_text("name: b\nfeatures:\n  - name: length\n    kind: length\n    of: characters\n"
+                     "  - name: has_ab\n    kind: regex\n    pattern: 'ab'\n    target: higher\n")
+    rec = _length_paid_record(tmp_path / "rec", own_groups=False)
+    cli.main(["check", str(rec), "--features", str(basis), "--format", "json", "--quiet", "--fail-on", "never"])
+    by = {f["id"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    for fid in ("paid_for_drift", "proxy_gaming"):
+        assert by[fid]["status"] == "not_evaluated", (fid, by[fid])
+        assert "`has_ab` never varied within a step" in by[fid]["evidence"], by[fid]["evidence"]
