@@ -581,6 +581,10 @@ def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: flo
     seen = {"eta": eta, "interval": list(iv), "d_t_total": total, "max_eta": max_eta, "min_nats": min_nats}
     if total >= min_nats and iv[0] < max_eta <= iv[1]:
         return unjudged(**seen, straddles=True)
+    rows_, pairs = s.get("eta_run_rows"), s.get("step_pairs")
+    if total < min_nats and rows_ is not None and pairs is not None and rows_ < pairs:
+        # a sum over the measured step pairs only: under min_nats there says nothing of the run's (issue 61)
+        return unjudged(**seen, partial=True, rows=rows_, pairs=pairs)
     holds = bool(iv[1] < max_eta and total >= min_nats)
     onset = None
     if holds:

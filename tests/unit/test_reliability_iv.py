@@ -193,3 +193,27 @@ def test_item2_a_constant_target_leaves_the_target_findings_not_evaluated_by_nam
     for fid in ("paid_for_drift", "proxy_gaming"):
         assert by[fid]["status"] == "not_evaluated", (fid, by[fid])
         assert "`has_ab` never varied within a step" in by[fid]["evidence"], by[fid]["evidence"]
+
+
+def test_item6_a_sum_over_a_partly_measured_run_is_never_judged_as_the_runs():
+    from types import SimpleNamespace
+
+    from reward_lens.findings import FindingData, evaluate_one
+    from reward_lens_spec import load_findings
+
+    spec = load_findings()["spending_without_buying"]
+
+    class Data(FindingData):
+        def __init__(self, total, rows, pairs):
+            super().__init__({})
+            eff = SimpleNamespace(kl_spent=[total / 2] * 2, efficiency_debiased=[0.03] * 2, step_pair=[(0, 1), (1, 2)])
+            self.cost = SimpleNamespace(summary={"eta_run": 0.03, "eta_run_interval": [-0.08, 0.15], "d_t_total": total,
+                                                 "eta_run_rows": rows, "step_pairs": pairs}, efficiency=eff)
+
+        def book(self, book_id):
+            return self.cost if book_id == "cost" else None
+
+    part = evaluate_one(spec, Data(0.0849, 2, 4), [])  # the case: the budget measured 2 of 4 pairs
+    assert part.status == "not_evaluated"
+    assert "summed over 2 of the run's 4 step pairs" in part.evidence and "every step pair" in part.missing[0]
+    assert evaluate_one(spec, Data(0.0849, 4, 4), []).status == "clear"  # every pair measured: the run's sum
