@@ -77,6 +77,18 @@ class TapSettings(BaseModel):
                              "D_t along the next generation's rollouts and pi_t's held-out completions")
         return data
 
+    @field_validator("heldout")
+    @classmethod
+    def _heldout_pairs(cls, v):
+        # one completion per group and side has no within-group information: the paired ledger drops
+        # such groups (taps/budget.py MIN_PER_GROUP), so a record of heldout=1 would hold a D_t the books
+        # cannot read (issue 61: the first screen said "no D_t" while the books priced it)
+        if v == 1:
+            raise ValueError("1 completion per group and side gives the paired ledger no within-group "
+                             "information: pass 0 (one-sided: the next generation's rollouts scored under pi_t) "
+                             "or 2 or more")
+        return v
+
     @model_validator(mode="after")
     def _consistent(self):
         if self.estimator == "independent" and not self.paired:

@@ -217,3 +217,16 @@ def test_item6_a_sum_over_a_partly_measured_run_is_never_judged_as_the_runs():
     assert part.status == "not_evaluated"
     assert "summed over 2 of the run's 4 step pairs" in part.evidence and "every step pair" in part.missing[0]
     assert evaluate_one(spec, Data(0.0849, 4, 4), []).status == "clear"  # every pair measured: the run's sum
+
+
+@pytest.mark.parametrize("budget", [None, 0.1])
+def test_item3_heldout_1_is_refused_naming_it_with_or_without_a_budget(tmp_path, budget):
+    from reward_lens.audit import _check_tap_section
+    from reward_lens.record.errors import RecordError
+    from reward_lens.taps.settings import tap_settings
+
+    with pytest.raises(ValueError, match=r"RewardLensTap: heldout: .*pass 0 .* or 2 or more"):
+        tap_settings(heldout=1, budget=budget)
+    with pytest.raises(RecordError, match=r"reward_lens\.heldout:"):
+        _check_tap_section(tmp_path / "c.yaml", "reward_lens", {"heldout": 1, "budget": budget})
+    assert tap_settings(heldout=2, budget=budget).heldout == 2 and tap_settings(heldout=0, budget=budget).heldout == 0
