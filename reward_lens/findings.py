@@ -630,6 +630,12 @@ def missing_target(spec: FindingSpec, targets: Mapping[str, str] | None) -> list
     return [TARGET] if spec.needs_target and targets is not None and not targets else []
 
 
+def reads_features(spec: FindingSpec) -> bool:
+    """The finding reads the basis's features (computed from the completions): every alternative
+    of its inputs has ``rollout.completion``."""
+    return bool(spec.inputs) and all("rollout.completion" in alt for alt in spec.inputs)
+
+
 def reads_weighted_reward(spec: FindingSpec, present: Callable[[str], bool]) -> bool:
     """The finding reads the rollouts' weighted `reward`: the first alternative of its inputs that
     the record supplies names ``rollout.reward``."""
@@ -685,9 +691,18 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
         p = fields.get(f)
         return bool(p is not None and p.any)
 
+    unmeasured = []
+    if samples:
+        from reward_lens.measure.books import unmeasured_features
+
+        unmeasured = unmeasured_features(samples, None)
     out = []
     for s in specs.values():
-        f = evaluate_one(s, data, missing_inputs(s, present, status) + missing_target(s, targets))
+        missing = missing_inputs(s, present, status) + missing_target(s, targets)
+        if unmeasured and not missing and reads_features(s):
+            # a feature that is not a number on some rollouts: what the finding reads is not there (issue 61)
+            missing = [" ".join(render_template("findings/unmeasured.j2", {"unmeasured": unmeasured}).split())]
+        f = evaluate_one(s, data, missing)
         if assumed is not None and f.status != "not_evaluated" and reads_weighted_reward(s, present):
             f = f.model_copy(update={"evidence": f"{f.evidence} " + " ".join(render_template(
                 "findings/assumed_reward_weights.j2", {"note": assumed}).split())})

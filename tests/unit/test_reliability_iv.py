@@ -230,3 +230,35 @@ def test_item3_heldout_1_is_refused_naming_it_with_or_without_a_budget(tmp_path,
     with pytest.raises(RecordError, match=r"reward_lens\.heldout:"):
         _check_tap_section(tmp_path / "c.yaml", "reward_lens", {"heldout": 1, "budget": budget})
     assert tap_settings(heldout=2, budget=budget).heldout == 2 and tap_settings(heldout=0, budget=budget).heldout == 0
+
+
+def test_item5_a_target_whose_reward_function_gave_none_is_not_evaluated_by_name(tmp_path, capsys):
+    """TRL logs NaN for a reward function that returned None; the import keeps it. With that
+    function as the declared target, check and report name the feature instead of exit 2."""
+    import numpy as np
+    import pandas as pd
+
+    from reward_lens import cli
+    from tests.unit.test_assumed_weights import BASIS, trl_output
+
+    out = trl_output(tmp_path / "trl", config={"num_generations": 8, "reward_weights": [0.0, 1.0]})
+    for f in sorted((out / "completions").glob("*.parquet")):
+        df = pd.read_parquet(f)
+        df.loc[df.index % 5 == 0, "correctness"] = np.nan
+        df.to_parquet(f)
+    basis = tmp_path / "gold.yaml"
+    basis.write_text(BASIS)
+    code = cli.main(["check", str(out), "--features", str(basis), "--format", "json", "--quiet"])
+    assert code in (0, 1)
+    by = {f["id"]: f for f in json.loads(capsys.readouterr().out)["findings"]}
+    for fid in ("proxy_gaming", "paid_for_drift", "moving_against_reward", "collateral_behaviour"):
+        assert by[fid]["status"] == "not_evaluated", fid
+        assert "feature `correct` measured on every rollout" in by[fid]["missing"][0], by[fid]
+    assert cli.main(["import", "trl", str(out), str(tmp_path / "rec")]) == 0
+    assert cli.main(["report", str(tmp_path / "rec"), "--features", str(basis), "--out", str(tmp_path / "rep"),
+                     "--format", "json", "--quiet"]) == 1
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    cost = next(b for b in report["books"] if b["id"] == "cost")
+    assert cost["status"] == "refused" and cost["refusals"][0]["code"] == "RECORD_INCOMPLETE"
+    assert "feature `correct` is not a finite number" in cost["refusals"][0]["detail"]
+    assert "reward function `correctness` gave no score" in cost["refusals"][0]["detail"]

@@ -394,6 +394,11 @@ class FeatureBasis:
         if d.kind == "reward":
             col = self._col(d, table, "rewards", source)
             v = pc.map_lookup(col, query_key=d.reward, occurrence="first")
+            if v.null_count and v.null_count < len(v):
+                # a reward function that gave no score on some rollouts (None: TRL logs NaN, the tap
+                # leaves it out): not a number there. The books refuse such a basis naming the
+                # feature (RunContext.unmeasured) rather than a bad-input error (issue 61)
+                return np.where(pc.is_null(v).to_numpy(zero_copy_only=False), np.nan, _f(pc.fill_null(v, 0.0)))
             if v.null_count:
                 missing = pc.is_null(v)
                 steps = table.column("step").filter(missing).to_numpy() if "step" in table.column_names else None
