@@ -397,9 +397,8 @@ class TapCore:
         rows (e.g. images): the pair (step, next) is measured one-sided."""
         call = "extra_requests"
         step = self._step_in_order(call, step)
-        if step <= self._generated:
-            raise TapCallError(call, "step", step, f"asks for extras of a generation already handed over "
-                                                   f"(on_generation of step {self._generated})")
+        if step < self._generated:
+            raise TapCallError(call, "step", step, f"comes after the generation of step {self._generated}")
         group_size = calls.check_count(call, step, "group_size", group_size, low=1)
         offset = calls.check_count(call, step, "offset", offset)
         if total is not None:
@@ -585,9 +584,10 @@ class TapCore:
         token ids as long tensors and its advantages and engine log-probabilities as floats or None."""
         call = "on_generation"
         t = self._step_in_order(call, batch.step)
-        if t <= self._generated:
-            raise TapCallError(call, "step", t, f"a generation of step {self._generated} was handed over already: "
-                                                "each generation's step comes after the last one's")
+        # a step's generation may come in several batches (TRL with steps_per_generation under
+        # gradient_accumulation_steps generates at every micro-batch, all at one global step)
+        if t < self._generated:
+            raise TapCallError(call, "step", t, f"comes after the generation of step {self._generated}")
         n = len(batch.completion_ids)
         for name in ("prompts", "completions", "prompt_ids", "advantages"):
             calls.check_rows(call, t, name, getattr(batch, name), n)
@@ -609,8 +609,6 @@ class TapCore:
         if batch.logp_sampler is not None:
             calls.check_rows(call, t, "logp_sampler", batch.logp_sampler, n)
             sampler = [calls.check_real(call, t, f"logp_sampler[{i}]", v) for i, v in enumerate(batch.logp_sampler)]
-        if batch.examples is not None:
-            calls.check_rows(call, t, "examples", batch.examples, n)
         self._high = self._generated = t
         return Generation(step=t, prompts=list(batch.prompts), completions=list(batch.completions), prompt_ids=pids,
                           completion_ids=cids, rewards=rewards, all_rewards=all_rewards, reward_names=names,
