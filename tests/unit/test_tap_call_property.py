@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.unit import tap_driver as d
@@ -100,6 +100,9 @@ def _check(tmp_path_factory, plan, seed):
 @settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(plan=steps, seed=st.integers(0, 3))
+# found by the slow run: a step whose generation never came, then a measured pair (the record's
+# tap_groups_total absent where tap_groups is set: the cost book's tap sentence ended in exit 3)
+@example(plan=[(0, "skip_generation"), (1, "none")], seed=0)
 def test_any_call_sequence_is_refused_at_the_call_or_leaves_a_readable_record(tmp_path_factory, plan, seed):
     _check(tmp_path_factory, plan, seed)
 
