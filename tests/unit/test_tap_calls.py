@@ -166,3 +166,33 @@ def test_a_diverged_gradient_is_recorded_not_refused(tmp_path):
     run = open_run(tmp_path / "rec")
     assert [(e.field, e.value) for e in run.manifest.non_finite] == [("grad_norm_unclipped", "+inf")]
     assert run.telemetry_column("grad_norm_unclipped") == {}
+
+
+def test_a_diverged_policy_is_recorded_as_data_and_the_record_reads(tmp_path):
+    """NaN weights after step 1: every number the tap computes from the policy (its scores, D_t,
+    the update's norm) is NaN from there; each is null with a non_finite entry, and report reads."""
+    from reward_lens import cli
+    from reward_lens.record import open_run
+
+    core, model, opt = _ready(tmp_path, heldout=2)
+    rng = np.random.default_rng(0)
+    core.begin()
+    for t in range(4):
+        batch = _generate(core, t, rng)
+        core.on_generation(batch)
+        if t == 1:
+            model(torch.tensor([[2, 3]])).logits.sum().backward()
+            core.before_optimizer_step(t, learning_rate=0.05, grad_norm_unclipped=None, max_grad_norm=None)
+            with torch.no_grad():
+                model.mix.weight.fill_(float("nan"))
+            core.after_optimizer_step(t)
+            core.end_step(t)
+        else:
+            d.optimizer_step(core, model, opt, t, batch)
+    with np.errstate(all="ignore"):
+        core.end(4)
+    run = open_run(tmp_path / "rec")
+    got = {(e.step, e.field) for e in run.manifest.non_finite}
+    assert {(1, "update_norm"), (2, "logp_pre"), (3, "logp_prev")} <= got, got
+    assert cli.main(["report", str(tmp_path / "rec"), "--out", str(tmp_path / "rep"), "--quiet",
+                     "--format", "json"]) in (0, 1)
