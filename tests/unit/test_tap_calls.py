@@ -150,7 +150,11 @@ def test_non_finite_values_are_recorded_as_data_in_a_record_report_and_check_rea
     out = tmp_path / "rep"
     assert cli.main(["report", str(tmp_path / "rec"), "--out", str(out), "--format", "json", "--quiet",
                      "--fail-on", "never"]) == 0
-    assert json.loads((out / "report.json").read_text())["books"]
+    report = json.loads((out / "report.json").read_text())
+    price = next(b for b in report["books"] if b["id"] == "price")
+    assert "nan" not in price["headline"]  # the step with a null reward has no stated mean, never a NaN one
+    rows = {tuple(r["step_pair"]): r["reward_change"] for r in price["data"]["rows"]}
+    assert rows.get((1, 2)) is None and rows.get((2, 3)) is None and rows.get((0, 1)) is not None
     assert cli.main(["check", str(tmp_path / "rec"), "--quiet"]) in (0, 1)
 
 
