@@ -298,8 +298,6 @@ def cost_section(ctx: RunContext) -> BookResult:
     if priced.book is None:
         return _result(extra or [rollouts_refusal(run, samples)], None, spec)
     book: CostBook = priced.book
-    if not len(book.columns) and book.refusals:  # refused whole (LIMIT_EXCEEDED, UNIT_MISMATCH, ...): no rows
-        return _result([*extra, *book.refusals], None, spec)
     g = priced.metric
     docs, units = features.docs(), features.units()
     excluded = {n: why for ex in [g.excluded, *map(g.excluded_of, g.by_step)] for n, why in ex.items()}
@@ -333,7 +331,7 @@ def cost_section(ctx: RunContext) -> BookResult:
         "rows_no_interval": int(rows.no_interval.sum()),
         "eta_run": run_est.eta_debiased if run_est is not None else None,
         "eta_run_interval": list(run_est.interval()) if run_est is not None else None,
-        "eta_run_rows": len(book._estimates),
+        "eta_run_rows": len(book._estimates) if book._estimates is not None else 0,
         "kl_min_total": run_est.kl_min_debiased if run_est is not None else None,
         "d_t_total": run_est.d_t if run_est is not None else None,
         "eta_median": eta_median, "eta_interval": list(eta_interval) if eta_interval else None,
