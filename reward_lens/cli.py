@@ -390,6 +390,9 @@ def cmd_diff(args) -> int:
     if la == lb:
         la, lb = f"A ({la})", f"B ({lb})"
     d = diff_reports(a, b, (la, lb))
+    if d.status == "refused":  # a refusal is the answer, not an output: nothing written, --out left as it was
+        _emit(d.refusal)
+        return EXIT_REFUSED
     render = {"md": ("diff.md", diff_markdown), "html": ("diff.html", diff_html), "json": ("diff.json", diff_json)}
     written = replace_dir_atomically(out, {render[f][0]: render[f][1](d) for f in formats}, kind="report")
     if not args.quiet:

@@ -371,6 +371,28 @@ def _watch_short(d: FindingData, min_steps: int, min_groups: int) -> Outcome | N
     return _too_short(n, min_steps, 2, "sequential findings")
 
 
+def _no_selection(d: FindingData) -> Outcome | None:
+    """Not evaluated where no within-group selection can be read at all: every prompt group one
+    completion (veRL PPO with n=1, lost group ids) or advantages that never differ within a group.
+    A selection differential of 0 with no standard error is then not "nothing selected": the
+    findings that judge what the reward selects, or that nothing explains a movement, cannot say
+    (issue 61: they read clear, or held "with no selection explaining it", on such records)."""
+    w = d.watch
+    if w.selection is None or not bool((np.asarray(w.selection_var, dtype=float) > 0).any()):
+        return unjudged(no_selection=True)
+    return None
+
+
+def _constant_targets(d: FindingData) -> Outcome | None:
+    """Not evaluated where every declared target is constant within every step (no spread): its
+    movement cannot be sized, so "no target moved" would be read from a target that cannot."""
+    targets = list(d.watch.basis.targets)
+    flat = [t for t in targets if t in d.watch.series and not d.watch.series[t].spread]
+    if targets and len(flat) == len(targets):
+        return unjudged(constant_target=flat)
+    return None
+
+
 def _movement(d: FindingData, name: str, direction: int, h: float) -> dict[str, Any] | None:
     """The movement of ``name`` in ``direction`` while its CUSUM is at ``h`` or above: where it
     began, the reference level and the stretch's mean, and the change in units of the
@@ -408,6 +430,8 @@ def moving_against_reward(d: FindingData, h: float = 4.0, z_sel: float = 3.0, mi
     ``h`` or above, by at least ``min_size`` of its within-step standard deviation."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (unread := _no_selection(d)) is not None:
+        return unread
     rows = []
     for name in d.watch.basis.names:
         sel, z = d.watch.selected(name, z_sel)
@@ -435,6 +459,8 @@ def collateral(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_explain
     direction it moved (the reward-hacking signature in the named basis)."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (unread := _no_selection(d)) is not None:
+        return unread
     rows = []
     for name in d.watch.basis.names:
         for direction in (1, -1):
@@ -454,6 +480,8 @@ def length_drift(d: FindingData, h: float = 4.0, min_relative: float = 0.1, z_ex
     reference level, with no selection explaining it (as ``collateral``)."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (unread := _no_selection(d)) is not None:
+        return unread
     rows = []
     for name in d.watch.basis.names:
         if d.watch.basis.kinds.get(name) != "length":
@@ -490,6 +518,8 @@ def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: 
     target's, or where the reward's rise began if it only rose and that is later."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (flat := _constant_targets(d)) is not None:
+        return flat
     reward = d.watch.reward
     rose = reward.cusum(1) >= h
     rows = []
@@ -507,6 +537,8 @@ def proxy_gaming(d: FindingData, h: float = 4.0, min_size: float = 0.25, z_sel: 
                 "reward_to": reward.up_side.level, "reward_onset": reward.since(1),
                 "targets": list(d.watch.basis.targets)}
     if not gamed:
+        if rows and (unread := _no_selection(d)) is not None:  # a fallen target whose selection cannot be read
+            return unread
         return Outcome(False, evidence=evidence)
     onset = _onset(gamed)
     if rose and not any(r["selected_against"] or r["reward_held"] for r in gamed):
@@ -522,6 +554,10 @@ def paid_for_drift(d: FindingData, h: float = 4.0, z_sel: float = 3.0, min_relat
     moved the way the user wants: the reward buys its own proxy, not the target."""
     if (short := _watch_short(d, min_steps, min_groups)) is not None:
         return short
+    if (flat := _constant_targets(d)) is not None:
+        return flat
+    if (unread := _no_selection(d)) is not None:
+        return unread
     bought = _bought(d, h, min_size)
     rows = []
     for name in d.watch.basis.names:
@@ -555,6 +591,10 @@ def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: flo
     seen = {"eta": eta, "interval": list(iv), "d_t_total": total, "max_eta": max_eta, "min_nats": min_nats}
     if total >= min_nats and iv[0] < max_eta <= iv[1]:
         return unjudged(**seen, straddles=True)
+    rows_, pairs = s.get("eta_run_rows"), s.get("step_pairs")
+    if total < min_nats and rows_ is not None and pairs is not None and rows_ < pairs:
+        # a sum over the measured step pairs only: under min_nats there says nothing of the run's (issue 61)
+        return unjudged(**seen, partial=True, rows=rows_, pairs=pairs)
     holds = bool(iv[1] < max_eta and total >= min_nats)
     onset = None
     if holds:
@@ -676,6 +716,10 @@ def reads_field(spec: FindingSpec, present: Callable[[str], bool], name: str) ->
     """The first alternative of the finding's inputs that the record supplies names ``name``."""
     alt = next((a for a in spec.inputs if all(present(f) for f in a)), None)
     return alt is not None and name in alt
+def reads_features(spec: FindingSpec) -> bool:
+    """The finding reads the basis's features (computed from the completions): every alternative
+    of its inputs has ``rollout.completion``."""
+    return bool(spec.inputs) and all("rollout.completion" in alt for alt in spec.inputs)
 
 
 def reads_weighted_reward(spec: FindingSpec, present: Callable[[str], bool]) -> bool:
@@ -739,9 +783,18 @@ def evaluate(run, report=None, specs: Mapping[str, FindingSpec] | None = None, s
         p = fields.get(f)
         return bool(p is not None and p.any)
 
+    unmeasured = []
+    if samples:
+        from reward_lens.measure.books import unmeasured_features
+
+        unmeasured = unmeasured_features(samples, None)
     out = []
     for s in specs.values():
-        f = evaluate_one(s, data, missing_inputs(s, present, status) + missing_target(s, targets))
+        missing = missing_inputs(s, present, status) + missing_target(s, targets)
+        if unmeasured and not missing and reads_features(s):
+            # a feature that is not a number on some rollouts: what the finding reads is not there (issue 61)
+            missing = [" ".join(render_template("findings/unmeasured.j2", {"unmeasured": unmeasured}).split())]
+        f = evaluate_one(s, data, missing)
         if assumed is not None and f.status != "not_evaluated" and reads_weighted_reward(s, present):
             f = f.model_copy(update={"evidence": f"{f.evidence} " + " ".join(render_template(
                 "findings/assumed_reward_weights.j2", {"note": assumed}).split())})

@@ -35,9 +35,20 @@ class YamlTooLarge(ValueError):
     """A document whose aliases recurse or expand beyond MAX_EXPANDED_NODES."""
 
 
+def duplicate_key(key: yaml.Node, first: yaml.Node) -> yaml.YAMLError:
+    """A mapping key given twice. PyYAML keeps the last value silently (a ``target: higher`` then
+    ``target: lower`` flips a target with nothing said, issue 61), so every document this project
+    reads -- spec, basis, config -- refuses it, naming both lines (a YAMLError with the mark of
+    the second, so each caller's message names the line as for any invalid YAML)."""
+    return yaml.constructor.ConstructorError(
+        None, None, f"duplicate key {key.value!r} (first given on line {first.start_mark.line + 1}; YAML keeps "
+                    "only one of them)", key.start_mark)
+
+
 def check_expansion(node: yaml.Node | None) -> None:
     """Raise YamlTooLarge (with the line) for a recursive alias or an expansion beyond the
-    limit; counts with memoisation, so the check itself is linear in the document."""
+    limit, and a YAMLError (``duplicate_key``) for a mapping key given twice; counts with
+    memoisation, so the check itself is linear in the document."""
     sizes: dict[int, int] = {}
     on_path: set[int] = set()
 
@@ -51,7 +62,14 @@ def check_expansion(node: yaml.Node | None) -> None:
         on_path.add(key)
         total = 1
         if isinstance(n, yaml.MappingNode):
+            seen: dict[tuple[str, str], yaml.Node] = {}
             for k, v in n.value:
+                # merge keys (<<) may repeat; every other scalar key is unique within its mapping
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    ident = (k.tag, k.value)
+                    if ident in seen:
+                        raise duplicate_key(k, seen[ident])
+                    seen[ident] = k
                 total += size(k) + size(v)
         elif isinstance(n, yaml.SequenceNode):
             for v in n.value:

@@ -52,6 +52,47 @@ def status_of(has_numbers: bool, refusals: list[Refusal], resolved: bool) -> str
     return "computed" if resolved else "unresolved"
 
 
+def unmeasured_features(samples: Sequence, features) -> list[dict[str, Any]]:
+    """Per feature not a finite number on some rollouts of ``samples``: its name, how many
+    rollouts, the first step, and why where the basis says (a reward function with no score)."""
+    import numpy as np
+
+    rows: dict[int, int] = {}
+    first: dict[int, int] = {}
+    names: Sequence[str] = ()
+    for smp in samples:
+        z = np.asarray(smp.z, dtype=float)
+        if not z.size:
+            continue
+        names = smp.names
+        bad = (~np.isfinite(z)).sum(axis=0)
+        for j in np.flatnonzero(bad).tolist():
+            rows[j] = rows.get(j, 0) + int(bad[j])
+            first.setdefault(j, int(smp.step))
+    reward_of = {d.name: d.reward for d in getattr(features, "defs", ()) if getattr(d, "kind", None) == "reward"}
+    out = []
+    for j in sorted(rows):
+        name = names[j]
+        fn = reward_of.get(name)
+        out.append({"feature": name, "rows": rows[j], "first_step": first[j],
+                    "reason": f"reward function `{fn}` gave no score there" if fn else None})
+    return out
+
+
+def unmeasured_result(ctx, spec: BookSpec) -> BookResult:
+    """A book refused whole because features of the basis are not measured on every rollout."""
+    from reward_lens_spec import make_refusal
+    from reward_lens_spec.refusal import Subject
+    from reward_lens_spec.render import render_template
+
+    run_id = ctx.run.run_id
+    short = run_id[:12] + "..." if run_id else "(no run)"
+    ref = make_refusal("RECORD_INCOMPLETE", spec, Subject(run_id=run_id, step_pairs=()),
+                       {"requirement": "measured_features", "run": short, "unmeasured": ctx.unmeasured})
+    headline = render_template("report/unmeasured_headline.j2", {"unmeasured": ctx.unmeasured}).strip()
+    return BookResult(status="refused", headline=headline, refusals=[ref], data=None)
+
+
 def import_object(path: str) -> Any:
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
@@ -163,10 +204,20 @@ class RunContext:
         """Another book's result (computed now if it has not been)."""
         return self.cached(f"book:{book_id}", lambda: self._build(book_id))
 
+    @property
+    def unmeasured(self) -> list[dict[str, Any]]:
+        """The basis's features that are not a finite number on some rollouts (a ``reward`` feature
+        whose reward function gave no score there): each with its rollouts and first step. Every
+        book reads each feature on every rollout of a step, so the books refuse such a basis by
+        name and the findings that read the features are not evaluated (issue 61)."""
+        return self.cached("unmeasured", lambda: unmeasured_features(self.samples, self.features))
+
     def _build(self, book_id: str) -> BookResult:
         spec = self.specs[book_id]
         if spec.report is None:
             raise RuntimeError(f"specs/books/{book_id}.yaml names no report builder")
+        if self.unmeasured:
+            return unmeasured_result(self, spec)
         return import_object(spec.report.builder)(self)
 
     def results(self, book_ids: Sequence[str], workers: int | None = None) -> dict[str, BookResult]:

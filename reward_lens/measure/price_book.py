@@ -77,7 +77,9 @@ def step_rewards(samples: Sequence[StepSample]) -> dict[int, tuple[float, float]
     stacked, a view of the report's one read where the samples are its own), no Python per step; NaN SE for a
     step of one rollout. Worked out once per run of samples (the price book and the findings
     both state them)."""
-    samples = [s for s in samples if s.rewards is not None]
+    # a step with a reward that is not a number (null in the record: a diverged value the tap or an
+    # importer kept as data) has no stated mean: its rows' reward change is not read (issue 61)
+    samples = [s for s in samples if s.rewards is not None and bool(np.isfinite(np.asarray(s.rewards, float)).all())]
 
     def make() -> dict[int, tuple[float, float]]:
         out = {s.step: (float(np.asarray(s.rewards, float).mean()), float("nan")) for s in samples if s.n < 2}

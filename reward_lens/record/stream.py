@@ -28,6 +28,7 @@ from reward_lens.record.schema import (
     MANIFEST_FILE,
     CheckpointEntry,
     FileEntry,
+    NonFiniteValue,
     OptimizerTelemetry,
     Rollout,
     RunManifest,
@@ -65,6 +66,7 @@ class RecordStream:
         self._pending_heldout: list[Rollout] = []
         self._files: dict[str, FileEntry] = {}
         self._checkpoints: list[CheckpointEntry] = []
+        self._non_finite: list[NonFiniteValue] = []
         self._segment = 0
         self.flushes = 0
         self._retired: list[str] = []  # telemetry of the previous manifest: removed one flush later
@@ -83,6 +85,12 @@ class RecordStream:
         """Held-out completions of pi_t (never in the loss), filed under the step whose prompts
         they answer; written to ``heldout-NNNNN.parquet`` segments beside the rollouts."""
         self._pending_heldout.extend(rows)
+
+    def add_non_finite(self, entry: NonFiniteValue) -> None:
+        """A NaN or infinite value the run produced, stored as null in its field: kept in the
+        manifest's ``non_finite`` list (what it was, where it came from) from the next flush on."""
+        if entry not in self._non_finite:
+            self._non_finite.append(entry)
 
     def add_note(self, note: str) -> None:
         if note not in self._base["notes"]:
@@ -121,7 +129,8 @@ class RecordStream:
             pq.write_table(pa.Table.from_pylist([], schema=arrow_schema("rollouts")), self.path / name)
             self._files[name] = _file_entry(self.path / name, 0)
         manifest = commit_manifest(self.path, RunManifest(**self._base, files=dict(self._files),
-                                                          checkpoints=list(self._checkpoints)))
+                                                          checkpoints=list(self._checkpoints),
+                                                          non_finite=list(self._non_finite)))
         for old in self._retired:  # neither the committed manifest nor the one before lists it
             (self.path / old).unlink(missing_ok=True)
         self._retired = previous

@@ -189,11 +189,13 @@ def build_report(run: Run, progress: Progress | None = None, *, ledger: str = "a
     if not ctx.collected:  # no book read the samples: the browser and the curves read for themselves
         browser.read(run)
         curves.read(run)
-    at_a_glance = glance(ctx, {b.id: b for b in books}) if run.n_rollouts else None
+    # a basis with features not measured on every rollout prices nothing (every book refused by name)
+    measured = bool(run.n_rollouts) and not ctx.unmeasured
+    at_a_glance = glance(ctx, {b.id: b for b in books}) if measured else None
     report = Report(generator=f"reward-lens {__version__}", run=_summary(run), basis=basis, books=books,
                     samples=_samples(run), curves=training_curves(run, curves.panels()), browser=browser.rows,
                     glance=at_a_glance, card=summary_card(at_a_glance, books),
-                    headline_figure=headline_figure(ctx, {b.id: b for b in books}))
+                    headline_figure=headline_figure(ctx, {b.id: b for b in books}) if measured else None)
     return with_findings(run, report, ctx.samples if ctx.collected else None, ctx.watch if ctx.collected else None)
 
 

@@ -61,9 +61,11 @@ import torch
 
 from reward_lens.measure.ledger.paired import independent_d_t
 from reward_lens.measure.whitebox.kl import BlockedLogits, KlEstimate, WholeLogits, score_blocked
-from reward_lens.record.schema import OptimizerTelemetry, Rollout
+from reward_lens.record.schema import NonFiniteValue, OptimizerTelemetry, Rollout
 from reward_lens.record.stream import RecordStream
+from reward_lens.taps import calls
 from reward_lens.taps.budget import Budget, Plan, Shape
+from reward_lens.taps.calls import TapCallError
 from reward_lens.taps.settings import TapSettings
 
 logger = logging.getLogger("reward_lens")
@@ -116,16 +118,40 @@ class Row:
     hidden: torch.Tensor | None = None  # (len, d): the drawing policy's final hidden states, from its generation
     targets: dict[str, float] = field(default_factory=dict)  # the declared checks' scores (rollouts only)
 
-    def rollout(self) -> Rollout:
-        return Rollout(step=self.step, group_id=f"{self.step}:{self.group}", prompt=self.prompt,
-                       completion=self.completion, completion_ids=self.completion_ids.tolist(),
-                       num_tokens=int(len(self.completion_ids)),
-                       reward=self.reward if self.reward == self.reward else None, rewards=self.rewards or None,
-                       advantage=self.advantage, logp_pre=self.logp_pre, logp_prev=self.logp_prev,
-                       logp_prev_step=self.logp_prev_step,
-                       # a sum of KLs is >= 0; max() only removes float64 rounding below 0
-                       kl_prev=None if self.kl_prev is None else max(self.kl_prev, 0.0),
-                       logp_sampler=self.logp_sampler, drawn_by_step=self.drawn_by, targets=self.targets or None)
+    def rollout(self) -> tuple[Rollout, list[NonFiniteValue]]:
+        """The row as the record stores it, and the values it held that were not finite numbers
+        (stored as null: ``calls`` module docstring). A reward of NaN is a reward nobody computed
+        (an extra row before its reward function ran; TRL's NaN for a function that returned
+        None) and is null without an entry."""
+        sources = calls.EXTRA_SOURCE if self.drawn_by is not None else {}
+        bad: list[NonFiniteValue] = []
+
+        def kept(name: str, v: float | None) -> float | None:
+            if v is None or math.isfinite(v):
+                return v
+            if not (name == "reward" and math.isnan(v) and self.drawn_by is not None):
+                bad.append(calls.non_finite(self.step, name, v, sources.get(name, calls.ROLLOUT_SOURCE[name])))
+            return None
+
+        rewards = {}
+        for k, v in (self.rewards or {}).items():
+            if math.isfinite(v):
+                rewards[k] = v
+            elif not math.isnan(v):
+                bad.append(calls.non_finite(self.step, "rewards", v, f"{sources.get('rewards', calls.ROLLOUT_SOURCE['rewards'])}"
+                                                                     f" [{k}]"))
+        kl_prev = kept("kl_prev", self.kl_prev)
+        row = Rollout(step=self.step, group_id=f"{self.step}:{self.group}", prompt=self.prompt,
+                      completion=self.completion, completion_ids=self.completion_ids.tolist(),
+                      num_tokens=int(len(self.completion_ids)),
+                      reward=kept("reward", self.reward), rewards=rewards or None,
+                      advantage=kept("advantage", self.advantage), logp_pre=kept("logp_pre", self.logp_pre),
+                      logp_prev=kept("logp_prev", self.logp_prev), logp_prev_step=self.logp_prev_step,
+                      # a sum of KLs is >= 0; max() only removes float64 rounding below 0
+                      kl_prev=None if kl_prev is None else max(kl_prev, 0.0),
+                      logp_sampler=kept("logp_sampler", self.logp_sampler), drawn_by_step=self.drawn_by,
+                      targets=self.targets or None)
+        return row, bad
 
 
 @dataclass
@@ -318,12 +344,20 @@ class TapCore:
         self._step_started = time.perf_counter()
         self._unit_samples: list[tuple] = []  # this step's ("forward", s, token passes) / ("generate", s, rows, steps, extra)
         self._generator = torch.Generator().manual_seed(int(s.seed) * 1_000_003 + 7 + self.rank)
+        emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        vocab = getattr(emb, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+        self.vocab: int | None = int(vocab) if isinstance(vocab, int) and vocab > 0 else None
+        self._high = -1  # the highest step any call has handed over: steps never go back
+        self._generated = -1  # the last generation's step
+        self._optimized = -1  # the last optimizer step's
+        self._before: int | None = None  # the step before_optimizer_step was called for, until after_optimizer_step
         from reward_lens.findings import LiveFindings
         from reward_lens.measure.ledger.basis import load_basis
         from reward_lens.measure.ledger.features import SurfaceFeatures
         from reward_lens.measure.ledger.targets import with_targets
 
-        # the live findings, in the basis `check --features` would read (its default when none)
+        # the basis before the record folder (a basis that cannot be read leaves no folder behind),
+        # and the live findings in it, as `check --features` would read (its default when none)
         basis = load_basis(s.features) if s.features else SurfaceFeatures()
         self.reward_names = list(reward_names) if reward_names is not None else None
         self.targets = declared_targets(s.target, basis, self.reward_names)
@@ -349,6 +383,19 @@ class TapCore:
 
     def gather(self, items: list) -> list:
         return self.collective.gather(list(items)) if self.world > 1 else list(items)
+
+    def _step_in_order(self, call: str, step: Any) -> int:
+        """``step`` a valid step, not before one a call has already handed over."""
+        step = calls.check_step(call, step)
+        if step < self._high:
+            raise TapCallError(call, "step", step, f"comes after step {self._high}: steps are handed over in "
+                                                   "increasing order")
+        return step
+
+    def _non_finite(self, entries: Sequence[NonFiniteValue]) -> None:
+        if self.stream is not None:
+            for e in entries:
+                self.stream.add_non_finite(e)
 
     @cached_property
     def _head_is_linear(self) -> bool:
@@ -386,6 +433,19 @@ class TapCore:
         completions per group the adapter's engine requires (vLLM's server mode generates a whole
         group per prompt), else the plan's. ``can_draw`` False: the generation cannot take extra
         rows (e.g. images): the pair (step, next) is measured one-sided."""
+        call = "extra_requests"
+        step = self._step_in_order(call, step)
+        if step < self._generated:
+            raise TapCallError(call, "step", step, f"comes after the generation of step {self._generated}")
+        group_size = calls.check_count(call, step, "group_size", group_size, low=1)
+        offset = calls.check_count(call, step, "offset", offset)
+        if total is not None:
+            total = calls.check_count(call, step, "total", total)
+        calls.check_rows(call, step, "prompts", prompts, len(prompt_ids))
+        prompt_ids = [calls.check_ids(call, step, "prompt_ids", p, self.vocab, i) for i, p in enumerate(prompt_ids)]
+        if per_group is not None:
+            per_group = calls.check_count(call, step, "per_group", per_group)
+        self._high = step
         with self._clock("measure"):
             total = len(prompt_ids) * self.world if total is None else total
             self._begin_generation(step, total, group_size, two_sided=can_draw)
@@ -409,7 +469,7 @@ class TapCore:
                     g = (offset + i) // group_size
                     if (offset + i) % group_size == 0 and g in plan.groups:
                         ex = dict(examples[i]) if examples is not None and i < len(examples) else {}
-                        mine[g] = (str(prompts[i]), torch.as_tensor(list(prompt_ids[i]), dtype=torch.long), ex)
+                        mine[g] = (str(prompts[i]), prompt_ids[i], ex)
                 self._planned.groups, self._planned.prompts = sorted(mine), mine
                 for g in sorted(mine):
                     text, ids, example = mine[g]
@@ -483,19 +543,24 @@ class TapCore:
         with the engine's summed log-probabilities where it hands them over. ``seconds``, ``rows``
         and ``decode_steps``: the whole generation call's time, rows and longest completion, from
         which the extras' marginal cost is learned and charged to the tap (``Budget.row_step_cost``)."""
+        call, step = "extras_generated", self._generation
+        if len(completions) != len(self._asked):
+            raise TapCallError(call, "completions", step, f"has {len(completions)} completions for the "
+                                                          f"{len(self._asked)} extra prompts asked for")
+        completions = [calls.check_ids(call, step, "completions", c, self.vocab, i) for i, c in enumerate(completions)]
+        if logp_sampler is not None:
+            calls.check_rows(call, step, "logp_sampler", logp_sampler, len(completions))
+            logp_sampler = [calls.check_real(call, step, f"logp_sampler[{i}]", v) for i, v in enumerate(logp_sampler)]
         with self._clock("measure"):
             asked, self._asked = self._asked, []
-            if len(completions) != len(asked):
-                raise RuntimeError(f"reward-lens tap: asked for {len(asked)} extra completions and got "
-                                   f"{len(completions)} back")
             captured, self._captured = self._captured, []
             hidden = torch.cat(captured, dim=1) if captured and len(captured[0]) == len(asked) else None
             timed, self._generation_timed = self._generation_timed, None
             if seconds is None and timed is not None and timed[1] and timed[2]:
                 seconds, rows, decode_steps = timed
-            texts = self.decode([list(c) for c in completions]) if completions else []
+            texts = self.decode([c.tolist() for c in completions]) if completions else []
             for i, ((side, row), ids) in enumerate(zip(asked, completions)):
-                row.completion_ids = torch.as_tensor(list(ids), dtype=torch.long)
+                row.completion_ids = ids
                 row.completion = texts[i]
                 if logp_sampler is not None and i < len(logp_sampler):
                     row.logp_sampler = logp_sampler[i]
@@ -517,6 +582,7 @@ class TapCore:
     def on_generation(self, batch: Generation, training: bool = True) -> None:
         """Step ``batch.step``'s rollouts as generated: recorded; the pair (previous generation,
         step) scored and its D recorded."""
+        batch = self._checked_generation(batch)
         with self._clock("fixed"):
             t, n = batch.step, len(batch.completion_ids)
             total = n * self.world if batch.total is None else batch.total
@@ -586,6 +652,43 @@ class TapCore:
             for r, v in zip(fresh, values):
                 if v is not None and math.isfinite(v):
                     r.targets[name] = v
+
+    def _checked_generation(self, batch: Generation) -> Generation:
+        """``batch`` as handed to ``on_generation``, checked before anything of it is kept
+        (``calls``): a TapCallError naming the argument and the step, or the batch with its
+        token ids as long tensors and its advantages and engine log-probabilities as floats or None."""
+        call = "on_generation"
+        t = self._step_in_order(call, batch.step)
+        # a step's generation may come in several batches (TRL with steps_per_generation under
+        # gradient_accumulation_steps generates at every micro-batch, all at one global step)
+        if t < self._generated:
+            raise TapCallError(call, "step", t, f"comes after the generation of step {self._generated}")
+        n = len(batch.completion_ids)
+        for name in ("prompts", "completions", "prompt_ids", "advantages"):
+            calls.check_rows(call, t, name, getattr(batch, name), n)
+        group = calls.check_count(call, t, "group_size", batch.group_size, low=1)
+        offset = calls.check_count(call, t, "offset", batch.offset)
+        total = None if batch.total is None else calls.check_count(call, t, "total", batch.total)
+        if total is not None and offset + n > total:
+            raise TapCallError(call, "offset", t, f"{offset} + {n} rows run past the global batch's {total}")
+        names = [str(x) for x in batch.reward_names]
+        weights = calls.check_weights(call, t, batch.reward_weights, names)
+        rewards = calls.check_matrix(call, t, "rewards", batch.rewards, n, len(names))
+        all_rewards = calls.check_matrix(call, t, "all_rewards", batch.all_rewards, None, len(names))
+        if total is not None and all_rewards.shape[0] != total:
+            raise TapCallError(call, "all_rewards", t, f"has {all_rewards.shape[0]} rows for a global batch of {total}")
+        pids = [calls.check_ids(call, t, "prompt_ids", x, self.vocab, i) for i, x in enumerate(batch.prompt_ids)]
+        cids = [calls.check_ids(call, t, "completion_ids", x, self.vocab, i) for i, x in enumerate(batch.completion_ids)]
+        adv = [calls.check_real(call, t, f"advantages[{i}]", a) for i, a in enumerate(batch.advantages)]
+        sampler = None
+        if batch.logp_sampler is not None:
+            calls.check_rows(call, t, "logp_sampler", batch.logp_sampler, n)
+            sampler = [calls.check_real(call, t, f"logp_sampler[{i}]", v) for i, v in enumerate(batch.logp_sampler)]
+        self._high = self._generated = t
+        return Generation(step=t, prompts=list(batch.prompts), completions=list(batch.completions), prompt_ids=pids,
+                          completion_ids=cids, rewards=rewards, all_rewards=all_rewards, reward_names=names,
+                          reward_weights=weights, advantages=adv, group_size=group, offset=offset, total=total,
+                          examples=batch.examples, logp_sampler=sampler)
 
     def _name_prompts(self, fresh: list[Row], offset: int, group: int) -> None:
         """The planned pair's prompt texts as the trainer recorded them for its rollouts (an
@@ -929,6 +1032,19 @@ class TapCore:
                               max_grad_norm: float | None, beta: float | None = None) -> None:
         """After the gradients of step t, before ``optimizer.step()``: the applied gradient's norm,
         and pi_t's snapshot (kept to the next generation where a pair is measured)."""
+        call = "before_optimizer_step"
+        step = self._step_in_order(call, step)
+        if step <= self._optimized:
+            raise TapCallError(call, "step", step, f"optimizer step {self._optimized} was handed over already: each "
+                                                   "optimizer step comes once, after the last one")
+        if self._before is not None:
+            raise TapCallError(call, "step", step, f"before_optimizer_step of step {self._before} had no "
+                                                   "after_optimizer_step")
+        learning_rate = calls.check_real(call, step, "learning_rate", learning_rate, optional=False)
+        grad_norm_unclipped = calls.check_real(call, step, "grad_norm_unclipped", grad_norm_unclipped)
+        max_grad_norm = calls.check_real(call, step, "max_grad_norm", max_grad_norm)
+        beta = calls.check_real(call, step, "beta", beta)
+        self._high = self._optimized = self._before = step
         if self._awaiting is not None:
             was = self.model.training
             self.model.eval()
@@ -957,6 +1073,14 @@ class TapCore:
 
     def after_optimizer_step(self, step: int) -> None:
         """After ``optimizer.step()``: the update's norm; pi_t kept for the next generation."""
+        call = "after_optimizer_step"
+        step = calls.check_step(call, step)
+        if self._before is None or self._snapshot is None:
+            raise TapCallError(call, "step", step, "came without before_optimizer_step: call it after the "
+                                                   "gradients, before optimizer.step()")
+        if step != self._before:
+            raise TapCallError(call, "step", step, f"follows before_optimizer_step of step {self._before}")
+        self._before = None
         with self._clock("fixed"):
             snap = self._snapshot
             with torch.no_grad():
@@ -1026,6 +1150,11 @@ class TapCore:
         flushed every ``flush_every`` steps, the budget fed, the live findings evaluated every
         ``check_every`` steps. Returns True when a live finding at ``stop_on`` or above holds
         (on every process alike)."""
+        step = self._step_in_order("end_step", step)
+        if self._before is not None:
+            raise TapCallError("end_step", "step", step, f"before_optimizer_step of step {self._before} had no "
+                                                         "after_optimizer_step")
+        self._high = step
         with self._clock("fixed"):
             t = step
             if self._row:
@@ -1100,7 +1229,13 @@ class TapCore:
 
     def set_telemetry(self, step: int, **values: Any) -> None:
         """Telemetry of a committed step, measured after it (e.g. a trainer's logged KL to the
-        reference): into the record and the live findings' series."""
+        reference): into the record and the live findings' series. A value that is not a finite
+        number is stored as null and kept in the manifest's ``non_finite`` list."""
+        step = calls.check_step("set_telemetry", step)
+        bad = {k: v for k, v in values.items() if calls.is_bad_float(v)}
+        self._non_finite([calls.non_finite(step, k, v, calls.TELEMETRY_SOURCE.get(k, f"set_telemetry({k})"))
+                          for k, v in bad.items()])
+        values = {k: v for k, v in values.items() if k not in bad}
         if self.stream is not None:
             self.stream.set_telemetry(OptimizerTelemetry(step=step, **values))
         if self.check_every and self.stream is not None:  # only rank 0 checks
@@ -1109,7 +1244,11 @@ class TapCore:
                     self._unchecked_tel.setdefault(step, {})[k] = v
 
     def _commit_row(self, row: dict[str, Any]) -> None:
-        row = {k: v for k, v in row.items() if v is not None and not (isinstance(v, float) and math.isnan(v))}
+        # a value that is not a finite number is data about the run: null, and an entry of the
+        # manifest's non_finite list naming the call that handed it over
+        bad = {k: v for k, v in row.items() if calls.is_bad_float(v)}
+        self._non_finite([calls.non_finite(row["step"], k, v, calls.TELEMETRY_SOURCE.get(k, k)) for k, v in bad.items()])
+        row = {k: v for k, v in row.items() if v is not None and k not in bad}
         if self.stream is not None:
             self.stream.set_telemetry(OptimizerTelemetry(**row))
         if self.check_every and self.stream is not None:  # the live findings read what was committed since
@@ -1124,12 +1263,15 @@ class TapCore:
         """Rank 0 writes every process's finished rollouts and the scored extra rows, in global order."""
         rows = [self._pending.pop(i) for i in ready]
         extra, self._pending_extra = self._pending_extra, []
-        rows = [(r.order, r.rollout()) for r in rows]
-        extra = [(r.order, r.rollout()) for r in extra]
+        rows = [(r.order, *r.rollout()) for r in rows]
+        extra = [(r.order, *r.rollout()) for r in extra]
         if self.world > 1:
             rows = self.gather(rows)
             extra = self.gather(extra)
         if self.stream is not None:
+            self._non_finite([e for _, _, bad in sorted(rows + extra, key=lambda x: x[0]) for e in bad])
+            rows = [(o, r) for o, r, _ in rows]
+            extra = [(o, r) for o, r, _ in extra]
             if rows:
                 rows = [r for _, r in sorted(rows, key=lambda x: x[0])]
                 self.stream.add_rollouts(rows)

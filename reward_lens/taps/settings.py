@@ -11,6 +11,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator, model_validator
 
+# Every integer setting is bounded (issue 61): a count past these is a typo, and a seed past 2**32
+# overflows the generators it seeds (torch's, numpy's) with an error that does not name it.
+COUNT_LIMIT = 2**31 - 1
+SEED_LIMIT = 2**32 - 1
+
 # Estimators of earlier versions, and why they are gone.
 RETIRED = {"rollout": "it summed the token KL along the rollouts the step trained on, which the update inflates "
                       "(0.36-11x the truth)",
@@ -78,7 +83,7 @@ class TapSettings(BaseModel):
     estimator: Literal["independent", "exact"] | None = Field(
         "independent", description="how D_t is measured: along the next generation's rollouts and pi_t's held-out "
                                    "completions ('independent'), from fresh samples of pi_{t+1} ('exact'), or not at all")
-    heldout: StrictInt = Field(4, ge=0, description="the most completions per prompt group and per policy the tap adds "
+    heldout: StrictInt = Field(4, ge=0, le=COUNT_LIMIT, description="the most completions per prompt group and per policy the tap adds "
                                                     "to the trainer's own generation (pi_t's at step t, pi_{t+1}'s at "
                                                     "the next), never trained on: the paired ledger's two sides (0: "
                                                     "one-sided, the next generation's rollouts scored under pi_t)")
@@ -86,15 +91,16 @@ class TapSettings(BaseModel):
                                  description="the tap's time as a fraction of an untapped optimizer step: it measures "
                                              "as much of each step pair as that buys, chosen from timing alone "
                                              "(None: every step pair measured whole)")
-    n_exact: StrictInt = Field(16, ge=2, description="sequences the 'exact' estimator samples per step")
-    flush_every: StrictInt = Field(10, ge=1, description="steps between commits of the record")
-    chunk: StrictInt = Field(16, ge=1, description="sequences per forward pass when scoring")
+    n_exact: StrictInt = Field(16, ge=2, le=COUNT_LIMIT, description="sequences the 'exact' estimator samples per step")
+    flush_every: StrictInt = Field(10, ge=1, le=COUNT_LIMIT, description="steps between commits of the record")
+    chunk: StrictInt = Field(16, ge=1, le=COUNT_LIMIT, description="sequences per forward pass when scoring")
     loss_forward: StrictBool = Field(True, description="take log pi_{t+1} of the rollouts (and pi_{t+1}'s side of "
                                                        "their token KL) from the trainer's own loss forward pass "
                                                        "instead of a forward pass of the tap's own, where it can")
     save_initial_checkpoint: StrictBool = False
     overwrite: StrictBool = False
-    seed: StrictInt = 0
+    seed: StrictInt = Field(0, ge=0, le=SEED_LIMIT, description="seeds the tap's own draws (which groups a "
+                                                                    "budget measures); 0 .. 2**32 - 1")
     model_description: str | None = None
     paired: StrictBool = Field(True, description="score each generation under the previous policy (the paired "
                                                  "ledger's input)")
@@ -102,7 +108,7 @@ class TapSettings(BaseModel):
         "device", description="where pi_t's parameters are kept between the step and the next generation: beside "
                               "the model ('device': swapped in by reference) or in host memory ('cpu', pinned on "
                               "CUDA: copied in for each scoring pass and back, so the accelerator holds no second copy)")
-    check_every: StrictInt = Field(1, ge=0, description="steps between evaluations of the live findings "
+    check_every: StrictInt = Field(1, ge=0, le=COUNT_LIMIT, description="steps between evaluations of the live findings "
                                                         "(specs/findings/ with live: true) on the steps so far; 0: never")
     stop_on: Literal["warn", "critical"] | None = Field(None, description="stop training (TrainerControl) when a "
                                                                           "live finding of this severity or above holds")
@@ -118,6 +124,14 @@ class TapSettings(BaseModel):
     def _target(cls, value):
         return None if value is None else _targets(value)
 
+    @field_validator("budget", mode="before")
+    @classmethod
+    def _budget_not_bool(cls, v):
+        # pydantic reads True as 1.0 in a float field; every other setting is strict about booleans
+        if isinstance(v, bool):
+            raise ValueError("must be a number in (0, 10] or None, not a boolean")
+        return v
+
     @model_validator(mode="before")
     @classmethod
     def _retired(cls, data):
@@ -126,6 +140,18 @@ class TapSettings(BaseModel):
             raise ValueError(f"estimator {est!r} is retired: {RETIRED[est]}; the default, 'independent', measures "
                              "D_t along the next generation's rollouts and pi_t's held-out completions")
         return data
+
+    @field_validator("heldout")
+    @classmethod
+    def _heldout_pairs(cls, v):
+        # one completion per group and side has no within-group information: the paired ledger drops
+        # such groups (taps/budget.py MIN_PER_GROUP), so a record of heldout=1 would hold a D_t the books
+        # cannot read (issue 61: the first screen said "no D_t" while the books priced it)
+        if v == 1:
+            raise ValueError("1 completion per group and side gives the paired ledger no within-group "
+                             "information: pass 0 (one-sided: the next generation's rollouts scored under pi_t) "
+                             "or 2 or more")
+        return v
 
     @model_validator(mode="after")
     def _consistent(self):

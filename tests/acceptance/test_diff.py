@@ -39,8 +39,8 @@ def test_different_bases_are_refused_naming_both(tmp_path):
              "--out", str(tmp_path / "d"))
     assert r.returncode == 1
     assert "UNIT_MISMATCH" in r.stdout and SurfaceFeatures().basis_id in r.stdout and task.basis_id in r.stdout
-    data = json.loads((tmp_path / "d" / "diff.json").read_text())
-    assert data["status"] == "refused" and data["books"] == []
+    # issue 61 item 13: the refusal is the answer; no diff.* files are written
+    assert not (tmp_path / "d").exists()
 
 
 def test_bad_input_is_named(tmp_path):

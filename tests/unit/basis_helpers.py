@@ -28,3 +28,17 @@ def exits(completions):
     import sys
 
     sys.exit(0)
+
+
+def never_returns(completions):
+    import time
+
+    while True:  # a user's function that hangs (issue 61 item 4)
+        time.sleep(0.05)
+
+
+def slow_vowels(completions):
+    import time
+
+    time.sleep(0.3)
+    return vowels(completions)

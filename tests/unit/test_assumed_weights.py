@@ -74,11 +74,12 @@ def test_without_a_config_the_record_notes_the_assumed_weights(tmp_path):
     ({"num_generations": 8, "reward_weights": None}, False),  # GRPOConfig's default, stated
     ({"num_generations": 8}, True),  # a config that does not say
     ({"num_generations": 8, "reward_weights": [1.0, 1.0, 1.0]}, True),  # says, for three functions: not these
+    ({"num_generations": 8, "reward_weights": []}, True),  # says: no weights at all (issue 61 item 11)
 ])
 def test_a_config_that_states_the_weights_is_believed(tmp_path, config, said):
     m = import_trl(trl_output(tmp_path / "trl", config=config), tmp_path / "rec")
     assert (assumed_reward_weights(m.notes) is not None) == said
-    if said and config.get("reward_weights"):
+    if said and config.get("reward_weights") is not None:
         assert "do not match the 2 reward functions" in assumed_reward_weights(m.notes)
 
 

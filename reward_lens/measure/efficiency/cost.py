@@ -716,10 +716,10 @@ def cost_series(
     kind = kinds.pop() if kinds else "unpaired"
     series = kl_min_series(ledgers, g, run_id=run_id)
     if series.refusals:
-        return CostBook((), series.refusals, series, run_id, ledger=kind, window=window)
+        return CostBook(CostColumns.from_rows((), kind), series.refusals, series, run_id, ledger=kind, window=window)
     denoms, unit_refusal = _denominators(ledgers, run_, kl_spent, kl_spent_unit)
     if unit_refusal is not None:
-        return CostBook((), (unit_refusal,), series, run_id, ledger=kind, window=window)
+        return CostBook(CostColumns.from_rows((), kind), (unit_refusal,), series, run_id, ledger=kind, window=window)
     pairs = [tuple(p) for p in ledger_arrays(ledgers).step_pairs.tolist()]
     place = {pair: q for q, pair in enumerate(pairs)}
     refusals: list[Refusal] = []

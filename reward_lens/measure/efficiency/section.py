@@ -377,7 +377,7 @@ def cost_section(ctx: RunContext) -> BookResult:
         "rows_no_interval": int(rows.no_interval.sum()),
         "eta_run": run_est.eta_debiased if run_est is not None else None,
         "eta_run_interval": list(run_est.interval()) if run_est is not None else None,
-        "eta_run_rows": len(book._estimates),
+        "eta_run_rows": len(book._estimates) if book._estimates is not None else 0,
         "kl_min_total": run_est.kl_min_debiased if run_est is not None else None,
         "eta_d_t": run_est.d_t if run_est is not None else None,
         "eta_updates": int(sum(book._estimates.columns.steps)) if run_est is not None else 0,

@@ -60,6 +60,8 @@ import hashlib
 import importlib
 import json
 import re
+import threading
+import time
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
@@ -211,6 +213,46 @@ def _check_regex(pattern: str) -> str | None:
     return None
 
 
+# A `callable` feature is the user's code: it runs under a time limit per call and in total per
+# basis, after which the basis is refused naming the feature (issue 61: a callable that never
+# returned hung `check` forever, with nothing said). Per call: a generous bound for a vectorised
+# function over one rollout segment (the tap's segments are at most a few thousand completions);
+# in total: what a report over a long record may reasonably spend in user code.
+CALLABLE_SECONDS = 60.0
+CALLABLE_TOTAL_SECONDS = 600.0
+
+
+class _Pending:
+    """What a call running in its own thread left: its result, or the exception it raised."""
+
+    result: Any = None
+    error: BaseException | None = None
+
+
+def call_with_limit(fn, arg, seconds: float) -> tuple[bool, Any]:
+    """``fn(arg)`` in a daemon thread, waited on for at most ``seconds``: (True, result), or
+    (False, None) when it has not returned by then (the thread is left behind: Python cannot stop
+    a thread, and a daemon one does not keep the process alive). An exception it raises is
+    re-raised here. A thread, not a signal: SIGALRM reaches only the main thread, and the tap's
+    live findings may run in another; not a process: the completions would be copied per call."""
+    box = _Pending()
+
+    def run():
+        try:
+            box.result = fn(arg)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which names it
+            box.error = exc
+
+    worker = threading.Thread(target=run, name="reward-lens-callable", daemon=True)
+    worker.start()
+    worker.join(max(seconds, 0.0))
+    if worker.is_alive():
+        return False, None
+    if box.error is not None:
+        raise box.error
+    return True, box.result
+
+
 def _import(spec: str):
     module, _, attr = spec.partition(":")
     try:
@@ -243,6 +285,7 @@ class FeatureBasis:
         self.basis_id = f"basis:{digest[:12]}"
         self.names = BasisNames([d.name for d in self.defs], self.basis_id)
         self._fns = {d.name: _import(d.function) for d in self.defs if d.kind == "callable"}
+        self._callable_spent = 0.0  # seconds this basis's callables have run, over every call
 
     def __repr__(self) -> str:
         return f"FeatureBasis({list(self.names)}, id={self.basis_id})"
@@ -365,6 +408,11 @@ class FeatureBasis:
             what = "reward function" if d.kind == "reward" else "check"
             col = self._col(d, table, column, source)
             v = pc.map_lookup(col, query_key=key, occurrence="first")
+            if v.null_count and v.null_count < len(v):
+                # a reward function (or check) that gave no score on some rollouts (None: TRL logs
+                # NaN, the tap leaves it out): not a number there. The books refuse such a basis
+                # naming the feature (RunContext.unmeasured) rather than a bad-input error (issue 61)
+                return np.where(pc.is_null(v).to_numpy(zero_copy_only=False), np.nan, _f(pc.fill_null(v, 0.0)))
             if v.null_count:
                 missing = pc.is_null(v)
                 steps = table.column("step").filter(missing).to_numpy() if "step" in table.column_names else None
@@ -379,8 +427,20 @@ class FeatureBasis:
             return np.fromiter((_parses(s) for s in col.to_pylist()), dtype=np.float64, count=len(col))
         fn = self._fns[d.name]
         col = self._col(d, table, "completion", source)
+        left = CALLABLE_TOTAL_SECONDS - self._callable_spent
+        limit = min(CALLABLE_SECONDS, left)
+        started = time.perf_counter()
         try:
-            out = fn(col)
+            done, out = call_with_limit(fn, col, limit)
+            self._callable_spent += time.perf_counter() - started
+            if not done:
+                self._callable_spent = CALLABLE_TOTAL_SECONDS
+                which = (f"the {CALLABLE_SECONDS:g} s limit per call" if limit == CALLABLE_SECONDS else
+                         f"the {CALLABLE_TOTAL_SECONDS:g} s limit of the basis's callables in all")
+                raise SpecError(f"{self.source}: feature `{d.name}`: {d.function} did not return within {which} "
+                                f"on the completions of {source}; the basis is refused (docs/reliability.md)")
+        except SpecError:
+            raise
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # the user's code: any failure (even sys.exit) is bad input, named

@@ -350,7 +350,7 @@ def _assumed_weights(cfg: Mapping[str, Any], reward_names: list[str]) -> str | N
         return None
     pairs = ", ".join(f"`{n}` 1" for n in reward_names)
     why = (f"the config's reward_weights {list(given)} do not match the {len(reward_names)} reward functions "
-           "logged" if given else "no trainer config said what they were (grpo_config.json beside the output, "
+           "logged" if given is not None else "no trainer config said what they were (grpo_config.json beside the output, "
            "or --config)")
     return (f"{ASSUMED_WEIGHTS}: each rollout's `reward` is its reward functions' scores summed at weight 1 "
             f"({pairs}: GRPOConfig's default), because {why}; if the run set reward_weights, the per-rollout "
