@@ -225,17 +225,20 @@ _EM = re.compile(r"(?<![\w*])\*(?=[^\s*])(.+?)(?<=[^\s*])\*(?![\w*])")
 def inline_html(text: str) -> str:
     """One paragraph of prose's light Markdown as HTML, everything escaped first: code spans
     (nothing inside one is markup), **strong**, *emphasis* and [words](#anchor) links to the same
-    page. Underscores are never emphasis (``KL_min``, ``D_t``)."""
-    out = []
-    for i, part in enumerate(_CODE_SPAN.split(text)):
-        if i % 2:
-            out.append(f"<code>{html.escape(part[1:-1], quote=True)}</code>")
-            continue
-        e = html.escape(part, quote=True)
-        e = _STRONG.sub(r"<strong>\1</strong>", e)
-        e = _EM.sub(r"<em>\1</em>", e)
-        out.append(_ANCHOR.sub(lambda m: f'<a href="#{m.group(2)}">{m.group(1)}</a>', e))
-    return "".join(out)
+    page. Underscores are never emphasis (``KL_min``, ``D_t``). Strong, emphasis and links may
+    hold code spans (``**your target `x` fell**``): the spans are set aside as placeholders while
+    the rest is marked up, then put back."""
+    spans: list[str] = []
+
+    def aside(m: re.Match) -> str:
+        spans.append(f"<code>{html.escape(m.group(1)[1:-1], quote=True)}</code>")
+        return f"\x00{len(spans) - 1}\x00"
+
+    e = html.escape(_CODE_SPAN.sub(aside, text.replace("\x00", "")), quote=True)
+    e = _STRONG.sub(r"<strong>\1</strong>", e)
+    e = _EM.sub(r"<em>\1</em>", e)
+    e = _ANCHOR.sub(lambda m: f'<a href="#{m.group(2)}">{m.group(1)}</a>', e)
+    return re.sub("\x00(\\d+)\x00", lambda m: spans[int(m.group(1))], e)
 
 
 def html_view(text: str) -> str:
