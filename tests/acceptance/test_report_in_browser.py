@@ -191,7 +191,11 @@ def test_the_main_commands_first_screen_shows_eta_the_shares_and_the_verdicts(br
     for s in g["shares"][:3]:
         assert f"{s['feature']} took {round(100 * s['share'])} %" in text, s
     words = {"bought": "moved as asked", "not_bought": "(asked for, not bought)", "carried": "carried along",
-             "other_way": "moved the other way", "against": "moved against", "collateral": "collateral"}
+             "other_way": "moved the other way", "against": "moved against", "collateral": "collateral",
+             # a declared target's own verdict (templates/report/verdict.j2's target macro)
+             "target_against_selected": "the reward selected against it", "target_against": "against what you want",
+             "target_selected_against": "while the reward selected against it", "target_met": "as you want",
+             "target_still": "showed no net change"}
     for key, names in g["verdicts"].items():
         if key != "neither":
             assert words[key] in text and all(n in text for n in names), (key, names)
@@ -202,13 +206,6 @@ def test_the_main_commands_first_screen_shows_eta_the_shares_and_the_verdicts(br
         b.querySelectorAll('#samples, #browser, script, style').forEach(e => e.remove()); return b.innerText; }""")
     assert "**" not in seen and "`" not in seen, re.findall(r".{30}(?:\*\*|`).{30}", seen)[:3]
     page.close()
-
-
-# >>> TARGET VERDICT WORDING -- for the lead to adjust after merging issue #57's target verdict (another
-# branch adds "your target `X` fell; the reward selected against it", decided in measure/decisions.py).
-# Until then the card gives the target the agreement verdict below; replace this with the new
-# sentence (the target's name filled in) once it is on the card.
-TARGET_VERDICT = "{target} moved the other way"
 
 
 def test_the_main_commands_first_screen_names_the_gaming_and_the_target_with_resolved_numbers(browser, tmp_path):
@@ -256,10 +253,17 @@ def test_the_main_commands_first_screen_names_the_gaming_and_the_target_with_res
     for f in gaming:
         assert f"{f['title']} ({f['severity']}, from step {f['onset']})".lower() in text.lower(), (f["id"], text)
 
-    # the target, by name, with its own verdict
+    # the target, by name, with its own verdict (decided once: report.json's glance), a wrong-way
+    # one (never "asked for and bought"), in bold on the card
+    verdicts = {v["feature"]: v for v in data["glance"]["targets"]}
+    assert set(targets) <= set(verdicts), (targets, verdicts)
+    strong = card.locator("strong").all_inner_texts()
     for t in targets:
         assert t in text, t
-    assert any(TARGET_VERDICT.format(target=t) in text for t in targets), text
+        assert verdicts[t]["wrong"] and verdicts[t]["key"] in ("target_against", "target_against_selected"), verdicts[t]
+        words = verdicts[t]["words"].replace("`", "")
+        assert words[0].upper() + words[1:] in text, (words, text)
+        assert any(t in x and "fell" in x for x in strong), strong
 
     # the run-level numbers resolved: eta (an interval above zero, no "Not resolved from noise") and the price
     g = data["glance"]
