@@ -265,13 +265,17 @@ def test_the_docs_quote_this_harness(moderate, collapse, sharpened, harness):
     lines = "\n".join(harness.summary_lines(moderate) + harness.summary_lines(collapse)
                       + harness.summary_lines(sharpened))
     assert first.startswith("run with torch "), "paste the output of python tools/truth.py --quote"
-    if first == harness.machine():
-        assert rest == lines, "paste the output of python tools/truth.py --quote"
-    else:
-        def labels(t):
-            return [re.split(r"[-+]?\d", line, maxsplit=1)[0] for line in t.splitlines()]
 
-        assert labels(rest) == labels(lines), "paste the output of python tools/truth.py --quote"
+    def labels(t):
+        return [re.split(r"[-+]?\d", line, maxsplit=1)[0] for line in t.splitlines()]
+
+    # line by line up to each line's first number, on any kernels
+    assert labels(rest) == labels(lines), "paste the output of python tools/truth.py --quote"
+    # number for number on the kernels the quote names (elsewhere the runs are other trajectories):
+    # skipped, and so reported, on other kernels; never an assert that silently does not run
+    if first != harness.machine():
+        pytest.skip(f"the quote was made on {first!r}, this host is {harness.machine()!r}: compared line by line only")
+    assert rest == lines, "paste the output of python tools/truth.py --quote"
 
 
 def test_d_t_is_measured_on_independent_samples(moderate, collapse, harness):
