@@ -181,15 +181,24 @@ def _slot_text_html(page: str) -> str:
 EXAMPLE_NAMES = ["task", "paired", "tapped", "long", "one_rollout"]
 
 
-def _report(name: str, tmp: Path):
-    if name == "one_rollout":
-        from tests.conftest import tiny_record, varied_completions
+_REPORTS: dict[str, object] = {}
 
-        steps = {s: varied_completions(s, n=12) for s in range(6)}
-        steps[3] = steps[3][:1]
-        return build_report(open_run(tiny_record(tmp / "one", steps, kl_to_previous={s: 50.0 for s in range(6)})))
-    spec = example_features(name)
-    return build_report(open_run(example_record(name)), features=features_from(str(spec) if spec else None))
+
+def _report(name: str, tmp: Path):
+    """The report of an example, built once for every test of this file (each takes seconds)."""
+    if name not in _REPORTS:
+        if name == "one_rollout":
+            from tests.conftest import tiny_record, varied_completions
+
+            steps = {s: varied_completions(s, n=12) for s in range(6)}
+            steps[3] = steps[3][:1]
+            rec = tiny_record(tmp / "one", steps, kl_to_previous={s: 50.0 for s in range(6)})
+            _REPORTS[name] = build_report(open_run(rec))
+        else:
+            spec = example_features(name)
+            _REPORTS[name] = build_report(open_run(example_record(name)),
+                                          features=features_from(str(spec) if spec else None))
+    return _REPORTS[name]
 
 
 @pytest.fixture(scope="module", params=EXAMPLE_NAMES)
