@@ -241,3 +241,34 @@ def test_the_series_watch_sums_scores_with_the_pinned_k():
     assert s.last_score == pytest.approx(3.0, rel=0.02)
     assert ups == pytest.approx([2.0, 4.0, 6.0], rel=0.03)
     assert s.down == 0.0
+
+
+def test_eta_intervals_by_hand_t_quantiles_and_the_delta_method():
+    """Two estimates with their covariance written out (KL = 0.2, D = 0.5, var KL 0.0004, var D
+    0.0009, cov 0.0003): eta = 0.4; by the delta method var = (0.0004 - 2 * 0.4 * 0.0003 + 0.16 *
+    0.0009) / 0.25 = 0.001216, SE = 0.0348712. The 95 % interval is eta +- t_{dof, 0.975} SE:
+    1.959964 on infinite degrees of freedom, 2.364624 on 7 -- one object and the columns alike."""
+    cov = np.array([[0.0004, 0.0003], [0.0003, 0.0009]])
+    se = math.sqrt((0.0004 - 2 * 0.4 * 0.0003 + 0.16 * 0.0009) / 0.25)
+    assert se == pytest.approx(0.03487119155, rel=1e-9)
+    ests = [eta_mod.EtaEstimate((0, 1), "unpaired", 0.2, 0.2, 0.5, 0.01, cov, dof=float("inf")),
+            eta_mod.EtaEstimate((1, 2), "unpaired", 0.2, 0.2, 0.5, 0.01, cov, dof=7.0)]
+    cols = eta_mod.EtaColumns.of(ests)
+    lo, hi = cols.interval()
+    for i, (e, q) in enumerate(zip(ests, (1.959963984540054, 2.3646242515927844))):
+        assert e.eta_debiased == pytest.approx(0.4, rel=1e-15) and e.own_se == pytest.approx(se, rel=1e-12)
+        assert e.interval() == pytest.approx((0.4 - q * se, 0.4 + q * se), rel=1e-12)
+        assert (lo[i], hi[i]) == pytest.approx((0.4 - q * se, 0.4 + q * se), rel=1e-12)
+    np.testing.assert_allclose(cols.own_se, [se, se], rtol=1e-12)
+
+
+def test_jackknife_degrees_of_freedom_by_hand():
+    """The groups in which a priced feature varies, less one, at least one, at most G - 1."""
+    assert [eta_mod.jackknife_dof(v, 8) for v in (0, 1, 2, 3, 8, 9)] == [1.0, 1.0, 1.0, 2.0, 7.0, 7.0]
+    np.testing.assert_array_equal(eta_mod.jackknife_dofs(np.array([0, 1, 2, 3, 8, 9]), 8), [1, 1, 1, 2, 7, 7])
+
+
+def test_benjamini_hochberg_rejects_at_its_threshold_exactly():
+    """p equal to q i / m is rejected (the rule is p_(i) <= q i / m): 0.025 and 0.05 at m = 2."""
+    np.testing.assert_array_equal(eta_mod.benjamini_hochberg(np.array([0.05, 0.025]), 0.05), [True, True])
+    np.testing.assert_array_equal(eta_mod.benjamini_hochberg(np.array([0.0500001, 0.025]), 0.05), [False, True])
