@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=63)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per mutant's tests before it counts as hung")
     ap.add_argument("--list", action="store_true", help="print the mutants that would run; run nothing")
+    ap.add_argument("--only", action="append", default=[], metavar="PATH:LINE",
+                    help="run only the mutants of this line (repeatable): to rerun survivors after adding a test")
     args = ap.parse_args(argv)
 
     named = named_mutants()
@@ -229,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     rest = [m for m in pool if m not in consts]
     random.Random(args.seed).shuffle(rest)
     chosen = (named + consts + rest)[:max(args.max, len(named))]
+    if args.only:
+        chosen = [m for m in named + consts + rest if f"{m.path}:{m.line}" in args.only]
     print(f"mutation_check: {len(pool) + len(named)} mutants generated, {len(chosen)} run", flush=True)
     if args.list:
         for m in chosen:

@@ -272,3 +272,11 @@ def test_benjamini_hochberg_rejects_at_its_threshold_exactly():
     """p equal to q i / m is rejected (the rule is p_(i) <= q i / m): 0.025 and 0.05 at m = 2."""
     np.testing.assert_array_equal(eta_mod.benjamini_hochberg(np.array([0.05, 0.025]), 0.05), [True, True])
     np.testing.assert_array_equal(eta_mod.benjamini_hochberg(np.array([0.0500001, 0.025]), 0.05), [False, True])
+
+
+def test_normal_scores_at_zero_degrees_of_freedom_and_past_float64():
+    """No degrees of freedom: the normal itself (a z of 2 scores 2, not the 1.05 of t on 1 df);
+    a tail beyond float64 (t on 3 df at 1e300, the normal at 50) scores the clip, U_MAX = 8."""
+    assert sq.normal_score(2.0, 0) == pytest.approx(2.0, rel=1e-12)
+    assert sq.normal_score(-1.5, 0) == pytest.approx(-1.5, rel=1e-12)
+    assert sq.normal_score(50.0, 0) == U_MAX_PINNED and sq.normal_score(-1e300, 3) == -U_MAX_PINNED
