@@ -20,7 +20,7 @@ from reward_lens.measure import decisions
 from reward_lens.measure import sequential as sq
 from reward_lens.measure.efficiency import eta as eta_mod
 from reward_lens.measure.efficiency.iproj import GroupJackknife
-from reward_lens.measure.ledger.paired import paired_ledger
+from reward_lens.measure.ledger.paired import PairedLedger, paired_ledger
 from reward_lens.measure.ledger.price import StepSample
 
 
@@ -112,7 +112,7 @@ def _one_sided_ledger():
     codes = np.repeat(np.arange(4), 2)
     s = StepSample(1, ("f",), z, groups=codes, logp=np.zeros(8), logp_prev=np.zeros(8), kl_prev=kl, n_groups=4)
     lg = paired_ledger(s)
-    assert not isinstance(lg, type(None)) and hasattr(lg, "kl"), lg
+    assert isinstance(lg, PairedLedger), lg  # formed, not refused
     return lg
 
 
