@@ -280,3 +280,14 @@ def test_normal_scores_at_zero_degrees_of_freedom_and_past_float64():
     assert sq.normal_score(2.0, 0) == pytest.approx(2.0, rel=1e-12)
     assert sq.normal_score(-1.5, 0) == pytest.approx(-1.5, rel=1e-12)
     assert sq.normal_score(50.0, 0) == U_MAX_PINNED and sq.normal_score(-1e300, 3) == -U_MAX_PINNED
+
+
+def test_a_series_first_step_is_not_scored_read_alone_or_in_a_block():
+    """The first step has no steps before it to be read against: it joins the reference and
+    scores nothing, whether observed alone or as a block of one (last_score stays None)."""
+    one, block = sq.SeriesWatch(), sq.SeriesWatch()
+    one.observe(0, 0.5, 4, 0.03, 16, 1.0)
+    block.observe_many(np.array([0]), np.array([0.5]), np.array([4]), np.array([0.03]), np.array([16]),
+                       np.array([1.0]))
+    for s in (one, block):
+        assert s.last_score is None and s.up == 0.0 and s.down == 0.0 and s.reference == pytest.approx(0.5)
