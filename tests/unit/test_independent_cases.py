@@ -291,3 +291,33 @@ def test_a_series_first_step_is_not_scored_read_alone_or_in_a_block():
                        np.array([1.0]))
     for s in (one, block):
         assert s.last_score is None and s.up == 0.0 and s.down == 0.0 and s.reference == pytest.approx(0.5)
+
+
+def test_decide_from_by_hand_degrees_of_freedom_fallbacks():
+    """Where a ledger states no usable degrees of freedom the test uses its prompt groups less one:
+    a dof of 0 or NaN with 11 groups -> t on 10 df (p = 0.05 at 2.2281389, where a normal test
+    gives 0.0259); a ledger with no dof at all and 5 groups -> t on 4 df (p = 0.05 at 2.7764451)."""
+    d = decisions.decide_from([_lg((0, 1), [2.2281388520, -2.2281388520], [1.0, 1.0], n_groups=11,
+                                   dof=np.array([0.0, np.nan]))], ("a", "b"))
+    np.testing.assert_allclose(d.p, [[0.05, 0.05]], rtol=1e-8)
+    d = decisions.decide_from([_lg((0, 1), [2.7764451052, 1.0], [1.0, 1.0], n_groups=5)], ("a", "b"))
+    assert d.p[0, 0] == pytest.approx(0.05, rel=1e-8)
+
+
+def test_eta_replicates_carry_the_per_group_bias_correction(monkeypatch):
+    """The replicates of the test above with each group's own O(1/n) bias stated too, b = (0.01,
+    0.02, 0.0, 0.03): KL_jk less their mean (0.315 - 0.015 = 0.3) and each replicate less the mean
+    over the groups it keeps, (sum b - b_g) / (G - 1) = (0.05, 0.04, 0.06, 0.03) / 3: so the KL
+    replicates become (0.253333, 0.336667, 0.24, 0.29)."""
+    full, deleted, bias = 0.30, [0.27, 0.35, 0.26, 0.30], [0.01, 0.02, 0.0, 0.03]
+    monkeypatch.setattr(eta_mod, "group_jackknife", lambda z, r, codes, g, side, deletions, workers=1: GroupJackknife(
+        full=np.array([full]), deleted=np.array([deleted]), converged=np.array([True]), solved=np.array([False]),
+        lam=np.zeros((1, 1)), bias=np.array([bias])))
+    est = eta_mod.paired_estimate(_one_sided_ledger(), np.array([0]))
+    g = 4
+    kept = [a - (sum(bias) - b) / (g - 1) for a, b in zip(deleted, bias)]
+    assert kept == pytest.approx([0.27 - 0.05 / 3, 0.35 - 0.04 / 3, 0.24, 0.29], rel=1e-12)
+    mk = sum(kept) / g
+    c_kk = (g - 1) / g * sum((a - mk) ** 2 for a in kept)
+    assert est.kl_min_debiased == pytest.approx(0.3, rel=1e-12)
+    assert est.cov[0, 0] == pytest.approx(c_kk, rel=1e-12)
