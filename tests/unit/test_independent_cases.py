@@ -302,6 +302,11 @@ def test_decide_from_by_hand_degrees_of_freedom_fallbacks():
     np.testing.assert_allclose(d.p, [[0.05, 0.05]], rtol=1e-8)
     d = decisions.decide_from([_lg((0, 1), [2.7764451052, 1.0], [1.0, 1.0], n_groups=5)], ("a", "b"))
     assert d.p[0, 0] == pytest.approx(0.05, rel=1e-8)
+    # both together: with one ledger lacking dof every ledger is read one by one (``t_dof``)
+    d = decisions.decide_from([_lg((0, 1), [2.7764451052, 1.0], [1.0, 1.0], n_groups=5),
+                               _lg((1, 2), [2.2281388520, -2.2281388520], [1.0, 1.0], n_groups=11,
+                                   dof=np.array([0.0, np.nan]))], ("a", "b"))
+    np.testing.assert_allclose(d.p[[0, 1, 1], [0, 0, 1]], [0.05, 0.05, 0.05], rtol=1e-8)
 
 
 def test_eta_replicates_carry_the_per_group_bias_correction(monkeypatch):
