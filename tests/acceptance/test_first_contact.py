@@ -189,21 +189,47 @@ def test_one_verdict_per_behaviour_on_every_page(example):
             assert v["selected"] and (v["drift"] > 0) == (v["selection"] > 0), f
         if key in (decisions.BOUGHT, decisions.OTHER_WAY):
             assert ((v["drift"] > 0) == (v["direction"] > 0)) == (key == decisions.BOUGHT), f
-    # the sequential findings (a sustained, sized movement, judged at every step: docs/findings.md)
-    # name a subset of what the run-level verdicts say, and never contradict them: a behaviour moving
-    # against what the reward selects is never one the verdict files as moving with it, and one that
-    # moved with no selection explaining it has no resolved selection differential in the cause book
+    _sequential_findings_agree(data)
+
+
+def _sequential_findings_agree(data: dict) -> dict[str, set[str]]:
+    """The sequential findings (a sustained, sized movement, judged at every step: docs/findings.md)
+    name a subset of what the run-level verdicts say, and never contradict them: a behaviour moving
+    against what the reward selects is never one the verdict files as moving with it, and one that
+    moved with no selection explaining it has no resolved selection differential in the cause book.
+    Returns the behaviours each finding named (what was checked): on the bundled examples
+    ``moving_against_reward`` holds on none, so the case below makes one where it does."""
+    agreement = next(b for b in data["books"] if b["id"] == "agreement")
+    cause = next(b for b in data["books"] if b["id"] == "cause")
+    verdicts = {f["feature"]: f for f in agreement["data"]["features"]}
+    selected = {x["feature"]: x for x in cause["data"]["selected"]}
     found = {x["id"]: x for x in data["findings"]}
 
     def named(fid):
         return {x["feature"] for x in found[fid]["values"].get("features", [])} if found[fid]["status"] == "holds" \
             else set()
 
-    for f in named("moving_against_reward"):
+    checked = {fid: named(fid) for fid in ("moving_against_reward", "collateral_behaviour", "length_drift")}
+    for f in checked["moving_against_reward"]:
         assert verdicts[f]["verdict_key"] not in (decisions.BOUGHT, decisions.CARRIED, decisions.NEITHER), f
-    for f in named("collateral_behaviour") | named("length_drift"):
+    for f in checked["collateral_behaviour"] | checked["length_drift"]:
         assert not selected[f]["selected"], f
         assert verdicts[f]["verdict_key"] not in (decisions.BOUGHT, decisions.CARRIED, decisions.NEITHER), f
+    return checked
+
+
+def test_the_sequential_findings_agree_with_the_verdicts_where_they_hold(tmp_path):
+    """The check above on a run where the findings it reads hold (tests/unit/test_live_findings.py's
+    hacked run: correctness falls against its selection, an exclamation mark no reward pays for
+    spreads), so its loops run over behaviours, not over an empty set."""
+    from reward_lens.measure.ledger.basis import load_basis
+    from tests.unit.test_live_findings import BASIS, hacked_record
+
+    (tmp_path / "basis.yaml").write_text(BASIS)
+    report = build_report(open_run(hacked_record(tmp_path / "record")), features=load_basis(tmp_path / "basis.yaml"))
+    checked = _sequential_findings_agree(json.loads(to_json(report)))
+    assert checked["moving_against_reward"] == {"correct"}, checked
+    assert checked["collateral_behaviour"], checked
 
 
 def test_the_collinear_behaviours_of_the_task_are_asked_for_jointly():

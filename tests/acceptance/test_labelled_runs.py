@@ -54,6 +54,20 @@ def test_each_failure_run_gets_its_right_finding_on_time(scored, mode):
         assert right not in r.false_alarms, (r.mode, r.alarms[right])  # not before the failure began
 
 
+@pytest.mark.parametrize("mode", sorted(LATE))
+def test_a_late_run_is_late_by_no_more_than_measured(scored, mode):
+    """The strict xfail above covers a whole labelled case: a run whose finding never held, or held
+    before its failure began, would fail it too and stay hidden. The miss as measured, a bound
+    that fails if exceeded: the right finding holds, 4 steps after the ground-truth onset at most
+    (LATE's words), never before the failure began."""
+    rows = [r for r in scored if r.mode == mode]
+    assert rows, mode
+    for r in rows:
+        assert r.truth.onset is not None, (r.mode, r.truth)
+        assert r.delay is not None and 0 <= r.delay <= 4, (r.mode, r.seed, r.truth.onset, r.first)
+        assert labelled_runs.RIGHT[r.mode] not in r.false_alarms, (r.mode, r.alarms[labelled_runs.RIGHT[r.mode]])
+
+
 def test_no_healthy_seed_warns_at_any_prefix(scored):
     healthy = [r for r in scored if r.mode == "healthy"]
     assert len(healthy) >= 5

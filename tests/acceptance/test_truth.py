@@ -91,7 +91,49 @@ def test_the_run_level_eta_of_redrawn_runs(moderate, collapse, sharpened):
     for res in (moderate, collapse, sharpened):
         er = res.calibration["eta_run"]
         assert er["runs"] == 100 and er["covered"] >= 80
-        assert abs(er["median_error"]) <= 0.05 and er["sd_over_se"] <= 1.25
+        assert abs(er["median_error"]) <= 0.05
+    # both ways: the real spread against the SE, within [0.8, 1.25] where the harness measured it so
+    # (1.12 moderate, 0.97 collapsing, AVX512); an interval too wide is as wrong as one too narrow
+    for res in (moderate, collapse):
+        er = res.calibration["eta_run"]
+        assert 0.8 <= er["sd_over_se"] <= 1.25, (res.regime, er["sd_over_se"])
+    # the sharpened run's SE is wider than its spread (0.61 AVX512, 0.71 at the default budget on
+    # AVX2): a known miss (the strict xfail below), bounded here so that a wider one fails
+    er = sharpened.calibration["eta_run"]
+    assert 0.5 <= er["sd_over_se"] <= 1.25, er["sd_over_se"]
+
+
+def test_the_row_level_eta_se_is_its_real_spread_for_the_prompts(moderate, collapse):
+    """eta's SE as the book states it (moderated, the bias bound's widening aside) against the real
+    spread of eta over 100 redraws of the tap's sampling for the same prompts: the median ratio
+    over updates within [0.8, 1.25] (measured 0.99 moderate, 1.04 collapsing; the jackknife's own SE
+    1.01, 1.15). Coverage alone cannot tell an interval too wide from a right one."""
+    import numpy as np
+
+    for res in (moderate, collapse):
+        for key in ("eta", "eta_own"):
+            ratio = float(np.median(res.calibration[key]["ratio"]))
+            assert 0.8 <= ratio <= 1.25, (res.regime, key, ratio)
+
+
+def test_the_sharpened_runs_eta_se_is_too_wide_by_no_more_than_measured(sharpened):
+    """The sharpened run's eta SE is wider than the spread (median real SD / SE 0.67 moderated,
+    0.69 the jackknife's own, AVX512; its intervals cover 99.3 %): the strict xfail below states
+    the target; this, the measured miss as a bound that a wider SE (or a narrower one) fails."""
+    import numpy as np
+
+    for key in ("eta", "eta_own"):
+        ratio = float(np.median(sharpened.calibration[key]["ratio"]))
+        assert 0.55 <= ratio <= 1.25, (key, ratio)
+
+
+@pytest.mark.xfail(strict=True, reason="a known miss: on the sharpened run eta's SE is wider than its real spread "
+                   "(median SD / SE 0.67, run-level 0.61, AVX512); the intervals over-cover (99.3 %)")
+def test_the_sharpened_runs_eta_se_is_its_real_spread(sharpened):
+    import numpy as np
+
+    assert 0.8 <= float(np.median(sharpened.calibration["eta"]["ratio"])) <= 1.25
+    assert 0.8 <= sharpened.calibration["eta_run"]["sd_over_se"] <= 1.25
 
 
 def test_eta_over_every_row_of_redrawn_runs_is_centred(moderate, collapse, sharpened):
@@ -126,6 +168,15 @@ def test_one_records_median_over_its_resolved_rows_is_too_noisy_to_decide_a_twen
 def test_the_resolved_rows_read_within_a_twentieth_of_the_truth_over_redrawn_runs(moderate, collapse, sharpened):
     for res in (moderate, collapse, sharpened):
         assert abs(res.calibration["eta_selection"]["resolved"]) <= 0.05
+
+
+def test_the_resolved_rows_lean_no_more_than_measured(moderate, collapse, sharpened):
+    """The strict xfail above hides any lean at all: the measured one as a bound that a larger bias
+    fails (+0.058 moderate, +0.126 collapsing, +0.014 sharpened on AVX512; the collapsing run's
+    +0.10 on AVX2)."""
+    for res, bound in ((moderate, 0.09), (collapse, 0.16), (sharpened, 0.06)):
+        lean = res.calibration["eta_selection"]["resolved"]
+        assert abs(lean) <= bound, (res.regime, lean)
 
 
 def test_collapse_run_level_eta_interval_covers_the_truth(collapse):
@@ -214,13 +265,17 @@ def test_the_docs_quote_this_harness(moderate, collapse, sharpened, harness):
     lines = "\n".join(harness.summary_lines(moderate) + harness.summary_lines(collapse)
                       + harness.summary_lines(sharpened))
     assert first.startswith("run with torch "), "paste the output of python tools/truth.py --quote"
-    if first == harness.machine():
-        assert rest == lines, "paste the output of python tools/truth.py --quote"
-    else:
-        def labels(t):
-            return [re.split(r"[-+]?\d", line, maxsplit=1)[0] for line in t.splitlines()]
 
-        assert labels(rest) == labels(lines), "paste the output of python tools/truth.py --quote"
+    def labels(t):
+        return [re.split(r"[-+]?\d", line, maxsplit=1)[0] for line in t.splitlines()]
+
+    # line by line up to each line's first number, on any kernels
+    assert labels(rest) == labels(lines), "paste the output of python tools/truth.py --quote"
+    # number for number on the kernels the quote names (elsewhere the runs are other trajectories):
+    # skipped, and so reported, on other kernels; never an assert that silently does not run
+    if first != harness.machine():
+        pytest.skip(f"the quote was made on {first!r}, this host is {harness.machine()!r}: compared line by line only")
+    assert rest == lines, "paste the output of python tools/truth.py --quote"
 
 
 def test_d_t_is_measured_on_independent_samples(moderate, collapse, harness):

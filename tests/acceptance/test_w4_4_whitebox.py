@@ -43,23 +43,25 @@ def test_large_step_is_resolved_and_efficiency_is_inside_the_bound(results):
     assert r.max_abs_t > 3  # the change is resolved
     assert r.d_t > 0 and r.d_t_se / r.d_t < 0.2
     assert r.refusal_rung1 is None and 0.0 <= r.eta_rung1 <= 1.0
-    if r.rung2_stable:
-        assert r.refusal_rung2 is None and 0.0 <= r.eta_rung2 <= 1.0
-    if r.eta_rung2 is not None:
-        assert 0.0 <= r.eta_rung2 <= 1.0
+    # rung 2 (the damped metric) on this checkpoint, as docs/science.md's table states it: the
+    # scores do not identify the damping, so it states no eta and refuses by name. Asserted as it
+    # is, not under a condition that never holds: the day the damping is identified this fails
+    # and the table and this test change together.
+    assert not r.rung2_stable and r.eta_rung2 is None and r.kl_min_rung2 is None
+    (ref,) = r.details["book_rung2"].refusals
+    assert r.refusal_rung2 == ref.code == "ENVELOPE_VIOLATED" and ref.context["premise"] == "damping_unidentified"
 
 
 @pytest.mark.whitebox
 def test_small_step_is_refused_with_the_failed_premise(results):
     r = results[SMALL]
     book = r.details["book_rung1"]
-    if book.rows:  # handed out only if inside the bound, and then marked unresolved
-        assert not book.rows[0].resolved and 0 <= book.rows[0].efficiency <= 1
-    else:
-        (ref,) = book.refusals
-        assert ref.code == "ENVELOPE_VIOLATED" and r.raw_ratio_rung1 > 1
-        assert "standard error" in ref.detail and "samples" in ref.detail
-        assert "times `D_t`" in ref.detail and "noise floor" in ref.detail
+    # refused, not handed out: its KL_min is far above D_t (raw ratio 904 in docs/science.md's table)
+    assert not book.rows
+    (ref,) = book.refusals
+    assert ref.code == "ENVELOPE_VIOLATED" and r.raw_ratio_rung1 > 100
+    assert "standard error" in ref.detail and "samples" in ref.detail
+    assert "times `D_t`" in ref.detail and "noise floor" in ref.detail
 
 
 @pytest.mark.whitebox
@@ -85,14 +87,11 @@ def test_readme_table_is_what_this_experiment_measures(results):
         d_t = float(cells[2].split("±")[0])
         assert d_t == pytest.approx(r.d_t, rel=0.02)
         assert float(cells[4].split("(")[0]) == pytest.approx(r.kl_min_rung1, rel=0.02)
-        if r.kl_min_rung2 is None:  # refused: the damping is not identified by the scores
-            (ref,) = r.details["book_rung2"].refusals
-            assert cells[6] == "—" and ref.context["premise"] == "damping_unidentified"
-            assert cells[7] == "ENVELOPE_VIOLATED, damping not identified"
-        else:
-            assert float(cells[6]) == pytest.approx(r.kl_min_rung2, rel=0.02)
-        if r.eta_rung2 is not None:
-            assert cells[7].startswith(f"η = {r.eta_rung2:.3f}")
+        # rung 2 refused at both sizes: the damping is not identified by the scores
+        (ref,) = r.details["book_rung2"].refusals
+        assert r.kl_min_rung2 is None and r.eta_rung2 is None
+        assert cells[6] == "—" and ref.context["premise"] == "damping_unidentified"
+        assert cells[7] == "ENVELOPE_VIOLATED, damping not identified"
         fresh, own = (float(x) for x in cells[8].split("/"))
         assert fresh == pytest.approx(r.fisher_fresh_ratio, rel=0.02) and own == pytest.approx(r.fisher_own_ratio,
                                                                                                rel=0.02)

@@ -144,19 +144,49 @@ def _consistent(out: Path) -> set[str]:
     return tags
 
 
+def _lines(proc: subprocess.Popen, n: int, timeout: float = 120.0) -> list[str]:
+    """The next ``n`` lines ``proc`` prints (each after a write it committed): the test moves on
+    the writer's own word, not on a sleep. Fails naming what it got if the writer ends or stalls."""
+    import selectors
+
+    got: list[str] = []
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout
+    try:
+        while len(got) < n:
+            left = deadline - time.monotonic()
+            assert left > 0 and sel.select(left), f"no line from the writer in {timeout} s after {got}"
+            line = proc.stdout.readline()
+            assert line, f"the writer ended after {got}: {proc.stderr.read() if proc.stderr else ''}"
+            got.append(line.strip())
+    finally:
+        sel.close()
+    return got
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["report", "site"])  # report --out and publish --site share the writer
 def test_output_folder_survives_sigkill_at_random_points(tmp_path, kind):
+    """Each writer is killed after it has said it committed a random number of sets (1 to 4), at a
+    random moment after: the folder then holds one whole set, this writer's, no older than the last
+    it said it committed -- never an earlier writer's (a kill before any write would test nothing)."""
     rng = random.Random(0)
     out = tmp_path / "out"
     replace_dir_atomically(out, {f"report.{e}": "seed" for e in ("md", "html", "json")}, kind=kind)
     for k in range(24):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(REPO), f"k{k}-", kind],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.6 + rng.random() * 0.6)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        _consistent(out)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            done = _lines(proc, rng.randint(1, 4))
+            time.sleep(rng.random() * 0.02)  # somewhere in the next write: where does not decide the outcome
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        (tag,) = _consistent(out)
+        # this writer's, and no earlier than the last set it said it committed (it may have gone on
+        # past the lines read before the kill)
+        assert tag.startswith(f"k{k}-") and int(tag[len(f"k{k}-"):]) >= int(done[-1][len(f"k{k}-"):]), (done, tag)
     # The next writer removes what killed writers left beside the folder.
     replace_dir_atomically(out, {f"report.{e}": "last" for e in ("md", "html", "json")}, kind=kind)
     assert _consistent(out) == {"last"}
@@ -165,24 +195,39 @@ def test_output_folder_survives_sigkill_at_random_points(tmp_path, kind):
 
 @pytest.mark.slow
 def test_two_writers_never_interleave(tmp_path):
+    """Two writers replace one folder at once; a reader under the writers' lock checks the set
+    until each writer has said it committed 15 sets, and must have seen sets of both."""
+    import threading
+
     out = tmp_path / "out"
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(REPO), tag], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for tag in ("A", "B")]
-    deadline = time.monotonic() + 8
-    checks = 0
-    while time.monotonic() < deadline:
-        if (out / "report.md").exists():
-            # A reader takes the writers' lock to read the set at one instant (without it a
-            # reader that opens three files one by one can straddle an exchange).
-            with _locked(tmp_path):
-                _consistent(out)
-            checks += 1
-        time.sleep(0.01)
+    said: dict[str, list[str]] = {"A": [], "B": []}
+
+    def listen(tag, proc):
+        for line in proc.stdout:
+            said[tag].append(line.strip())
+
+    threads = [threading.Thread(target=listen, args=(t, p), daemon=True) for t, p in zip("AB", procs)]
+    for t in threads:
+        t.start()
+    seen: set[str] = set()
+    deadline = time.monotonic() + 120  # a stalled writer fails the test, it does not end the loop early
+    try:
+        while min(len(v) for v in said.values()) < 15:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), (said, seen)
+            if (out / "report.md").exists():
+                # A reader takes the writers' lock to read the set at one instant (without it a
+                # reader that opens three files one by one can straddle an exchange).
+                with _locked(tmp_path):
+                    seen |= _consistent(out)
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            p.wait()
     for p in procs:
-        p.send_signal(signal.SIGTERM)
-        p.wait()
         assert "Traceback" not in p.stderr.read() or p.returncode == -signal.SIGTERM
-    assert checks > 20
+    assert {t[0] for t in seen} == {"A", "B"}, seen  # the reader saw both writers' sets
     _consistent(out)
 
 
@@ -198,29 +243,32 @@ STREAMER = textwrap.dedent("""
         s.add_rollouts([Rollout(step=t, group_id=f"{t}:0", prompt="p", completion="c" * (t % 7), reward=float(i))
                        for i in range(4)])
         s.flush()
+        print(t, flush=True)
 """)
 
 
 @pytest.mark.slow
 def test_streamed_record_survives_sigkill_at_random_points(tmp_path):
+    """Each streamer is killed after it has said it flushed a random number of steps (1 to 10), at
+    a random moment after: the record opens, verifies, and holds at least every step the streamer
+    said it flushed -- after every kill, not most of them."""
     rng = random.Random(1)
     rec = tmp_path / "rec"
-    readable = 0
     for k in range(24):
         proc = subprocess.Popen([sys.executable, "-c", STREAMER, str(rec), str(REPO)],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(1.2 + rng.random() * 0.8)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if not (rec / "manifest.json").exists():
-            continue  # killed before its first flush
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            flushed = int(_lines(proc, rng.randint(1, 10))[-1])
+            time.sleep(rng.random() * 0.02)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
         run = open_run(rec)  # raises if the manifest and the files disagree
         steps = run.steps.tolist()
         assert steps == list(range(len(steps)))
+        assert len(steps) >= flushed + 1, (k, flushed, len(steps))  # it may have flushed more than was read
         run.read_rollouts(["completion"])
         run.verify()
-        readable += 1
-    assert readable >= 20
 
 
 # ---------------------------------------------------------------- exit codes

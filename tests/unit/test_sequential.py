@@ -22,7 +22,7 @@ def _cusum_alarm_mc(h: float, steps: int, shift: float, runs: int, rng) -> float
     c = np.zeros(runs)
     hit = np.zeros(runs, bool)
     for t in range(steps):
-        c = np.maximum(0.0, c + u[:, t] - sq.K)
+        c = np.maximum(0.0, c + u[:, t] - 1.0)  # k = 1, the watch's reference value, written out
         hit |= c >= h
     return float(hit.mean())
 
@@ -90,10 +90,10 @@ def test_the_self_starting_cusum_is_its_recursion_by_hand():
             var = (pool + q) / (df + G - 1)
             w = (x - ref_sum / ref_n) / math.sqrt(var * (1 / G + 1 / ref_n))
             u = stats.norm.isf(stats.t.sf(abs(w), df + G - 1)) * math.copysign(1, w)
-            new_down = max(0.0, down - u - sq.K)
+            new_down = max(0.0, down - u - 1.0)
             if new_down > 0 and down == 0:
                 since, base = t, (ref_sum / ref_n, math.sqrt(rss / rdf))
-            up, down = max(0.0, up + u - sq.K), new_down
+            up, down = max(0.0, up + u - 1.0), new_down
             assert s.last_score == pytest.approx(u, rel=1e-9)
             assert (s.up, s.down) == pytest.approx((up, down), rel=1e-9, abs=1e-12)
         ref_sum, ref_n, pool, df, rss, rdf = ref_sum + G * x, ref_n + G, pool + q, df + G - 1, rss + r, rdf + 4 * G - 1
@@ -132,8 +132,12 @@ def _synthetic_run(rng, steps=40, groups=8, per=8, fall_at=None, fall=0.0, advan
 def test_no_change_raises_few_false_alarms_over_the_run():
     """300 runs of 40 steps with no change (prompt difficulty Beta(3, 2), 8 groups of 8 a step:
     group means far from normal): the share of runs in which either sum of the level reaches
-    h = 4 stays near the Brook-Evans probability for two one-sided sums of independent normal
-    scores (0.52 %): the recursive residuals against every earlier step are independent."""
+    h = 4 at some step. Measured over 3,000 such runs (seed 11): 28, 0.93 % (95 % interval
+    0.6-1.3 %), against 0.50 % for two one-sided sums of independent normal scores (Brook-Evans,
+    k = 1, h = 4, 39 scores: 2 x 0.25 %) -- the scores of 8 non-normal group means are near
+    normal, not exactly. The bound is a literal, 3 %, read from nothing in the module: a
+    reference value K = 0.5 raises the rate to about 20 % (Brook-Evans: 2 x 10.0 %), which it
+    fails."""
     rng = np.random.default_rng(3)
     basis = sq.WatchBasis(("correct",), targets={"correct": "higher"})
     alarms = 0
@@ -144,8 +148,9 @@ def test_no_change_raises_few_false_alarms_over_the_run():
             w.observe(sq.step_stats(s))
             hit |= w.moved("correct", 4.0) != 0
         alarms += hit
-    bound = 2 * sq.false_alarm_probability(4.0, 39)
-    assert alarms / 300 <= 4 * bound + 0.01, alarms
+    assert alarms / 300 <= 0.03, alarms
+    # the independent-normal rate it is compared with, from the chain with k written out
+    assert 2 * sq.false_alarm_probability(4.0, 39, k=1.0) == pytest.approx(0.0050, abs=2e-4)
 
 
 def test_a_fall_is_found_with_its_onset():

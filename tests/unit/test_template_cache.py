@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import jinja2
+import pytest
 
 from reward_lens_spec import render as spec_render
 
@@ -130,15 +131,26 @@ def test_a_directory_others_can_write_or_own_is_never_loaded_from(monkeypatch, t
     (planted / "__reward_lens_text_planted.cache").write_bytes(b"not a template")
     assert spec_render.cache_directory() is None
     planted.chmod(0o700)
-    if os.getuid() == 0:  # as root the test can make it another user's directory
-        os.chown(planted, 65534, 65534)
-        assert spec_render.cache_directory() is None
-        os.chown(planted, 0, 0)
     assert spec_render.cache_directory() == planted
     # a cache root that others can write into is refused whole
     home.chmod(0o777)
     assert spec_render.cache_directory() is None
     home.chmod(0o700)
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="only root can make a directory another user's (CI runs as root)")
+def test_a_directory_another_user_owns_is_never_loaded_from(monkeypatch, tmp_path):
+    home = _cache_home(monkeypatch, tmp_path)
+    planted = home / "reward-lens" / "templates"
+    planted.mkdir(parents=True)
+    (home / "reward-lens").chmod(0o700)
+    planted.chmod(0o700)
+    assert spec_render.cache_directory() == planted
+    os.chown(planted, 65534, 65534)
+    assert spec_render.cache_directory() is None
+    os.chown(planted, os.getuid(), os.getgid())
+    assert spec_render.cache_directory() == planted
 
 
 def test_a_string_template_is_cached_by_its_text_and_compiled_again_when_edited(tmp_path, monkeypatch):
