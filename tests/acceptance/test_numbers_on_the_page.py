@@ -76,19 +76,24 @@ PREFIX = {"cost.": "books[id=cost].data.summary.", "price.": "books[id=price].da
 SLOTS = (
     # templates/report/card.j2
     r"moved the policy by a median of {glance.d_t_median:num3} nats",
-    r"over the {glance.eta_rows:int} updates measured, {glance.d_t_total:num3} nats in all",
+    r"over the {glance.d_t_updates:int} updates measured, {glance.d_t_total:num3} nats in all",
     r"The changes in the {glance.features:int} named behaviours needed {glance.kl_min_total:num3} of those nats",
+    r"needed {glance.kl_min_total:num3} of the {glance.eta_d_t:num3} nats spent at the {glance.eta_updates:int} of "
+    r"those updates η is read on",
     r"η = {glance.eta_run:pct} \[{glance.eta_run_interval.0:pct}, {glance.eta_run_interval.1:pct}\], the share",
     r"`{f:name}` took {glance.shares[feature=$f].share:pct}",
     r"over the {glance.resolved:int} of {glance.priced:int} updates whose movement is",
     r"{glance.refused:int} of {glance.updates:int} updates are not read",
     # templates/report/cost_headline.j2
-    r"needed \({cost.kl_min_total:num3} of {cost.d_t_total:num3} nats over {cost.eta_run_rows:int} (?:windows of )?updates",
+    r"needed \({cost.kl_min_total:num3} of {cost.d_t_total:num3} nats over {cost.d_t_updates:int} updates",
+    r"needed \({cost.kl_min_total:num3} of the {cost.eta_d_t:num3} nats spent at the {cost.eta_updates:int} of "
+    r"{cost.d_t_updates:int} updates η is read on",
+    r"; {cost.d_t_total:num3} nats over all {cost.d_t_updates:int} updates",
     r"η = {cost.eta_run:pct} \[{cost.eta_run_interval.0:pct}, {cost.eta_run_interval.1:pct}\]",
     r"the movement is resolved from noise at {cost.kl_min_resolved:int} of {cost.kl_min_rows:int} updates",
     # templates/report/books/price.headline.j2
-    r"{price.reward_per_nat:num3} ± {price.reward_per_nat_se:num3} reward units per nat of D_t over {price.rows:int} "
-    r"updates \({price.total_reward_change:+.3g} reward for {price.total_d:num3} nats\)",
+    r"{price.reward_per_nat:num3} ± {price.reward_per_nat_se:num3} reward units per nat of D_t "
+    r"\({price.total_reward_change:+.3g} reward for {price.total_d:num3} nats over {price.rows:int} updates\)",
     r"the reward changes? of {price.rows_resolved:int} updates? (?:is|are) resolved",
     # templates/report/books/effect.headline.j2
     r"`{f:name}` {books[id=effect].data.drift[feature=$f].drift:+.3g} ",
@@ -235,7 +240,7 @@ def test_every_mapped_sentence_is_on_some_page(tmp_path):
 def test_a_wrong_number_in_a_mapped_slot_fails():
     """The check on a page written here: the right numbers pass; one number replaced by another
     of report.json's (the pool check would let it through) fails, naming the field."""
-    data = {"glance": {"d_t_median": 0.0327, "eta_rows": 99, "d_t_total": 4.82, "eta_run": 0.09,
+    data = {"glance": {"d_t_median": 0.0327, "d_t_updates": 99, "d_t_total": 4.82, "eta_run": 0.09,
                        "eta_run_interval": [-0.03, 0.2], "shares": [{"feature": "correct", "share": 0.78},
                                                                    {"feature": "format_ok", "share": 0.11}]},
             "books": [{"id": "cost", "data": {"summary": {"eta_run": 0.09, "eta_run_interval": [-0.03, 0.2]}}}]}
@@ -244,7 +249,7 @@ def test_a_wrong_number_in_a_mapped_slot_fails():
     matched, wrong = check_slots(right, data)
     assert len(matched) == 6 and not wrong, (matched, wrong)  # the interval is the card's and the cost book's
     for bad, field in ((right.replace("`format_ok` took 11 %", "`format_ok` took 78 %"), "glance.shares[feature=$f]"),
-                       (right.replace("over the 99 updates", "over the 78 updates"), "glance.eta_rows"),
+                       (right.replace("over the 99 updates", "over the 78 updates"), "glance.d_t_updates"),
                        (right.replace("[-3 %, 20 %]", "[-3 %, 9 %]"), "glance.eta_run_interval.1")):
         _, wrong = check_slots(bad, data)
         assert wrong and all(field in w or "cost" in w for w in wrong) and any(field in w for w in wrong), wrong
