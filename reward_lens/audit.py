@@ -31,7 +31,7 @@ from reward_lens_spec.conditions import config_value, empty, holds
 from reward_lens_spec.models import BookSpec, Condition, FrameworkSpec
 from reward_lens_spec.files import UnreadableFile, read_text
 from reward_lens_spec.render import first_sentence, render_macro
-from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
+from reward_lens_spec.yamlload import YamlTooLarge, json_loads_unique, safe_load_bounded
 
 SCHEMA_VERSION = "1.0"
 Origin = Literal["config", "default", "unset", "tap default", "record"]
@@ -328,7 +328,7 @@ def load_config(path: Path) -> dict[str, Any]:
         raise RecordError(path, "is a directory without a manifest.json: not a reward-lens record")
     try:
         text = read_text(path)  # a FIFO is refused, never waited on
-        data = json.loads(text) if path.suffix == ".json" else safe_load_bounded(text)
+        data = json_loads_unique(text) if path.suffix == ".json" else safe_load_bounded(text)
     except FileNotFoundError:
         raise RecordError(path, "no such file") from None
     except UnreadableFile as exc:

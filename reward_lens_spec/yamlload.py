@@ -92,6 +92,27 @@ def safe_load_bounded(text: str) -> Any:
     return yaml.load(text, Loader=SafeLoader)
 
 
+def json_loads_unique(text: str) -> Any:
+    """``json.loads`` that refuses a key given twice in one object, as the YAML loader does: the
+    standard library keeps the last value silently. Raises json.JSONDecodeError at the second
+    occurrence of the key (its line and column), so every caller's message names where."""
+    import json
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                quoted = json.dumps(key)
+                first = text.find(quoted)
+                second = text.find(quoted, first + len(quoted)) if first >= 0 else -1
+                raise json.JSONDecodeError(f"the key {quoted} is given twice in one object (the first value "
+                                           "would be dropped without a word)", text, max(second, 0))
+            out[key] = value
+        return out
+
+    return json.loads(text, object_pairs_hook=pairs)
+
+
 def load_yaml_with_lines(path: Path) -> tuple[Any, dict[Loc, int]]:
     try:
         text = read_text(path)  # a FIFO is refused unopened; bytes that are not UTF-8 are named with the file

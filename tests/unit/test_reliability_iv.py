@@ -72,6 +72,16 @@ def test_item10_a_duplicate_key_in_a_spec_or_a_config_is_an_error_naming_the_lin
     config.write_text("learning_rate: 1.0e-6\nnum_generations: 8\nnum_generations: 2\n")
     with pytest.raises(RecordError, match=r"grpo\.yaml.*duplicate key 'num_generations'.*line 3"):
         load_config(config)
+    # a JSON config too (TRL's grpo_config.json): json.loads keeps the last value silently
+    from reward_lens.record.importers.trl_output import load_trainer_config
+
+    js = tmp_path / "grpo_config.json"
+    js.write_text('{"learning_rate": 1e-06,\n "num_generations": 8,\n "num_generations": 2}\n')
+    for load in (load_config, load_trainer_config):
+        with pytest.raises(RecordError, match=r"grpo_config\.json.*\"num_generations\" is given twice.*line 3"):
+            load(js)
+    js.write_text('{"a": {"k": 1}, "b": {"k": 2}}')  # one key in two objects is no duplicate
+    assert load_config(js) == {"a": {"k": 1}, "b": {"k": 2}}
 
 
 def test_item7_a_missing_features_file_leaves_no_record_folder(tmp_path):

@@ -64,7 +64,7 @@ from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
 from reward_lens_spec.conditions import holds
 from reward_lens_spec.files import UnreadableFile, read_text, require_regular
-from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
+from reward_lens_spec.yamlload import YamlTooLarge, json_loads_unique, safe_load_bounded
 
 # torch.nn.utils.clip_grad_norm_ scales by max_norm / (total_norm + 1e-6), clamped at 1.
 _CLIP_EPS = 1e-6
@@ -92,7 +92,7 @@ def _text(path: Path, what: str) -> str:
 def load_trainer_config(path: Path) -> dict[str, Any]:
     text = _text(path, "the trainer config given")
     try:
-        data = json.loads(text) if path.suffix == ".json" else safe_load_bounded(text)
+        data = json_loads_unique(text) if path.suffix == ".json" else safe_load_bounded(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         msg = " ".join(str(exc).split())[:200]
         raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg})") from None
