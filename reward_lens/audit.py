@@ -14,16 +14,15 @@ its value, and what that value means for the record.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from reward_lens.measure.efficiency.cost import denominator_context, rollouts_context
 from reward_lens.record.errors import RecordError
+from reward_lens.record.parse import config_mapping
 from reward_lens.record.importers import validate_config, whole_number
 from reward_lens_spec import (Presence, Refusal, Subject, load_books, load_fields, load_frameworks, load_taps,
                               make_refusal, resolve)
@@ -31,7 +30,6 @@ from reward_lens_spec.conditions import config_value, empty, holds
 from reward_lens_spec.models import BookSpec, Condition, FrameworkSpec
 from reward_lens_spec.files import UnreadableFile, read_text
 from reward_lens_spec.render import first_sentence, render_macro
-from reward_lens_spec.yamlload import YamlTooLarge, json_loads_unique, safe_load_bounded
 
 SCHEMA_VERSION = "1.0"
 Origin = Literal["config", "default", "unset", "tap default", "record"]
@@ -328,21 +326,13 @@ def load_config(path: Path) -> dict[str, Any]:
         raise RecordError(path, "is a directory without a manifest.json: not a reward-lens record")
     try:
         text = read_text(path)  # a FIFO is refused, never waited on
-        data = json_loads_unique(text) if path.suffix == ".json" else safe_load_bounded(text)
     except FileNotFoundError:
         raise RecordError(path, "no such file") from None
     except UnreadableFile as exc:
         raise RecordError(path, exc.problem) from None
-    except (json.JSONDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
-        msg = " ".join(str(exc).split())[:200]
-        raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg})") from None
-    except YamlTooLarge as exc:
-        raise RecordError(path, str(exc)) from None
-    except RecursionError:
-        raise RecordError(path, "nested too deeply to be a configuration") from None
-    if not isinstance(data, dict):
-        raise RecordError(path, "a configuration must be a mapping")
-    return data
+    except UnicodeDecodeError as exc:
+        raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({exc})") from None
+    return config_mapping(path, text, what="a configuration", mapping="a configuration must be a mapping")
 
 
 def audit(path: str | Path, framework: str | None = None, *, with_tap: bool = False, features=None,

@@ -154,11 +154,10 @@ def test_summary_card_first_and_the_rollout_browser_filters(browser, tmp_path, n
     page.close()
 
 
-def test_the_main_commands_first_screen_shows_eta_the_shares_and_the_verdicts(browser, tmp_path):
-    """The README's main command (its `reward-lens report ...` part, run as written) and its HTML's
-    first screen at 1280 x 800, as a new user sees it: the run-level η with what it means, the
-    shares, every behaviour's verdict, and no raw Markdown anywhere on the page outside record
-    text."""
+def _main_command_first_screen(browser, tmp_path, shot: str):
+    """The README's main command (its `reward-lens report ...` part, run as written), its
+    report.json and its HTML opened at 1280 x 800, with the summary card checked to sit on the first
+    screen without a page error: (the command's arguments, report.json, the page, the card, its text)."""
     import json
     import re
     import shlex
@@ -178,12 +177,22 @@ def test_the_main_commands_first_screen_shows_eta_the_shares_and_the_verdicts(br
     page.goto((out / "report.html").as_uri())
     page.wait_for_load_state("load")
     ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "first-screen-main-command.png"))
+    page.screenshot(path=str(ARTIFACTS / shot))
     assert errors == []
     card = page.locator("#summary-card")
     box = card.bounding_box()
-    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 800, box  # on the first screen
-    text = card.inner_text()
+    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 800, box  # no scrolling
+    return args, data, page, card, card.inner_text()
+
+
+def test_the_main_commands_first_screen_shows_eta_the_shares_and_the_verdicts(browser, tmp_path):
+    """The README's main command (its `reward-lens report ...` part, run as written) and its HTML's
+    first screen at 1280 x 800, as a new user sees it: the run-level η with what it means, the
+    shares, every behaviour's verdict, and no raw Markdown anywhere on the page outside record
+    text."""
+    import re
+
+    _, data, page, card, text = _main_command_first_screen(browser, tmp_path, "first-screen-main-command.png")
     g = data["glance"]
     eta = f"η = {round(100 * g['eta_run'])} % [{round(100 * g['eta_run_interval'][0])} %, " \
           f"{round(100 * g['eta_run_interval'][1])} %], the share of the divergence the named behaviours needed"
@@ -213,38 +222,16 @@ def test_the_main_commands_first_screen_names_the_gaming_and_the_target_with_res
     on its HTML's first screen at 1280 x 800, the gaming finding with the step it began, the declared
     target by name with its own verdict, and the run-level numbers resolved (η: no "Not resolved from
     noise"; the price resolved, in report.json)."""
-    import json
-    import re
-    import shlex
-
-    from reward_lens.cli import main as cli
     from reward_lens.examples import example_features
     from reward_lens.measure.ledger.basis import load_basis
 
-    readme = (REPO / "README.md").read_text()
-    main = re.search(r"<!-- main-command:start -->\n```\n(.+?)\n```", readme, re.S).group(1)
-    args = shlex.split(main.split("reward-lens ", 1)[1])
+    args, data, page, card, text = _main_command_first_screen(browser, tmp_path,
+                                                              "first-screen-main-command-gaming.png")
     example = args[args.index("--example") + 1]
     spec = example_features(example)
     assert spec is not None, f"the main command's example {example!r} has no basis of its own to declare a target"
     targets = list(load_basis(spec).targets)
     assert targets, f"{spec} declares no target"
-    out = tmp_path / "out"
-    args[args.index("--out") + 1] = str(out)
-    assert cli(args + ["--quiet"]) == 0
-    data = json.loads((out / "report.json").read_text())
-    page = browser.new_page(viewport={"width": 1280, "height": 800})
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.goto((out / "report.html").as_uri())
-    page.wait_for_load_state("load")
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "first-screen-main-command-gaming.png"))
-    assert errors == []
-    card = page.locator("#summary-card")
-    box = card.bounding_box()
-    assert box is not None and box["y"] >= 0 and box["y"] + box["height"] <= 800, box  # no scrolling
-    text = card.inner_text()
 
     # the gaming finding, named with its onset, leads the first screen
     gaming = [f for f in data["findings"] if f["id"] in ("proxy_gaming", "paid_for_drift") and f["status"] == "holds"

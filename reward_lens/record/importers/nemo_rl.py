@@ -56,7 +56,6 @@ the line and the key; nothing is written.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -66,13 +65,13 @@ import numpy as np
 import pyarrow as pa
 
 from reward_lens.record.errors import RecordError
+from reward_lens.record.parse import jsonl_objects
 from reward_lens.record.importers import INT64_MAX, finite_number, one_based_step, shown
 from reward_lens.record.importers.openrlhf import non_finite_name
 from reward_lens.record.importers.tensorboard import read_scalars
 from reward_lens.record.schema import NonFiniteValue, OptimizerTelemetry, RunManifest, arrow_schema
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields
-from reward_lens_spec.files import UnreadableFile, require_regular
 
 _TRAIN = re.compile(r"^train_data_step([1-9][0-9]*)\.jsonl$", re.ASCII)
 _VAL = re.compile(r"^val_data_step(0|[1-9][0-9]*)\.jsonl$", re.ASCII)
@@ -86,29 +85,9 @@ STEP_KEY = "N"  # the number in train_data_step{N}.jsonl, NeMo-RL's total_steps 
 
 
 def _lines(path: Path):
-    """(line number, parsed JSON object) of a NeMo-RL dump, or a RecordError naming file and line."""
-    try:
-        require_regular(path)
-    except UnreadableFile as exc:
-        raise RecordError(path, exc.problem) from None
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise RecordError(where, f"not UTF-8 text (byte {exc.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)  # NeMo-RL's json.dumps writes NaN and Infinity as such
-            except json.JSONDecodeError as exc:
-                raise RecordError(where, f"not valid JSON ({exc.msg}): truncated or corrupt") from None
-            except RecursionError:
-                raise RecordError(where, "JSON nested too deeply to be a NeMo-RL dump line") from None
-            if not isinstance(obj, dict):
-                raise RecordError(where, f"a dump line is a JSON object, not {type(obj).__name__}")
-            yield lineno, where, obj
+    """(line number, ``file:line``, parsed JSON object) of a NeMo-RL dump, or a RecordError naming
+    file and line. NeMo-RL's json.dumps writes NaN and Infinity as such, and they parse."""
+    return jsonl_objects(path, corrupt="truncated or corrupt", nested="a NeMo-RL dump line", line="a dump line")
 
 
 def _one(obj: dict, key: str, where: str) -> Any:

@@ -53,9 +53,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import yaml
 
 from reward_lens.record.errors import RecordError
+from reward_lens.record.parse import config_mapping
 from reward_lens.record.notes import ASSUMED_WEIGHTS, assumed_reward_weights  # noqa: F401 (re-exported)
 from reward_lens.record.importers import (INT64_MAX, logged_number, one_based_step, shown,
                                           validate_config, whole_number)
@@ -64,7 +64,6 @@ from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
 from reward_lens_spec.conditions import holds
 from reward_lens_spec.files import UnreadableFile, read_text, require_regular
-from reward_lens_spec.yamlload import YamlTooLarge, json_loads_unique, safe_load_bounded
 
 # torch.nn.utils.clip_grad_norm_ scales by max_norm / (total_norm + 1e-6), clamped at 1.
 _CLIP_EPS = 1e-6
@@ -90,19 +89,8 @@ def _text(path: Path, what: str) -> str:
 
 
 def load_trainer_config(path: Path) -> dict[str, Any]:
-    text = _text(path, "the trainer config given")
-    try:
-        data = json_loads_unique(text) if path.suffix == ".json" else safe_load_bounded(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        msg = " ".join(str(exc).split())[:200]
-        raise RecordError(path, f"not valid {'JSON' if path.suffix == '.json' else 'YAML'} ({msg})") from None
-    except YamlTooLarge as exc:
-        raise RecordError(path, str(exc)) from None
-    except RecursionError:
-        raise RecordError(path, "nested too deeply to be a trainer config") from None
-    if not isinstance(data, dict):
-        raise RecordError(path, "the trainer config must be a mapping of argument names to values")
-    return data
+    return config_mapping(path, _text(path, "the trainer config given"), what="a trainer config",
+                          mapping="the trainer config must be a mapping of argument names to values")
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-([0-9]+)$")  # ASCII digits only, as transformers names them

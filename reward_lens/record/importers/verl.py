@@ -64,9 +64,9 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import yaml
 
 from reward_lens.record.errors import RecordError
+from reward_lens.record.parse import config_mapping, jsonl_objects
 from reward_lens.record.importers import (finite_number, logged_number, one_based_step, shown, validate_config,
                                           whole_number)
 from reward_lens.record.notes import DERIVED_ADVANTAGES
@@ -74,7 +74,6 @@ from reward_lens.record.schema import NonFiniteValue, OptimizerTelemetry, RunMan
 from reward_lens.record.writer import write_run
 from reward_lens_spec import load_fields, load_frameworks
 from reward_lens_spec.files import UnreadableFile, read_text, require_regular
-from reward_lens_spec.yamlload import YamlTooLarge, safe_load_bounded
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Ray's worker prefix: "(TaskRunner pid=1234)", "(WorkerDict pid=99, ip=10.0.0.2)"
@@ -278,40 +277,25 @@ class _Dump:
 def _read_dump(path: Path, s: int, t: int) -> _Dump:
     """One ``{s}.jsonl`` dump (veRL's ``_write_generations``), filed under record step ``t``."""
     rows: list[tuple[dict[str, Any], str]] = []
-    with open(path, "rb") as fh:
-        for lineno, raw in enumerate(fh, 1):
-            where = f"{path}:{lineno}"
+    for _, where, obj in jsonl_objects(path, corrupt="a truncated or corrupt dump line", nested="a rollout",
+                                       line="a rollout line"):
+        missing = [k for k in _DUMP_KEYS if k not in obj]
+        if missing:
+            raise RecordError(where, f"a veRL rollout dump line needs {list(_DUMP_KEYS)}; missing {missing}",
+                              field=missing[0])
+        if whole_number(obj["step"], where, "step") != s:
+            raise RecordError(where, f"`step` is {obj['step']} in the dump of step {s}", field="step")
+        for k in ("input", "output"):
+            if not isinstance(obj[k], str):
+                raise RecordError(where, f"`{k}` is not text (multi-modal dumps are not supported yet)", field=k)
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise RecordError(where, f"not UTF-8 text (byte {exc.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise RecordError(where, f"not valid JSON ({exc.msg}): a truncated or corrupt dump line") from None
-            except RecursionError:
-                raise RecordError(where, "JSON nested too deeply to be a rollout") from None
-            if not isinstance(obj, dict):
-                raise RecordError(where, f"a rollout line is a JSON object, not {type(obj).__name__}")
-            missing = [k for k in _DUMP_KEYS if k not in obj]
-            if missing:
-                raise RecordError(where, f"a veRL rollout dump line needs {list(_DUMP_KEYS)}; missing {missing}",
-                                  field=missing[0])
-            if whole_number(obj["step"], where, "step") != s:
-                raise RecordError(where, f"`step` is {obj['step']} in the dump of step {s}", field="step")
-            for k in ("input", "output"):
-                if not isinstance(obj[k], str):
-                    raise RecordError(where, f"`{k}` is not text (multi-modal dumps are not supported yet)", field=k)
-                try:
-                    obj[k].encode("utf-8")
-                except UnicodeEncodeError as exc:  # a lone surrogate written as a \\ud800 escape
-                    raise RecordError(where, f"`{k}` holds a lone surrogate (character {exc.start + 1}), which is not "
-                                      "text", field=k) from None
-            if "uid" in obj and not isinstance(obj["uid"], str):
-                raise RecordError(where, f"`uid` is {shown(obj['uid'])}, not text", field="uid")
-            rows.append((obj, where))
+                obj[k].encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate written as a \\ud800 escape
+                raise RecordError(where, f"`{k}` holds a lone surrogate (character {exc.start + 1}), which is not "
+                                  "text", field=k) from None
+        if "uid" in obj and not isinstance(obj["uid"], str):
+            raise RecordError(where, f"`uid` is {shown(obj['uid'])}, not text", field="uid")
+        rows.append((obj, where))
     if not rows:
         raise RecordError(path, "an empty rollout dump", steps=[s], step_key="step")
     out = _Dump()
@@ -497,18 +481,8 @@ def load_config(path: Path) -> dict[str, Any]:
         raise RecordError(path, "no such config file (Hydra saves the run's as .hydra/config.yaml)") from None
     except UnreadableFile as exc:
         raise RecordError(path, exc.problem) from None
-    try:
-        data = safe_load_bounded(text)
-    except yaml.YAMLError as exc:
-        msg = " ".join(str(exc).split())[:200]
-        raise RecordError(path, f"not valid YAML ({msg})") from None
-    except YamlTooLarge as exc:
-        raise RecordError(path, str(exc)) from None
-    except RecursionError:
-        raise RecordError(path, "nested too deeply to be a veRL config") from None
-    if not isinstance(data, dict):
-        raise RecordError(path, "a veRL config is a mapping (actor_rollout_ref, algorithm, trainer, ...)")
-    return data
+    return config_mapping(path, text, what="a veRL config",
+                          mapping="a veRL config is a mapping (actor_rollout_ref, algorithm, trainer, ...)")
 
 
 @dataclass
