@@ -21,11 +21,15 @@ A step pair (t, t+1) is one optimizer update, read on samples independent of it.
 
 Shares of KL_min are summed over the resolved step pairs only: a share of an unresolved row is
 noise and is never stated as a finding.
+
+**What leads η on the first screen** (``headline_of``: single updates, or windows of consecutive
+updates) is decided here too, once, and read by the card, the cost book and report.json.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -33,6 +37,7 @@ from functools import cached_property
 import numpy as np
 from scipy import special
 
+from reward_lens.measure.efficiency import eta as _eta
 from reward_lens.measure.efficiency.eta import FDR_Q, benjamini_hochberg
 from reward_lens.measure.ledger.price import ledger_arrays
 
@@ -73,6 +78,9 @@ class Decisions:
     # usable step pair -> D_t (nats per sequence), where one was measured: read on no feature, so
     # the same in every basis; every total of D_t on every page is ``d_t_total`` over ``spent``
     spent: Mapping[tuple[int, int], float] = field(default_factory=dict)
+    # what leads eta on the first screen and in the cost book (``headline_of``); None where no cost
+    # book was priced (``decide_from`` alone)
+    headline: Headline | None = None
 
     # ---------------------------------------------------------------- counts, made here only
     @property
@@ -175,6 +183,8 @@ def decide(priced_run, names: Sequence[str]) -> Decisions:
     d = decide_from(priced_run.ledgers, names, ledger=priced_run.ledger, not_formed=priced_run.not_formed,
                     series=priced_run.book.kl_min if priced_run.book is not None else None,
                     spent=priced_run.spent)
+    if priced_run.book is not None:
+        d = dataclasses.replace(d, headline=headline_of(priced_run.book, d))
     fb = priced_run.fallback
     if fb is None:
         return d
@@ -230,6 +240,164 @@ def decide_from(ledgers: Sequence, names: Sequence[str], *, ledger: str = "unpai
     spent = {tuple(q): float(v) for q, v in (spent or {}).items() if tuple(q) in kept}
     return Decisions(names, ledger, refused, usable, dz, se, t, p, identified, moved, tuple(priced), tuple(resolved),
                      kl, shares, spent=dict(sorted(spent.items())))
+
+
+# ------------------------------------------------------------------------ what leads eta
+# Windows are pooled until their eta's 95 % interval is at most this fraction of the run's eta either
+# way (half its width): a window whose eta is the run's then reads it with a lower end at half of
+# it, resolved from 0. The target is set by the run's eta, once, and a window is closed on its
+# interval's width alone, never on its eta: windows closed where their own eta first clears 0 are
+# selected on their own size and lean high, as the resolved rows do (issue 62, item 5).
+WINDOW_PRECISION = 0.5
+# Single updates lead while at least this share of the priced ones is resolved from noise (the
+# book's per-update decision, BH at FDR_Q): most of the run is then read update by update. Below it
+# (0 of 22 on tests/fixtures/grpo_run/windowed, at the tap's default budget, where the per-update
+# test has 3 prompt groups of 2 to read), the first screen reads eta over windows.
+ROWS_RESOLVED_SHARE = 0.5
+
+
+@dataclass(frozen=True)
+class EtaWindow:
+    """eta over consecutive updates pooled as one ratio of sums (``eta.window``: sum KL_jk / sum D_t,
+    the members' jackknife covariances added -- a paired ledger reads each update on samples of its
+    own, so no sample is counted twice), with its 95 % interval.
+
+    ``first``..``last``: the steps it spans (its first update's t, its last one's t+1); ``updates``:
+    the priced updates pooled in it. An update the window spans but does not pool -- not measured by
+    the tap under its budget, refused, or with nothing priced -- adds nothing to either sum, as it
+    adds nothing to the run's eta: where ``updates`` < ``span`` the window's eta is that of the
+    updates measured in its span (the tap chooses which by step index and timing, never by a value)."""
+
+    first: int
+    last: int
+    updates: int
+    eta: float  # debiased, dimensionless
+    interval: tuple[float, float] | None  # 95 %; None where not finite
+    kl_min: float  # debiased sum, nats per sequence
+    d_t: float  # sum of D_t, nats per sequence
+    short: bool = False  # the run's last updates, which never reached the target half-width
+
+    @property
+    def span(self) -> int:
+        """The updates between ``first`` and ``last``, pooled or not."""
+        return self.last - self.first
+
+    @property
+    def resolved(self) -> bool:
+        """eta resolved from 0: its interval's lower end is above 0."""
+        return self.interval is not None and self.interval[0] > 0
+
+
+@dataclass(frozen=True)
+class Headline:
+    """What leads eta on the first screen and in the cost book: ``lead`` "rows" (the book's own rows:
+    single updates by default) or "windows" (``windows``, the priced updates in step order cut into
+    consecutive windows, each pooled until its interval's half-width is at most ``target``). ``why``
+    says which rule decided it (a key; its words are the templates'):
+
+    * ``rows_resolve`` -- at least ``ROWS_RESOLVED_SHARE`` of the priced updates are resolved from
+      noise (``Decisions.resolved``): single updates lead;
+    * ``rows_precise`` -- the single updates' intervals are already that narrow (median half-width
+      ``row_half_width`` at most ``target``): they lead;
+    * ``windows`` -- neither, and windows lead;
+    * ``never_precise`` -- no window short of the whole run reaches the target: the run's eta is the
+      only pooled number (it stays on the page in every case);
+    * ``run_unresolved`` -- the run's eta is not resolved from 0 (or not positive): there is no
+      eta to size the windows by, and no window of it is read;
+    * ``unpaired`` -- the unpaired ledger reads update (t, t+1) from step t's and step t+1's
+      rollouts, so consecutive updates share a step's rollouts: pooled as independent they would
+      count those rollouts twice, and no window is formed;
+    * ``windowed_book`` -- the book's rows are already windows (``--window``);
+    * ``few`` -- fewer than two updates are priced."""
+
+    lead: str  # "rows" | "windows"
+    why: str
+    target: float | None = None  # half-width the windows are pooled to (dimensionless, eta's units)
+    row_half_width: float | None = None  # median half-width of the single updates' intervals
+    windows: tuple[EtaWindow, ...] = ()
+
+    @property
+    def resolved(self) -> int:
+        """Windows whose eta is resolved from 0."""
+        return sum(w.resolved for w in self.windows)
+
+
+def _half(e) -> float:
+    lo, hi = e.interval()
+    return (hi - lo) / 2
+
+
+def headline_of(book, d: Decisions | None = None) -> Headline:
+    """What leads eta: single updates, where most of them resolve (``d``: the run's decisions, whose
+    per-update resolution is counted) or their intervals are precise enough; else windows of
+    consecutive updates pooled until their interval is precise enough to resolve the run's eta
+    (``WINDOW_PRECISION``). ``book``: the cost book
+    (``CostBook``), whose priced rows are the updates eta is read on and whose run-level eta sets the
+    target. Windows are cut greedily in step order: members are added until the window's
+    half-width is at most the target, then a new window starts; the last members, if they never
+    reach it, are a window of their own that falls short (``EtaWindow.short``), stated as such. A
+    window of one update is that update's own row (its interval as the book states it)."""
+    if book.window != 1:
+        return Headline("rows", "windowed_book")
+    if book.ledger != "paired":
+        return Headline("rows", "unpaired")
+    est = book.estimates.sorted_columns()
+    if len(est) < 2:
+        return Headline("rows", "few")
+    run = _eta.run_level(est)
+    lo, _ = run.interval()
+    if not (run.eta_debiased > 0 and lo > 0 and math.isfinite(run.eta_debiased)):
+        return Headline("rows", "run_unresolved")
+    target = WINDOW_PRECISION * run.eta_debiased
+    rows = est.estimates()
+    halves = [_half(e) for e in rows if e.estimable]
+    row_half = float(np.median(halves)) if halves else math.inf
+    cuts = _cuts(rows, target)
+    if d is not None and d.priced and len(d.resolved) >= ROWS_RESOLVED_SHARE * len(d.priced):
+        why = "rows_resolve"
+    elif row_half <= target:
+        why = "rows_precise"
+    elif not any(met for _, _, met in cuts) or len(cuts) < 2:
+        why = "never_precise"
+    else:
+        why = "windows"
+    windows = tuple(_window_of(rows[a:b], short=not met) for a, b, met in cuts) if why != "never_precise" else ()
+    return Headline("windows" if why == "windows" else "rows", why, target, row_half, windows)
+
+
+def _cuts(rows: Sequence, target: float) -> list[tuple[int, int, bool]]:
+    """[a, b) of each window and whether it met ``target``: members added in order until the pooled
+    half-width is at most ``target`` (running sums: linear in the rows); the last ones, where they
+    never reach it, a window of their own that did not."""
+    cuts: list[tuple[int, int, bool]] = []
+    start = 0
+    while start < len(rows):
+        k = kd = d = dof = tail = 0.0
+        cov = np.zeros((2, 2))
+        end = None
+        for i in range(start, len(rows)):
+            e = rows[i]
+            k, kd, d = k + e.kl_min, kd + e.kl_min_debiased, d + e.d_t
+            cov, dof, tail = cov + e.cov, dof + e.dof, tail + e.d_t_tail
+            one = e if i == start else _eta.window_of_sums(
+                (rows[start].step_pair[0], e.step_pair[1]), e.kind, kl_min=k, kl_min_debiased=kd, d_t=d, cov=cov,
+                dof=dof, steps=i - start + 1, d_t_tail=tail)
+            if (i > start or e.estimable) and _half(one) <= target:
+                end = i + 1
+                break
+        cuts.append((start, len(rows) if end is None else end, end is not None))
+        start = len(rows) if end is None else end
+    return cuts
+
+
+def _window_of(members: Sequence, short: bool = False) -> EtaWindow:
+    """The window's numbers: a single update's own row, else ``eta.window`` of its members."""
+    e = members[0] if len(members) == 1 else _eta.window(list(members))
+    lo, hi = e.interval()
+    ok = math.isfinite(lo) and math.isfinite(hi) and e.estimable
+    return EtaWindow(first=int(e.step_pair[0]), last=int(e.step_pair[1]), updates=len(members),
+                     eta=float(e.eta_debiased), interval=(float(lo), float(hi)) if ok else None,
+                     kl_min=float(e.kl_min_debiased), d_t=float(e.d_t), short=short)
 
 
 # ------------------------------------------------------------------------ verdicts, one per behaviour

@@ -14,6 +14,7 @@ import numpy as np
 from reward_lens import __version__
 from reward_lens.measure.books import RunContext
 from reward_lens.measure.decisions import ASKED_DIRECTLY, ASKED_JOINTLY, TARGET_WRONG
+from reward_lens.measure.efficiency.section import eta_headline_out
 from reward_lens.measure.ledger.basis import FeatureBasis
 from reward_lens.measure.ledger.features import SurfaceFeatures
 from reward_lens.record.reader import Run, Window
@@ -255,7 +256,7 @@ def glance(ctx: RunContext, books: dict[str, BookOut]) -> Glance:
         priced=len(d.priced), resolved=len(d.resolved), d_t_updates=d.d_t_updates, d_t_median=d.d_t_median,
         d_t_total=d.d_t_total, eta_rows=len(est) if est is not None else 0, eta_updates=c.get("eta_updates") or 0,
         eta_d_t=c.get("eta_d_t"), kl_min_total=c.get("kl_min_total"), eta_run=c.get("eta_run"),
-        eta_run_interval=tuple(interval) if interval else None,
+        eta_run_interval=tuple(interval) if interval else None, eta_headline=eta_headline_out(d.headline),
         shares=[Share(feature=n, share=v) for n, v in shares if v > 0],
         reward_change=p.get("total_reward_change"), reward_per_nat=p.get("reward_per_nat"),
         reward_per_nat_se=p.get("reward_per_nat_se"), reward_resolved=bool(p.get("resolved")), moved=moved,

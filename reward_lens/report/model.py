@@ -12,9 +12,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, WithJsonSchema
 
 from reward_lens.findings import FindingOut
+from reward_lens.measure.efficiency.section import EtaHeadlineOut
 from reward_lens.measure.figures import FigureOut
 
-SCHEMA_VERSION = "7.4"
+SCHEMA_VERSION = "7.5"
 
 
 class _M(BaseModel):
@@ -172,6 +173,10 @@ class Glance(_M):
     eta_run: float | None = Field(description="kl_min_total / eta_d_t: the fraction of the divergence the "
                                               "named behaviours required")
     eta_run_interval: tuple[float, float] | None
+    eta_headline: EtaHeadlineOut | None = Field(None, description=(
+        "what leads eta: single updates, or, where their intervals are too wide, windows of consecutive updates "
+        "pooled until precise enough to resolve the run's eta (measure.decisions.headline_of); the run-level "
+        "eta above stays"))
     shares: list[Share] = Field(description="over the resolved updates, largest first")
     reward_change: float | None = Field(description="total reward change over the updates with D_t")
     reward_per_nat: float | None

@@ -72,7 +72,7 @@ def test_report_json_round_trips_and_the_schema_file_is_current():
     path = next((REPO / "reports" / "runs").glob("long-*/report.json"))
     report = Report.model_validate_json(path.read_text())
     (cost,) = [b for b in report.books if b.id == "cost"]
-    assert report.schema_version == "7.4" and cost.status == "partial"
+    assert report.schema_version == "7.5" and cost.status == "partial"
     assert len(cost.typed().kl_min) == 199 and len(cost.typed().efficiency) == 0
     schema = json.loads((REPO / "reports" / "report.schema.json").read_text())
     assert schema == json.loads(json.dumps(Report.model_json_schema()))
@@ -293,7 +293,7 @@ def test_markdown_and_json_reports_never_import_matplotlib(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     text = (tmp_path / "o" / "report.json").read_text()
-    assert "\n" not in text.rstrip("\n") and json.loads(text)["schema_version"] == "7.4"  # compact
+    assert "\n" not in text.rstrip("\n") and json.loads(text)["schema_version"] == "7.5"  # compact
 
 
 def test_a_report_renders_the_same_from_its_section_models_and_from_their_json():

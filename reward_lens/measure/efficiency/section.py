@@ -178,6 +178,52 @@ class CostSummary(TypedDict):
     median_noise_floor: float | None
 
 
+class EtaWindowOut(_M):
+    """eta over consecutive updates pooled as one ratio of sums (``measure.decisions.EtaWindow``)."""
+
+    first: int = Field(description="the first step the window spans (t of its first update)")
+    last: int = Field(description="the last step it spans (t+1 of its last update)")
+    updates: int = Field(description="priced updates pooled in it")
+    span: int = Field(description="updates between first and last, pooled or not (not measured by the tap, "
+                                  "refused or with nothing priced: they add nothing to either sum)")
+    eta: float = Field(description="sum KL_min (debiased) / sum D_t over its updates, dimensionless")
+    interval: tuple[float, float] | None = Field(description="95 % interval of eta (``eta.window``: the members' "
+                                                             "jackknife covariances added, a bias up to the sums' "
+                                                             "correction covered); a window of one update: its row's")
+    resolved: bool = Field(description="eta resolved from 0: the interval's lower end is above 0")
+    short: bool = Field(description="the run's last updates, which never reached the target half-width")
+    kl_min: float = Field(description="sum of KL_min (debiased) over its updates, nats per sequence")
+    d_t: float = Field(description="sum of D_t over its updates, nats per sequence")
+
+
+class EtaHeadlineOut(_M):
+    """What leads eta on the first screen and in the cost book (``measure.decisions.headline_of``)."""
+
+    lead: Literal["rows", "windows"] = Field(description="rows: the book's own rows (single updates by default); "
+                                                         "windows: windows of consecutive updates")
+    why: Literal["rows_resolve", "rows_precise", "windows", "never_precise", "run_unresolved", "unpaired",
+                 "windowed_book", "few"] = Field(description="the rule that decided it (measure.decisions.Headline)")
+    target: float | None = Field(None, description="the half-width windows are pooled to: WINDOW_PRECISION (0.5) "
+                                                   "times the run's eta")
+    row_half_width: float | None = Field(None, description="median half-width of the single updates' 95 % "
+                                                           "intervals (null where none has one)")
+    windows: list[EtaWindowOut] = Field(default_factory=list, description="the priced updates in step order cut "
+                                        "into windows, each pooled until its half-width is at most target")
+    windows_resolved: int = Field(0, description="windows whose eta is resolved from 0")
+
+
+def eta_headline_out(h) -> EtaHeadlineOut | None:
+    """The report's view of the run's ``Decisions.headline`` (None where it has none)."""
+    if h is None:
+        return None
+    finite = lambda x: x if x is not None and np.isfinite(x) else None  # noqa: E731
+    return EtaHeadlineOut(
+        lead=h.lead, why=h.why, target=finite(h.target), row_half_width=finite(h.row_half_width),
+        windows=[EtaWindowOut(first=w.first, last=w.last, updates=w.updates, span=w.span, eta=w.eta,
+                              interval=w.interval, resolved=w.resolved, short=w.short, kl_min=w.kl_min, d_t=w.d_t)
+                 for w in h.windows], windows_resolved=h.resolved)
+
+
 class CostSection(_M):
     features: list[FeatureOut]
     metric: MetricOut
@@ -199,6 +245,8 @@ class CostSection(_M):
     still_works: str | None = Field(description="what part of the book is readable despite its refusals")
     tap: TapOut | None = Field(None, description="what the tap measured of each step pair under its cost budget, "
                                                  "where the record has the tap's own telemetry")
+    eta_headline: EtaHeadlineOut | None = Field(None, description="what leads eta: single updates, or windows of "
+                                                                  "consecutive updates (the first screen's too)")
 
 
 class TapOut(_M):
@@ -401,7 +449,7 @@ def cost_section(ctx: RunContext) -> BookResult:
         metric=MetricOut(method=g.method, scope=g.scope, n=g.n, damping=g.damping, damping_stable=g.damping_stable,
                          reading=g.reading),
         kl_min=kl_rows, efficiency=eff, feature_means=means, summary=summary, still_works=still,
-        tap=tap_summary(run),
+        tap=tap_summary(run), eta_headline=eta_headline_out(d.headline),
     )
     return _result([*extra, *book.refusals], section, spec)
 
@@ -508,6 +556,7 @@ def _result(refusals: list[Refusal], section: CostSection | None, spec) -> BookR
     status = status_of(has_numbers, refusals, resolved)
     s = section.summary if section else {}
     headline = render_template("report/cost_headline.j2", {
-        "status": status, "s": s, "codes": sorted({r.code for r in refusals})}).strip()
+        "status": status, "s": s, "codes": sorted({r.code for r in refusals}),
+        "h": section.eta_headline if section is not None else None}).strip()
     return BookResult(status=status, headline=headline, refusals=refusals, data=section,
                       figures=cost_figures(section) if section is not None else [])
