@@ -47,10 +47,15 @@ def _leaves(obj, out: set[str]) -> set[str]:
     return out
 
 
+# A run id is hex digits, not a number of the run: one that starts with a digit ("run:443efe88…")
+# would read as 443 in the title
+RUN_ID = re.compile(r"run:[0-9a-f]+…?")
+
+
 def _first_screen_md(md: str) -> str:
-    """The summary (card and book table) of the Markdown report, code spans removed."""
+    """The summary (card and book table) of the Markdown report, code spans and run ids removed."""
     head = md.split("\n## Run\n")[0]
-    return re.sub(r"`[^`]*`", "", head)
+    return RUN_ID.sub("", re.sub(r"`[^`]*`", "", head))
 
 
 def _first_screen_html(page: str) -> str:
@@ -58,7 +63,7 @@ def _first_screen_html(page: str) -> str:
     card = card.split('<figure id="headline-figure">')[0]  # the figure's axis ticks are drawn, not stated
     table = page.split('<section id="book-status-table">', 1)[1].split("</section>", 1)[0]
     text = re.sub(r"<code>.*?</code>", "", card + table)
-    return html.unescape(re.sub(r"<[^>]+>", " ", text))
+    return RUN_ID.sub("", html.unescape(re.sub(r"<[^>]+>", " ", text)))
 
 
 # ------------------------------------------------------------------ the map: sentence slot -> field
@@ -84,6 +89,13 @@ SLOTS = (
     r"`{f:name}` took {glance.shares[feature=$f].share:pct}",
     r"over the {glance.resolved:int} of {glance.priced:int} updates whose movement is",
     r"{glance.refused:int} of {glance.updates:int} updates are not read",
+    # card.j2's windows (issue 62): single updates too noisy, eta over windows of consecutive updates
+    r"their median 95 % interval is ±{glance.eta_headline.row_half_width:pct}\), so it is read over",
+    r"each pooled until its interval is at most ±{glance.eta_headline.target:pct} \(half the run's η",
+    r"{glance.eta_headline.windows_resolved:int} resolve it from 0",
+    r"{glance.eta_headline.windows[first=$a].eta:pct} \[{glance.eta_headline.windows[first=$a].interval.0:pct}, "
+    r"{glance.eta_headline.windows[first=$a].interval.1:pct}\] over steps {a:name}–"
+    r"{glance.eta_headline.windows[first=$a].last:int} \({glance.eta_headline.windows[first=$a].updates:int}",
     # templates/report/cost_headline.j2
     r"needed \({cost.kl_min_total:num3} of {cost.d_t_total:num3} nats over {cost.d_t_updates:int} updates",
     r"needed \({cost.kl_min_total:num3} of the {cost.eta_d_t:num3} nats spent at the {cost.eta_updates:int} of "
@@ -91,6 +103,10 @@ SLOTS = (
     r"; {cost.d_t_total:num3} nats over all {cost.d_t_updates:int} updates",
     r"η = {cost.eta_run:pct} \[{cost.eta_run_interval.0:pct}, {cost.eta_run_interval.1:pct}\]",
     r"the movement is resolved from noise at {cost.kl_min_resolved:int} of {cost.kl_min_rows:int} updates",
+    r"Single updates are too noisy for η \(median interval ±{books[id=cost].data.eta_headline.row_half_width:pct}\): "
+    r"over windows of consecutive updates, each pooled until its interval is at most "
+    r"±{books[id=cost].data.eta_headline.target:pct}, η is resolved from 0 at "
+    r"{books[id=cost].data.eta_headline.windows_resolved:int} of",
     # templates/report/books/price.headline.j2
     r"{price.reward_per_nat:num3} ± {price.reward_per_nat_se:num3} reward units per nat of D_t "
     r"\({price.total_reward_change:+.3g} reward for {price.total_d:num3} nats over {price.rows:int} updates\)",
@@ -181,9 +197,10 @@ def _slot_text_html(page: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(re.sub(r"<[^>]+>", " ", text)))
 
 
-# the bundled examples, and a hand-made record with a step of one rollout: no example refuses an
-# update, and the card's sentence about refused updates is mapped too
-EXAMPLE_NAMES = ["gamed", "task", "paired", "tapped", "long", "one_rollout"]
+# the bundled examples (windowed: the tap's default budget, where windows of updates lead eta and the
+# updates the tap left unmeasured are refused), and a hand-made record with a step of one rollout: the
+# card's sentence about refused updates is mapped on both
+EXAMPLE_NAMES = ["gamed", "task", "paired", "tapped", "long", "windowed", "one_rollout"]
 
 
 _REPORTS: dict[str, object] = {}
@@ -255,7 +272,7 @@ def test_a_wrong_number_in_a_mapped_slot_fails():
         assert wrong and all(field in w or "cost" in w for w in wrong) and any(field in w for w in wrong), wrong
 
 
-@pytest.mark.parametrize("name", ["gamed", "task", "paired", "tapped", "long"])
+@pytest.mark.parametrize("name", ["gamed", "task", "paired", "tapped", "long", "windowed"])
 def test_every_number_on_the_first_screen_is_in_report_json(name, tmp_path):
     report = _report(name, tmp_path)
     data = json.loads(to_json(report))
