@@ -292,8 +292,8 @@ class EtaWindow:
 class Headline:
     """What leads eta on the first screen and in the cost book: ``lead`` "rows" (the book's own rows:
     single updates by default) or "windows" (``windows``, the priced updates in step order cut into
-    consecutive windows, each pooled until its interval's half-width is at most ``target``). ``why``
-    says which rule decided it (a key; its words are the templates'):
+    consecutive windows, each pooled until its interval's half-width is at most ``target``; cut only
+    where they lead). ``why`` says which rule decided it (a key; its words are the templates'):
 
     * ``rows_resolve`` -- at least ``ROWS_RESOLVED_SHARE`` of the priced updates are resolved from
       noise (``Decisions.resolved``): single updates lead;
@@ -322,11 +322,6 @@ class Headline:
         return sum(w.resolved for w in self.windows)
 
 
-def _half(e) -> float:
-    lo, hi = e.interval()
-    return (hi - lo) / 2
-
-
 def headline_of(book, d: Decisions | None = None) -> Headline:
     """What leads eta: single updates, where most of them resolve (``d``: the run's decisions, whose
     per-update resolution is counted) or their intervals are precise enough; else windows of
@@ -349,55 +344,152 @@ def headline_of(book, d: Decisions | None = None) -> Headline:
     if not (run.eta_debiased > 0 and lo > 0 and math.isfinite(run.eta_debiased)):
         return Headline("rows", "run_unresolved")
     target = WINDOW_PRECISION * run.eta_debiased
-    rows = est.estimates()
-    halves = [_half(e) for e in rows if e.estimable]
-    row_half = float(np.median(halves)) if halves else math.inf
-    cuts = _cuts(rows, target)
+    lo, hi = est.interval()  # every row's, as its row states it (the columns' own: one call for all)
+    halves = ((hi - lo) / 2)[est.estimable]
+    row_half = float(np.median(halves)) if len(halves) else math.inf
     if d is not None and d.priced and len(d.resolved) >= ROWS_RESOLVED_SHARE * len(d.priced):
-        why = "rows_resolve"
-    elif row_half <= target:
-        why = "rows_precise"
-    elif not any(met for _, _, met in cuts) or len(cuts) < 2:
-        why = "never_precise"
-    else:
-        why = "windows"
-    windows = tuple(_window_of(rows[a:b], short=not met) for a, b, met in cuts) if why != "never_precise" else ()
-    return Headline("windows" if why == "windows" else "rows", why, target, row_half, windows)
+        return Headline("rows", "rows_resolve", target, row_half)
+    if row_half <= target:
+        return Headline("rows", "rows_precise", target, row_half)
+    cuts = _cuts(est, target)
+    if not any(met for _, _, met in cuts) or len(cuts) < 2:
+        return Headline("rows", "never_precise", target, row_half)
+    return Headline("windows", "windows", target, row_half, _windows_of(est, cuts))
 
 
-def _cuts(rows: Sequence, target: float) -> list[tuple[int, int, bool]]:
-    """[a, b) of each window and whether it met ``target``: members added in order until the pooled
-    half-width is at most ``target`` (running sums: linear in the rows); the last ones, where they
-    never reach it, a window of their own that did not."""
+# Every start's candidate windows up to this many updates long are sized at once (``_first_ends``: one
+# call of the intervals for all of them); a window that needs more is searched from its start twice
+# as far, and so on (``_candidates``). Windows are rarely long, so the search is near linear in the
+# updates: 10,000 of them in a fraction of a second.
+LOOK_AHEAD = 32
+
+
+def _cuts(est, target: float) -> list[tuple[int, int, bool]]:
+    """[a, b) of each window of the rows ``est`` (``EtaColumns``, in step order) and whether it met
+    ``target``: the first end, from each start in turn, at which the pooled half-width is at most
+    ``target`` (a window of one: its row's own interval, which states none where the row has none);
+    the last rows, where they never reach it, a window of their own that did not."""
+    n = len(est)
+    lo, hi = est.interval()
+    own = np.where(est.estimable, (hi - lo) / 2, np.inf)
+    first = _first_ends(est, own, target)
     cuts: list[tuple[int, int, bool]] = []
     start = 0
-    while start < len(rows):
-        k = kd = d = dof = tail = 0.0
-        cov = np.zeros((2, 2))
-        end = None
-        for i in range(start, len(rows)):
-            e = rows[i]
-            k, kd, d = k + e.kl_min, kd + e.kl_min_debiased, d + e.d_t
-            cov, dof, tail = cov + e.cov, dof + e.dof, tail + e.d_t_tail
-            one = e if i == start else _eta.window_of_sums(
-                (rows[start].step_pair[0], e.step_pair[1]), e.kind, kl_min=k, kl_min_debiased=kd, d_t=d, cov=cov,
-                dof=dof, steps=i - start + 1, d_t_tail=tail)
-            if (i > start or e.estimable) and _half(one) <= target:
-                end = i + 1
-                break
-        cuts.append((start, len(rows) if end is None else end, end is not None))
-        start = len(rows) if end is None else end
+    while start < n:
+        end = start + int(first[start]) + 1 if first[start] >= 0 else None
+        ahead = 2 * LOOK_AHEAD
+        while end is None and start + ahead // 2 < n:  # past the first look: further, twice as far each time
+            stop = min(n, start + ahead)
+            ok = _candidates(est, start, stop, target)
+            ok[0] = own[start] <= target
+            met = np.flatnonzero(ok)
+            if len(met):
+                end = start + int(met[0]) + 1
+            ahead *= 2
+        cuts.append((start, n if end is None else end, end is not None))
+        start = n if end is None else end
     return cuts
 
 
-def _window_of(members: Sequence, short: bool = False) -> EtaWindow:
-    """The window's numbers: a single update's own row, else ``eta.window`` of its members."""
-    e = members[0] if len(members) == 1 else _eta.window(list(members))
-    lo, hi = e.interval()
-    ok = math.isfinite(lo) and math.isfinite(hi) and e.estimable
-    return EtaWindow(first=int(e.step_pair[0]), last=int(e.step_pair[1]), updates=len(members),
-                     eta=float(e.eta_debiased), interval=(float(lo), float(hi)) if ok else None,
-                     kl_min=float(e.kl_min_debiased), d_t=float(e.d_t), short=short)
+def _sums(x: np.ndarray, width: int) -> np.ndarray:
+    """Running sums of ``x`` from every start, ``width`` long: entry [s, ..., j] = x[s] + ... +
+    x[s + j] added in order (``np.cumsum`` along each start's row, as ``window``'s sums run), with
+    zeros past the end."""
+    padded = np.concatenate([x, np.zeros((width - 1, *x.shape[1:]), dtype=np.float64)])
+    return np.cumsum(np.lib.stride_tricks.sliding_window_view(padded, width, axis=0), axis=-1)
+
+
+def _met(est, target: float, k, kd, d, cov, dof, tail, shape: tuple[int, int] | None = None) -> np.ndarray:
+    """Whether each window, given its sums (flat arrays; ``cov`` (m, 2, 2)), has a half-width at most
+    ``target``: ``eta.window``'s estimate of each -- its own SE and degrees of freedom, its bias bound
+    |sum KL - sum KL_jk| / sum D_t where paired, its tail -- and its interval as ``EtaColumns.interval``
+    states it. The bias-aware half-width lies between t975 SE and bound + t975 SE (``bias_aware_halves``)
+    and the width grows with it (``tail_low`` is monotone), so only the windows between those two are
+    solved for it exactly (with ``shape`` (starts, ends): only those before each start's first window
+    surely within the target; the later ones are of no use)."""
+    m = len(k)
+    bound = None
+    if est.kind == "paired":
+        with np.errstate(divide="ignore", invalid="ignore"):
+            bound = np.where((d > 0) & np.isfinite(d), np.abs(k - kd) / d, np.nan)
+    cand = _eta.EtaColumns(
+        step_pair=np.zeros((m, 2), dtype=np.int64), kind=est.kind, kl_min=k, kl_min_debiased=kd, d_t=d,
+        p_value=np.full(m, np.nan), cov=cov, dof=dof, converged=np.ones(m, dtype=bool),
+        steps=np.ones(m, dtype=np.int64), groups_varying=np.full(m, -1, dtype=np.int64), bias_bound=bound,
+        d_t_tail=tail)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        q975, q95 = _quantiles(dof)
+        e, se = cand.eta_debiased, cand.se
+        b = np.zeros(m) if bound is None else np.where(np.isnan(bound), 0.0, bound)
+        # the bias-aware half's critical value c is at least t975 and b / SE + t95, at most b / SE + t975
+        low, high = np.where(b > 0, np.maximum(q975 * se, b + q95 * se), q975 * se), b + q975 * se
+
+        def width(half):
+            lo = e - half
+            return ((e + half) - (lo if tail is None else _eta.tail_low(lo, d, tail))) / 2
+
+        surely = width(high) <= target
+        maybe = (width(low) <= target) & ~surely
+    if shape is not None:
+        sure = surely.reshape(shape)
+        last = np.where(sure.any(axis=1), sure.argmax(axis=1), shape[1])
+        maybe = (maybe.reshape(shape) & (np.arange(shape[1])[None, :] < last[:, None])).reshape(-1)
+    at = np.flatnonzero(maybe)
+    if len(at):
+        lo, hi = cand.take(at).interval()
+        with np.errstate(invalid="ignore"):
+            surely[at] = (hi - lo) / 2 <= target
+    return surely
+
+
+def _quantiles(dof: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """t's 97.5 % (``eta.t975s``, as the intervals read it) and 95 % quantiles on ``dof`` (the
+    normal's where infinite or above ``eta.NORMAL_DOF``: t's is larger, so a lower bound still),
+    each computed once per distinct value."""
+    u, inv = np.unique(dof, return_inverse=True)
+    normal = ~np.isfinite(u) | (u > _eta.NORMAL_DOF)
+    q95 = np.where(normal, special.ndtri(0.95), special.stdtrit(np.where(normal, 1.0, u), 0.95))
+    return _eta.t975s(u)[inv.reshape(-1)], q95[inv.reshape(-1)]
+
+
+def _first_ends(est, own: np.ndarray, target: float) -> np.ndarray:
+    """For every start s, the offset j of the first window [s, s + j] (at most ``LOOK_AHEAD`` long)
+    whose half-width is at most ``target`` (j = 0: the row's own, ``own``); -1 where none is."""
+    n = len(est)
+    w = min(LOOK_AHEAD, n)
+    with np.errstate(invalid="ignore"):
+        first = own <= target
+    if w < 2:
+        return np.where(first, 0, -1)
+    # windows of two members or more: offsets 1 .. w-1 of every start
+    k, kd, d, dof = (_sums(x, w)[:, 1:].reshape(-1) for x in (est.kl_min, est.kl_min_debiased, est.d_t, est.dof))
+    cov = np.moveaxis(_sums(est.cov, w), -1, 1)[:, 1:].reshape(n * (w - 1), 2, 2)
+    tail = None if est.d_t_tail is None else _sums(est.d_t_tail, w)[:, 1:].reshape(-1)
+    more = _met(est, target, k, kd, d, cov, dof, tail, shape=(n, w - 1)).reshape(n, w - 1)
+    met = np.concatenate([first[:, None], more], axis=1)
+    met[np.arange(n)[:, None] + np.arange(w)[None, :] >= n] = False  # past the last update
+    return np.where(met.any(axis=1), met.argmax(axis=1), -1)
+
+
+def _candidates(est, start: int, stop: int, target: float) -> np.ndarray:
+    """Whether each window [start, j], j in [start, stop), is within ``target``, its sums run in order."""
+    part = slice(start, stop)
+    sums = (np.cumsum(x[part], axis=0) for x in (est.kl_min, est.kl_min_debiased, est.d_t, est.cov, est.dof))
+    return _met(est, target, *sums, None if est.d_t_tail is None else np.cumsum(est.d_t_tail[part]))
+
+
+def _windows_of(est, cuts: list[tuple[int, int, bool]]) -> tuple[EtaWindow, ...]:
+    """The windows' numbers, as every page states them: a single update's own row, else
+    ``eta.window`` of its members; their intervals in one call (``EtaColumns.interval``, each
+    estimate's own)."""
+    es = [est.estimate(a) if b - a == 1 else _eta.window(est.take(np.arange(a, b))) for a, b, _ in cuts]
+    cols = _eta.EtaColumns.of(es, est.kind)
+    lo, hi = cols.interval()
+    ok = np.isfinite(lo) & np.isfinite(hi) & cols.estimable
+    return tuple(EtaWindow(first=int(e.step_pair[0]), last=int(e.step_pair[1]), updates=b - a,
+                           eta=float(e.eta_debiased), interval=(float(l), float(h)) if on else None,
+                           kl_min=float(e.kl_min_debiased), d_t=float(e.d_t), short=not met)
+                 for e, (a, b, met), l, h, on in zip(es, cuts, lo.tolist(), hi.tolist(), ok.tolist()))
 
 
 # ------------------------------------------------------------------------ verdicts, one per behaviour

@@ -58,7 +58,8 @@ def test_no_single_update_resolves_windows_of_four_do():
         assert w.eta == pytest.approx(w.updates * K / (w.updates * D), rel=1e-12)
         assert w.kl_min == pytest.approx(w.updates * K, rel=1e-12) and w.d_t == pytest.approx(w.updates * D, rel=1e-12)
         lo, hi = w.interval
-        assert (lo, hi) == (pytest.approx(0.4 - _half(w.updates), rel=1e-9), pytest.approx(0.4 + _half(w.updates), rel=1e-9))
+        want = _half(w.updates)
+        assert (lo, hi) == (pytest.approx(0.4 - want, rel=1e-9), pytest.approx(0.4 + want, rel=1e-9))
         assert w.resolved == (lo > 0)
     assert h.resolved == 3  # each window's lower end is above 0, the short one's too (0.4 - 0.28)
 
@@ -121,3 +122,37 @@ def test_updates_that_never_reach_the_target_leave_the_run_level_alone():
     est = [_est(p, vk=VK * 3.0) for p in pairs]
     h = headline_of(_book(est), _decided(pairs, []))
     assert (h.lead, h.why, h.windows) == ("rows", "never_precise", ())
+
+
+def test_the_cuts_are_the_plain_definition_written_out():
+    """The windows searched a chunk of candidate ends at a time (``LOOK_AHEAD``, the intervals as
+    columns) are those of the plain definition: from each start, add members one at a time and close
+    at the first whose ``eta.window`` interval is narrow enough (a window of one: its row's own)."""
+    from reward_lens.measure.decisions import LOOK_AHEAD, _cuts
+    from reward_lens.measure.efficiency.eta import EtaColumns, moderate, window
+
+    rng = np.random.default_rng(7)
+    n = 3 * LOOK_AHEAD + 5
+    est = []
+    for t in range(n):
+        k = float(rng.uniform(0.0, 0.08))
+        est.append(EtaEstimate(step_pair=(t, t + 1), kind="paired", kl_min=k + float(rng.uniform(0, 0.01)),
+                               kl_min_debiased=k, d_t=float(rng.uniform(0.05, 0.15)), p_value=0.5,
+                               cov=np.diag([float(rng.uniform(1e-5, 2e-3)), float(rng.uniform(1e-6, 1e-4))]),
+                               dof=float(rng.integers(2, 8)), d_t_tail=float(rng.uniform(0, 0.005))))
+    cols = moderate(EtaColumns.of(est, "paired"))  # the rows as a paired book holds them: pooled SEs, bounds
+    rows = cols.estimates()
+    for target in (0.05, 0.15, 0.3, 10.0):
+        plain, start = [], 0
+        while start < n:
+            end = None
+            for j in range(start, n):
+                e = rows[j] if j == start else window(rows[start:j + 1])
+                lo, hi = e.interval()
+                if (j > start or e.estimable) and (hi - lo) / 2 <= target:
+                    end = j + 1
+                    break
+            plain.append((start, n if end is None else end, end is not None))
+            start = n if end is None else end
+        assert _cuts(cols, target) == plain, target
+    assert any(b - a > LOOK_AHEAD for a, b, _ in _cuts(cols, 0.05))  # the search went past its first chunk

@@ -902,17 +902,6 @@ def window(estimates: Sequence[EtaEstimate] | EtaColumns) -> EtaEstimate:
         steps=sum(e.steps for e in estimates), d_t_tail=sum(e.d_t_tail for e in estimates)))
 
 
-def window_of_sums(step_pair: tuple[int, int], kind: str, *, kl_min: float, kl_min_debiased: float, d_t: float,
-                   cov: np.ndarray, dof: float, steps: int, d_t_tail: float = 0.0,
-                   p_value: float = float("nan")) -> EtaEstimate:
-    """``window`` from its members' sums, kept by the caller as it adds members one at a time (a
-    window grown until it is precise enough is then linear in its members, not quadratic): the same
-    estimate, with its bias bound."""
-    return _with_bias_bound(EtaEstimate(step_pair=step_pair, kind=kind, kl_min=kl_min,
-                                        kl_min_debiased=kl_min_debiased, d_t=d_t, p_value=p_value, cov=cov, dof=dof,
-                                        steps=steps, d_t_tail=d_t_tail))
-
-
 def _with_bias_bound(e: EtaEstimate) -> EtaEstimate:
     """A paired window (the run's eta is one) with its bias bound, as a row has its own
     (``moderate``): the size of its sums' bias correction, |sum KL_min - sum KL_jk| / sum D_t. Its

@@ -207,8 +207,9 @@ class EtaHeadlineOut(_M):
                                                    "times the run's eta")
     row_half_width: float | None = Field(None, description="median half-width of the single updates' 95 % "
                                                            "intervals (null where none has one)")
-    windows: list[EtaWindowOut] = Field(default_factory=list, description="the priced updates in step order cut "
-                                        "into windows, each pooled until its half-width is at most target")
+    windows: list[EtaWindowOut] = Field(default_factory=list, description=(
+        "the priced updates in step order cut into windows, each pooled until its half-width is at most target: "
+        "where the windows lead only (empty where the rows lead)"))
     windows_resolved: int = Field(0, description="windows whose eta is resolved from 0")
 
 
