@@ -13,7 +13,8 @@ constant lr 1e-2, beta 0, completions capped at 32 tokens, two rewards (the lowe
 ``budget=`` argument: 0.1 of an untapped step). It is the kind of run issue 62 measured: at that
 budget the tap reads a pair on a few of the step's prompt groups, and single updates rarely resolve
 from noise, so the report's first screen leads with windows of consecutive updates
-(``measure/decisions.py``, ``headline_windows``); tests/acceptance/test_window_headline.py reads it.
+(``measure/decisions.py``, ``headline_of``); tests/acceptance/test_window_headline.py reads it.
+It trains in about 90 s on 2 shared CPU cores (measured here at a load average of 3-6).
 
 The budget sizes each pair's measurement from timing, so which groups and pairs are measured differ
 from run to run and machine to machine: the committed record is one such run, not reproducible bit
