@@ -308,8 +308,10 @@ class Headline:
     * ``windows`` -- neither, and windows lead;
     * ``never_precise`` -- no window short of the whole run reaches the target: the run's eta is the
       only pooled number (it stays on the page in every case);
-    * ``run_unresolved`` -- the run's eta is not resolved from 0 (or not positive): there is no
-      eta to size the windows by, and no window of it is read;
+    * ``run_not_positive`` -- the run's eta (its point) is not above 0: there is no eta to size
+      the windows by, and no window is read. A run whose eta is positive but not resolved over the
+      whole run is windowed still: eta may be resolved in a phase of it (the target is then a
+      precision no window may reach, and ``never_precise`` says so);
     * ``unpaired`` -- the unpaired ledger reads update (t, t+1) from step t's and step t+1's
       rollouts, so consecutive updates share a step's rollouts: pooled as independent they would
       count those rollouts twice, and no window is formed;
@@ -346,9 +348,8 @@ def headline_of(book, d: Decisions | None = None) -> Headline:
     if len(est) < 2:
         return Headline("rows", "few")
     run = _eta.run_level(est)
-    lo, _ = run.interval()
-    if not (run.eta_debiased > 0 and lo > 0 and math.isfinite(run.eta_debiased)):
-        return Headline("rows", "run_unresolved")
+    if not (run.eta_debiased > 0 and math.isfinite(run.eta_debiased)):
+        return Headline("rows", "run_not_positive")
     target = WINDOW_PRECISION * run.eta_debiased
     lo, hi = est.interval()  # every row's, as its row states it (the columns' own: one call for all)
     halves = ((hi - lo) / 2)[est.estimable]

@@ -100,10 +100,15 @@ def test_a_window_spans_an_unmeasured_update_and_pools_only_the_measured():
     assert (second.first, second.last, second.updates, second.span) == (5, 9, 4, 4)
 
 
-def test_no_window_where_the_run_is_not_resolved_or_the_ledger_shares_samples():
+def test_no_window_where_the_run_is_not_positive_or_the_ledger_shares_samples():
     pairs = [(t, t + 1) for t in range(8)]
     noise = [_est(p, k=0.0) for p in pairs]
-    assert headline_of(_book(noise), _decided(pairs, [])).why == "run_unresolved"
+    assert headline_of(_book(noise), _decided(pairs, [])).why == "run_not_positive"
+    # a positive eta not resolved over the run (0.1 [-0.18, 0.38]) is still windowed: here no window
+    # reaches half of it (an SE of 0.4 per update would need about 250 of them), and the rows keep the lead
+    phases = [_est(p, k=-0.02 if p[0] < 4 else 0.04, vk=1.6e-3) for p in pairs]
+    h = headline_of(_book(phases), _decided(pairs, []))
+    assert (h.lead, h.why, h.target) == ("rows", "never_precise", pytest.approx(0.05, rel=1e-12))
     est = [_est(p) for p in pairs]
     # the unpaired ledger reads update (t, t+1) from steps t and t+1: consecutive updates share a
     # step's rollouts, and no window pools them as independent

@@ -201,7 +201,7 @@ class EtaHeadlineOut(_M):
 
     lead: Literal["rows", "windows"] = Field(description="rows: the book's own rows (single updates by default); "
                                                          "windows: windows of consecutive updates")
-    why: Literal["rows_resolve", "rows_precise", "windows", "never_precise", "run_unresolved", "unpaired",
+    why: Literal["rows_resolve", "rows_precise", "windows", "never_precise", "run_not_positive", "unpaired",
                  "windowed_book", "few"] = Field(description="the rule that decided it (measure.decisions.Headline)")
     target: float | None = Field(None, description="the half-width windows are pooled to: WINDOW_PRECISION (0.5) "
                                                    "times the run's eta")
