@@ -272,7 +272,8 @@ class EtaWindow:
     the priced updates pooled in it. An update the window spans but does not pool -- not measured by
     the tap under its budget, refused, or with nothing priced -- adds nothing to either sum, as it
     adds nothing to the run's eta: where ``updates`` < ``span`` the window's eta is that of the
-    updates measured in its span (the tap chooses which by step index and timing, never by a value)."""
+    updates eta is read on in its span (the tap chooses which it measures by step index and timing,
+    never by a value; a refused or unpriced update is left out as the run's eta leaves it out)."""
 
     first: int
     last: int

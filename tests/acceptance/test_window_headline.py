@@ -71,7 +71,7 @@ def test_the_first_screen_states_eta_over_the_resolved_windows_with_their_span(p
         assert f"{h['windows_resolved']} resolve it from 0 — " in text
         for w in [w for w in h["windows"] if w["resolved"]][:3]:
             lo, hi = w["interval"]
-            span = (f"{w['updates']} of {w['span']} updates measured" if w["updates"] < w["span"]
+            span = (f"{w['updates']} of the {w['span']} updates in its span" if w["updates"] < w["span"]
                     else f"{w['updates']} updates")
             stated = (f"{percent(w['eta'])} [{percent(lo)}, {percent(hi)}] over steps {w['first']}–{w['last']} "
                       f"({span}")
