@@ -27,6 +27,7 @@ class FrameworkEntry(_Strict):
     derived: str | None = None
     absent: str | None = None
     note: str | None = None
+    nan: str | None = None  # a NaN logged under this key is "not measured" (said why), not a diverged value
 
 
 class FieldSpec(_Strict):

@@ -212,7 +212,11 @@ def read_metrics(path: Path) -> Metrics:
                 v, what = logged_number(value, line.where, key, line.step,
                                         null_is=None if line.console else "nan")
                 entry = catalog.logged_key("verl", key) if name is None else None
-                if what is not None and entry is not None and entry.nan:
+                # a NaN that veRL logs for "not measured" (its key's catalogue entry, or the field's
+                # veRL entry, says so): training/rollout_probs_diff_* without rollout log-probabilities
+                nan_is_unmeasured = (entry.nan if entry is not None
+                                     else name is not None and catalog.fields[name].frameworks["verl"].nan)
+                if what is not None and nan_is_unmeasured:
                     out.not_measured += 1  # e.g. training/rollout_probs_diff_* without rollout log-probabilities
                     what = None
                 if what is not None:
@@ -226,6 +230,8 @@ def read_metrics(path: Path) -> Metrics:
                     row[name] = v
                     if key in line.zeroed:
                         zero_candidates.setdefault(t, set()).add(name)
+            if row.get("sampler_kl_token") is not None:
+                row["sampler_kl_token_estimator"] = "k3"  # rollout_corr/k3_kl (rollout_corr_helper.py:961-966)
             out.rows[t] = row
             out.non_finite[t] = bad
     # veRL before 0.5 printed every value with three decimals: a log whose every step line does is
