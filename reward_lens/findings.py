@@ -650,7 +650,9 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     if share != SAMPLER_KL_MAX_SHARE:
         raise ValueError(f"specs/findings/engine_mismatch.yaml: share = {share}, but the paired ledger refuses a step "
                          f"pair past SAMPLER_KL_MAX_SHARE = {SAMPLER_KL_MAX_SHARE}: one rule, one number")
-    if not d.mismatch and d.logged_mismatch:  # no tap: the framework's logged metrics (measure.mismatch)
+    # no tap (or rollouts with the engine's log-probabilities but no D_t beside them, as NeMo-RL's dumps):
+    # the framework's logged metrics (measure.mismatch.logged_mismatch)
+    if d.logged_mismatch and not any((d.series("kl_to_previous").get(int(s)) or 0) > 0 for s in d.mismatch):
         e = logged_mismatch(d.logged_mismatch, d.series("kl_to_previous"), share=share, critical=critical,
                             warn_token=logged_warn, critical_token=logged_critical, persist=logged_persist,
                             min_steps=logged_min_steps)

@@ -15,10 +15,10 @@ what every checkpoint holds) and ``trainer.args.to_dict()`` the config, as docs/
 vLLM cannot run here: the engine is stood in at its boundary (``VLLMGeneration.sync_weights`` and
 ``generate``), as tests/acceptance/test_trl_tap.py's ``_StandInEngine`` does: a copy of the policy,
 loaded when TRL syncs the weights, sampling each token from its own distribution and handing back
-that distribution's log-probability of it. The mismatched run's engine divides the logits by
-``temperature * ENGINE_TEMPERATURE`` from step ``onset`` (a temperature the engine applies and the
-scorer does not, one of the issue's real causes), the clean run's by the trainer's temperature,
-in float64 where the trainer scores in float32 (a precision gap of about 1e-7 per token). Every
+that distribution's log-probability of it. From step ``onset`` the mismatched run's engine samples
+from the nucleus ``ENGINE_TOP_P`` of the policy's distribution (a top-p the engine applies and the
+scorer does not, one of the issue's real causes); the clean run's engine samples the policy's own
+distribution, in float64 where the trainer scores in float32 (a gap of about 1e-7 per token). Every
 number in the log is TRL's own arithmetic on those log-probabilities.
 """
 
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 import make_reference_records as gen  # noqa: E402
 
-ENGINE_TEMPERATURE = 1.5  # the factor the mismatched engine applies on top of the trainer's temperature
+ENGINE_TOP_P = 0.7  # the nucleus the mismatched engine samples from, which the scorer does not apply
 
 
 class StandInEngine:
@@ -53,15 +53,20 @@ class StandInEngine:
     def generate(self, prompts, images, num_generations, profiler=None):
         tr = self.trainer
         step = tr.state.global_step + 1  # the update these rollouts feed (TRL's logged step)
-        temperature = tr.temperature * (ENGINE_TEMPERATURE if self.onset is not None and step >= self.onset else 1.0)
+        top_p = ENGINE_TOP_P if self.onset is not None and step >= self.onset else 1.0
         eos = tr.processing_class.eos_token_id
         completions, logprobs = [], []
         for p in prompts:
             ids, out, lps = list(p), [], []
             for _ in range(tr.max_completion_length):
                 with torch.no_grad():
-                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].double() / temperature
+                    logits = self.model(input_ids=torch.tensor([ids])).logits[0, -1].double() / tr.temperature
                 probs = torch.softmax(logits, -1)
+                if top_p < 1.0:  # vLLM's nucleus: the smallest set of likeliest tokens holding top_p, renormalised
+                    p_sorted, order = probs.sort(descending=True)
+                    keep = (p_sorted.cumsum(0) - p_sorted) < top_p
+                    probs = torch.zeros_like(probs).scatter(0, order[keep], p_sorted[keep])
+                    probs = probs / probs.sum()
                 y = int(torch.multinomial(probs, 1))
                 out.append(y)
                 lps.append([float(torch.log(probs[y]))])
@@ -106,7 +111,7 @@ def run(dest: Path, onset: int | None, steps: int = 8, seed: int = 11) -> None:
     (dest / "README.md").write_text(
         "Written by tools/make_trl_sampling_fixtures.py: a tiny GRPOTrainer run (TRL "
         f"{__import__('trl').__version__}) on TRL's vLLM code path with the engine stood in at its boundary. "
-        + (f"From step {onset} the engine samples at {ENGINE_TEMPERATURE}x the trainer's temperature."
+        + (f"From step {onset} the engine samples from the top-p {ENGINE_TOP_P} nucleus, which the trainer does not apply."
            if onset is not None else "The engine samples at the trainer's temperature (float64 against float32).")
         + " trainer_state.json is what trainer.save_state() wrote; grpo_config.json is trainer.args.to_dict() "
           "(scalars only, output_dir left out).\n")

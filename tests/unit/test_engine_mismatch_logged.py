@@ -190,4 +190,8 @@ def test_trl_folders_written_by_grpotrainer(tmp_path, name, status):
         pytest.fail(f"{folder} missing: run tools/make_trl_sampling_fixtures.py")
     f = _check(tmp_path, folder, None)
     assert f["status"] == status, f["evidence"]
-    assert "TRL's `sampling/sampling_logp_difference/mean`" in f["evidence"]
+    assert "TRL's `sampling/sampling_logp_difference/mean`, a mean |log-ratio| per token, not a KL" in f["evidence"]
+    if status == "holds":  # the engine samples top-p 0.7 from TRL's step 4: the record's t = 3
+        assert f["onset"] == 3 and f["severity"] == "warn" and f["values"]["low"] > 0.01
+    else:  # float64 against float32: m ~ 2e-7, an upper bound on the KL far under the line
+        assert f["values"]["high"] < 1e-5
