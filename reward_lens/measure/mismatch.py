@@ -305,12 +305,14 @@ def run_logged_mismatch(run) -> tuple[dict[int, LoggedMismatch], str | None]:
 def logged_source(field: str, framework: str | None) -> dict:
     """Where a logged mismatch came from, for the evidence: the framework's name (its spec's, as
     users know it) and the key it logs ``field`` under (specs/fields.yaml); None where unknown."""
-    from reward_lens_spec import load_fields, load_frameworks
+    from reward_lens_spec import load_fields, load_frameworks, load_importers
 
     fw = (framework or "").replace("-", "_")
     entry = load_fields().fields[field].frameworks.get(fw)
     spec = load_frameworks().get(fw)
-    return {"framework": spec.name if spec is not None else framework, "key": entry.key if entry is not None else None}
+    imp = load_importers().importers.get(framework or "")
+    name = spec.name if spec is not None else imp.name if imp is not None and imp.name else framework
+    return {"framework": name, "key": entry.key if entry is not None else None}
 
 
 def _stretch_start(steps: list[int], flags: list[bool]) -> int | None:
