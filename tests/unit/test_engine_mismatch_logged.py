@@ -195,3 +195,24 @@ def test_trl_folders_written_by_grpotrainer(tmp_path, name, status):
         assert f["onset"] == 3 and f["severity"] == "warn" and f["values"]["low"] > 0.01
     else:  # float64 against float32: m ~ 2e-7, an upper bound on the KL far under the line
         assert f["values"]["high"] < 1e-5
+
+
+def test_the_fields_map_each_frameworks_key_by_meaning():
+    from reward_lens_spec import load_fields
+
+    fields = load_fields()
+    verl = fields.framework_keys("verl")
+    assert verl["rollout_corr/k3_kl"] == "sampler_kl_token" and verl["rollout_corr/kl"] == "sampler_kl_token_k1"
+    assert {verl[f"training/rollout_probs_diff_{s}"] for s in ("mean", "max", "std")} == {
+        "sampler_prob_diff_mean", "sampler_prob_diff_max", "sampler_prob_diff_std"}
+    for name in ("sampler_prob_diff_mean", "sampler_prob_diff_max", "sampler_prob_diff_std"):
+        assert "not a KL" in fields.fields[name].meaning and fields.fields[name].frameworks["verl"].nan
+    assert fields.fields["sampler_kl_token_k1"].unit == "nats_per_token"
+
+
+def test_nemo_rl_rollouts_without_d_t_are_judged_from_gen_kl_error(tmp_path):
+    """NeMo-RL's dumps give the rollouts the engine's log-probabilities, but no D_t: the tap path
+    cannot judge a step, so its logged `train/gen_kl_error` (k3) does."""
+    f = _check(tmp_path, FIX / "nemo_rl" / "exp_001", "nemo-rl")
+    assert f["status"] == "clear"
+    assert "from NeMo-RL's `train/gen_kl_error`, a k3 estimate of KL(pi_sampler || pi_t) per token" in f["evidence"]
