@@ -216,3 +216,16 @@ def test_nemo_rl_rollouts_without_d_t_are_judged_from_gen_kl_error(tmp_path):
     f = _check(tmp_path, FIX / "nemo_rl" / "exp_001", "nemo-rl")
     assert f["status"] == "clear"
     assert "from NeMo-RL's `train/gen_kl_error`, a k3 estimate of KL(pi_sampler || pi_t) per token" in f["evidence"]
+
+
+def test_verl_console_log_reads_as_the_file_log(tmp_path):
+    """The same run's console output (Ray-prefixed, `np.float64`-free floats from .item()) gives the
+    same mismatch series as its file logger's JSON lines."""
+    from reward_lens.record import open_run
+
+    src = FIX / "verl" / "engine_mismatch"
+    assert cli.main(["import", "verl", str(src / "console.log"), str(tmp_path / "c"), "--quiet"]) == 0
+    assert cli.main(["import", "verl", str(src / "verl_grpo" / "mismatch.jsonl"), str(tmp_path / "f"), "--quiet"]) == 0
+    for name in ("sampler_kl_token", "sampler_kl_token_k1", "sampler_prob_diff_mean"):
+        c, f = open_run(tmp_path / "c").telemetry_column(name), open_run(tmp_path / "f").telemetry_column(name)
+        assert c.keys() == f.keys() == set(range(10)) and all(c[s] == pytest.approx(f[s], rel=1e-12) for s in c)

@@ -35,7 +35,12 @@ output that code wrote: tools/make_verl_fixtures.py; older versions where their 
   ``use_kl_in_reward``, ``rollout_data_dir`` and ``validation_data_dir``.
 
 Keys are mapped by meaning through ``specs/fields.yaml`` (``actor/ppo_kl`` is an in-loop k1
-estimate of KL(pi_old || pi_theta), recorded as ``ppo_kl``, never ``kl_to_previous``); the
+estimate of KL(pi_old || pi_theta), recorded as ``ppo_kl``, never ``kl_to_previous``; the
+engine-trainer mismatch veRL logs with ``rollout.calculate_log_probs`` -- ``rollout_corr/k3_kl``
+and ``rollout_corr/kl``, k3 and k1 estimates of KL(pi_rollout || pi_old) per token, and
+``training/rollout_probs_diff_*``, |p_actor - p_rollout| of the sampled tokens, a probability gap
+whose NaN means not measured -- is ``sampler_kl_token`` (estimator k3), ``sampler_kl_token_k1``
+and ``sampler_prob_diff_*``, which ``engine_mismatch`` reads where no tap ran); the
 keys veRL logs that the record has no field for are listed in ``specs/frameworks/verl.yaml``'s
 ``keys`` with their meaning. veRL's ``global_steps`` starts at 1 and tags the update it just
 made, so the record's t = step - 1; a dump ``s.jsonl`` holds the rollouts of update s, sampled
