@@ -229,3 +229,23 @@ def test_verl_console_log_reads_as_the_file_log(tmp_path):
     for name in ("sampler_kl_token", "sampler_kl_token_k1", "sampler_prob_diff_mean"):
         c, f = open_run(tmp_path / "c").telemetry_column(name), open_run(tmp_path / "f").telemetry_column(name)
         assert c.keys() == f.keys() == set(range(10)) and all(c[s] == pytest.approx(f[s], rel=1e-12) for s in c)
+
+
+def test_the_audit_says_a_framework_that_logs_the_mismatch_will_evaluate_it(tmp_path):
+    from reward_lens.audit import audit
+
+    base = "num_generations: 8\nper_device_train_batch_size: 16\nlogging_steps: 1\nmax_steps: 50\n"
+    verdict = {}
+    for name, extra in (("plain", ""), ("vllm", "use_vllm: true\n"),
+                        ("uncorrected", "use_vllm: true\nvllm_importance_sampling_correction: false\n")):
+        (tmp_path / f"{name}.yaml").write_text(base + extra)
+        verdict[name] = {f.finding: f for f in audit(tmp_path / f"{name}.yaml", framework="trl").findings}
+    assert verdict["vllm"]["engine_mismatch"].verdict == "will evaluate"  # from TRL's sampling/* metrics
+    assert verdict["plain"]["engine_mismatch"].verdict != "will evaluate"  # no engine
+    assert verdict["uncorrected"]["engine_mismatch"].verdict != "will evaluate"  # TRL logs no sampling/* then
+    verl = tmp_path / "verl.yaml"
+    for on in (True, False):
+        verl.write_text("algorithm: {adv_estimator: grpo}\nactor_rollout_ref:\n  rollout: {n: 4, calculate_log_probs: "
+                        f"{str(on).lower()}}}\ntrainer: {{total_training_steps: 10}}\n")
+        got = {f.finding: f for f in audit(verl, framework="verl").findings}["engine_mismatch"].verdict
+        assert (got == "will evaluate") is on
