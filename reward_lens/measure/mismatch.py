@@ -342,6 +342,9 @@ def logged_mismatch(series: Mapping[int, LoggedMismatch], d_t: Mapping[int, floa
 
     Returns the evidence the finding cites: ``judged``, ``holds``, ``severity`` (warn/critical, where
     it holds), ``onset``, and the numbers."""
+    if min_steps < persist:
+        raise ValueError(f"specs/findings/engine_mismatch.yaml: logged_min_steps = {min_steps} is under the "
+                         f"logged_persist = {persist} steps the rule reads")
     rows = []
     d_t = d_t or {}
     no_length = 0
