@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from reward_lens.measure.mismatch import mismatch_of_table, run_mismatch
+from reward_lens.measure.mismatch import logged_mismatch, logged_source, mismatch_of_table, run_logged_mismatch, run_mismatch
 from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats, watch_samples
 from reward_lens_spec import load_findings
 from reward_lens_spec.models import FindingSpec
@@ -104,7 +104,8 @@ class FindingData:
 
     def __init__(self, series: Mapping[str, Mapping[int, float]], *, report=None, config: Mapping[str, Any] | None = None,
                  reward_se: Mapping[int, float] | None = None, watch: RunWatch | None = None,
-                 non_finite: Sequence[Any] = (), mismatch: Mapping[int, Any] | None = None):
+                 non_finite: Sequence[Any] = (), mismatch: Mapping[int, Any] | None = None,
+                 logged: tuple[Mapping[int, Any], str | None] = ({}, None)):
         self._series = {k: dict(v) for k, v in series.items()}
         self.non_finite = list(non_finite)  # the record's NonFiniteValue entries (manifest.non_finite)
         self.report = report
@@ -114,6 +115,8 @@ class FindingData:
         # the engine-trainer mismatch by step (measure.mismatch.StepMismatch), where the rollouts
         # hold the sampler's log-probabilities
         self.mismatch = dict(mismatch or {})
+        # the mismatch as the framework logged it (measure.mismatch.LoggedMismatch by step), and which framework
+        self.logged_mismatch, self.framework = dict(logged[0]), logged[1]
 
     def series(self, name: str) -> dict[int, float]:
         return self._series.get(name, {})
@@ -147,7 +150,7 @@ class FindingData:
         if watch is None and samples and report is not None:
             watch = watch_samples(samples, WatchBasis.of(report.basis))
         return cls(series, report=report, config=cfg, reward_se=reward_se, watch=watch,
-                   non_finite=run.manifest.non_finite, mismatch=run_mismatch(run))
+                   non_finite=run.manifest.non_finite, mismatch=run_mismatch(run), logged=run_logged_mismatch(run))
 
 
 def _sample_reward_stats(samples) -> tuple[dict[int, float], dict[int, float], dict[int, float]] | None:
@@ -626,7 +629,8 @@ def run_diverged(d: FindingData) -> Outcome:
 
 
 def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z: float = 3.0, persist: int = 2,
-                    min_steps: int = 2) -> Outcome:
+                    min_steps: int = 2, logged_warn: float = 0.01, logged_critical: float = 0.1,
+                    logged_persist: int = 2, logged_min_steps: int = 2) -> Outcome:
     """The engine that sampled the rollouts departs from the policy the trainer scores them with
     by more than ``share`` of the update's own divergence: at each of the last ``persist`` steps
     judged, KL(pi_sampler || pi_t) along the step's rollouts (``measure.mismatch``, nats/seq) less
@@ -646,6 +650,15 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     if share != SAMPLER_KL_MAX_SHARE:
         raise ValueError(f"specs/findings/engine_mismatch.yaml: share = {share}, but the paired ledger refuses a step "
                          f"pair past SAMPLER_KL_MAX_SHARE = {SAMPLER_KL_MAX_SHARE}: one rule, one number")
+    # no tap (or rollouts with the engine's log-probabilities but no D_t beside them, as NeMo-RL's dumps):
+    # the framework's logged metrics (measure.mismatch.logged_mismatch)
+    if d.logged_mismatch and not any((d.series("kl_to_previous").get(int(s)) or 0) > 0 for s in d.mismatch):
+        e = logged_mismatch(d.logged_mismatch, d.series("kl_to_previous"), share=share, critical=critical,
+                            warn_token=logged_warn, critical_token=logged_critical, persist=logged_persist,
+                            min_steps=logged_min_steps)
+        e.update(logged_source(e["field"], d.framework))
+        sev = e.get("severity") if e.get("severity") == "critical" else None
+        return Outcome(e["holds"], e.get("onset"), e, judged=e["judged"], severity=sev)
     d_t, d_se = d.series("kl_to_previous"), d.series("kl_to_previous_se")
     rows = []
     for s, m in sorted(d.mismatch.items()):

@@ -27,6 +27,7 @@ class FrameworkEntry(_Strict):
     derived: str | None = None
     absent: str | None = None
     note: str | None = None
+    nan: str | None = None  # a NaN logged under this key is "not measured" (said why), not a diverged value
 
 
 class FieldSpec(_Strict):
@@ -302,6 +303,7 @@ class ImporterSpec(_Strict):
     (``specs/importers.yaml``): the words of ``import <name> --help``."""
 
     title: str
+    name: str | None = Field(None, description="the framework's name as its users write it (a finding's evidence)")
     source: str = Field(description="what the SOURCE argument is")
     reads: list[str] = Field(min_length=1, description="each file or key read, and what it becomes")
     where: str = Field(description="where a run leaves it, and what to switch on for it")

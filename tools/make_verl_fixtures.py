@@ -1,4 +1,4 @@
-"""Write tests/fixtures/verl/{legacy_grpo,v1_resumed,diverged}/ with veRL's own code.
+"""Write tests/fixtures/verl/{legacy_grpo,v1_resumed,diverged,engine_mismatch,engine_clean}/ with veRL's own code.
 
 Run it in a throwaway venv outside the repository, never in the project's:
 
@@ -322,6 +322,95 @@ def v04_console(out: Path, steps: int = 6, diverged_from: int = 5, seed: int = 3
     (out / "console.log").write_text(_ray_prefixed(console.getvalue(), pid=30211))
 
 
+# The engine-trainer mismatch of a run (issue 59): the engine samples each position from its own
+# distribution, the actor recomputes pi_t's log-probability of what was sampled, and veRL's own
+# metric functions compare the two as the trainer does each step.
+MISMATCH_VOCAB, MISMATCH_SEQS, MISMATCH_LEN = 32, 16, 24
+
+
+def _engine_batch(rng: np.random.Generator, temperature: float):
+    """One step's response tokens, as veRL's batch holds them: ``old_log_probs`` (pi_t's, which the
+    actor recomputes), ``rollout_log_probs`` (the engine's, ``calculate_log_probs: true``),
+    ``response_mask`` (completions of different lengths, right-padded) and ``responses``; and the
+    exact KL(pi_engine || pi_t) per token over the whole vocabulary, averaged over the response
+    tokens, the truth these metrics estimate. pi_t is softmax of the position's logits in float32;
+    the engine computes them in bfloat16 (a precision gap, always there) and divides them by
+    ``temperature`` (1: none; above 1, a temperature the engine applies and the scorer does not)."""
+    import torch
+
+    logits = torch.from_numpy(rng.normal(0.0, 2.0, (MISMATCH_SEQS, MISMATCH_LEN, MISMATCH_VOCAB))).float()
+    lp_t = torch.log_softmax(logits, -1)
+    lp_s = torch.log_softmax(logits.to(torch.bfloat16).float() / temperature, -1)
+    u = torch.from_numpy(rng.random((MISMATCH_SEQS, MISMATCH_LEN, 1))).float()
+    tokens = (lp_s.exp().cumsum(-1) < u).sum(-1).clamp(max=MISMATCH_VOCAB - 1)  # inverse-CDF draw from the engine
+    lengths = torch.from_numpy(rng.integers(MISMATCH_LEN // 3, MISMATCH_LEN + 1, MISMATCH_SEQS))
+    mask = (torch.arange(MISMATCH_LEN)[None, :] < lengths[:, None]).float()
+    old = lp_t.gather(-1, tokens[..., None])[..., 0] * mask
+    rollout = lp_s.gather(-1, tokens[..., None])[..., 0] * mask
+    kl = (lp_s.exp() * (lp_s - lp_t)).sum(-1)
+    truth = float((kl * mask).sum() / mask.sum())
+    return old, rollout, mask, tokens, truth
+
+
+def _mismatch_metrics(rng: np.random.Generator, temperature: float) -> tuple[dict, float]:
+    """The mismatch metrics one veRL step logs, from veRL's own functions on the batch:
+    ``calculate_debug_metrics`` (utils/debug/metrics.py, called at ray_trainer.py:1613-1615 when the
+    batch holds rollout_log_probs) and ``compute_rollout_correction_and_rejection_mask`` with the
+    default ``algorithm.rollout_correction`` (rollout_is and rollout_rs null: metrics only), the
+    arguments ``compute_rollout_correction_and_add_to_batch`` hands it (rollout_corr_helper.py:1049-1058;
+    that wrapper itself builds a DataProto, whose tensordict is stood in here, so it is not called)."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    old, rollout, mask, tokens, truth = _engine_batch(rng, temperature)
+    out = dict(calculate_debug_metrics(SimpleNamespace(batch={
+        "rollout_log_probs": rollout, "old_log_probs": old, "response_mask": mask, "responses": tokens})))
+    _, _, corr = compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, rollout_is=None, rollout_is_threshold=2.0,
+        rollout_is_batch_normalize=False, rollout_rs=None, rollout_rs_threshold=None)
+    out.update(corr)
+    return out, truth
+
+
+def engine_mismatch(out: Path, steps: int = 10, onset: int | None = 5, temperature: float = 1.25,
+                    seed: int = 4) -> None:
+    """The legacy trainer's file and console logs of a run whose engine starts applying a
+    ``temperature`` the trainer does not at step ``onset`` (None: never; the bfloat16 gap only),
+    with veRL 0.9.1's defaults for the mismatch (``rollout.calculate_log_probs: true``,
+    ``algorithm.rollout_correction`` metrics only), and ``truth.json``: the exact per-token KL of
+    each step's batch (the simulation's, not veRL's). No dumps: the finding reads the logged metrics."""
+    import json
+
+    rng = np.random.default_rng(seed)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    _config(out / ".hydra" / "config.yaml", **{
+        "algorithm.adv_estimator": "grpo", "actor_rollout_ref.rollout.n": N,
+        "actor_rollout_ref.rollout.calculate_log_probs": True, "trainer.logger": ["console", "file"],
+        "trainer.project_name": "verl_grpo", "trainer.experiment_name": "mismatch",
+        "trainer.total_training_steps": steps})
+    os.environ["VERL_FILE_LOGGER_ROOT"] = str(out)
+    console = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()):
+        tracking = Tracking("verl_grpo", "mismatch", default_backend=["console", "file"])
+    truth = {}
+    for step in range(1, steps + 1):
+        _, outputs, _, scores, _ = _generations(rng, step, steps)
+        data = _metrics(rng, step, steps, scores, [len(o.split()) * 3 for o in outputs])
+        temp = temperature if onset is not None and step >= onset else 1.0
+        corr, truth[step] = _mismatch_metrics(rng, temp)
+        data.update(corr)
+        _log(tracking, data, step, console)
+    tracking.finish()
+    (out / "console.log").write_text(_ray_prefixed(console.getvalue(), pid=51020))
+    (out / "truth.json").write_text(json.dumps({
+        "what": "exact KL(pi_engine || pi_t) per token of each logged step's batch (veRL's global_steps), over the "
+                "whole vocabulary: the simulation's truth, computed by tools/make_verl_fixtures.py, not by veRL",
+        "onset": onset, "temperature": temperature, "kl_token": truth}, indent=1) + "\n")
+
+
 def main(dest: str) -> None:
     root = Path(dest)
     if verl.__version__.startswith("0.4"):
@@ -331,6 +420,8 @@ def main(dest: str) -> None:
     legacy_grpo(root / "legacy_grpo")
     v1_resumed(root / "v1_resumed")
     legacy_grpo(root / "diverged", steps=8, diverged_from=5, seed=2)
+    engine_mismatch(root / "engine_mismatch")
+    engine_mismatch(root / "engine_clean", onset=None, seed=5)
     # the diverged run keeps its file log and dumps; its validation dumps add nothing here
     shutil.rmtree(root / "diverged" / "validation")
     print(f"wrote {', '.join(p.name for p in sorted(root.iterdir()) if p.is_dir())} under {root}")

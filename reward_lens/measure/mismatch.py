@@ -186,5 +186,205 @@ def run_mismatch(run) -> dict[int, StepMismatch]:
                            run.telemetry_column("kl_to_previous_se"))
 
 
-__all__ = ["TAIL_RATIO", "StepMismatch", "group_kl", "mismatch_of_table", "mismatch_series", "run_mismatch",
-           "step_mismatch"]
+# ------------------------------------------------------------------ from a framework's logged metrics
+# Where no tap ran, a run has no per-rollout logp_sampler, only the batch summaries its framework
+# logged (specs/fields.yaml's sampler_* fields). Each is read as what it is, and turned into an
+# estimate of, or a bound on, the same quantity: KL(pi_sampler || pi_t) per token, along the
+# engine's own tokens. Write g = log pi_t(token) - log pi_sampler(token) for a token the engine drew.
+#
+# * ``sampler_kl_token`` (veRL `rollout_corr/k3_kl`, NeMo-RL `gen_kl_error`: k3; OpenRLHF `vllm_kl`:
+#   k1) and ``sampler_kl_token_k1`` (veRL `rollout_corr/kl`): estimates of it, read as they are
+#   (k3 preferred where both are logged: each term is >= 0, so its batch mean is not a difference
+#   of large cancelling terms). No framework logs their SE.
+# * ``sampler_logp_diff_mean`` (TRL `sampling/sampling_logp_difference/mean`), m = mean |g|: not a
+#   KL, but it brackets one. Above: KL = E[-g] <= E|g| = m. Below: KL >= E[exp(g) - 1 - g] (equal
+#   where the engine's support is the policy's; smaller where the engine truncates, as top-p does),
+#   and exp(g) - 1 - g >= exp(-|g|) - 1 + |g| =: h(|g|), convex and increasing in |g|, so by
+#   Jensen KL >= h(m) = exp(-m) - 1 + m (about m^2 / 2).
+# * ``sampler_prob_diff_mean`` (veRL `training/rollout_probs_diff_mean`), q = mean |p_t - p_sampler|
+#   of the sampled token: at one position E_sampler|p_s(a) - p_t(a)| <= sum_a |p_s(a) - p_t(a)| =
+#   2 TV <= sqrt(2 KL) (Pinsker), and by Jensen over positions KL >= q^2 / 2. No upper bound.
+# * ``sampler_token_prob_error`` (NeMo-RL `token_mult_prob_error`), r = mean exp|g|: by Jensen
+#   E|g| <= log E exp|g|, so KL <= log r. No lower bound.
+#
+# Each bound holds for the expectations; the logged numbers are batch means over thousands of
+# tokens, read without an SE (none is logged), which is why the rule asks for steps in a row.
+# A per-token quantity is never made per-sequence without the length: only where the record holds
+# each step's mean completion length in tokens (the rollouts' ``num_tokens``) is it multiplied out
+# to compare with D_t (nats/seq), and the multiplication is exact for a token-weighted mean.
+
+LOGGED_FIELDS = ("sampler_kl_token", "sampler_kl_token_estimator", "sampler_kl_token_k1", "sampler_logp_diff_mean",
+                 "sampler_prob_diff_mean", "sampler_token_prob_error")
+
+
+@dataclass(frozen=True)
+class LoggedMismatch:
+    """KL(pi_sampler || pi_t) per token at one step, from a framework's logged metrics: an estimate
+    (``low == high``) or the bounds its metrics give (``high`` None: no upper bound)."""
+
+    step: int
+    low: float  # nats/token
+    high: float | None  # nats/token
+    field: str  # the record field it was read from (the first, where bounds of two are combined)
+    logged: float  # that field's value
+    estimator: str | None = None  # k1 / k3 where it is an estimate
+    tokens: float | None = None  # the step's mean completion length in tokens, where the record has it
+
+    @property
+    def estimate(self) -> bool:
+        return self.high is not None and self.low == self.high
+
+
+def _h(m: float) -> float:
+    return math.expm1(-m) + m
+
+
+def logged_step(step: int, values: Mapping[str, object], tokens: float | None = None) -> LoggedMismatch | None:
+    """One step's per-token mismatch from the ``LOGGED_FIELDS`` it has (module comment above);
+    None where it has none."""
+    def num(name: str) -> float | None:
+        v = values.get(name)
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+    kl = num("sampler_kl_token")
+    if kl is not None:
+        est = values.get("sampler_kl_token_estimator")
+        return LoggedMismatch(step, kl, kl, "sampler_kl_token", kl, est if isinstance(est, str) else None, tokens)
+    k1 = num("sampler_kl_token_k1")
+    if k1 is not None:
+        return LoggedMismatch(step, k1, k1, "sampler_kl_token_k1", k1, "k1", tokens)
+    bounds = []  # (field, value, low, high)
+    if (m := num("sampler_logp_diff_mean")) is not None:
+        bounds.append(("sampler_logp_diff_mean", m, _h(m), m))
+    if (q := num("sampler_prob_diff_mean")) is not None:
+        bounds.append(("sampler_prob_diff_mean", q, q * q / 2, None))
+    if (r := num("sampler_token_prob_error")) is not None and r >= 1:
+        bounds.append(("sampler_token_prob_error", r, 0.0, math.log(r)))
+    if not bounds:
+        return None
+    highs = [b[3] for b in bounds if b[3] is not None]
+    return LoggedMismatch(step, max(b[2] for b in bounds), min(highs) if highs else None, bounds[0][0], bounds[0][1],
+                          None, tokens)
+
+
+def logged_series(telemetry: Mapping[str, Mapping[int, object]],
+                  tokens: Mapping[int, float] | None = None) -> dict[int, LoggedMismatch]:
+    """``logged_step`` at every step of ``telemetry`` ({field: {step: value}}, the record's
+    columns) that has one of the ``LOGGED_FIELDS``; ``tokens``: each step's mean completion length."""
+    steps = sorted({int(s) for f in LOGGED_FIELDS for s in telemetry.get(f, {})})
+    out = {}
+    for s in steps:
+        m = logged_step(s, {f: telemetry.get(f, {}).get(s) for f in LOGGED_FIELDS}, (tokens or {}).get(s))
+        if m is not None:
+            out[s] = m
+    return out
+
+
+def run_logged_mismatch(run) -> tuple[dict[int, LoggedMismatch], str | None]:
+    """``logged_series`` of a record, and the framework that logged it (the manifest's name);
+    each step's mean completion length from the rollouts' ``num_tokens`` where they hold it."""
+    telemetry = {f: run.telemetry_column(f) for f in LOGGED_FIELDS}
+    if not any(telemetry.values()):
+        return {}, None
+    total: dict[int, list[float]] = {}  # step -> [tokens, rollouts], over the reader's chunks
+    if run.n_rollouts and "num_tokens" in set(run.rollout_columns()):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        for t in run.iter_rollouts(["num_tokens"]):
+            st = t.column("step").to_numpy(zero_copy_only=False)
+            nt = pc.fill_null(t.column("num_tokens").cast(pa.float64()), float("nan")).to_numpy(zero_copy_only=False)
+            for s in np.unique(st):
+                acc = total.setdefault(int(s), [0.0, 0.0])
+                acc[0] += float(nt[st == s].sum())  # a missing count makes the step's total NaN: no length
+                acc[1] += float((st == s).sum())
+    tokens = {s: a / n for s, (a, n) in total.items() if n and math.isfinite(a)}
+    return logged_series(telemetry, tokens), run.manifest.framework.name
+
+
+def logged_source(field: str, framework: str | None) -> dict:
+    """Where a logged mismatch came from, for the evidence: the framework's name (its spec's, as
+    users know it) and the key it logs ``field`` under (specs/fields.yaml); None where unknown."""
+    from reward_lens_spec import load_fields, load_frameworks, load_importers
+
+    fw = (framework or "").replace("-", "_")
+    entry = load_fields().fields[field].frameworks.get(fw)
+    spec = load_frameworks().get(fw)
+    imp = load_importers().importers.get(framework or "")
+    name = spec.name if spec is not None else imp.name if imp is not None and imp.name else framework
+    return {"framework": name, "key": entry.key if entry is not None else None}
+
+
+def _stretch_start(steps: list[int], flags: list[bool]) -> int | None:
+    """The first step of the final run of True flags (None where the last flag is False)."""
+    start = None
+    for s, f in zip(steps, flags):
+        start = (s if start is None else start) if f else None
+    return start
+
+
+def logged_mismatch(series: Mapping[int, LoggedMismatch], d_t: Mapping[int, float] | None = None, *,
+                    share: float, critical: float, warn_token: float, critical_token: float, persist: int,
+                    min_steps: int) -> dict:
+    """The engine_mismatch rule on a framework's logged metrics (specs/findings/engine_mismatch.yaml,
+    its ``logged_`` params; docs/findings.md says where each threshold comes from).
+
+    A step is judged over a line where the lower end of what its metrics say of KL(pi_sampler ||
+    pi_t) per token (an estimate is its own lower and upper end) is at or above the line, under it
+    where the upper end is below; a step whose bounds straddle the line is not judged. The line is
+    ``share`` x D_t (and ``critical`` x D_t for critical), the tap path's own, where the step has D_t
+    (``kl_to_previous``, nats/seq) and the record its mean completion length (the per-token value
+    times it is nats/seq, exactly, for a token-weighted mean); elsewhere the absolute
+    ``warn_token`` (and ``critical_token``) nats per token. It holds where the last ``persist``
+    judged steps are over the warn line (the logged numbers carry no SE: a single batch mean over
+    the line is not enough), critical where they are over the critical line too; onset: the first
+    step of the final stretch over the line. Fewer than ``min_steps`` judged steps: not judged.
+
+    Returns the evidence the finding cites: ``judged``, ``holds``, ``severity`` (warn/critical, where
+    it holds), ``onset``, and the numbers."""
+    if min_steps < persist:
+        raise ValueError(f"specs/findings/engine_mismatch.yaml: logged_min_steps = {min_steps} is under the "
+                         f"logged_persist = {persist} steps the rule reads")
+    rows = []
+    d_t = d_t or {}
+    no_length = 0
+    for s, m in sorted(series.items()):
+        dt = d_t.get(s)
+        if dt is not None and dt > 0 and m.tokens is not None and m.tokens > 0:
+            lo, hi = m.low * m.tokens, None if m.high is None else m.high * m.tokens
+            warn_at, crit_at, basis = share * dt, critical * dt, "d_t"
+        else:
+            no_length += dt is not None and dt > 0
+            lo, hi, warn_at, crit_at, basis = m.low, m.high, warn_token, critical_token, "absolute"
+        over, under = lo >= warn_at, hi is not None and hi < warn_at
+        if over or under:
+            rows.append((s, m, over, lo >= crit_at, basis, dt))
+    seen = {"logged": True, "logged_steps": len(series), "steps": len(rows), "warn_token": warn_token,
+            "critical_token": critical_token, "share": share, "critical": critical, "persist": persist,
+            "min_steps": min_steps, "d_t_no_length": no_length, "n_d_t": sum(r[4] == "d_t" for r in rows)}
+    first = next(iter(series.values()), None)
+    if first is not None:
+        seen.update(field=first.field, estimator=first.estimator)
+    if len(rows) < min_steps:
+        return {**seen, "judged": False, "holds": False, "too_short": True,
+                "straddle": len(series) - len(rows)}
+    steps = [r[0] for r in rows]
+    last = rows[-1][1]
+    peak = max(rows, key=lambda r: r[1].low)
+    seen.update(last_step=steps[-1], low=last.low, high=last.high, estimate=last.estimate, field=last.field,
+                logged_value=last.logged, estimator=last.estimator, peak_step=peak[0], peak_low=peak[1].low,
+                basis=rows[-1][4], d_t=rows[-1][5] if rows[-1][4] == "d_t" else None,
+                tokens=last.tokens if rows[-1][4] == "d_t" else None, judged=True)
+    warn = [r[2] for r in rows]
+    crit = [r[3] for r in rows]
+    if not all(warn[-persist:]):
+        return {**seen, "holds": False, "onset": None}
+    severity = "critical" if all(crit[-persist:]) else "warn"
+    out = {**seen, "holds": True, "onset": _stretch_start(steps, warn), "severity": severity}
+    if severity == "critical":
+        out["critical_from"] = _stretch_start(steps, crit)
+    return out
+
+
+__all__ = ["LOGGED_FIELDS", "LoggedMismatch", "TAIL_RATIO", "StepMismatch", "group_kl", "logged_mismatch", "logged_series", "logged_source", "logged_step",
+           "mismatch_of_table", "mismatch_series", "run_logged_mismatch", "run_mismatch", "step_mismatch"]

@@ -81,7 +81,11 @@ class OptimizerTelemetry(BaseModel):
     sampler_is_ratio_max: float | None = Field(None, description="dimensionless: largest applied pi_t / pi_sampler")
     sampler_kl_token: float | None = Field(None, description="nats_per_token: estimate of KL(pi_sampler || pi_t)")
     sampler_kl_token_estimator: str | None = Field(None, description="which estimator gave sampler_kl_token (k1, k3)")
+    sampler_kl_token_k1: float | None = Field(None, description="nats_per_token: k1 estimate beside a k3 sampler_kl_token")
     sampler_token_prob_error: float | None = Field(None, description="dimensionless: mean exp|log-ratio| per token")
+    sampler_prob_diff_mean: float | None = Field(None, description="dimensionless: mean |p_t - p_sampler| per token")
+    sampler_prob_diff_max: float | None = Field(None, description="dimensionless: largest |p_t - p_sampler| of a token")
+    sampler_prob_diff_std: float | None = Field(None, description="dimensionless: spread of |p_t - p_sampler| per token")
     validation_reward_mean: float | None = Field(None, description="reward_units: mean reward of pi_t's validation rollouts")
     # what the tap measured of the step pair (t, next generation) under its cost budget, and what it cost
     tap_budget: float | None = Field(None, description="dimensionless: the tap's budget, a fraction of an untapped step")

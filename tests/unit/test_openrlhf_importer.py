@@ -111,6 +111,10 @@ def test_cli_imports_and_report_and_check_read_it(tmp_path, capsys):
     status = {f["id"]: f["status"] for f in out["findings"]}
     # every logged value was finite: run_diverged is judged (clear); the rest need what scalars lack
     assert status.pop("run_diverged") == "clear"
+    # train/vllm_kl, OpenRLHF's k1 estimate of the engine mismatch per token, judges engine_mismatch (issue 59)
+    assert status.pop("engine_mismatch") == "clear"
+    mismatch = next(f for f in out["findings"] if f["id"] == "engine_mismatch")
+    assert "from OpenRLHF's `train/vllm_kl`, a k1 estimate of KL(pi_sampler || pi_t) per token" in mismatch["evidence"]
     assert set(status.values()) == {"not_evaluated"}  # scalars alone: nothing else judged as clear
     assert main(["report", str(rec), "--out", str(tmp_path / "rep"), "--format", "json", "--quiet",
                  "--fail-on", "never"]) == 0

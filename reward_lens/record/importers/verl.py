@@ -35,7 +35,12 @@ output that code wrote: tools/make_verl_fixtures.py; older versions where their 
   ``use_kl_in_reward``, ``rollout_data_dir`` and ``validation_data_dir``.
 
 Keys are mapped by meaning through ``specs/fields.yaml`` (``actor/ppo_kl`` is an in-loop k1
-estimate of KL(pi_old || pi_theta), recorded as ``ppo_kl``, never ``kl_to_previous``); the
+estimate of KL(pi_old || pi_theta), recorded as ``ppo_kl``, never ``kl_to_previous``; the
+engine-trainer mismatch veRL logs with ``rollout.calculate_log_probs`` -- ``rollout_corr/k3_kl``
+and ``rollout_corr/kl``, k3 and k1 estimates of KL(pi_rollout || pi_old) per token, and
+``training/rollout_probs_diff_*``, |p_actor - p_rollout| of the sampled tokens, a probability gap
+whose NaN means not measured -- is ``sampler_kl_token`` (estimator k3), ``sampler_kl_token_k1``
+and ``sampler_prob_diff_*``, which ``engine_mismatch`` reads where no tap ran); the
 keys veRL logs that the record has no field for are listed in ``specs/frameworks/verl.yaml``'s
 ``keys`` with their meaning. veRL's ``global_steps`` starts at 1 and tags the update it just
 made, so the record's t = step - 1; a dump ``s.jsonl`` holds the rollouts of update s, sampled
@@ -212,7 +217,11 @@ def read_metrics(path: Path) -> Metrics:
                 v, what = logged_number(value, line.where, key, line.step,
                                         null_is=None if line.console else "nan")
                 entry = catalog.logged_key("verl", key) if name is None else None
-                if what is not None and entry is not None and entry.nan:
+                # a NaN that veRL logs for "not measured" (its key's catalogue entry, or the field's
+                # veRL entry, says so): training/rollout_probs_diff_* without rollout log-probabilities
+                nan_is_unmeasured = (entry.nan if entry is not None
+                                     else name is not None and catalog.fields[name].frameworks["verl"].nan)
+                if what is not None and nan_is_unmeasured:
                     out.not_measured += 1  # e.g. training/rollout_probs_diff_* without rollout log-probabilities
                     what = None
                 if what is not None:
@@ -226,6 +235,8 @@ def read_metrics(path: Path) -> Metrics:
                     row[name] = v
                     if key in line.zeroed:
                         zero_candidates.setdefault(t, set()).add(name)
+            if row.get("sampler_kl_token") is not None:
+                row["sampler_kl_token_estimator"] = "k3"  # rollout_corr/k3_kl (rollout_corr_helper.py:961-966)
             out.rows[t] = row
             out.non_finite[t] = bad
     # veRL before 0.5 printed every value with three decimals: a log whose every step line does is
