@@ -249,3 +249,19 @@ def test_the_audit_says_a_framework_that_logs_the_mismatch_will_evaluate_it(tmp_
                         f"{str(on).lower()}}}\ntrainer: {{total_training_steps: 10}}\n")
         got = {f.finding: f for f in audit(verl, framework="verl").findings}["engine_mismatch"].verdict
         assert (got == "will evaluate") is on
+
+
+def test_a_verl_config_that_leaves_calculate_log_probs_to_the_default_reads_091s_default(tmp_path):
+    """veRL 0.9.1 defaults actor_rollout_ref.rollout.calculate_log_probs to true (its
+    trainer/config/rollout/rollout.yaml:237; 0.4.1's ppo_trainer.yaml:548 had False): a partial
+    config without the key will evaluate engine_mismatch, and the audit says the default is 0.9.1's
+    and that an older veRL must set it."""
+    from reward_lens.audit import audit
+
+    verl = tmp_path / "verl.yaml"
+    verl.write_text("algorithm: {adv_estimator: grpo}\nactor_rollout_ref:\n  rollout: {n: 4}\n"
+                    "trainer: {total_training_steps: 10}\n")
+    got = audit(verl, framework="verl")
+    assert {f.finding: f for f in got.findings}["engine_mismatch"].verdict == "will evaluate"
+    said = [s.says for s in got.statements if s.key == "actor_rollout_ref.rollout.calculate_log_probs"]
+    assert said and "(veRL default)" in said[0] and "earlier releases defaulted it to False" in said[0]
