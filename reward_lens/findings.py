@@ -591,7 +591,8 @@ def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: flo
     eta, iv, total = s.get("eta_run"), s.get("eta_run_interval"), s.get("d_t_total")
     if eta is None or not iv or total is None:
         return unjudged(no_eta=True)
-    seen = {"eta": eta, "interval": list(iv), "d_t_total": total, "max_eta": max_eta, "min_nats": min_nats}
+    seen = {"eta": eta, "interval": list(iv), "d_t_total": total, "max_eta": max_eta, "min_nats": min_nats,
+            "eta_d_t": s.get("eta_d_t")}  # eta's own denominator: D_t over the updates eta is read on
     if total >= min_nats and iv[0] < max_eta <= iv[1]:
         return unjudged(**seen, straddles=True)
     rows_, pairs = s.get("eta_run_rows"), s.get("step_pairs")

@@ -343,6 +343,13 @@ def test_book_findings_on_the_reference_records(tmp_path):
     narrow = {f.id: f for f in build_report(run, features=load_basis(basis)).findings}
     spend = narrow["spending_without_buying"]
     assert spend.status == "holds" and spend.values["interval"][1] < 0.05
+    # the nats its evidence quotes eta "of" are eta's own denominator, and the run's total beside it
+    # where eta is read on fewer updates than D_t is summed over
+    cost = [b for b in build_report(run, features=load_basis(basis)).books if b.id == "cost"][0].data_dict()["summary"]
+    said = spend.evidence
+    assert f"{cost['eta_d_t']:.3g}" in said
+    if cost["eta_d_t"] != cost["d_t_total"]:
+        assert "at the updates it is read on" in said and f"{cost['d_t_total']:.3g} in all" in said
 
 
 def test_what_the_specs_say_they_were_validated_on():
