@@ -1,0 +1,124 @@
+"""Detection power (reward_lens/power.py): the delays the audit states and "clear" carries, checked
+against the findings run directly on rollouts made here (not by the power module's simulator), the
+zero-change sanity, the audit's sentence, and tools/power_vs_labelled.py on a hand-made file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+
+BASIS = """
+name: power_check
+features:
+  - name: correct
+    kind: reward
+    reward: correctness
+    unit: "indicator (0/1)"
+    target: higher
+"""
+
+
+def _rollouts(step, rate, groups, per, rng, pays_against=True):
+    """One step of rollouts made plainly: each completion right with probability ``rate``, the
+    reward paying against it (1 for a wrong answer) or for it, GRPO advantages within each group."""
+    from reward_lens.record import Rollout
+
+    rows = []
+    for g in range(groups):
+        right = (rng.random(per) < rate).astype(float)
+        reward = 1.0 - right if pays_against else right.copy()
+        adv = (reward - reward.mean()) / (reward.std(ddof=1) + 1e-4)
+        rows += [Rollout(step=step, group_id=f"{step}:{g}", prompt=f"q{g}", completion="a" if r else "b",
+                         reward=float(w), rewards={"correctness": float(r)}, advantage=float(a))
+                 for r, w, a in zip(right, reward, adv)]
+    return rows
+
+
+def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon, seed, pays_against=True):
+    """The finding run as the tap runs it (``LiveFindings``: the basis computed on the rollout rows,
+    the watch, the predicate) on ``runs`` streams: ``before`` quiet steps at 50 %, then the rate
+    falls ``change`` points a step; the changed steps seen when it first held (inf: not within
+    ``horizon``), and its last outcome of a run where it never held."""
+    from reward_lens.findings import LiveFindings
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens_spec import load_findings
+
+    (tmp_path / "basis.yaml").write_text(BASIS)
+    basis = load_basis(tmp_path / "basis.yaml")
+    spec = load_findings()[finding]
+    rng = np.random.default_rng(seed)
+    out, last = [], None
+    for _ in range(runs):
+        live = LiveFindings(basis, specs={finding: spec})
+        found = np.inf
+        for t in range(before + horizon):
+            j = max(0, t - before + 1)
+            res = live.observe(t, _rollouts(t, max(0.0, 0.5 - change * j / 100), groups, per, rng, pays_against))[0]
+            last = res
+            if t >= before and res.status == "holds":
+                found = t - before + 1
+                break
+        out.append(found)
+    return np.array(out), last
+
+
+def test_the_table_is_made_from_the_current_specs():
+    """specs/power_table.yaml was generated (tools/power_table.py) from this specs/power.yaml and
+    the findings' current predicates and parameters; every cell of the grid is there."""
+    from reward_lens.power import load_power, load_table, source_digest
+
+    table = load_table()
+    assert table is not None, "specs/power_table.yaml is missing: run tools/power_table.py"
+    assert table["source"] == source_digest(), "specs/power_table.yaml is stale: rerun tools/power_table.py"
+    p = load_power()
+    for f, sc in p.findings.items():
+        assert sc.stated in sc.ladder
+        for g in p.groups:
+            for m in p.completions:
+                assert set(table["cells"][f][f"{g}x{m}"]) == {f"{c:g}" for c in sc.ladder}
+
+
+def test_grid_cell_reads_at_or_below():
+    from reward_lens.power import grid_cell, power_at
+
+    assert grid_cell(12, 8) == (8, 8)
+    assert grid_cell(1000, 9) == (512, 8)
+    assert grid_cell(1, 8) is None  # one prompt group a step: the findings are disabled
+    assert grid_cell(8, 3) is None  # under the grid's fewest completions: not stated
+    assert power_at("entropy_collapse", 8, 8) is None  # not a sequential finding
+
+
+def test_zero_change_gives_false_alarms_only():
+    """With no change, the finding holds on no simulated run (the CUSUM's chance to cross h = 5
+    within 30 steps is about 0.03 % per behaviour and direction), and the stated false-alarm rate
+    is Brook & Evans's 0.94 % over 1,000 steps, under the 1 % the audit says."""
+    from reward_lens.power import false_alarms, simulate
+
+    d = simulate("proxy_gaming", 8, 8, 0.0, runs=40, horizon=30)
+    assert d.found == 0.0
+    assert d.median is None and d.upper is None
+    fa = false_alarms("proxy_gaming", 1000)
+    assert 0.009 < fa < 0.01
+
+
+@pytest.mark.parametrize("finding,change,pays_against", [("proxy_gaming", 8, True), ("moving_against_reward", 8, False)])
+def test_stated_delay_matches_the_finding_run_directly(tmp_path, finding, change, pays_against):
+    """The delay the table states at 8 prompt groups x 8 completions, the rate falling 8 points a
+    step from 50 %, against the same finding run through LiveFindings on rollout rows made here: the
+    direct median is within a step of the stated one, and 75 % or more of the direct runs are found
+    within the stated 90 % delay (40 runs: a true 90 % gives fewer than 30 within 1 % of the time)."""
+    from reward_lens.power import load_table
+
+    median, upper, found = load_table()["cells"][finding]["8x8"][f"{change:g}"]
+    assert found == 1.0 and median is not None and upper is not None
+    direct, _ = _direct_delays(tmp_path, finding, change, 8, 8, runs=40, before=8, horizon=upper + 6, seed=7,
+                               pays_against=pays_against)
+    assert np.isfinite(direct).all(), direct
+    assert abs(np.median(direct) - median) <= 1, (direct, median)
+    assert (direct <= upper).mean() >= 0.75, (direct, upper)
