@@ -4,6 +4,7 @@ zero-change sanity, the audit's sentence, and tools/power_vs_labelled.py on a ha
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -122,3 +123,73 @@ def test_stated_delay_matches_the_finding_run_directly(tmp_path, finding, change
     assert np.isfinite(direct).all(), direct
     assert abs(np.median(direct) - median) <= 1, (direct, median)
     assert (direct <= upper).mean() >= 0.75, (direct, upper)
+
+
+def test_clear_carries_its_power(tmp_path):
+    """A quiet run (no change) of 8 x 8: proxy gaming is clear, and its evidence says the smallest
+    change the table finds within 10 steps at this batch, with the batch; the report's JSON values
+    carry the same numbers."""
+    from reward_lens.power import power_at
+
+    _, last = _direct_delays(tmp_path, "proxy_gaming", 0, 8, 8, runs=1, before=6, horizon=1, seed=3)
+    assert last.status == "clear"
+    pw = power_at("proxy_gaming", 8, 8)
+    assert last.values["power"]["smallest"] == pw.smallest
+    assert last.values["power"]["groups"] == 8 and last.values["power"]["completions"] == 8
+    assert "At this run's batch (8 prompt groups a step, 8 completions each)" in last.evidence
+    if pw.smallest is not None:
+        assert f"falling {pw.smallest:g} point" in last.evidence and "within 10 steps" in last.evidence
+
+
+def _audit_text(tmp_path, capsys, body: str) -> tuple[dict, str]:
+    from reward_lens.cli import main
+
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text(body)
+    capsys.readouterr()
+    assert main(["audit", str(cfg), "--format", "json"]) in (0, 1)  # 1: a book will refuse
+    out = json.loads(capsys.readouterr().out)
+    assert main(["audit", str(cfg)]) in (0, 1)
+    return out, capsys.readouterr().out
+
+
+def test_the_audit_states_the_delay_at_the_configs_batch(tmp_path, capsys):
+    """A TRL config with the tap (64 completions a device, 8 per prompt: 8 prompt groups), a target
+    declared: each sequential finding states its delay from the table's 8 x 8 cell; TRL's defaults
+    (8 completions, 8 per prompt: one prompt group) still say the sequential findings will not
+    evaluate, and state no delay."""
+    from reward_lens.power import load_power, load_table
+
+    out, text = _audit_text(tmp_path, capsys, "num_generations: 8\nper_device_train_batch_size: 64\nmax_steps: 100\n"
+                                      "reward_lens:\n  target: correctness\n")
+    cells = load_table()["cells"]
+    p = load_power()
+    seen = {f["finding"]: f for f in out["findings"]}
+    for finding, sc in p.findings.items():
+        det = seen[finding]["detection"]
+        assert seen[finding]["verdict"] == "will evaluate" and det is not None, finding
+        median, upper, _ = cells[finding]["8x8"][f"{sc.stated:g}"]
+        assert (det["median"], det["within_90"], det["read_at"]) == (median, upper, "8x8")
+        assert det["prompt_groups"] == 8 and det["completions"] == 8
+        assert f"`{finding}`" in det["says"] and "false alarms below 1 % over 1,000 steps" in det["says"]
+    assert seen["entropy_collapse"]["detection"] is None
+    gaming = seen["proxy_gaming"]["detection"]["says"]
+    assert "a target falling 2 points a step (at a 50 % rate" in gaming
+    assert "one step's SE 6.2 points at 8 prompt groups × 8 completions" in gaming  # 100 sqrt(.25 / 64)
+    assert "How early the sequential findings catch" in text and "- `proxy_gaming`:" in text
+
+    out, text = _audit_text(tmp_path, capsys, "num_generations: 8\nmax_steps: 100\nreward_lens:\n  target: correctness\n")
+    seen = {f["finding"]: f for f in out["findings"]}
+    for finding in p.findings:
+        assert seen[finding]["verdict"] == "will not evaluate" and seen[finding]["detection"] is None
+        assert any("2 prompt groups a step" in m for m in seen[finding]["missing"])
+    assert "How early" not in text
+
+
+def test_verl_counts_prompts_itself(tmp_path, capsys):
+    """veRL's `data.train_batch_size` counts a step's prompts: 32 prompts x `rollout.n` 8 read at
+    the table's 32 x 8."""
+    out, _ = _audit_text(tmp_path, capsys, "algorithm:\n  adv_estimator: grpo\nactor_rollout_ref:\n  rollout:\n    n: 8\n"
+                                   "data:\n  train_batch_size: 32\ntrainer:\n  rollout_data_dir: /tmp/r\n")
+    det = {f["finding"]: f["detection"] for f in out["findings"]}["moving_against_reward"]
+    assert det is not None and det["read_at"] == "32x8" and det["prompt_groups"] == 32
