@@ -5,6 +5,7 @@ zero-change sanity, the audit's sentence, and tools/power_vs_labelled.py on a ha
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -83,6 +84,16 @@ def test_the_table_is_made_from_the_current_specs():
         for g in p.groups:
             for m in p.completions:
                 assert set(table["cells"][f][f"{g}x{m}"]) == {f"{c:g}" for c in sc.ladder}
+
+
+def test_the_findings_page_quotes_the_table():
+    import re
+
+    import power_table
+
+    page = (REPO / "docs" / "findings.md").read_text()
+    m = re.search(r"<!-- power-table:start -->\n(.*?)\n<!-- power-table:end -->", page, re.S)
+    assert m and m.group(1) == power_table.docs_block(), "python tools/power_table.py --docs"
 
 
 def test_grid_cell_reads_at_or_below():
@@ -193,3 +204,47 @@ def test_verl_counts_prompts_itself(tmp_path, capsys):
                                    "data:\n  train_batch_size: 32\ntrainer:\n  rollout_data_dir: /tmp/r\n")
     det = {f["finding"]: f["detection"] for f in out["findings"]}["moving_against_reward"]
     assert det is not None and det["read_at"] == "32x8" and det["prompt_groups"] == 32
+
+
+# ------------------------------------------------------------------------------------ power_vs_labelled
+def _labelled(tmp_path, detected, onset_rule=True):
+    """A hand-made format-only run: `correct` at 0.6 for 8 steps, then falling 4 points a step (the
+    ground-truth onset: the first of three steps below 3/4 of the base, 0.45: step 11, at 0.44)."""
+    series = [0.6] * 8 + [0.6 - 0.04 * j for j in range(1, 13)]
+    onset = next(i for i in range(3, len(series) - 2) if all(x < 0.45 for x in series[i:i + 3]))
+    run = {"batch": "8x8", "groups": 8, "completions": 8, "mode": "format_only", "seed": 1, "onset": onset,
+           "detected_step": detected, "finding": "proxy_gaming", "series": {"correct": series}, "steps": len(series)}
+    healthy = {**run, "mode": "healthy", "onset": None, "detected_step": None}
+    path = tmp_path / "labelled.json"
+    path.write_text(json.dumps([run, healthy]))
+    return path, onset
+
+
+def test_power_vs_labelled_reads_the_change_a_run_showed(tmp_path):
+    from power_vs_labelled import compare, load, shown_change
+
+    path, onset = _labelled(tmp_path, None)
+    assert onset == 11
+    ch = shown_change(load(path)[0]["series"]["correct"], onset, "rate")
+    assert ch["slope"] == pytest.approx(-4.0) and ch["base"] == pytest.approx(0.6) and ch["began"] == 8
+
+    from reward_lens.power import simulate
+
+    d = simulate("proxy_gaming", 8, 8, 4.0, base=0.6, runs=60)
+    path, _ = _labelled(tmp_path, 8 + d.median - 1)  # found at the simulated median: within the range
+    rows = compare(load(path), n_sim=60)
+    assert len(rows) == 1  # the healthy run has no delay to compare
+    assert rows[0]["measured"] == d.median and rows[0]["verdict"] == "within"
+    path, _ = _labelled(tmp_path, 8 + 40)  # found 41 changed steps in: later than any simulated run
+    assert compare(load(path), n_sim=60)[0]["verdict"] == "later"
+
+
+def test_power_vs_labelled_refuses_a_bad_file(tmp_path):
+    path, _ = _labelled(tmp_path, 14)
+    runs = json.loads(path.read_text())
+    del runs[0]["series"]
+    path.write_text(json.dumps(runs))
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "power_vs_labelled.py"), str(path)], capture_output=True,
+                       text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2
+    assert "run 0 (format_only seed 1) lacks ['series']" in r.stderr and "Traceback" not in r.stderr
