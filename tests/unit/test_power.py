@@ -24,6 +24,28 @@ features:
     unit: "indicator (0/1)"
     target: higher
 """
+LENGTH_BASIS = """
+name: power_length
+features:
+  - name: length_tokens
+    kind: length
+    of: tokens
+"""
+
+
+def _length_rollouts(step, mean, groups, per, rng):
+    """One step of rollouts whose token counts are Gamma with shape 4 about ``mean`` (SD half the
+    mean at 200), rounded, the reward a fair coin that selects nothing, GRPO advantages."""
+    from reward_lens.record import Rollout
+
+    rows = []
+    for g in range(groups):
+        tokens = np.maximum(1, np.round(rng.gamma(4.0, mean / 4.0, per))).astype(int)
+        reward = (rng.random(per) < 0.5).astype(float)
+        adv = (reward - reward.mean()) / (reward.std(ddof=1) + 1e-4)
+        rows += [Rollout(step=step, group_id=f"{step}:{g}", prompt=f"q{g}", completion="x", completion_ids=[1] * int(k),
+                         reward=float(w), advantage=float(a)) for k, w, a in zip(tokens, reward, adv)]
+    return rows
 
 
 def _rollouts(step, rate, groups, per, rng, pays_against=True):
@@ -44,14 +66,16 @@ def _rollouts(step, rate, groups, per, rng, pays_against=True):
 
 def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon, seed, pays_against=True):
     """The finding run as the tap runs it (``LiveFindings``: the basis computed on the rollout rows,
-    the watch, the predicate) on ``runs`` streams: ``before`` quiet steps at 50 %, then the rate
-    falls ``change`` points a step; the changed steps seen when it first held (inf: not within
-    ``horizon``), and its last outcome of a run where it never held."""
+    the watch, the predicate) on ``runs`` streams: ``before`` quiet steps at 50 % (200 tokens for
+    length drift), then the rate falls ``change`` points a step (the length grows ``change`` tokens
+    a step); the changed steps seen when it first held (inf: not within ``horizon``), and its last
+    outcome."""
     from reward_lens.findings import LiveFindings
     from reward_lens.measure.ledger.basis import load_basis
     from reward_lens_spec import load_findings
 
-    (tmp_path / "basis.yaml").write_text(BASIS)
+    length = finding == "length_drift"
+    (tmp_path / "basis.yaml").write_text(LENGTH_BASIS if length else BASIS)
     basis = load_basis(tmp_path / "basis.yaml")
     spec = load_findings()[finding]
     rng = np.random.default_rng(seed)
@@ -61,7 +85,9 @@ def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon
         found = np.inf
         for t in range(before + horizon):
             j = max(0, t - before + 1)
-            res = live.observe(t, _rollouts(t, max(0.0, 0.5 - change * j / 100), groups, per, rng, pays_against))[0]
+            rows = (_length_rollouts(t, 200.0 + change * j, groups, per, rng) if length else
+                    _rollouts(t, max(0.0, 0.5 - change * j / 100), groups, per, rng, pays_against))
+            res = live.observe(t, rows)[0]
             last = res
             if t >= before and res.status == "holds":
                 found = t - before + 1
@@ -119,10 +145,12 @@ def test_zero_change_gives_false_alarms_only():
     assert 0.009 < fa < 0.01
 
 
-@pytest.mark.parametrize("finding,change,pays_against", [("proxy_gaming", 8, True), ("moving_against_reward", 8, False)])
+@pytest.mark.parametrize("finding,change,pays_against", [("proxy_gaming", 8, True), ("moving_against_reward", 8, False),
+                                                         ("length_drift", 10, False)])
 def test_stated_delay_matches_the_finding_run_directly(tmp_path, finding, change, pays_against):
-    """The delay the table states at 8 prompt groups x 8 completions, the rate falling 8 points a
-    step from 50 %, against the same finding run through LiveFindings on rollout rows made here: the
+    """The delay the table states at 8 prompt groups x 8 completions (a rate falling 8 points a step
+    from 50 %, or a length growing 10 tokens a step from 200, each with its scenario's reward),
+    against the same finding run through LiveFindings on rollout rows made here: the
     direct median is within a step of the stated one, and 75 % or more of the direct runs are found
     within the stated 90 % delay (40 runs: a true 90 % gives fewer than 30 within 1 % of the time)."""
     from reward_lens.power import load_table
