@@ -270,15 +270,18 @@ def false_alarms(finding: str, run_length: int | None = None) -> float:
 
 
 # ------------------------------------------------------------------------------------ the table
-def build_table(findings: list[str] | None = None, progress=None) -> dict[str, Any]:
-    """Every cell of specs/power.yaml's grid simulated: finding -> "GxM" -> change -> [median,
-    upper, found] (median and upper None past the horizon)."""
+def build_table(findings: list[str] | None = None, progress=None, completions: list[int] | None = None
+                ) -> dict[str, Any]:
+    """Every cell of specs/power.yaml's grid simulated (of ``completions`` only, where given):
+    finding -> "GxM" -> change -> [median, upper, found] (median and upper None past the horizon).
+    Each cell draws its own random numbers (``simulate``), so a part of the grid made alone is
+    what the whole grid's run makes of it."""
     p = load_power()
     out: dict[str, Any] = {}
     for f in findings or list(p.findings):
         cells = out.setdefault(f, {})
         for g in p.groups:
-            for m in p.completions:
+            for m in completions or p.completions:
                 row = {}
                 for c in p.findings[f].ladder:
                     d = simulate(f, g, m, c)

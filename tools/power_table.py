@@ -3,6 +3,7 @@ of specs/power.yaml's grid, simulated on the findings' own code (reward_lens/pow
 
     python tools/power_table.py                       # every finding (minutes: about 30 on 2 busy cores)
     python tools/power_table.py --only proxy_gaming --out /tmp/part.yaml   # one finding, to a part file
+    python tools/power_table.py --completions 2 --out /tmp/c.yaml         # one column of the grid, to a part file
     python tools/power_table.py --merge /tmp/a.yaml /tmp/b.yaml            # parts into specs/power_table.yaml
     python tools/power_table.py --docs                # the block docs/findings.md quotes (from the table)
 
@@ -43,7 +44,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", help="findings to simulate (default: all)")
     ap.add_argument("--out", type=Path, default=Path(specs_dir()) / TABLE)
-    ap.add_argument("--merge", nargs="*", type=Path, help="part files to merge into --out")
+    ap.add_argument("--completions", nargs="*", type=int, help="only these completions per group (of the grid)")
+    ap.add_argument("--merge", nargs="*", type=Path, help="part files to merge into --out (cell by cell)")
     ap.add_argument("--docs", action="store_true", help="print the docs/findings.md block")
     a = ap.parse_args(argv)
     if a.docs:
@@ -52,9 +54,12 @@ def main(argv=None) -> int:
     if a.merge:
         cells: dict = {}
         for part in a.merge:
-            cells.update(yaml.safe_load(part.read_text())["cells"])
-        order = [f for f in load_power().findings if f in cells]
-        write({f: cells[f] for f in order}, a.out)
+            for f, row in yaml.safe_load(part.read_text())["cells"].items():
+                cells.setdefault(f, {}).update(row)
+        p = load_power()
+        order = [f for f in p.findings if f in cells]  # the grid's order, whatever the parts'
+        write({f: {f"{g}x{m}": cells[f][f"{g}x{m}"] for g in p.groups for m in p.completions
+                   if f"{g}x{m}" in cells[f]} for f in order}, a.out)
         return 0
     t0 = time.time()
 
@@ -62,7 +67,7 @@ def main(argv=None) -> int:
         print(f"{time.time() - t0:7.0f}s {f} {g}x{m} change {c:g}: median {d.median} upper {d.upper} "
               f"found {d.found:.2f}", file=sys.stderr, flush=True)
 
-    write(build_table(a.only, progress), a.out)
+    write(build_table(a.only, progress, a.completions), a.out)
     return 0
 
 

@@ -128,7 +128,8 @@ def test_grid_cell_reads_at_or_below():
     assert grid_cell(12, 8) == (8, 8)
     assert grid_cell(1000, 9) == (512, 8)
     assert grid_cell(1, 8) is None  # one prompt group a step: the findings are disabled
-    assert grid_cell(8, 3) is None  # under the grid's fewest completions: not stated
+    assert grid_cell(8, 3) == (8, 2)
+    assert grid_cell(8, 1) is None  # one completion a group: no selection within groups, not judged
     assert power_at("entropy_collapse", 8, 8) is None  # not a sequential finding
 
 
