@@ -92,6 +92,27 @@ class FeatureVerdict(_Out):
     says: str
 
 
+class Detection(_Out):
+    """How early a sequential finding will catch a stated sustained change at the config's batch
+    (reward_lens/power.py: the finding's own rule on simulated runs, read from specs/power_table.yaml)."""
+
+    change: float = Field(description="the stated change per step: points of a 0/1 rate, or tokens of length")
+    unit: Literal["points", "tokens"]
+    base: float = Field(description="the level it starts from: a rate in [0, 1], or a mean length in tokens")
+    direction: Literal[-1, 1]
+    prompt_groups: int = Field(description="prompt groups per step the config gives")
+    completions: int = Field(description="completions per prompt group the config gives")
+    read_at: str = Field(description="the table's batch read (<groups>x<completions>): the nearest at or below")
+    step_se: float = Field(description="one step's standard error of the level at read_at, in the unit, for "
+                                       "completions alike across prompts")
+    median: int | None = Field(description="changed steps seen when it first holds, median; null: past the horizon")
+    within_90: int | None = Field(description="the 90 % quantile of that delay; null: past the horizon")
+    false_alarm: float = Field(description="the chance one watched behaviour's CUSUM false-alarms over run_length "
+                                           "steps with no change (Brook & Evans)")
+    run_length: int
+    says: str
+
+
 class FindingSupport(_Out):
     finding: str
     title: str
@@ -99,6 +120,8 @@ class FindingSupport(_Out):
     verdict: Literal["will evaluate", "will not evaluate"]
     live: bool = Field(description="evaluated by the tap while training")
     missing: list[str] = Field(default_factory=list, description="the fields (one alternative) or books it lacks")
+    detection: Detection | None = Field(default=None, description="a sequential finding that will evaluate: how "
+                                                                  "early it catches a stated change at this batch")
 
 
 class AuditOut(_Out):
@@ -183,6 +206,8 @@ class Projection:
         self.rejected: Cause | None = None
         self.blocked: dict[str, Cause] = {}  # ledger id -> why it cannot form
         self.prompt_groups: int | None = None  # prompt groups a step will hold, where known
+        self.completions: int | None = None  # completions per prompt group, where known
+        self.batch_default: str | None = None  # the batch key read at the framework's default, where it was
         self.targets: dict[str, str] = {}  # declared targets (the tap's `target:`, a record's manifest)
 
 
@@ -295,14 +320,25 @@ def _record_prompt_groups(run) -> int | None:
 def _prompt_groups(pg, cfg: dict[str, Any], d: dict[str, Any], pr: Projection, where) -> None:
     """The ledgers that cannot form on one process because a generation batch holds fewer
     prompt groups than they need (``prompt_groups`` of the framework spec)."""
+    gens, _ = _get(cfg, pg.generations, d)
+    if pg.prompts is not None:  # a key that counts a step's prompts itself (veRL)
+        prompts, p_origin = _get(cfg, pg.prompts, d)
+        if prompts is None or gens is None:
+            return
+        if p_origin == "default":
+            pr.batch_default = pg.prompts
+        pr.prompt_groups = whole_number(prompts, where, pg.prompts, minimum=1)
+        pr.completions = whole_number(gens, where, pg.generations, minimum=1)
+        return
     batch, b_origin = _get(cfg, pg.batch, d)
+    if b_origin == "default":
+        pr.batch_default = pg.batch
     steps, s_key, s_origin = None, None, "unset"
     for key in pg.steps:
         steps, s_origin = _get(cfg, key, d)
         if steps is not None:
             s_key = key
             break
-    gens, _ = _get(cfg, pg.generations, d)
     if batch is None or gens is None:
         return
     b = whole_number(batch, where, pg.batch, minimum=1)
@@ -310,6 +346,7 @@ def _prompt_groups(pg, cfg: dict[str, Any], d: dict[str, Any], pr: Projection, w
     g = whole_number(gens, where, pg.generations, minimum=1)
     groups = b * s // g
     pr.prompt_groups = groups
+    pr.completions = g
     if groups >= pg.minimum:
         return
     says = _say("prompt_groups", batch_key=pg.batch, batch=b, steps_key=s_key, steps=s, gen_key=pg.generations,
@@ -484,8 +521,34 @@ def _finding_support(result: AuditOut, pr: Projection, targets=None) -> list[Fin
             # step for it to read a step: not evaluated, as the report will say
             lack = _too_short_for(spec, pr) or _too_few_groups_for(spec, pr)
         out.append(FindingSupport(finding=spec.id, title=spec.title, severity=spec.severity, live=spec.live,
-                                  verdict="will not evaluate" if lack else "will evaluate", missing=lack))
+                                  verdict="will not evaluate" if lack else "will evaluate", missing=lack,
+                                  detection=None if lack else _detection(spec.id, pr)))
     return out
+
+
+def _detection(finding: str, pr: Projection) -> Detection | None:
+    """The delay a sequential finding will take to catch its stated change at the config's batch
+    (None for the other findings, or where the config does not give the batch)."""
+    from reward_lens.power import power_at
+
+    if pr.prompt_groups is None or pr.completions is None:
+        return None
+    pw = power_at(finding, pr.prompt_groups, pr.completions)
+    if pw is None:
+        return None
+    ctx = pw.context()
+    return Detection(change=pw.change, unit="points" if pw.kind == "rate" else "tokens", base=pw.base,
+                     direction=pw.direction, prompt_groups=pr.prompt_groups, completions=pr.completions,
+                     read_at=f"{pw.cell[0]}x{pw.cell[1]}", step_se=round(pw.se, 4), median=pw.median,
+                     within_90=pw.upper, false_alarm=pw.false_alarm, run_length=pw.run_length,
+                     says=_say("detection_delay", default_key=pr.batch_default,
+                               **{k: ctx[k] for k in _DELAY_WORDS}))
+
+
+# what the audit's sentence on a detection delay reads (templates/audit/says.j2, detection_delay)
+_DELAY_WORDS = ("finding", "what", "scenario", "kind", "base", "direction", "change", "median", "upper", "se",
+                "false_alarm_below", "run_length", "quantile", "groups", "completions", "cell_groups",
+                "cell_completions", "horizon")
 
 
 def _too_short_for(spec, pr: Projection) -> list[str]:

@@ -267,6 +267,10 @@ def audit_text(result, verbose: bool = False) -> str:
             needs = [render_macro("audit/says.j2", "no_target", what=m) if m == TARGET else m for m in f.missing]
             lines.append(f"{f.finding:<26}{f.verdict:<19}{', '.join(needs) or '-'}"
                          + (" (live)" if f.live and f.verdict == "will evaluate" and result.with_tap else ""))
+        delays = [f.detection.says for f in result.findings if f.detection is not None]
+        if delays:  # how early the sequential findings catch a change at this batch (reward_lens/power.py)
+            lines += ["", render_macro("audit/says.j2", "detection_heading").strip()]
+            lines += [text_view(_visible(d), indent="  ", lead="- ") for d in delays]
     if seen and not verbose:
         lines += ["", "(--verbose prints each refusal's whole detail and remedy)"]
     return "\n".join(lines)

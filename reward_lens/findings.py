@@ -755,6 +755,14 @@ def evaluate_one(spec: FindingSpec, data: FindingData, missing: list[str]) -> Fi
                          f"{', '.join(sorted(PREDICATES))}")
     out = fn(data, **spec.params)
     holds = out.holds and out.judged
+    if out.judged and not holds and data.watch is not None:
+        # "clear" carries its power: the smallest sustained change this finding finds within a few
+        # steps at the run's own batch (reward_lens/power.py, read from specs/power_table.yaml)
+        from reward_lens.power import clear_power
+
+        power = clear_power(spec.id, data.watch)
+        if power is not None:
+            out.evidence = {**out.evidence, "power": power}
     ctx = {"e": _Evidence(out.evidence), "onset": out.onset, "holds": holds, "judged": out.judged, "p": spec.params}
     evidence = " ".join(render_template_string(spec.evidence, ctx).split())
     if not out.judged:

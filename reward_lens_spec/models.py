@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -223,15 +223,24 @@ class Setting(_Strict):
 
 class PromptGroups(_Strict):
     """How many prompt groups one generation batch holds, per process, from a config:
-    ``batch`` x the first of ``steps`` that is set, divided by ``generations``. A ledger named
-    in ``blocks`` needs at least ``minimum`` of them."""
+    ``batch`` x the first of ``steps`` that is set, divided by ``generations`` (TRL, which counts
+    completions); or ``prompts``, a key that counts the prompts of a step itself (veRL's
+    ``data.train_batch_size``). ``generations`` is the completions per prompt group. A ledger
+    named in ``blocks`` needs at least ``minimum`` of them."""
 
-    batch: str
-    steps: list[str]
+    batch: str | None = None
+    steps: list[str] = []
+    prompts: str | None = None
     generations: str
     minimum: int = 2
     blocks: list[str]
     why: str
+
+    @model_validator(mode="after")
+    def _one_count(self):
+        if (self.batch is None) == (self.prompts is None):
+            raise ValueError("prompt_groups: give `batch` (completions, with `steps`) or `prompts`, one of them")
+        return self
 
 
 class ArgType(_Strict):

@@ -201,6 +201,18 @@ def test_no_number_that_the_config_does_not_give(tmp_path, name, cfg, opts):
         d = {**trl.defaults, **cfg}
         allowed |= {float(trl.prompt_groups.minimum),
                     float(d["per_device_train_batch_size"] * d["gradient_accumulation_steps"] // d["num_generations"])}
+    from reward_lens.power import FALSE_ALARM_BOUNDS, load_power
+
+    power = load_power()
+    for f in res.findings:  # how early a sequential finding catches its stated change: the numbers of
+        d = f.detection  # specs/power.yaml and of its generated table (reward_lens/power.py), not invented
+        if d is not None:
+            g, m = (int(x) for x in d.read_at.split("x"))
+            allowed |= {float(x) for x in (d.change, d.median, d.within_90, d.run_length, d.prompt_groups,
+                                           d.completions, g, m, power.horizon) if x is not None}
+            below = next(b for b in (*FALSE_ALARM_BOUNDS, 1.0) if d.false_alarm < b)
+            allowed |= {round(100 * d.base) if d.unit == "points" else d.base, 100 * power.quantile,
+                        float(f"{d.step_se:.2g}"), float(f"{100 * below:g}")}
     for verbose in (False, True):
         text = audit_text(res, verbose=verbose)
         assert _numbers(text) <= allowed, (verbose, sorted(_numbers(text) - allowed), text)

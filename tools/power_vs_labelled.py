@@ -1,0 +1,175 @@
+"""Do the labelled runs find their failures as early as the audit says they would?
+
+    python tools/power_vs_labelled.py                                   # bench/results/labelled_delays.json
+    python tools/power_vs_labelled.py PATH.json [--runs 200] [--json]
+
+Reads the labelled benchmark's delays (tools/labelled_runs.py writes bench/results/labelled_delays.json:
+a list of runs {"batch", "groups", "completions", "mode", "seed", "onset", "detected_step", "finding",
+"series": {behaviour: [per-step mean over the step's rollouts, ...]}, "steps"}) and, for each failure
+run (an onset, and a finding that reward_lens/power.py simulates), says whether its measured delay lies
+in the stated 90 % range for the change the run actually showed.
+
+**The change a run showed**, from its own series of the finding's behaviour (specs/power.yaml's
+`feature`: `correct` or `length_tokens`), read plainly:
+
+* its base: the mean of the first ``BASE_STEPS`` steps (the ground-truth rule's baseline);
+* its rate: the least-squares slope of the series over the steps ``onset - HALF`` .. ``onset + HALF``
+  (the ground-truth onset is where the behaviour is already a quarter off its base, so the change is
+  under way on both sides of it), in points (hundredths of a 0/1 rate) or tokens per step;
+* where it began: the first step off the base, one after the step at which that line is at the base
+  (``onset`` less the distance from the base to the line at ``onset`` over the slope, rounded, plus
+  one), never after ``onset`` and never before step ``BASE_STEPS``.
+
+**The measured delay** is then as power.py counts it: the changed steps seen when the finding first held,
+``detected_step - began + 1`` (None: never detected). **The stated range** is the central 90 % of the
+delays power.py simulates for that finding at the run's batch (prompt groups x completions), at that
+change per step and from that base (its 5 % and 95 % quantiles), with the median beside it. A run whose
+change is not in the finding's direction (the line moves the wrong way) is reported, not judged.
+Prompts in the labelled task differ in difficulty, which the simulation (prompts alike) does not model:
+a measured delay past the range says so first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+DEFAULT = ROOT / "bench" / "results" / "labelled_delays.json"
+BASE_STEPS = 3  # tools/labelled_runs.py's BASELINE_STEPS
+HALF = 3  # the slope's window: onset - HALF .. onset + HALF
+REQUIRED = ("groups", "completions", "mode", "seed", "onset", "detected_step", "finding", "series", "steps")
+
+
+class BadInput(ValueError):
+    """The file is not what tools/labelled_runs.py writes: names the run and field."""
+
+
+def load(path: Path) -> list[dict]:
+    try:
+        runs = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file (tools/labelled_runs.py writes it)") from None
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{path}: not JSON ({exc})") from None
+    if not isinstance(runs, list):
+        raise BadInput(f"{path}: a list of runs expected, got {type(runs).__name__}")
+    for i, r in enumerate(runs):
+        if not isinstance(r, dict):
+            raise BadInput(f"{path}: run {i} is not an object")
+        missing = [k for k in REQUIRED if k not in r]
+        if missing:
+            raise BadInput(f"{path}: run {i} ({r.get('mode')} seed {r.get('seed')}) lacks {missing}")
+        for k in ("groups", "completions", "steps"):
+            if not isinstance(r[k], int) or isinstance(r[k], bool) or r[k] < 1:
+                raise BadInput(f"{path}: run {i}: `{k}` must be a whole number >= 1, got {r[k]!r}")
+        for k in ("onset", "detected_step"):
+            if r[k] is not None and (not isinstance(r[k], int) or isinstance(r[k], bool) or r[k] < 0):
+                raise BadInput(f"{path}: run {i}: `{k}` must be a step (a whole number >= 0) or null, got {r[k]!r}")
+        if not isinstance(r["series"], dict) or not all(isinstance(v, list) for v in r["series"].values()):
+            raise BadInput(f"{path}: run {i}: `series` must map each behaviour to its per-step means")
+        for name, v in r["series"].items():
+            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+                raise BadInput(f"{path}: run {i}: `series.{name}` holds a value that is not a finite number")
+    return runs
+
+
+def shown_change(series: list[float], onset: int, kind: str) -> dict:
+    """The change a run showed around its ground-truth ``onset`` (see the module's docstring): base,
+    slope per step in the finding's unit, and the step where the change began."""
+    x = np.asarray(series, dtype=float)
+    scale = 100.0 if kind == "rate" else 1.0  # points of a rate; tokens as they are
+    base = float(x[:BASE_STEPS].mean())
+    lo, hi = max(0, onset - HALF), min(len(x) - 1, onset + HALF)
+    t = np.arange(lo, hi + 1, dtype=float)
+    if len(t) < 2:
+        raise BadInput(f"onset {onset}: fewer than 2 steps of series around it")
+    slope, icept = np.polyfit(t, x[lo:hi + 1], 1)
+    at_onset = slope * onset + icept
+    # the line is at the base one step before the change's first step (power.py's j-th changed step is
+    # j x the change off the base)
+    began = onset - round((at_onset - base) / slope) + 1 if slope else onset
+    began = int(max(BASE_STEPS, min(onset, began)))
+    return {"base": base, "slope": float(slope * scale), "began": began}
+
+
+def compare(runs: list[dict], n_sim: int = 200) -> list[dict]:
+    from reward_lens.power import load_power, simulate
+
+    p = load_power()
+    out = []
+    for r in runs:
+        if r["onset"] is None:
+            continue  # a healthy run: no delay to compare (its false alarms are the benchmark's to count)
+        row = {k: r[k] for k in ("mode", "seed", "groups", "completions", "finding", "onset", "detected_step")}
+        row["batch"] = r.get("batch", f"{r['groups']}x{r['completions']}")
+        sc = p.findings.get(r["finding"])
+        if sc is None:
+            out.append({**row, "verdict": "not simulated", "why": f"no scenario for {r['finding']} in specs/power.yaml"})
+            continue
+        if sc.feature not in r["series"]:
+            out.append({**row, "verdict": "not judged", "why": f"no series of `{sc.feature}`"})
+            continue
+        ch = shown_change(r["series"][sc.feature], r["onset"], sc.kind)
+        row.update(base=round(ch["base"], 4), change=round(ch["slope"], 3), began=ch["began"])
+        if ch["slope"] * sc.direction <= 0:
+            out.append({**row, "verdict": "not judged", "why": "the series does not move the finding's way"})
+            continue
+        d = simulate(r["finding"], r["groups"], r["completions"], abs(ch["slope"]), base=ch["base"], runs=n_sim)
+        lo, hi = d.at(0.05), d.at(0.95)
+        measured = r["detected_step"] - ch["began"] + 1 if r["detected_step"] is not None else None
+        row.update(measured=measured, stated_median=d.median, stated_low=lo, stated_high=hi,
+                   found_share=round(d.found, 3))
+        if measured is None:
+            inside = hi is None  # never found, and the simulation does not find it within its horizon either
+        else:
+            inside = lo is not None and lo <= measured and (hi is None or measured <= hi)
+        row["verdict"] = "within" if inside else ("later" if measured is None or (hi is not None and measured > hi)
+                                                   else "earlier")
+        out.append(row)
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| run | seed | batch | finding | change a step (base) | began | detected | measured delay | "
+             "stated median [90 % range] | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        change = f"{r['change']:+g} ({r['base']:.3g})" if "change" in r else "—"
+        rng = (f"{r['stated_median'] if r['stated_median'] is not None else '—'} "
+               f"[{r['stated_low'] if r['stated_low'] is not None else '—'}, "
+               f"{r['stated_high'] if r['stated_high'] is not None else 'past horizon'}]") if "stated_low" in r else "—"
+        lines.append(f"| {r['mode']} | {r['seed']} | {r['batch']} | `{r['finding']}` | {change} | {r.get('began', '—')} | "
+                     f"{r['detected_step'] if r['detected_step'] is not None else 'never'} | "
+                     f"{r['measured'] if r.get('measured') is not None else '—'} | {rng} | "
+                     f"{r['verdict']}{': ' + r['why'] if 'why' in r else ''} |")
+    judged = [r for r in rows if r["verdict"] in ("within", "later", "earlier")]
+    inside = sum(r["verdict"] == "within" for r in judged)
+    lines += ["", f"failure runs whose measured delay lies in the stated 90 % range: {inside} of {len(judged)}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", nargs="?", type=Path, default=DEFAULT)
+    ap.add_argument("--runs", type=int, default=200, help="simulated runs per labelled run (default 200)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    try:
+        rows = compare(load(a.path), a.runs)
+    except BadInput as exc:
+        print(f"power_vs_labelled: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=1) if a.json else table(rows))
+    judged = [r for r in rows if r["verdict"] in ("within", "later", "earlier")]
+    return 0 if judged and all(r["verdict"] == "within" for r in judged) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
