@@ -457,11 +457,11 @@ def _snapshot_statement(cfg: dict[str, Any], n_parameters: int, defaults: dict[s
 
 
 def _check_tap_section(path: Path, section: str, values: dict[str, Any]) -> None:
-    """The `reward_lens:` section against the tap's own settings model (reward_lens/taps/settings.py):
+    """The `reward_lens:` section against the tap's own settings model (reward_lens_spec/tap_settings.py):
     the audit accepts exactly what ``RewardLensTap.attach`` runs with, and names the key otherwise."""
     from pydantic import ValidationError
 
-    from reward_lens.taps.settings import TapSettings, settings_error
+    from reward_lens_spec.tap_settings import TapSettings, settings_error
 
     values = dict(values)
     if values.get("stop_on") is not None and values.get("check_every") == 0:
@@ -492,7 +492,7 @@ def _tap_rejects(path: Path, section: str, values: dict[str, Any]) -> Cause | No
 
 def tap_targets(values: dict[str, Any]) -> dict[str, str]:
     """The targets a tap section declares (`target:`), by name: what the user wants."""
-    from reward_lens.taps.settings import tap_settings
+    from reward_lens_spec.tap_settings import tap_settings
 
     targets = tap_settings(target=values.get("target")).target if values.get("target") is not None else ()
     return {t.name: t.want for t in targets or ()}

@@ -66,7 +66,7 @@ from reward_lens.record.stream import RecordStream
 from reward_lens.taps import calls
 from reward_lens.taps.budget import Budget, Plan, Shape
 from reward_lens.taps.calls import TapCallError
-from reward_lens.taps.settings import TapSettings
+from reward_lens_spec.tap_settings import TapSettings
 
 logger = logging.getLogger("reward_lens")
 

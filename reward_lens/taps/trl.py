@@ -67,7 +67,7 @@ from transformers import TrainerCallback
 
 from reward_lens.record.importers.trl_output import record_config
 from reward_lens.taps.core import LOGGED, Generation, Row, TapCore, _local  # noqa: F401 -- LOGGED re-exported
-from reward_lens.taps.settings import tap_settings
+from reward_lens_spec.tap_settings import tap_settings
 
 INDEX_KEY = "_reward_lens_index"
 # accelerate's distributed types that shard the parameters across processes
@@ -165,7 +165,7 @@ def _truncation(args) -> list[str]:
 
 class RewardLensTap(TrainerCallback):
     def __init__(self, trainer, record_dir: str | Path, **settings):
-        s = tap_settings(**settings)  # reward_lens/taps/settings.py: the audit validates the same model
+        s = tap_settings(**settings)  # reward_lens_spec/tap_settings.py: the audit validates the same model
         self.settings = s
         acc = trainer.accelerator
         kind = str(getattr(acc, "distributed_type", "NO")).split(".")[-1]

@@ -48,3 +48,10 @@ def test_the_books_import_no_finding_audit_tap_report_or_cli():
     # the books circle (measure -> findings/report -> measure) stays out
     assert _offenders("reward_lens/measure", ("reward_lens.audit", "reward_lens.findings", "reward_lens.taps",
                                               "reward_lens.report", "reward_lens.cli")) == {}
+
+
+def test_the_audit_and_findings_import_no_tap():
+    # the audit validates a `reward_lens:` section with the tap's settings model, which lives in the
+    # spec layer (reward_lens_spec/tap_settings.py) so that the audit needs nothing from the taps
+    for f in ("reward_lens/audit.py", "reward_lens/findings.py", "reward_lens/power.py"):
+        assert not [m for m in _imports(ROOT / f) if m.startswith("reward_lens.taps")], f
