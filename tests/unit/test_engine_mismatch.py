@@ -231,7 +231,7 @@ def _boundary_runs(groups: int, runs: int, steps: int, transform: bool, seed: in
     return float(alarmed.mean())
 
 
-@pytest.mark.parametrize("groups", [4, 8])
+@pytest.mark.parametrize("groups", [4, pytest.param(8, marks=pytest.mark.slow)])
 def test_the_false_alarm_rate_over_a_run_is_what_the_docs_state(groups):
     """At the boundary of the null, over 1,000 steps checked at every step, the two rules together
     alarm on under 1.2 % of runs (docs/findings.md; the CUSUM's 0.94 % by Brook & Evans, the pair
