@@ -53,7 +53,11 @@ findings.py), several seeds per cause, and the halt judged against `check` on th
     python tools/mismatch_runs.py            # every cause and seed; prints the table and JSON
     python tools/mismatch_runs.py --quick    # one seed of each cause and one clean run
     python tools/mismatch_runs.py --json bench/results/mismatch_runs.json   # the reported run
-    python tools/mismatch_runs.py --quote    # the block docs/findings.md quotes, from that file
+    python tools/mismatch_runs.py --jobs 4 --json bench/results/mismatch_runs.json   # 4 runs at once
+    python tools/mismatch_runs.py --coverage # the series' coverage of the exact KL, into
+                                             # bench/results/mismatch_coverage.json
+    python tools/mismatch_runs.py --quote    # the block docs/findings.md quotes, from that file, and
+                                             # the coverage line docs/science.md quotes
 """
 
 from __future__ import annotations
@@ -344,12 +348,16 @@ def quote(rows: list[dict]) -> str:
     crit = [r for r in timed if r["truth_critical"] is not None]
     on_time = [r for r in timed if r["status"] == "holds" and r["onset"] is not None
                and abs(r["onset"] - r["truth_onset"]) <= TOLERANCE]
-    halted = [r for r in crit if r["halted"] is not None and r["first_critical"] is not None
+    named = [r for r in crit if r["status"] == "holds" and r["severity"] == "critical"]
+    halted = [r for r in named if r["halted"] is not None and r["first_critical"] is not None
               and r["halted"] <= r["first_critical"]]
     lags = [r["halted"] - r["critical_from"] for r in halted if r["critical_from"] is not None]
+    delays = [r["first_warn"] - r["truth_onset"] for r in on_time if r["first_warn"] is not None]
     return (table(rows) + "\n\n"
-            f"mismatched runs found within {TOLERANCE} step of the ground-truth onset: {len(on_time)} of {len(timed)}; "
-            f"of them reaching D_t, halted live no later than `check` first says critical: {len(halted)} of {len(crit)}"
+            f"mismatched runs named with their onset within {TOLERANCE} step of the ground-truth onset: {len(on_time)} "
+            f"of {len(timed)}" + (f" (first said {min(delays)} to {max(delays)} steps after it)" if delays else "")
+            + f"; reaching D_t at some step (exact): {len(crit)}, of which `check` says critical on {len(named)}, and "
+            f"on {len(halted)} of those the live tap signalled the halt no later than `check`'s first critical prefix"
             + (f" ({min(lags)} to {max(lags)} steps after the critical onset `check` names)" if lags else "")
             + f"; below the line and quiet: {sum(r['pass'] for r in below)} of {len(below)}; clean runs quiet at every "
             f"prefix: {sum(r['pass'] for r in clean)} of {len(clean)}; live = `check` at every prefix on "
@@ -358,9 +366,9 @@ def quote(rows: list[dict]) -> str:
 
 RESULTS = REPO / "bench" / "results" / "mismatch_runs.json"
 COVERAGE = REPO / "bench" / "results" / "mismatch_coverage.json"
-# The coverage check: per cause, a pool of POOL engine samples per prompt (gaps as the tap reads
-# them) and TRUTH_PER fresh ones for the exact KL; REDRAWS redraws of a step's rollouts from the pool.
-POOL, TRUTH_PER, REDRAWS, COVER_SEED = 64, 16, 400, 5
+# The coverage check: per cause, REDRAWS steps' rollouts drawn fresh from the engine (GROUPS prompts
+# x GENERATIONS each), and TRUTH_PER fresh engine samples of every prompt for the exact KL.
+TRUTH_PER, REDRAWS, COVER_SEED, CHUNK = 64, 200, 5, 1024
 
 
 def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
@@ -368,12 +376,13 @@ def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
     (seed COVER_SEED, untrained) and its engine departed by that cause. The truth is the exact
     KL(pi_engine || pi_t) per sequence -- the full-vocabulary token KL summed along ``TRUTH_PER``
     fresh engine samples of each prompt (``exact_kl``), averaged over the prompts (drawn uniformly).
-    A step's rollouts are redrawn ``REDRAWS`` times: ``GROUPS`` prompts drawn with replacement, and
-    for each ``GENERATIONS`` completions drawn without replacement from ``POOL`` engine samples of
-    it (each a sample of the engine: every redraw is a fresh step's sample, though redraws share
-    the pool); each gives the series' estimate (``measure.mismatch.step_mismatch``, on the gaps
-    log pi_engine - log pi_t the tap would record) and its interval, t quantile on GROUPS - 1
-    degrees of freedom. The stale engine needs a trained policy beside it and is not in it."""
+    ``REDRAWS`` steps are drawn, each fresh and independent of the others: ``GROUPS`` prompts drawn
+    with replacement, ``GENERATIONS`` engine completions of each; each step gives the series'
+    estimate (``measure.mismatch.step_mismatch``, on the gaps log pi_engine - log pi_t the tap
+    records) and its 95 % interval, t quantile on GROUPS - 1 degrees of freedom. (A first version
+    redrew the steps from a shared pool of 64 completions a prompt: its redraws centred on the
+    pool's mean, not the truth, and top-p read 44 %.) The stale engine needs a trained policy beside
+    it and is not in it."""
     from scipy import stats
 
     from reward_lens.measure.mismatch import step_mismatch
@@ -387,42 +396,47 @@ def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
         engine.sync(model, 0)
         eos, pad = tok.eos_token_id, tok.pad_token_id
         gen = torch.Generator().manual_seed(COVER_SEED)
-        truth, truth_se, pool_gap, pool_tok = [], [], [], []
-        for prompt in PROMPTS:
+        rng = np.random.default_rng(COVER_SEED)
+        picks = rng.integers(0, len(PROMPTS), size=(REDRAWS, GROUPS))
+        truth, truth_se, gaps, toks = [], [], [], []
+        for p, prompt in enumerate(PROMPTS):
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
             kl, se = exact_kl(engine, model, [ids] * TRUTH_PER, eos, pad, gen)
             truth.append(kl)
             truth_se.append(se)
-            comps, lp_engine = engine.generate([ids] * POOL, eos, gen)
-            full, mask = _padded([ids] * POOL, comps, pad)
-            with torch.no_grad():
-                lp = torch.log_softmax(model(input_ids=full).logits[:, len(ids) - 1:-1].double(), -1)
-            lp_pol = (lp.gather(-1, full[:, len(ids):, None])[:, :, 0] * mask).sum(-1).numpy()
-            pool_gap.append(np.asarray(lp_engine) - lp_pol)
-            pool_tok.append(mask.sum(-1).numpy())
+            need = int((picks == p).sum()) * GENERATIONS
+            g_p, t_p = [], []
+            for start in range(0, need, CHUNK):
+                n = min(CHUNK, need - start)
+                comps, lp_engine = engine.generate([ids] * n, eos, gen)
+                full, mask = _padded([ids] * n, comps, pad)
+                with torch.no_grad():
+                    lp = torch.log_softmax(model(input_ids=full).logits[:, len(ids) - 1:-1].double(), -1)
+                lp_pol = (lp.gather(-1, full[:, len(ids):, None])[:, :, 0] * mask).sum(-1).numpy()
+                g_p.append(np.asarray(lp_engine) - lp_pol)
+                t_p.append(mask.sum(-1).numpy())
+            gaps.append(np.concatenate(g_p) if g_p else np.zeros(0))
+            toks.append(np.concatenate(t_p) if t_p else np.zeros(0))
         exact = float(np.mean(truth))
         exact_se = float(math.sqrt(np.sum(np.square(truth_se))) / len(truth_se))
-        rng = np.random.default_rng(COVER_SEED)
         q = stats.t.ppf(0.975, GROUPS - 1)
-        hit = hit_tok = 0
-        est = []
-        for _ in range(REDRAWS):
-            picks = rng.integers(0, len(PROMPTS), size=GROUPS)
-            order = {p: rng.permutation(POOL) for p in set(picks.tolist())}
-            used = {p: 0 for p in order}
+        used = [0] * len(PROMPTS)
+        hit = 0
+        est, ses = [], []
+        for row in picks:  # every completion is used once: the redraws are independent
             gap, tokens = [], []
-            for p in picks:
-                rows = order[p][used[p]:used[p] + GENERATIONS]
+            for p in row:
+                gap.append(gaps[p][used[p]:used[p] + GENERATIONS])
+                tokens.append(toks[p][used[p]:used[p] + GENERATIONS])
                 used[p] += GENERATIONS
-                gap.append(pool_gap[p][rows])
-                tokens.append(pool_tok[p][rows])
             m = step_mismatch(0, np.concatenate(gap), np.repeat(np.arange(GROUPS), GENERATIONS), GROUPS,
                               np.concatenate(tokens))
             est.append(m.kl_seq)
+            ses.append(m.kl_seq_se)
             hit += abs(m.kl_seq - exact) <= q * m.kl_seq_se
         out.append({"cause": cause, "exact_kl_seq": exact, "exact_kl_seq_se": exact_se, "redraws": REDRAWS,
                     "groups": GROUPS, "per_group": GENERATIONS, "mean_estimate": float(np.mean(est)),
-                    "coverage": hit / REDRAWS})
+                    "spread": float(np.std(est, ddof=1)), "mean_se": float(np.mean(ses)), "coverage": hit / REDRAWS})
         print(json.dumps(out[-1]), flush=True)
     return out
 
@@ -430,10 +444,11 @@ def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
 def coverage_line(rows: list[dict]) -> str:
     """The coverage line the quote ends with, from bench/results/mismatch_coverage.json."""
     parts = [f"{r['cause']} {100 * r['coverage']:.1f} % (exact {r['exact_kl_seq']:.3g} ± {r['exact_kl_seq_se']:.2g} "
-             f"nats/seq, mean estimate {r['mean_estimate']:.3g})" for r in rows]
+             f"nats/seq; estimates {r['mean_estimate']:.3g} on average, spread {r['spread']:.2g}, mean SE "
+             f"{r['mean_se']:.2g})" for r in rows]
     n = rows[0]
     return (f"the series' 95 % interval covers the exact KL(π_engine ‖ π_t) per sequence over {n['redraws']} redraws "
-            f"of {n['groups']} prompt groups × {n['per_group']}: " + "; ".join(parts))
+            f"of {n['groups']} prompt groups × {n['per_group']}, each drawn fresh: " + "; ".join(parts))
 
 
 def main(argv=None) -> list[dict]:
