@@ -244,3 +244,20 @@ def test_the_false_alarm_rate_over_a_run_is_what_the_docs_state(groups):
     assert _boundary_runs(groups, 1500, 1000, transform=True) < 0.012 + 3 * 0.0028
     if groups == 4:
         assert _boundary_runs(groups, 300, 1000, transform=False) > 0.5
+
+
+def test_the_science_page_quotes_the_coverage_line_as_its_script_prints_it():
+    import json
+    import re
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    sys.path.insert(0, str(repo / "tools"))
+    import mismatch_runs
+
+    sys.path.pop(0)
+    page = (repo / "docs" / "science.md").read_text()
+    block = re.search(r"<!-- mismatch-coverage:start -->\n(.*?)\n<!-- mismatch-coverage:end -->", page, re.S).group(1)
+    assert block == mismatch_runs.coverage_line(json.loads(mismatch_runs.COVERAGE.read_text())), \
+        "python tools/mismatch_runs.py --quote"
