@@ -657,7 +657,7 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     union is under 1.2 % (tests/unit/test_engine_mismatch.py checks it by simulation at 4 and 8
     groups). With no mismatch at all the scores sit far below zero and the rate is lower still."""
     from reward_lens.measure.ledger.paired import SAMPLER_KL_MAX_SHARE
-    from reward_lens.measure.sequential import K, normal_score
+    from reward_lens.measure.sequential import K, normal_scores
 
     if share != SAMPLER_KL_MAX_SHARE:
         raise ValueError(f"specs/findings/engine_mismatch.yaml: share = {share}, but the paired ledger refuses a step "
@@ -668,19 +668,24 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
         dt = d_t.get(int(s))
         if dt is None or not dt > 0 or not (m.kl_seq_se == m.kl_seq_se):
             continue
-        dse = d_se.get(int(s), 0.0) or 0.0
-
-        def score(level: float) -> float:
-            excess = m.kl_seq - level * dt
-            se = math.sqrt(m.kl_seq_se ** 2 + (level * dse) ** 2)
-            w = excess / se if se > 0 else (math.copysign(math.inf, excess) if excess else 0.0)
-            return normal_score(w, max(m.groups - 1, 1))
-
-        rows.append((int(s), m, dt, score(share), score(critical)))
+        rows.append((int(s), m, dt, d_se.get(int(s), 0.0) or 0.0))
     seen_steps = len(d.mismatch)
     if (short := _too_short(len(rows), min_steps, persist, "engine_mismatch")) is not None:
         return unjudged(**short.evidence, mismatch_steps=seen_steps, no_d_t=seen_steps > 0 and not rows)
     steps = np.array([r[0] for r in rows], dtype=np.int64)
+    kl = np.array([r[1].kl_seq for r in rows])
+    kl_se = np.array([r[1].kl_seq_se for r in rows])
+    dt_arr, dse_arr = np.array([r[2] for r in rows]), np.array([r[3] for r in rows])
+    df = np.array([max(r[1].groups - 1, 1) for r in rows], dtype=float)
+
+    def scores(level: float) -> np.ndarray:
+        """Each step's normal score of (KL - level x D_t) / SE, Student's t on its groups less one;
+        a zero SE gives +-inf (past the clip) or 0 where the excess is zero too."""
+        excess = kl - level * dt_arr
+        se = np.sqrt(kl_se ** 2 + (level * dse_arr) ** 2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            w = np.where(se > 0, excess / se, np.where(excess == 0, 0.0, np.copysign(np.inf, excess)))
+        return normal_scores(w, df)
 
     def rules(scores: np.ndarray) -> tuple[int | None, int | None, float]:
         """(the one-step rule's onset, the pooled rule's onset; None where it does not hold at the
@@ -693,15 +698,16 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
             start = None if c == 0.0 else (int(s) if start is None else start)
         return one, start if c >= h else None, c
 
-    warn_one, warn_pool, cusum = rules(np.array([r[3] for r in rows]))
-    crit_one, crit_pool, cusum_crit = rules(np.array([r[4] for r in rows]))
+    warn_scores = scores(share)
+    warn_one, warn_pool, cusum = rules(warn_scores)
+    crit_one, crit_pool, cusum_crit = rules(scores(critical))
     last = rows[-1]
     peak = max(rows, key=lambda r: r[1].kl_seq / r[2])
     seen = {"steps": len(rows), "share": share, "critical": critical, "z": z, "persist": persist, "h": h, "k": K,
             "last_step": last[0], "kl_seq": last[1].kl_seq, "kl_seq_se": last[1].kl_seq_se, "d_t": last[2],
             "ratio": last[1].kl_seq / last[2], "kl_token": last[1].kl_token, "max_log_ratio": last[1].max_log_ratio,
             "tail_share": last[1].tail_share, "peak_step": peak[0], "peak_ratio": peak[1].kl_seq / peak[2],
-            "groups": last[1].groups, "score": last[3], "cusum": cusum, "cusum_critical": cusum_crit,
+            "groups": last[1].groups, "score": float(warn_scores[-1]), "cusum": cusum, "cusum_critical": cusum_crit,
             "source": "the tap's rollouts: logp_sampler - logp_pre, k1 along the sampler's own samples"}
     if warn_one is None and warn_pool is None:
         return Outcome(False, None, seen)
