@@ -630,23 +630,39 @@ def run_diverged(d: FindingData) -> Outcome:
 
 
 def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z: float = 3.0, persist: int = 2,
-                    min_steps: int = 2, logged_warn: float = 0.01, logged_critical: float = 0.1,
+                    h: float = 5.0, min_steps: int = 2, logged_warn: float = 0.01, logged_critical: float = 0.1,
                     logged_persist: int = 2, logged_min_steps: int = 2) -> Outcome:
     """The engine that sampled the rollouts departs from the policy the trainer scores them with
-    by more than ``share`` of the update's own divergence: at each of the last ``persist`` steps
-    judged, KL(pi_sampler || pi_t) along the step's rollouts (``measure.mismatch``, nats/seq) less
-    ``z`` standard errors (its own and ``share`` times D_t's, combined) exceeds ``share`` x D_t.
-    ``share`` = 0.1 is the paired ledger's ``SAMPLER_KL_MAX_SHARE``: past it the mismatch is a
-    large part of what the step's samples say, so the ledger refuses the pair; the finding and the
-    refusal are one rule on one number. Severity ``critical`` where, at those steps, the
-    mismatch is resolved at ``critical`` x D_t or more: the gradient was taken on another policy's
-    samples by as much as the update moved the policy. A step is judged where it has the
-    mismatch, its SE (two prompt groups or more) and a positive D_t; the onset is the first step of
-    the final stretch of steps over the line. z = 3 and two steps in a row: with no mismatch the
-    chance that one step's estimate crosses by noise is at most 0.00135 (a one-sided normal
-    tail), two in a row 1.8e-6, so a 1,000-step run checked at every step alarms falsely with
-    probability under 0.2 % (docs/findings.md)."""
+    by more than ``share`` of the update's own divergence. A step is judged where it has the
+    mismatch (``measure.mismatch``: KL(pi_sampler || pi_t) along its rollouts, nats/seq), its SE
+    (two prompt groups or more) and a positive D_t. Its evidence at a level (``share`` or
+    ``critical`` x D_t) is one number: the excess KL - level x D_t over its SE (its own and level
+    times D_t's, combined), turned into a normal score through Student's t on the step's prompt
+    groups less one (``measure.sequential.normal_score``: at 4 groups a t of 3 is a tail of 2.9 %,
+    not the normal 0.13 %, and the score says which). Two rules read the scores, and the finding
+    holds where either does at the last step judged:
+
+    * *one step at a time*: the score is at least ``z`` at each of the last ``persist`` steps;
+    * *pooled*: a one-sided CUSUM of the scores, C_t = max(0, C_{t-1} + u_t - K) with Page's
+      K = 1 of the sequential watch, is at least ``h``. A mismatch that persists but that no step
+      resolves alone (a stale engine's log-ratios spread over nats, a few prompt groups a step)
+      adds its evidence up over the steps; a mismatch that goes away lets the sum fall by K a step.
+
+    The onset is the first step of the final stretch over the line (one step at a time), or of the
+    CUSUM's current excursion above zero (its change-point estimate), the earlier where both hold.
+    ``share`` = 0.1 is the paired ledger's ``SAMPLER_KL_MAX_SHARE``: past it the mismatch is a large
+    part of what the step's samples say, so the ledger refuses the pair; the finding and the
+    refusal read one number. Severity ``critical`` where the same rules hold at ``critical`` x D_t:
+    the gradient was taken on another policy's samples by as much as the update moved the policy.
+
+    False alarms over a run, in the worst case the null allows (the true mismatch exactly
+    ``share`` x D_t, each score a standard normal): two steps in a row at z = 3 has probability
+    1.8e-6 per pair of steps, under 0.2 % over 1,000 steps; the CUSUM at h = 5 crosses within
+    1,000 steps with probability 0.94 % (``false_alarm_probability``, Brook & Evans 1972); the
+    union is under 1.2 % (tests/unit/test_engine_mismatch.py checks it by simulation at 4 and 8
+    groups). With no mismatch at all the scores sit far below zero and the rate is lower still."""
     from reward_lens.measure.ledger.paired import SAMPLER_KL_MAX_SHARE
+    from reward_lens.measure.sequential import K, normal_scores
 
     if share != SAMPLER_KL_MAX_SHARE:
         raise ValueError(f"specs/findings/engine_mismatch.yaml: share = {share}, but the paired ledger refuses a step "
@@ -666,31 +682,55 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
         dt = d_t.get(int(s))
         if dt is None or not dt > 0 or not (m.kl_seq_se == m.kl_seq_se):
             continue
-        dse = d_se.get(int(s), 0.0) or 0.0
-
-        def over(level: float) -> bool:
-            return m.kl_seq - z * math.sqrt(m.kl_seq_se ** 2 + (level * dse) ** 2) > level * dt
-
-        rows.append((int(s), m, dt, over(share), over(critical)))
+        rows.append((int(s), m, dt, d_se.get(int(s), 0.0) or 0.0))
     seen_steps = len(d.mismatch)
     if (short := _too_short(len(rows), min_steps, persist, "engine_mismatch")) is not None:
         return unjudged(**short.evidence, mismatch_steps=seen_steps, no_d_t=seen_steps > 0 and not rows)
     steps = np.array([r[0] for r in rows], dtype=np.int64)
-    warn = np.array([r[3] for r in rows])
-    crit = np.array([r[4] for r in rows])
+    kl = np.array([r[1].kl_seq for r in rows])
+    kl_se = np.array([r[1].kl_seq_se for r in rows])
+    dt_arr, dse_arr = np.array([r[2] for r in rows]), np.array([r[3] for r in rows])
+    df = np.array([max(r[1].groups - 1, 1) for r in rows], dtype=float)
+
+    def scores(level: float) -> np.ndarray:
+        """Each step's normal score of (KL - level x D_t) / SE, Student's t on its groups less one;
+        a zero SE gives +-inf (past the clip) or 0 where the excess is zero too."""
+        excess = kl - level * dt_arr
+        se = np.sqrt(kl_se ** 2 + (level * dse_arr) ** 2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            w = np.where(se > 0, excess / se, np.where(excess == 0, 0.0, np.copysign(np.inf, excess)))
+        return normal_scores(w, df)
+
+    def rules(scores: np.ndarray) -> tuple[int | None, int | None, float]:
+        """(the one-step rule's onset, the pooled rule's onset; None where it does not hold at the
+        last step) and the CUSUM at the last step."""
+        over = scores >= z
+        one = _final_stretch(steps, over)[1] if over[-persist:].all() else None
+        c, start = 0.0, None
+        for s, u in zip(steps, scores):
+            c = max(0.0, c + float(u) - K)
+            start = None if c == 0.0 else (int(s) if start is None else start)
+        return one, start if c >= h else None, c
+
+    warn_scores = scores(share)
+    warn_one, warn_pool, cusum = rules(warn_scores)
+    crit_one, crit_pool, cusum_crit = rules(scores(critical))
     last = rows[-1]
     peak = max(rows, key=lambda r: r[1].kl_seq / r[2])
-    seen = {"steps": len(rows), "share": share, "critical": critical, "z": z, "persist": persist,
+    seen = {"steps": len(rows), "share": share, "critical": critical, "z": z, "persist": persist, "h": h, "k": K,
             "last_step": last[0], "kl_seq": last[1].kl_seq, "kl_seq_se": last[1].kl_seq_se, "d_t": last[2],
             "ratio": last[1].kl_seq / last[2], "kl_token": last[1].kl_token, "max_log_ratio": last[1].max_log_ratio,
             "tail_share": last[1].tail_share, "peak_step": peak[0], "peak_ratio": peak[1].kl_seq / peak[2],
+            "groups": last[1].groups, "score": float(warn_scores[-1]), "cusum": cusum, "cusum_critical": cusum_crit,
             "source": "the tap's rollouts: logp_sampler - logp_pre, k1 along the sampler's own samples"}
-    if not warn[-persist:].all():
+    if warn_one is None and warn_pool is None:
         return Outcome(False, None, seen)
-    _, onset = _final_stretch(steps, warn)
-    severity = "critical" if crit[-persist:].all() else None
-    if severity:
-        _, seen["critical_from"] = _final_stretch(steps, crit)
+    onset = min(x for x in (warn_one, warn_pool) if x is not None)
+    seen["rule"] = "step" if warn_pool is None else ("pooled" if warn_one is None else "both")
+    severity = None
+    if crit_one is not None or crit_pool is not None:
+        severity = "critical"
+        seen["critical_from"] = min(x for x in (crit_one, crit_pool) if x is not None)
     return Outcome(True, onset, {**seen, "severity": severity or "warn"}, severity=severity)
 
 

@@ -33,17 +33,31 @@ THE RULES, written before any finding was read, and not tuned on these seeds:
 2. On a run with a ground-truth onset, `check` on the record (every step the tap recorded) must
    name `engine_mismatch` at warn or above with its onset within ``TOLERANCE`` steps of the
    truth's (either side).
-3. Where the exact KL reaches D_t (critical), the run is trained with ``stop_on="critical"``: the
-   live tap must halt it, at a step no later than the truth's critical onset + ``HALT_WITHIN``
-   (D_t of a step is known one step late, and the rule asks for two steps in a row), and `check`
-   on the halted record must say critical.
-4. On every clean run the live finding (checked at every step, which is `check` at every prefix:
-   tests/unit/test_live_findings.py) never holds, and `check` on the whole record is clear.
+3. Every run trains with ``stop_on="critical"`` and the live findings checked at every step; the
+   tap's stop signal is noted and the run goes on (the halted run and its unhalted twin are one
+   run up to the halt), so `check` reads the whole record. Where the exact KL reaches D_t
+   (critical), `check` on the whole record must say critical, and the live tap must signal the
+   halt no later than the first prefix at which `check` says critical (a prefix as the tap saw it
+   at the end of step k: rollouts of steps 0..k, D_t of steps 0..k-1, since a step's D_t is
+   measured on the next step's rollouts). The halt's lag behind the critical onset `check` names
+   is reported, not judged: a rule that needs evidence after a step cannot halt at it.
+4. On every run the live finding's first hold and its halt are `check`'s at the same prefix (the
+   live finding is `check` at every prefix). On every clean run the live finding never holds,
+   and `check` is clear on the whole record and at every prefix.
+
+Changed for issue 59 after the first benchmark (one seed at 4 prompt groups a step, which missed
+the stale engine: no step resolved it): 8 prompt groups a step (the smallest batch a user runs
+is larger), the finding's pooled rule (a one-sided CUSUM of each step's evidence, reward_lens/
+findings.py), several seeds per cause, and the halt judged against `check` on the same record.
 
     python tools/mismatch_runs.py            # every cause and seed; prints the table and JSON
     python tools/mismatch_runs.py --quick    # one seed of each cause and one clean run
     python tools/mismatch_runs.py --json bench/results/mismatch_runs.json   # the reported run
-    python tools/mismatch_runs.py --quote    # the block docs/findings.md quotes, from that file
+    python tools/mismatch_runs.py --jobs 4 --json bench/results/mismatch_runs.json   # 4 runs at once
+    python tools/mismatch_runs.py --coverage # the series' coverage of the exact KL, into
+                                             # bench/results/mismatch_coverage.json
+    python tools/mismatch_runs.py --quote    # the block docs/findings.md quotes, from that file, and
+                                             # the coverage line docs/science.md quotes
 """
 
 from __future__ import annotations
@@ -62,7 +76,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-GROUPS, GENERATIONS, MAX_NEW, HELDOUT = 4, 8, 12, 4
+GROUPS, GENERATIONS, MAX_NEW, HELDOUT = 8, 8, 12, 4
 PROMPTS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
 LOGIT_SCALE = 40.0
 LR = 3e-3
@@ -70,12 +84,15 @@ ONSET = 3
 LAG = 2
 ENGINE_TEMPERATURE = 1.25
 ENGINE_TOP_P = 0.9
-FRESH = 8
+FRESH = 4
 TOLERANCE = 1
-HALT_WITHIN = 2
 SHARE, CRITICAL = 0.1, 1.0
 CAUSES = ("bf16", "stale", "temperature", "top_p")
-SEEDS = {"mismatch": (11,), "clean": (11, 12, 13)}
+# The reported seeds (21-23) were run once, after the rules below and the finding's pooled rule were
+# written; seeds 11 and 12 were looked at while writing them (the stale engine's per-step series at 4
+# and 8 groups), and no parameter was set from them: K = 1 and h = 5 are the sequential watch's.
+SEEDS = {"mismatch": {"stale": (21, 22, 23), "temperature": (21, 22), "top_p": (21, 22), "bf16": (21,)},
+         "clean": (21, 22, 23)}
 STEPS = 8
 
 
@@ -242,58 +259,84 @@ def train(record_dir: Path, cause: str, seed: int, steps: int, stop_on: str | No
         opt.step()
         core.after_optimizer_step(step)
         if core.end_step(step):
-            halted = step
-            break
-    core.end(steps if halted is None else halted + 1)
+            # the tap's stop signal under stop_on="critical" (what the TRL adapter turns into
+            # TrainerControl.should_training_stop): noted, and the run goes on, so that `check` reads
+            # the whole record of the same run, the unhalted twin of the halted one
+            halted = step if halted is None else halted
+    core.end(steps)
     live_held = sorted(t for t, ids in core.findings_log.items() if "engine_mismatch" in ids)
     return {"truth": truth, "halted": halted, "live_held": live_held, "entropy": float(np.mean(entropy))}
 
 
 def check(record_dir: Path):
-    from reward_lens.findings import evaluate
+    """`check`'s engine_mismatch on the whole record, D_t by step, and the same finding at every
+    prefix as the live tap saw it at the end of step k: the rollouts of steps 0..k and D_t of steps
+    0..k-1 (a step's D_t is measured on the next step's rollouts), through check's own read of the
+    record (``FindingData.from_run``) and its evaluation (``evaluate_one``)."""
+    from reward_lens.findings import FindingData, evaluate, evaluate_one
     from reward_lens.record import open_run
+    from reward_lens_spec import load_findings
 
     run = open_run(record_dir)
     f = next(x for x in evaluate(run) if x.id == "engine_mismatch")
-    return f, dict(run.telemetry_column("kl_to_previous"))
+    spec = load_findings()["engine_mismatch"]
+    full = FindingData.from_run(run)
+    prefixes = {}
+    for k in sorted(full.mismatch):
+        data = FindingData({n: {s: v for s, v in full.series(n).items() if s < k}
+                            for n in ("kl_to_previous", "kl_to_previous_se")},
+                           mismatch={s: m for s, m in full.mismatch.items() if s <= k})
+        g = evaluate_one(spec, data, [])
+        prefixes[k] = g.severity if g.status == "holds" else g.status
+    return f, dict(run.telemetry_column("kl_to_previous")), prefixes
 
 
 def one(cause: str, seed: int, steps: int, workdir: Path) -> dict:
     rec = workdir / f"{cause}-{seed}"
-    stop_on = None if cause == "clean" else "critical"
-    got = train(rec, cause, seed, steps, stop_on)
-    f, d_t = check(rec)
+    got = train(rec, cause, seed, steps, "critical")
+    f, d_t, prefixes = check(rec)
     truth = got["truth"]
     ratio = {s: truth[s][0] / d_t[s] for s in truth if d_t.get(s)}
     onset = next((s for s in sorted(ratio) if s >= ONSET and ratio[s] >= SHARE), None) if cause != "clean" else None
     crit = next((s for s in sorted(ratio) if s >= ONSET and ratio[s] >= CRITICAL), None) if cause != "clean" else None
     row = {"cause": cause, "seed": seed, "steps": len(d_t) + 1, "entropy": got["entropy"],
            "truth_onset": onset, "truth_critical": crit, "status": f.status, "severity": f.severity,
-           "onset": f.onset, "halted": got["halted"], "live_held": got["live_held"],
+           "onset": f.onset, "critical_from": f.values.get("critical_from") if f.severity == "critical" else None,
+           "rule": f.values.get("rule"), "halted": got["halted"], "live_held": got["live_held"],
+           "first_warn": next((k for k, v in prefixes.items() if v in ("warn", "critical")), None),
+           "first_critical": next((k for k, v in prefixes.items() if v == "critical"), None),
+           "prefixes": prefixes,
            "truth_ratio": {s: round(v, 4) for s, v in ratio.items()},
            "measured_ratio": f.values.get("ratio"), "peak_ratio": f.values.get("peak_ratio")}
+    # the live finding is `check` at every prefix: its first hold and its halt are check's first
+    row["live_is_check"] = (got["live_held"][:1] == ([row["first_warn"]] if row["first_warn"] is not None else [])
+                            and got["halted"] == row["first_critical"])
     if cause == "clean":
-        row["pass"] = not got["live_held"] and f.status == "clear"
+        row["pass"] = not got["live_held"] and f.status == "clear" and set(prefixes.values()) <= {"clear", "not_evaluated"}
     elif onset is None:
-        row["pass"] = f.status != "holds"
+        row["pass"] = f.status != "holds" and not got["live_held"]
     else:
         ok = f.status == "holds" and f.onset is not None and abs(f.onset - onset) <= TOLERANCE
         if crit is not None:
-            ok = ok and got["halted"] is not None and got["halted"] <= crit + HALT_WITHIN and f.severity == "critical"
-        row["pass"] = bool(ok)
+            ok = (ok and f.severity == "critical" and got["halted"] is not None
+                  and row["first_critical"] is not None and got["halted"] <= row["first_critical"])
+        row["pass"] = bool(ok and row["live_is_check"])
     return row
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| cause | seed | truth onset (≥ 0.1 D_t) | truth critical (≥ D_t) | check | from step | live halt | "
-           "peak ratio measured | pass |", "|---|---|---|---|---|---|---|---|---|"]
+    def v(x):
+        return "—" if x is None else str(x)
+
+    out = ["| cause | seed | truth onset (≥ 0.1 D_t) | truth critical (≥ D_t) | check | onset | critical from | rule | "
+           "first warn | first critical | live halt | peak ratio measured | pass |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         status = f"{r['status']}" + (f" ({r['severity']})" if r["status"] == "holds" else "")
         peak = f"{r['peak_ratio']:.2f}" if r["peak_ratio"] is not None else "—"
-        out.append(f"| {r['cause']} | {r['seed']} | {r['truth_onset'] if r['truth_onset'] is not None else '—'} | "
-                   f"{r['truth_critical'] if r['truth_critical'] is not None else '—'} | {status} | "
-                   f"{r['onset'] if r['onset'] is not None else '—'} | {r['halted'] if r['halted'] is not None else '—'} | "
-                   f"{peak} | {'yes' if r['pass'] else '**no**'} |")
+        out.append(f"| {r['cause']} | {r['seed']} | {v(r['truth_onset'])} | {v(r['truth_critical'])} | {status} | "
+                   f"{v(r['onset'])} | {v(r['critical_from'])} | {v(r['rule'])} | {v(r['first_warn'])} | "
+                   f"{v(r['first_critical'])} | {v(r['halted'])} | {peak} | {'yes' if r['pass'] else '**no**'} |")
     return "\n".join(out)
 
 
@@ -303,14 +346,109 @@ def quote(rows: list[dict]) -> str:
     below = [r for r in rows if r["cause"] != "clean" and r["truth_onset"] is None]
     clean = [r for r in rows if r["cause"] == "clean"]
     crit = [r for r in timed if r["truth_critical"] is not None]
+    on_time = [r for r in timed if r["status"] == "holds" and r["onset"] is not None
+               and abs(r["onset"] - r["truth_onset"]) <= TOLERANCE]
+    named = [r for r in crit if r["status"] == "holds" and r["severity"] == "critical"]
+    halted = [r for r in named if r["halted"] is not None and r["first_critical"] is not None
+              and r["halted"] <= r["first_critical"]]
+    lags = [r["halted"] - r["critical_from"] for r in halted if r["critical_from"] is not None]
+    delays = [r["first_warn"] - r["truth_onset"] for r in on_time if r["first_warn"] is not None]
     return (table(rows) + "\n\n"
-            f"mismatched runs found within {TOLERANCE} step of the ground-truth onset: {sum(r['pass'] for r in timed)} of "
-            f"{len(timed)}; of them reaching D_t, halted live: {sum(r['halted'] is not None for r in crit)} of {len(crit)}; "
-            f"below the line and quiet: {sum(r['pass'] for r in below)} of {len(below)}; clean runs quiet at every "
-            f"prefix: {sum(r['pass'] for r in clean)} of {len(clean)}")
+            f"mismatched runs named with their onset within {TOLERANCE} step of the ground-truth onset: {len(on_time)} "
+            f"of {len(timed)}" + (f" (first said {min(delays)} to {max(delays)} steps after it)" if delays else "")
+            + f"; reaching D_t at some step (exact): {len(crit)}, of which `check` says critical on {len(named)}, and "
+            f"on {len(halted)} of those the live tap signalled the halt no later than `check`'s first critical prefix"
+            + (f" ({min(lags)} to {max(lags)} steps after the critical onset `check` names)" if lags else "")
+            + f"; below the line and quiet: {sum(r['pass'] for r in below)} of {len(below)}; clean runs quiet at every "
+            f"prefix: {sum(r['pass'] for r in clean)} of {len(clean)}; live = `check` at every prefix on "
+            f"{sum(bool(r.get('live_is_check')) for r in rows)} of {len(rows)} runs")
 
 
 RESULTS = REPO / "bench" / "results" / "mismatch_runs.json"
+COVERAGE = REPO / "bench" / "results" / "mismatch_coverage.json"
+# The coverage check: per cause, REDRAWS steps' rollouts drawn fresh from the engine (GROUPS prompts
+# x GENERATIONS each), and TRUTH_PER fresh engine samples of every prompt for the exact KL.
+TRUTH_PER, REDRAWS, COVER_SEED, CHUNK = 64, 200, 5, 1024
+
+
+def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
+    """Does the mismatch series' 95 % interval cover the exact KL? Per cause, the benchmark's policy
+    (seed COVER_SEED, untrained) and its engine departed by that cause. The truth is the exact
+    KL(pi_engine || pi_t) per sequence -- the full-vocabulary token KL summed along ``TRUTH_PER``
+    fresh engine samples of each prompt (``exact_kl``), averaged over the prompts (drawn uniformly).
+    ``REDRAWS`` steps are drawn, each fresh and independent of the others: ``GROUPS`` prompts drawn
+    with replacement, ``GENERATIONS`` engine completions of each; each step gives the series'
+    estimate (``measure.mismatch.step_mismatch``, on the gaps log pi_engine - log pi_t the tap
+    records) and its 95 % interval, t quantile on GROUPS - 1 degrees of freedom. (A first version
+    redrew the steps from a shared pool of 64 completions a prompt: its redraws centred on the
+    pool's mean, not the truth, and top-p read 44 %.) The stale engine needs a trained policy beside
+    it and is not in it."""
+    from scipy import stats
+
+    from reward_lens.measure.mismatch import step_mismatch
+
+    out = []
+    for cause in causes:
+        torch.manual_seed(COVER_SEED)
+        model, tok = build(COVER_SEED)
+        model.eval()
+        engine = Engine(model, cause, 0)
+        engine.sync(model, 0)
+        eos, pad = tok.eos_token_id, tok.pad_token_id
+        gen = torch.Generator().manual_seed(COVER_SEED)
+        rng = np.random.default_rng(COVER_SEED)
+        picks = rng.integers(0, len(PROMPTS), size=(REDRAWS, GROUPS))
+        truth, truth_se, gaps, toks = [], [], [], []
+        for p, prompt in enumerate(PROMPTS):
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            kl, se = exact_kl(engine, model, [ids] * TRUTH_PER, eos, pad, gen)
+            truth.append(kl)
+            truth_se.append(se)
+            need = int((picks == p).sum()) * GENERATIONS
+            g_p, t_p = [], []
+            for start in range(0, need, CHUNK):
+                n = min(CHUNK, need - start)
+                comps, lp_engine = engine.generate([ids] * n, eos, gen)
+                full, mask = _padded([ids] * n, comps, pad)
+                with torch.no_grad():
+                    lp = torch.log_softmax(model(input_ids=full).logits[:, len(ids) - 1:-1].double(), -1)
+                lp_pol = (lp.gather(-1, full[:, len(ids):, None])[:, :, 0] * mask).sum(-1).numpy()
+                g_p.append(np.asarray(lp_engine) - lp_pol)
+                t_p.append(mask.sum(-1).numpy())
+            gaps.append(np.concatenate(g_p) if g_p else np.zeros(0))
+            toks.append(np.concatenate(t_p) if t_p else np.zeros(0))
+        exact = float(np.mean(truth))
+        exact_se = float(math.sqrt(np.sum(np.square(truth_se))) / len(truth_se))
+        q = stats.t.ppf(0.975, GROUPS - 1)
+        used = [0] * len(PROMPTS)
+        hit = 0
+        est, ses = [], []
+        for row in picks:  # every completion is used once: the redraws are independent
+            gap, tokens = [], []
+            for p in row:
+                gap.append(gaps[p][used[p]:used[p] + GENERATIONS])
+                tokens.append(toks[p][used[p]:used[p] + GENERATIONS])
+                used[p] += GENERATIONS
+            m = step_mismatch(0, np.concatenate(gap), np.repeat(np.arange(GROUPS), GENERATIONS), GROUPS,
+                              np.concatenate(tokens))
+            est.append(m.kl_seq)
+            ses.append(m.kl_seq_se)
+            hit += abs(m.kl_seq - exact) <= q * m.kl_seq_se
+        out.append({"cause": cause, "exact_kl_seq": exact, "exact_kl_seq_se": exact_se, "redraws": REDRAWS,
+                    "groups": GROUPS, "per_group": GENERATIONS, "mean_estimate": float(np.mean(est)),
+                    "spread": float(np.std(est, ddof=1)), "mean_se": float(np.mean(ses)), "coverage": hit / REDRAWS})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def coverage_line(rows: list[dict]) -> str:
+    """The coverage line the quote ends with, from bench/results/mismatch_coverage.json."""
+    parts = [f"{r['cause']} {100 * r['coverage']:.1f} % (exact {r['exact_kl_seq']:.3g} ± {r['exact_kl_seq_se']:.2g} "
+             f"nats/seq; estimates {r['mean_estimate']:.3g} on average, spread {r['spread']:.2g}, mean SE "
+             f"{r['mean_se']:.2g})" for r in rows]
+    n = rows[0]
+    return (f"the series' 95 % interval covers the exact KL(π_engine ‖ π_t) per sequence over {n['redraws']} redraws "
+            f"of {n['groups']} prompt groups × {n['per_group']}, each drawn fresh: " + "; ".join(parts))
 
 
 def main(argv=None) -> list[dict]:
@@ -320,17 +458,37 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--json", type=Path, help=f"write the rows here (the reported run: {RESULTS.relative_to(REPO)})")
     ap.add_argument("--quote", action="store_true", help="print the block docs/findings.md quotes, from the rows kept")
+    ap.add_argument("--coverage", action="store_true",
+                    help=f"measure the series' coverage of the exact KL per cause into {COVERAGE.relative_to(REPO)}")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each on one thread)")
     a = ap.parse_args(argv)
     if a.quote:
         print(quote(json.loads(RESULTS.read_text())))
+        if COVERAGE.exists():
+            print("\n" + coverage_line(json.loads(COVERAGE.read_text())))
         return []
-    runs = [(c, s) for c in a.causes for s in SEEDS["mismatch"][:1 if a.quick else None]]
+    if a.coverage:
+        torch.set_num_threads(1)
+        COVERAGE.write_text(json.dumps(coverage(), indent=1))
+        return []
+    runs = [(c, s) for c in a.causes for s in SEEDS["mismatch"][c][:1 if a.quick else None]]
     runs += [("clean", s) for s in SEEDS["clean"][:1 if a.quick else None]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for cause, seed in runs:
-            rows.append(one(cause, seed, a.steps, Path(tmp)))
-            print(json.dumps(rows[-1]), flush=True)
+        if a.jobs > 1:
+            from concurrent.futures import ProcessPoolExecutor
+
+            with ProcessPoolExecutor(a.jobs, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+                futures = [pool.submit(one, c, s, a.steps, Path(tmp)) for c, s in runs]
+                for fut in futures:
+                    rows.append(fut.result())
+                    print(json.dumps(rows[-1]), flush=True)
+                    if a.json:  # kept as each run ends, in the order the runs are listed
+                        a.json.write_text(json.dumps(rows, indent=1))
+        else:
+            for cause, seed in runs:
+                rows.append(one(cause, seed, a.steps, Path(tmp)))
+                print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

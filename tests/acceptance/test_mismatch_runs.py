@@ -25,11 +25,10 @@ def test_top_p_in_the_engine_is_found_on_time_and_the_clean_run_stays_quiet(tmp_
 @pytest.mark.slow
 def test_the_live_tap_halts_a_run_whose_mismatch_reaches_the_updates(tmp_path, monkeypatch):
     """Top-p 0.2 in the engine (the scorer untruncated): a mismatch of many nats a sequence that
-    reaches D_t from step 3 (exact). Trained with stop_on="critical", the live tap halts it, and
-    `check` on the halted record says critical: the live finding is `check` at every prefix, so the
-    halt is at the first prefix at which check reports it. Measured when written: halted at step 7,
-    4 steps after the exact onset -- the off-policy updates themselves grow D_t (8.4 nats at step
-    4), and 3 SE over 4 prompt groups resolve the mismatch at D_t only later (docs/findings.md)."""
+    reaches D_t from step 3 (exact). Trained with stop_on="critical", the tap signals the halt, and
+    `check` on the record says critical: the live finding is `check` at every prefix, so the halt
+    is at the first prefix at which check says critical (a prefix as the tap saw it: rollouts to
+    step k, D_t to k - 1), after the critical onset check names by the steps its evidence needs."""
     spec = importlib.util.spec_from_file_location("mismatch_runs", REPO / "tools" / "mismatch_runs.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -38,3 +37,4 @@ def test_the_live_tap_halts_a_run_whose_mismatch_reaches_the_updates(tmp_path, m
     assert got["truth_critical"] == mod.ONSET, got
     assert got["halted"] is not None, got
     assert got["status"] == "holds" and got["severity"] == "critical" and got["onset"] == mod.ONSET, got
+    assert got["live_is_check"] and got["halted"] == got["first_critical"] and got["halted"] > got["critical_from"], got
