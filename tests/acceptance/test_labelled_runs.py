@@ -8,6 +8,7 @@ run. About 4-8 minutes on 2 CPU cores. The larger batch (32 x 8, within 3 steps)
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import labelled_runs  # noqa: E402
 
 slow = pytest.mark.slow
+DELAYS = REPO / "bench" / "results" / "labelled_delays.json"
 
 
 def test_the_seeds_that_report_set_nothing():
@@ -35,6 +37,50 @@ def test_the_ruling_is_the_tools():
     """Issue #60's ruling: at 8 x 8 the right finding within 4 steps of the onset; at 32 x 8 within 3;
     a warning more than 3 steps before the onset is false at either batch."""
     assert labelled_runs.WITHIN_AT == {8: 4, 32: 3} and labelled_runs.WITHIN == 4 and labelled_runs.EARLY == 3
+
+
+def test_the_saved_delays_are_the_rules_read_on_their_own_series():
+    """bench/results/labelled_delays.json (`--both --json`, read by tools/power_vs_labelled.py): both
+    batches, every run's keys, and each onset is the ground-truth rule worked again here on the
+    run's own saved per-step means, so a file whose onsets or series were edited apart fails."""
+    runs = json.loads(DELAYS.read_text())
+    assert {r["batch"] for r in runs} == {"8x8", "32x8"}
+    for r in runs:
+        assert {"batch", "groups", "completions", "mode", "seed", "onset", "detected_step", "finding", "series",
+                "steps"} <= set(r), r.keys()
+        assert r["batch"] == f"{r['groups']}x{r['completions']}" and r["completions"] == 8, r["batch"]
+        assert {"correct", "length_tokens", "reward"} <= set(r["series"]), (r["mode"], r["seed"])
+        assert all(len(v) == r["steps"] == labelled_runs.STEPS for v in r["series"].values()), (r["mode"], r["seed"])
+        onsets = {}
+        for rule, (feature, direction, fraction) in labelled_runs.RULES.items():
+            x = r["series"][feature]
+            base = sum(x[:3]) / 3
+            bad = [direction * (v - fraction * base) > 0 for v in x]
+            onsets[rule] = next((t for t in range(3, len(x) - 2) if bad[t] and bad[t + 1] and bad[t + 2]), None)
+        if r["mode"] == "healthy":
+            assert r["onset"] is None, (r["seed"], onsets)
+        else:
+            assert r["onset"] == onsets[labelled_runs.RULE_OF[r["mode"]]], (r["mode"], r["seed"], r["onset"], onsets)
+            assert r["finding"] == labelled_runs.RIGHT[r["mode"]], r
+        seeds = labelled_runs.REPORTED_SEEDS if r["groups"] == 8 else labelled_runs.REPORTED_SEEDS_LARGE
+        assert r["seed"] in seeds[r["mode"]], (r["mode"], r["seed"])  # reported seeds only: none set a threshold
+
+
+def test_the_docs_quote_the_saved_runs():
+    """docs/findings.md's labelled block and the saved delays come from the same runs: each table
+    row's onset and first warning are the file's."""
+    text = (REPO / "docs" / "findings.md").read_text()
+    block = re.search(r"<!-- labelled-table:start -->\n(.*?)<!-- labelled-table:end -->", text, re.S).group(1)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines()
+            if re.match(r"\| \d+ x 8 \|", line)]
+    runs = {(f"{r['groups']} x 8", r["mode"], str(r["seed"])): r for r in json.loads(DELAYS.read_text())}
+    assert len(rows) == len(runs)
+    for batch, mode, seed, onset, _, first, *_ in rows:
+        r = runs[(batch, mode, seed)]
+        assert onset == ("—" if r["onset"] is None else str(r["onset"])), (batch, mode, seed)
+        if mode != "healthy":
+            assert first == "none" if r["detected_step"] is None else first.startswith(f"step {r['detected_step']} "), \
+                (batch, mode, seed, first)
 
 
 @pytest.fixture(scope="module")
