@@ -62,7 +62,8 @@ of the same prompt, each with its own completions and advantages, as in TRL.
 ``TUNING_SEEDS`` alone (``--tune`` prints the grid); the table docs/findings.md quotes, and the slow
 test tests/acceptance/test_labelled_runs.py, use ``REPORTED_SEEDS``, never used to set anything.
 About 4 minutes on 2 CPU cores for the reported seeds (9 runs of 30 steps, and ``check`` on each of
-their 270 prefixes).
+their 270 prefixes); on a busy machine (2 cores shared by 6 jobs) 100-190 s a run at 8 x 8 and
+150-470 s at 32 x 8 (measured), and ``--both`` on kept records (``check`` only) about 4 minutes.
 """
 
 from __future__ import annotations
@@ -144,8 +145,11 @@ COMPLETIONS = 8
 # at 8 x 8 four (issue #60's ruling on the format-only run, whose fall of a quarter is 1-3 SE a
 # step there), at 32 x 8 three
 WITHIN_AT = {GROUPS: 4, LARGE: 3}
-WITHIN = WITHIN_AT[GROUPS]
-EARLY = 3  # a warning more than this many steps before the ground-truth onset is a false alarm
+# the strict window, 3 steps either side of the onset, as tools/make_gamed_record.py (16 x 8),
+# tools/tune_findings.py and tests/acceptance/test_readme_catches_gaming.py read it: the ruling
+# widens the benchmark's own 8 x 8 detection window (WITHIN_AT), not theirs
+WITHIN = 3
+EARLY = WITHIN  # a warning more than this many steps before the ground-truth onset is a false alarm
 
 
 # ------------------------------------------------------------------------------------ training
