@@ -4,7 +4,12 @@ failure (or none) and a ground-truth onset, and every finding scored at every pr
     python tools/labelled_runs.py                  # the reported seeds: train, check every prefix, print the table
     python tools/labelled_runs.py --quote          # the block docs/findings.md quotes
     python tools/labelled_runs.py --tune           # the tuning seeds: the parameter grid the thresholds were set on
-    python tools/labelled_runs.py --keep DIR       # keep the records (else a temporary folder)
+    python tools/labelled_runs.py --keep DIR       # keep the records (else a temporary folder); a record
+                                                   # kept there whole is read again, not retrained
+    python tools/labelled_runs.py --groups 32      # the larger batch: 32 prompt groups a step (outside CI)
+    python tools/labelled_runs.py --both --quote --keep DIR --json bench/results/labelled_delays.json
+                                                   # both batches: the block docs/findings.md quotes, and
+                                                   # every run's onset, detection and per-step series
 
 The recipe (``RECIPE``) is tools/make_task_record.py's: its Qwen3 pretrained on synthetic
 arithmetic, from the task record's own starting checkpoint, GRPO with TRL and the reward-lens tap,
@@ -38,15 +43,27 @@ the peak). A healthy run breaks neither rule at any step (checked, and reported)
 
 The right finding of each mode (``RIGHT``): collapse -> moving_against_reward; length ->
 paid_for_drift; format_only and answer_key -> proxy_gaming. A run is **detected** when the right
-finding holds at warn or above at some prefix no later than 3 steps after the onset; a **false
-alarm** is any finding at warn or above at any prefix of a healthy run, or before onset - 3 on a
-failure run.
+finding holds at warn or above at some prefix no later than ``WITHIN_AT[groups]`` steps after the
+onset: 4 at 8 prompt groups a step (the ruling on issue #60: at 8 x 8, 3 steps is a limit of
+power, not a threshold left to tune), 3 at 32. A **false alarm** is any finding at warn or above at
+any prefix of a healthy run, or more than ``EARLY`` (3) steps before the onset of a failure run.
+
+**Batches.** The reported seeds run at 8 prompt groups x 8 completions a step (``REPORTED_SEEDS``,
+the slow test's) and, outside CI, at 32 x 8 (``REPORTED_SEEDS_LARGE``: format-only, length-paying
+and healthy runs, 3 seeds each; about 4x the 8 x 8 cost). Same recipe, rules and thresholds; only
+``per_device_train_batch_size`` changes. The prompts are make_task_record.py's (``a+b`` with a, b
+below 50: 2,500 distinct), drawn with the run's seed, ``steps x groups + 64`` of them in the order
+TRL takes them: 1,024 at 32 x 30, enough without generating more. A draw repeats a prompt now and
+then (about one step in five holds a repeat at 32 groups); the tap numbers groups by position (each
+block of ``num_generations`` rollouts is one group, as TRL forms them), so a repeat is two groups
+of the same prompt, each with its own completions and advantages, as in TRL.
 
 **Seeds.** The thresholds of the sequential rule (``h``, ``min_size``, ``min_relative``) were set on
 ``TUNING_SEEDS`` alone (``--tune`` prints the grid); the table docs/findings.md quotes, and the slow
 test tests/acceptance/test_labelled_runs.py, use ``REPORTED_SEEDS``, never used to set anything.
 About 4 minutes on 2 CPU cores for the reported seeds (9 runs of 30 steps, and ``check`` on each of
-their 270 prefixes).
+their 270 prefixes); on a busy machine (2 cores shared by 6 jobs) 100-190 s a run at 8 x 8 and
+150-470 s at 32 x 8 (measured), and ``--both`` on kept records (``check`` only) about 4 minutes.
 """
 
 from __future__ import annotations
@@ -119,12 +136,27 @@ RIGHT = {"collapse": "moving_against_reward", "length": "paid_for_drift", "forma
 TUNING_SEEDS = {"healthy": (*range(201, 213), *range(1001, 1006), *range(2001, 2006)),
                 **{m: (201, 202, 203, 1001, 2001) for m in FAILURES}}
 REPORTED_SEEDS = {"healthy": (3001, 3002, 3003, 3004, 3005), **{m: (3001,) for m in FAILURES}}
-WITHIN = 3  # steps after the ground-truth onset by which the right finding must hold
+# the larger batch (32 prompt groups a step): fresh seeds, chosen before any of these ran
+LARGE = 32
+REPORTED_SEEDS_LARGE = {m: (4001, 4002, 4003) for m in ("healthy", "format_only", "length")}
+GROUPS = 8  # prompt groups a step at the benchmark's batch (x 8 completions)
+COMPLETIONS = 8
+# steps after the ground-truth onset by which the right finding must hold, by prompt groups a step:
+# at 8 x 8 four (issue #60's ruling on the format-only run, whose fall of a quarter is 1-3 SE a
+# step there), at 32 x 8 three
+WITHIN_AT = {GROUPS: 4, LARGE: 3}
+# the strict window, 3 steps either side of the onset, as tools/make_gamed_record.py (16 x 8),
+# tools/tune_findings.py and tests/acceptance/test_readme_catches_gaming.py read it: the ruling
+# widens the benchmark's own 8 x 8 detection window (WITHIN_AT), not theirs
+WITHIN = 3
+EARLY = WITHIN  # a warning more than this many steps before the ground-truth onset is a false alarm
 
 
 # ------------------------------------------------------------------------------------ training
-def train(mode: str, seed: int, workdir: Path, *, steps: int = STEPS, warmup: int = WARMUP, **tap) -> Path:
-    """One labelled run with TRL's GRPOTrainer and the tap; its record (``workdir/record``)."""
+def train(mode: str, seed: int, workdir: Path, *, steps: int = STEPS, warmup: int = WARMUP, groups: int = GROUPS,
+          **tap) -> Path:
+    """One labelled run with TRL's GRPOTrainer and the tap, ``groups`` prompts x 8 completions a
+    step; its record (``workdir/record``)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
@@ -139,12 +171,11 @@ def train(mode: str, seed: int, workdir: Path, *, steps: int = STEPS, warmup: in
     initial = workdir / "initial"
     AutoModelForCausalLM.from_pretrained(START).save_pretrained(initial)
     tok.save_pretrained(initial)
-    per_step = 8
-    qs, ans = task_prompts(steps * per_step + 64, seed)
+    qs, ans = task_prompts(steps * groups + 64, seed)
     torch.manual_seed(seed)
     args = GRPOConfig(
-        output_dir=str(workdir / "out"), max_steps=steps, per_device_train_batch_size=per_step * 8,
-        num_generations=8, max_completion_length=m.cap, learning_rate=m.learning_rate,
+        output_dir=str(workdir / "out"), max_steps=steps, per_device_train_batch_size=groups * COMPLETIONS,
+        num_generations=COMPLETIONS, max_completion_length=m.cap, learning_rate=m.learning_rate,
         lr_scheduler_type="constant_with_warmup" if warmup else "constant", warmup_steps=warmup, beta=0.0,
         temperature=1.0, logging_steps=1, log_completions=False, bf16=False, report_to="none", use_cpu=True,
         seed=seed, save_strategy="no", disable_tqdm=True, shuffle_dataset=False, reward_weights=list(m.weights))
@@ -190,14 +221,17 @@ IN_A_ROW = 3
 
 
 def step_means(record: Path) -> dict[str, dict[int, float]]:
-    """Per step, each feature's mean over the rollouts (the task basis), read plainly."""
+    """Per step, each feature's mean over the rollouts (the task basis), and the reward's, read
+    plainly."""
     from reward_lens.measure.ledger.basis import load_basis
     from reward_lens.measure.ledger.price import steps_from_run
     from reward_lens.record import open_run
 
     basis = load_basis(BASIS)
     samples = steps_from_run(open_run(record), basis, heldout=False)
-    return {n: {s.step: float(s.z[:, j].mean()) for s in samples} for j, n in enumerate(basis.names)}
+    out = {n: {s.step: float(s.z[:, j].mean()) for s in samples} for j, n in enumerate(basis.names)}
+    out["reward"] = {s.step: float(s.rewards.mean()) for s in samples if s.rewards is not None}
+    return out
 
 
 def ground_truth(record: Path, mode: str) -> Truth:
@@ -272,6 +306,16 @@ class Scored:
     truth: Truth
     alarms: dict  # finding -> [(prefix, onset)] at warn or above
     seconds: float = 0.0
+    groups: int = GROUPS  # prompt groups a step (x COMPLETIONS completions)
+    series: dict = dataclasses.field(default_factory=dict)  # behaviour -> per-step mean over the rollouts
+
+    @property
+    def batch(self) -> str:
+        return f"{self.groups}x{COMPLETIONS}"
+
+    @property
+    def within(self) -> int:
+        return WITHIN_AT[self.groups]
 
     @property
     def first(self) -> tuple[int, int | None] | None:
@@ -285,12 +329,12 @@ class Scored:
 
     @property
     def detected(self) -> bool:
-        return self.delay is not None and self.delay <= WITHIN
+        return self.delay is not None and self.delay <= self.within
 
     @property
     def false_alarms(self) -> dict[str, int]:
         """finding -> prefixes at which it raised a warning it should not have."""
-        limit = None if self.mode == "healthy" else self.truth.onset - WITHIN if self.truth.onset is not None else -1
+        limit = None if self.mode == "healthy" else self.truth.onset - EARLY if self.truth.onset is not None else -1
         out = {}
         for fid, hits in self.alarms.items():
             bad = [k for k, _ in hits if limit is None or k < limit]
@@ -299,38 +343,83 @@ class Scored:
         return out
 
 
-def run_one(mode: str, seed: int, workdir: Path) -> Scored:
+def kept(workdir: Path, steps: int = STEPS) -> Path | None:
+    """A record a previous run left whole in ``workdir`` (every step's rollouts), else None."""
+    record = workdir / "record"
+    if not (record / "manifest.json").is_file():
+        return None
+    from reward_lens.record import open_run
+
+    try:
+        have = set(int(s) for s in open_run(record).rollout_steps.tolist())
+    except Exception:  # noqa: BLE001 (a half-written record: train again)
+        return None
+    return record if have == set(range(steps)) else None
+
+
+def run_one(mode: str, seed: int, workdir: Path, groups: int = GROUPS) -> Scored:
     t0 = time.monotonic()
-    record = train(mode, seed, workdir)
-    scored = Scored(mode, seed, ground_truth(record, mode), alarms(check_prefixes(record, workdir)))
+    record = kept(workdir) or train(mode, seed, workdir, groups=groups)
+    means = step_means(record)
+    scored = Scored(mode, seed, ground_truth(record, mode), alarms(check_prefixes(record, workdir)), groups=groups,
+                    series={n: [v[k] for k in sorted(v)] for n, v in means.items()})
     scored.seconds = time.monotonic() - t0
     return scored
 
 
 def table(rows: list[Scored]) -> str:
-    lines = ["| run | seed | ground-truth onset | right finding | first warning (onset it names) | steps after the "
-             "ground-truth onset | other findings at warn or above (first prefix) | false alarms (prefixes) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| batch | run | seed | ground-truth onset | right finding | first warning (onset it names) | steps "
+             "after the ground-truth onset | other findings at warn or above (first prefix) | false alarms "
+             "(prefixes) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         right = RIGHT.get(r.mode)
         first = f"step {r.first[0]} (onset {r.first[1]})" if r.first else "none"
         others = ", ".join(f"`{f}` ({hits[0][0]})" for f, hits in sorted(r.alarms.items()) if f != right) or "none"
         fa = ", ".join(f"`{f}` ({n})" for f, n in sorted(r.false_alarms.items())) or "none"
-        lines.append(f"| {r.mode} | {r.seed} | {r.truth.onset if r.truth.onset is not None else '—'} | "
+        onset = r.truth.onset if r.truth.onset is not None else "—"
+        lines.append(f"| {r.groups} x {COMPLETIONS} | {r.mode} | {r.seed} | {onset} | "
                      f"{f'`{right}`' if right else '—'} | {first if right else '—'} | "
                      f"{r.delay if r.delay is not None else '—'} | {others} | {fa} |")
     return "\n".join(lines)
 
 
 def summary(rows: list[Scored]) -> str:
-    fails = [r for r in rows if r.mode != "healthy"]
-    healthy = [r for r in rows if r.mode == "healthy"]
-    hit = sum(r.detected for r in fails)
-    clean = sum(not r.false_alarms for r in healthy)
-    broken = [r.seed for r in healthy if any(v is not None for v in r.truth.broken.values())]
-    return (f"failure runs detected by the right finding within {WITHIN} steps of the ground-truth onset: {hit} of "
-            f"{len(fails)}; healthy runs with no warning at any prefix: {clean} of {len(healthy)}"
-            + (f"; healthy seeds that break a ground-truth rule: {broken}" if broken else ""))
+    """One line per batch: failure runs detected on time, healthy runs quiet at every prefix."""
+    lines = []
+    for groups in sorted({r.groups for r in rows}):
+        at = [r for r in rows if r.groups == groups]
+        fails = [r for r in at if r.mode != "healthy"]
+        healthy = [r for r in at if r.mode == "healthy"]
+        hit = sum(r.detected for r in fails)
+        clean = sum(not r.false_alarms for r in healthy)
+        broken = [r.seed for r in healthy if any(v is not None for v in r.truth.broken.values())]
+        lines.append(f"{groups} x {COMPLETIONS}: failure runs detected by the right finding within "
+                     f"{WITHIN_AT[groups]} steps of the ground-truth onset: {hit} of {len(fails)}; healthy runs with "
+                     f"no warning at any prefix: {clean} of {len(healthy)}"
+                     + (f"; healthy seeds that break a ground-truth rule: {broken}" if broken else ""))
+    return "\n".join(lines)
+
+
+def delays(rows: list[Scored]) -> list[dict]:
+    """Every run as bench/results/labelled_delays.json holds it (tools/power_vs_labelled.py reads
+    these keys): its batch, mode, seed, ground-truth onset, the first prefix at which its right
+    finding holds at warn or above (a healthy run: the first prefix with any warning, its finding
+    named in ``finding``; null when quiet), and each behaviour's per-step mean over the rollouts."""
+    out = []
+    for r in rows:
+        right = RIGHT.get(r.mode)
+        if right:
+            first = r.first[0] if r.first else None
+        else:
+            hits = sorted((h[0][0], f) for f, h in r.alarms.items())
+            first, right = (hits[0] if hits else (None, None))
+        out.append({"batch": r.batch, "groups": r.groups, "completions": COMPLETIONS, "mode": r.mode, "seed": r.seed,
+                    "onset": r.truth.onset, "detected_step": first, "finding": right, "within": r.within,
+                    "delay": r.delay, "detected": r.detected if r.mode != "healthy" else None,
+                    "alarms": {f: h[0][0] for f, h in sorted(r.alarms.items())},
+                    "steps": len(r.series.get("correct", [])), "series": r.series})
+    return out
 
 
 SEQUENTIAL = ("moving_against_reward", "proxy_gaming", "paid_for_drift", "collateral_behaviour", "length_drift")
@@ -392,12 +481,17 @@ def rates() -> str:
     return "\n".join(lines)
 
 
-def reported(workdir: Path, progress=print) -> list[Scored]:
+def reported(workdir: Path, progress=print, groups: int = GROUPS) -> list[Scored]:
+    """The reported seeds at ``groups`` prompt groups a step (8: ``REPORTED_SEEDS``, the slow
+    test's; 32: ``REPORTED_SEEDS_LARGE``, outside CI), each trained (or read again from
+    ``workdir``), its ground truth read and ``check`` run on every prefix."""
+    seeds = {GROUPS: REPORTED_SEEDS, LARGE: REPORTED_SEEDS_LARGE}[groups]
+    sub = workdir if groups == GROUPS else workdir / f"{groups}x{COMPLETIONS}"
     rows = []
     for mode in ("healthy", *FAILURES):
-        for seed in REPORTED_SEEDS[mode]:
-            r = run_one(mode, seed, workdir / f"{mode}-{seed}")
-            progress(f"{mode} seed {seed}: {r.seconds:.0f} s")
+        for seed in seeds.get(mode, ()):
+            r = run_one(mode, seed, sub / f"{mode}-{seed}", groups=groups)
+            progress(f"{groups} x {COMPLETIONS} {mode} seed {seed}: {r.seconds:.0f} s")
             rows.append(r)
     return rows
 
@@ -408,6 +502,11 @@ def main(argv=None) -> None:
     ap.add_argument("--tune", action="store_true", help="the tuning seeds and the parameter grid")
     ap.add_argument("--keep", type=Path, help="keep the records here")
     ap.add_argument("--rates", action="store_true", help="the sequential rule's false-alarm rates (no training)")
+    ap.add_argument("--groups", type=int, choices=sorted(WITHIN_AT), default=GROUPS,
+                    help=f"prompt groups a step (x {COMPLETIONS} completions); {LARGE} is outside CI (about 4x the "
+                    "cost)")
+    ap.add_argument("--both", action="store_true", help=f"both batches ({GROUPS} and {LARGE} prompt groups a step)")
+    ap.add_argument("--json", type=Path, help="write every run's onset, detection and per-step series here")
     a = ap.parse_args(argv)
     if a.rates:
         print(rates())
@@ -419,10 +518,16 @@ def main(argv=None) -> None:
 
             tune_findings.main(work)
             return
-        rows = reported(work, progress=(lambda *_: None) if a.quote else print)
+        progress = (lambda *_: None) if a.quote else (lambda line: print(line, flush=True))
+        rows = [r for g in ((GROUPS, LARGE) if a.both else (a.groups,)) for r in reported(work, progress, groups=g)]
         print(table(rows))
         print()
         print(summary(rows))
+        if a.json:
+            import json
+
+            a.json.parent.mkdir(parents=True, exist_ok=True)
+            a.json.write_text(json.dumps(delays(rows), indent=1) + "\n")
 
 
 if __name__ == "__main__":
