@@ -100,7 +100,51 @@ def shown_change(series: list[float], onset: int, kind: str) -> dict:
     return {"base": base, "slope": float(slope * scale), "began": began}
 
 
-def compare(runs: list[dict], n_sim: int = 200) -> list[dict]:
+BASIS = ROOT / "examples" / "features" / "task.yaml"  # tools/labelled_runs.py's basis
+
+
+def record_of(records: Path, r: dict) -> Path | None:
+    """A labelled run's kept record under ``records``: ``<batch>/<mode>-<seed>`` or ``<mode>-<seed>``
+    (the 8 x 8 runs), its ``record`` folder where it has one."""
+    for d in (records / r.get("batch", f"{r['groups']}x{r['completions']}") / f"{r['mode']}-{r['seed']}",
+              records / f"{r['mode']}-{r['seed']}"):
+        for rec in (d / "record", d):
+            if (rec / "manifest.json").is_file():
+                return rec
+    return None
+
+
+def from_record(rec: Path, r: dict) -> dict:
+    """What the run's own record says: the behaviour the finding held on at ``detected_step`` (the
+    first of its evidence, read by the watch the check runs, step by step), and each behaviour's
+    dispersion per step (``power.dispersion``: its mean, SD over rollouts, cv, icc)."""
+    from reward_lens.findings import PREDICATES, FindingData
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens.measure.ledger.price import steps_from_run
+    from reward_lens.measure.sequential import RunWatch, WatchBasis, step_block
+    from reward_lens.power import dispersion
+    from reward_lens.record import open_run
+    from reward_lens_spec import load_findings
+
+    basis = load_basis(BASIS)
+    samples = steps_from_run(open_run(rec), basis, heldout=False)
+    held = None
+    if r["detected_step"] is not None:
+        spec = load_findings()[r["finding"]]
+        fn, watch, block = PREDICATES[spec.predicate], RunWatch(WatchBasis.of(basis)), step_block(samples)
+        for k in range(len(block.steps)):
+            if block.steps[k] > r["detected_step"]:
+                break
+            watch.observe(block.row(k))
+            if block.steps[k] == r["detected_step"]:
+                o = fn(FindingData({}, watch=watch), **dict(spec.params))
+                rows = o.evidence.get("features") or []
+                held = rows[0]["feature"] if o.holds and rows and isinstance(rows[0], dict) else None
+    per_step = {n: {int(s.step): dispersion(s.z[:, j], s.groups) for s in samples} for j, n in enumerate(basis.names)}
+    return {"held": held, "dispersion": per_step}
+
+
+def compare(runs: list[dict], n_sim: int = 200, records: Path | None = None) -> list[dict]:
     from reward_lens.power import load_power, simulate
 
     p = load_power()
@@ -114,15 +158,39 @@ def compare(runs: list[dict], n_sim: int = 200) -> list[dict]:
         if sc is None:
             out.append({**row, "verdict": "not simulated", "why": f"no scenario for {r['finding']} in specs/power.yaml"})
             continue
-        if sc.feature not in r["series"]:
-            out.append({**row, "verdict": "not judged", "why": f"no series of `{sc.feature}`"})
+        feature, kind, own = sc.feature, sc.kind, {}
+        if records is not None:
+            rec = record_of(records, r)
+            if rec is None:
+                raise BadInput(f"{records}: no record of {r['mode']} seed {r['seed']} at {row['batch']}")
+            got = from_record(rec, r)
+            if got["held"] is not None and got["held"] != feature:
+                # the finding held on another behaviour than the scenario's: that one's change is compared
+                feature = got["held"]
+                vals = {round(d["mean"], 9) for d in got["dispersion"][feature].values()}
+                kind = "rate" if all(0 <= v <= 1 for v in vals) and feature != "length_tokens" else "length"
+            own = got["dispersion"][feature]
+        row["feature"] = feature
+        if feature not in r["series"]:
+            out.append({**row, "verdict": "not judged", "why": f"no series of `{feature}`"})
             continue
-        ch = shown_change(r["series"][sc.feature], r["onset"], sc.kind)
+        ch = shown_change(r["series"][feature], r["onset"], kind)
+        if own:
+            # the run's own dispersion over the steps before its change began (the quiet steps the
+            # simulation's reference is read on), and its base as the mean of those steps
+            quiet = [own[t] for t in sorted(own) if t < ch["began"]]
+            ch["base"] = float(np.mean([q["mean"] for q in quiet]))
+            disp = ({"icc": float(np.mean([q["icc"] for q in quiet]))} if kind == "rate"
+                    else {"cv": float(np.sqrt(np.mean([q["sd"] ** 2 for q in quiet])) / ch["base"])})
+            row.update({k: round(v, 3) for k, v in disp.items()})
+        else:
+            disp = {}
         row.update(base=round(ch["base"], 4), change=round(ch["slope"], 3), began=ch["began"])
         if ch["slope"] * sc.direction <= 0:
             out.append({**row, "verdict": "not judged", "why": "the series does not move the finding's way"})
             continue
-        d = simulate(r["finding"], r["groups"], r["completions"], abs(ch["slope"]), base=ch["base"], runs=n_sim)
+        d = simulate(r["finding"], r["groups"], r["completions"], abs(ch["slope"]), base=ch["base"], runs=n_sim,
+                     kind=kind if kind != sc.kind else None, **disp)
         lo, hi = d.at(0.05), d.at(0.95)
         measured = r["detected_step"] - ch["began"] + 1 if r["detected_step"] is not None else None
         row.update(measured=measured, stated_median=d.median, stated_low=lo, stated_high=hi,
@@ -138,14 +206,15 @@ def compare(runs: list[dict], n_sim: int = 200) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | seed | batch | finding | change a step (base) | began | detected | measured delay | "
-             "stated median [90 % range] | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | seed | batch | finding | behaviour (dispersion) | change a step (base) | began | detected | "
+             "measured delay | stated median [90 % range] | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         change = f"{r['change']:+g} ({r['base']:.3g})" if "change" in r else "—"
+        disp = (f"icc {r['icc']:.3f}" if "icc" in r else f"cv {r['cv']:.3f}" if "cv" in r else "specs/power.yaml's")
         rng = (f"{r['stated_median'] if r['stated_median'] is not None else '—'} "
                f"[{r['stated_low'] if r['stated_low'] is not None else '—'}, "
                f"{r['stated_high'] if r['stated_high'] is not None else 'past horizon'}]") if "stated_low" in r else "—"
-        lines.append(f"| {r['mode']} | {r['seed']} | {r['batch']} | `{r['finding']}` | {change} | {r.get('began', '—')} | "
+        lines.append(f"| {r['mode']} | {r['seed']} | {r['batch']} | `{r['finding']}` | `{r.get('feature', '—')}` ({disp}) | {change} | {r.get('began', '—')} | "
                      f"{r['detected_step'] if r['detected_step'] is not None else 'never'} | "
                      f"{r['measured'] if r.get('measured') is not None else '—'} | {rng} | "
                      f"{r['verdict']}{': ' + r['why'] if 'why' in r else ''} |")
@@ -160,9 +229,11 @@ def main(argv=None) -> int:
     ap.add_argument("path", nargs="?", type=Path, default=DEFAULT)
     ap.add_argument("--runs", type=int, default=200, help="simulated runs per labelled run (default 200)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--records", type=Path, help="the runs' kept records (<batch>/<mode>-<seed>, or <mode>-<seed>): "
+                    "each run's own dispersion and the behaviour its finding held on")
     a = ap.parse_args(argv)
     try:
-        rows = compare(load(a.path), a.runs)
+        rows = compare(load(a.path), a.runs, a.records)
     except BadInput as exc:
         print(f"power_vs_labelled: {exc}", file=sys.stderr)
         return 2
