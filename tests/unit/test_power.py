@@ -277,3 +277,61 @@ def test_power_vs_labelled_refuses_a_bad_file(tmp_path):
                        text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2
     assert "run 0 (format_only seed 1) lacks ['series']" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------ the dispersion
+def test_step_se_follows_the_stated_dispersion():
+    """By hand: at 8 completions a group an icc of 1/7 doubles a step level's variance
+    (1 + (m - 1) icc = 2), so its SE grows by sqrt 2; a length's SD is cv x mean, so doubling cv
+    doubles the SE."""
+    import math
+
+    from reward_lens.power import scenario, step_se
+
+    alike = step_se("proxy_gaming", 8, 8)
+    assert alike == pytest.approx(100 * math.sqrt(0.25 / 64))
+    assert step_se("proxy_gaming", 8, 8, scenario("proxy_gaming", icc=1 / 7)) == pytest.approx(alike * math.sqrt(2))
+    narrow = step_se("length_drift", 8, 8, scenario("length_drift", cv=0.25))
+    assert narrow == pytest.approx(200 * 0.25 / 8)
+    assert step_se("length_drift", 8, 8, scenario("length_drift", cv=0.5)) == pytest.approx(2 * narrow)
+
+
+def test_a_simulated_stream_has_the_dispersion_it_was_given():
+    """``dispersion`` (what power_vs_labelled reads off a record) recovers the icc and cv a
+    simulated stream was made with, step by step."""
+    import numpy as np
+
+    from reward_lens.power import _stream, dispersion, scenario
+
+    rng = np.random.default_rng(0)
+    for finding, kw, key, want in (("proxy_gaming", {"icc": 0.1}, "icc", 0.1), ("proxy_gaming", {"icc": 0.0}, "icc", 0.0),
+                                    ("length_drift", {"cv": 0.3}, "cv", 0.3)):
+        sc = scenario(finding, **kw)
+        steps = _stream(sc, 32, 8, 0.0, 40, 0, 40, rng)
+        j = list(steps[0].names).index(sc.feature)
+        got = np.mean([dispersion(s.z[:, j], s.groups)[key] for s in steps])
+        assert got == pytest.approx(want, abs=0.02), (finding, kw, got)
+
+
+def test_prompt_difficulty_makes_a_change_slower_to_find():
+    """The same change, read against a larger step SE (prompts that differ: icc 3/7 at 8 completions
+    doubles it), is found later; the defaults (icc 0) draw the table's numbers."""
+    from reward_lens.power import simulate
+
+    alike = simulate("proxy_gaming", 8, 8, 4, runs=30)
+    spread = simulate("proxy_gaming", 8, 8, 4, runs=30, icc=3 / 7)
+    assert spread.median > alike.median
+    assert list(simulate("proxy_gaming", 8, 8, 4, runs=30, icc=0.0).delays) == list(alike.delays)
+
+
+def test_scenario_refuses_a_dispersion_it_cannot_simulate():
+    from reward_lens.power import scenario
+
+    with pytest.raises(ValueError, match="icc"):
+        scenario("proxy_gaming", icc=1.0)
+    with pytest.raises(ValueError, match="cv"):
+        scenario("length_drift", cv=0)
+    with pytest.raises(ValueError, match="proxy_gaming"):
+        scenario("proxy_gaming", kind="length")
+    sc = scenario("paid_for_drift", kind="rate", base=0.08)
+    assert (sc.kind, sc.reward, sc.base) == ("rate", "behaviour", 0.08)
