@@ -420,6 +420,8 @@ class Power:
     upper: int | None
     found: float
     se: float  # one step's SE at the cell's batch, in the unit
+    icc: float  # the dispersion the table assumed: a rate's intraclass correlation over prompts (0: alike)
+    cv: float | None  # a length's coefficient of variation (None for a rate)
     false_alarm: float
     run_length: int
     within: int
@@ -459,7 +461,8 @@ def power_at(finding: str, groups: float, completions: float) -> Power | None:
     median, upper, found = row[_key(sc.stated)]
     smallest = next((c for c in sc.ladder if row[_key(c)][1] is not None and row[_key(c)][1] <= p.within), None)
     return Power(finding, int(round(groups)), int(round(completions)), cell, sc.kind, sc.base, sc.direction,
-                 sc.target is not None, sc.stated, median, upper, found, step_se(finding, *cell),
+                 sc.target is not None, sc.stated, median, upper, found, step_se(finding, *cell), sc.icc,
+                 1.0 / math.sqrt(sc.shape) if sc.kind == "length" else None,
                  false_alarms(finding), p.run_length, p.within, p.quantile, smallest, max(sc.ladder), sc.what,
                  sc.scenario, p.horizon)
 
@@ -487,9 +490,38 @@ def clear_power(finding: str, watch: RunWatch) -> dict[str, Any] | None:
         return None
     ctx = pw.context()
     ctx["groups"], ctx["completions"] = round(batch[0], 1), round(batch[1], 1)
-    return {k: ctx[k] for k in ("groups", "completions", "cell_groups", "cell_completions", "kind", "base", "direction",
-                                "what", "scenario", "smallest", "largest_tried", "within", "quantile")}
+    out = {k: ctx[k] for k in ("groups", "completions", "cell_groups", "cell_completions", "kind", "base", "direction",
+                               "what", "scenario", "smallest", "largest_tried", "within", "quantile", "icc", "cv")}
+    out["own"] = own_dispersion(finding, watch, batch[1])
+    return out
+
+
+def own_dispersion(finding: str, watch: RunWatch, completions: float) -> list[dict[str, Any]]:
+    """The run's own dispersion of the behaviours ``finding``'s scenario stands for, read by its
+    watch over every step (its pooled between-group variance of group means, and its within-step
+    SD over rollouts): for a rate scenario the declared targets, each with its ``icc`` over
+    prompts and its step SE over the SE of prompts alike (``se_ratio``, sqrt(1 + (m - 1) icc)); for
+    a length scenario the length features, each with its mean and ``cv``. What the table assumed
+    is beside it in ``clear_power``; the catch the table states is for its dispersion, not this."""
+    sc = load_power().findings.get(finding)
+    if sc is None:
+        return []
+    b = watch.basis
+    names = ([n for n in b.names if n in b.targets] if sc.kind == "rate"
+             else [n for n in b.names if b.kinds.get(n) == "length"])
+    out = []
+    for name in names:
+        s = watch.series.get(name)
+        if s is None or s.df <= 0 or not s.spread or s.reference is None:
+            continue
+        if sc.kind == "rate":
+            ratio = max(1.0, completions * (s.ss / s.df) / s.spread ** 2)
+            icc = (ratio - 1.0) / (completions - 1.0) if completions > 1 else 0.0
+            out.append({"feature": name, "icc": round(icc, 3), "se_ratio": round(math.sqrt(ratio), 2)})
+        elif s.reference > 0:
+            out.append({"feature": name, "mean": round(s.reference, 3), "cv": round(s.spread / s.reference, 3)})
+    return out
 
 
 __all__ = ["clear_power", "Delays", "dispersion", "scenario", "Power", "PowerSpec", "Scenario", "build_table", "false_alarms", "grid_cell", "load_power",
-           "load_table", "power_at", "run_batch", "simulate", "step_se"]
+           "load_table", "own_dispersion", "power_at", "run_batch", "simulate", "step_se"]

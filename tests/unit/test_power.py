@@ -179,6 +179,30 @@ def test_clear_carries_its_power(tmp_path):
     assert "At this run's batch (8 prompt groups a step, 8 completions each)" in last.evidence
     if pw.smallest is not None:
         assert f"falling {pw.smallest:g} point" in last.evidence and "within 10 steps" in last.evidence
+    # the run's own dispersion beside the table's: prompts alike (icc 0) simulated, so its target's
+    # step SE is about the table's (within what 7 steps of 8 groups estimate)
+    own = last.values["power"]["own"]
+    assert [o["feature"] for o in own] == ["correct"] and last.values["power"]["icc"] == 0
+    assert own[0]["se_ratio"] < 1.5 and own[0]["icc"] < 0.1
+    assert "The simulation had prompts alike in difficulty; on this run `correct`'s step SE is" in last.evidence
+
+
+def test_clear_states_a_runs_own_prompt_difficulty():
+    """A run whose prompts differ (icc 0.3 simulated at 8 x 8) reads its own dispersion off its
+    watch: the icc within sampling error, and its step SE about sqrt(1 + 7 x 0.3) = 1.76x prompts
+    alike."""
+    import numpy as np
+
+    from reward_lens.measure.sequential import RunWatch, step_block
+    from reward_lens.power import _basis, _stream, own_dispersion, scenario
+
+    sc = scenario("proxy_gaming", icc=0.3)
+    watch = RunWatch(_basis(sc))
+    watch.observe_block(step_block(_stream(sc, 8, 8, 0.0, 60, 0, 60, np.random.default_rng(1))))
+    own = own_dispersion("proxy_gaming", watch, 8)
+    assert [o["feature"] for o in own] == ["correct"]
+    assert own[0]["icc"] == pytest.approx(0.3, abs=0.06)
+    assert own[0]["se_ratio"] == pytest.approx(np.sqrt(1 + 7 * 0.3), abs=0.15)
 
 
 def _audit_text(tmp_path, capsys, body: str) -> tuple[dict, str]:
@@ -216,6 +240,9 @@ def test_the_audit_states_the_delay_at_the_configs_batch(tmp_path, capsys):
     gaming = seen["proxy_gaming"]["detection"]["says"]
     assert "a target falling 2 points a step (at a 50 % rate" in gaming
     assert "one step's SE 6.2 points at 8 prompt groups × 8 completions" in gaming  # 100 sqrt(.25 / 64)
+    # the dispersion the statement assumed is stated with it
+    assert "prompts alike in difficulty; prompts that differ make it larger and the catch later" in gaming
+    assert "a completion's length SD 0.5 of its mean" in seen["length_drift"]["detection"]["says"]
     assert "How early the sequential findings catch" in text and "- `proxy_gaming`:" in text
 
     out, text = _audit_text(tmp_path, capsys, "num_generations: 8\nmax_steps: 100\nreward_lens:\n  target: correctness\n")
