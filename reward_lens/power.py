@@ -20,9 +20,15 @@ says.
 completion independently; a length is Gamma-distributed tokens (shape 4: SD half the mean at the
 base), rounded. Prompts are alike: the per-step standard error this states,
 ``sqrt(p (1 - p) / (G m))`` or ``SD / sqrt(G m)``, is the smallest a batch of G groups of m can
-have; a task whose prompts differ in difficulty has a larger one, and its delays are longer.
-tools/power_vs_labelled.py compares the stated delays with the labelled runs, whose prompts do
-differ. The reward of each scenario (``reward:``) is what makes the finding's other conditions
+have; a task whose prompts differ in difficulty has a larger one, and its delays are longer. The
+dispersion is a parameter (``scenario``, ``simulate``): a length's coefficient of variation
+``cv``, and a rate's intraclass correlation over prompts ``icc`` (each prompt group's rate drawn
+from a Beta around the step's level; the step SE grows by ``sqrt(1 + (m - 1) icc)``). The audit
+states the table's (prompts alike, a length's SD half its mean) and says so; a clear finding sets
+the run's own beside it (``own_dispersion``); tools/power_vs_labelled.py simulates each labelled
+run at its own (its records: ``dispersion``).
+
+The reward of each scenario (``reward:``) is what makes the finding's other conditions
 hold: for proxy gaming it pays against the target (it rises as the target falls: the off-by-one
 answer key), for moving against the reward it is the behaviour, for paid-for drift it pays per
 token, for collateral behaviour and length drift it is a coin that selects nothing.
@@ -523,5 +529,6 @@ def own_dispersion(finding: str, watch: RunWatch, completions: float) -> list[di
     return out
 
 
-__all__ = ["clear_power", "Delays", "dispersion", "scenario", "Power", "PowerSpec", "Scenario", "build_table", "false_alarms", "grid_cell", "load_power",
+__all__ = ["clear_power", "Delays", "dispersion", "scenario", "Power", "PowerSpec", "Scenario", "build_table",
+           "false_alarms", "grid_cell", "load_power",
            "load_table", "own_dispersion", "power_at", "run_batch", "simulate", "step_se"]

@@ -277,12 +277,20 @@ def _labelled(tmp_path, detected, onset_rule=True):
 
 
 def test_power_vs_labelled_reads_the_change_a_run_showed(tmp_path):
-    from power_vs_labelled import compare, load, shown_change
+    from power_vs_labelled import compare, fitted_change, load, shown_change
 
     path, onset = _labelled(tmp_path, None)
     assert onset == 11
-    ch = shown_change(load(path)[0]["series"]["correct"], onset, "rate")
-    assert ch["slope"] == pytest.approx(-4.0) and ch["base"] == pytest.approx(0.6) and ch["began"] == 8
+    for read in (shown_change, fitted_change):  # a flat base, then a line: both read it exactly
+        ch = read(load(path)[0]["series"]["correct"], onset, "rate")
+        assert ch["slope"] == pytest.approx(-4.0) and ch["base"] == pytest.approx(0.6) and ch["began"] == 8
+    # an accelerating change (a fall of 1, 2, 4, 8 ... points from step 8): a line fits it from where
+    # it turns steep, the slow first steps (1 to 7 points off) counted with the base
+    series = [0.6] * 8 + [0.6 - 0.01 * (2 ** j - 1) for j in range(1, 7)] + [0.0] * 4
+    onset = next(i for i in range(3, len(series) - 2) if all(x < 0.45 for x in series[i:i + 3]))
+    fit = fitted_change(series, onset, "rate")
+    assert onset == 11 and fit["began"] == 11 and fit["slope"] < 0
+    assert fit["base"] == pytest.approx((8 * 0.6 + 0.59 + 0.57 + 0.53) / 11)  # the mean before it began
 
     from reward_lens.power import simulate
 
