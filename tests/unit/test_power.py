@@ -370,3 +370,40 @@ def test_scenario_refuses_a_dispersion_it_cannot_simulate():
         scenario("proxy_gaming", kind="length")
     sc = scenario("paid_for_drift", kind="rate", base=0.08)
     assert (sc.kind, sc.reward, sc.base) == ("rate", "behaviour", 0.08)
+
+
+def test_power_vs_labelled_reads_a_runs_own_record(tmp_path):
+    """--records: a run's folder found by batch, mode and seed; its behaviours' dispersion per step
+    is power.dispersion of that step's rollouts (checked here on the task record's first step, by
+    hand: the one-way ANOVA icc and the SD over mean); a finding that does not hold names no
+    behaviour; a run without a folder is refused by name."""
+    import numpy as np
+
+    from power_vs_labelled import BadInput, compare, from_record, load, record_of
+
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens.measure.ledger.price import sample_codes, steps_from_run
+    from reward_lens.record import open_run
+
+    task = Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "task"
+    (tmp_path / "8x8").mkdir()
+    (tmp_path / "8x8" / "format_only-1").symlink_to(task)
+    path, onset = _labelled(tmp_path, None)
+    run = load(path)[0]
+    assert record_of(tmp_path, run) == tmp_path / "8x8" / "format_only-1"
+    got = from_record(record_of(tmp_path, run), run)
+    assert got["held"] is None  # never detected: no behaviour to name
+    basis = load_basis(Path(__file__).resolve().parents[2] / "examples" / "features" / "task.yaml")
+    first = steps_from_run(open_run(task), basis, heldout=False)[0]
+    x = first.z[:, basis.names.index("correct")].astype(float)
+    codes, g = sample_codes(first)
+    m = len(x) // g
+    gm = np.array([x[codes == i].mean() for i in range(g)])
+    ms_b = m * gm.var(ddof=1)
+    ms_w = np.mean([x[codes == i].var(ddof=1) for i in range(g)])
+    d = got["dispersion"]["correct"][int(first.step)]
+    assert d["icc"] == pytest.approx(max(0.0, (ms_b - ms_w) / (ms_b + (m - 1) * ms_w)))
+    lengths = first.z[:, basis.names.index("length_tokens")].astype(float)
+    assert got["dispersion"]["length_tokens"][int(first.step)]["cv"] == pytest.approx(lengths.std(ddof=1) / lengths.mean())
+    with pytest.raises(BadInput, match="format_only seed 1 at 8x8"):
+        compare(load(path), n_sim=5, records=tmp_path / "nowhere")
