@@ -279,6 +279,9 @@ def main(argv=None) -> int:
         print(f"power_vs_labelled: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(rows, indent=1) if a.json else table(rows))
+    if a.records is None and not a.json:
+        print("(without --records: each run is read on its finding's scenario behaviour at specs/power.yaml's dispersion, "
+              "not on the behaviour its finding held on at its own; bench/results/power_vs_labelled.txt shows both)")
     judged = [r for r in rows if r["verdict"] in ("within", "later", "earlier")]
     return 0 if judged and all(r["verdict"] == "within" for r in judged) else 1
 
