@@ -33,14 +33,14 @@ features:
 """
 
 
-def _length_rollouts(step, mean, groups, per, rng):
+def _length_rollouts(step, mean, groups, per, rng, shape=4.0):
     """One step of rollouts whose token counts are Gamma with shape 4 about ``mean`` (SD half the
     mean at 200), rounded, the reward a fair coin that selects nothing, GRPO advantages."""
     from reward_lens.record import Rollout
 
     rows = []
     for g in range(groups):
-        tokens = np.maximum(1, np.round(rng.gamma(4.0, mean / 4.0, per))).astype(int)
+        tokens = np.maximum(1, np.round(rng.gamma(shape, mean / shape, per))).astype(int)
         reward = (rng.random(per) < 0.5).astype(float)
         adv = (reward - reward.mean()) / (reward.std(ddof=1) + 1e-4)
         rows += [Rollout(step=step, group_id=f"{step}:{g}", prompt=f"q{g}", completion="x", completion_ids=[1] * int(k),
@@ -48,14 +48,16 @@ def _length_rollouts(step, mean, groups, per, rng):
     return rows
 
 
-def _rollouts(step, rate, groups, per, rng, pays_against=True):
+def _rollouts(step, rate, groups, per, rng, pays_against=True, icc=0.0):
     """One step of rollouts made plainly: each completion right with probability ``rate``, the
     reward paying against it (1 for a wrong answer) or for it, GRPO advantages within each group."""
     from reward_lens.record import Rollout
 
     rows = []
     for g in range(groups):
-        right = (rng.random(per) < rate).astype(float)
+        # prompts that differ (icc > 0): this group's own rate, Beta about the step's with that icc
+        p = rng.beta(rate * (1 / icc - 1), (1 - rate) * (1 / icc - 1)) if icc > 0 and 0 < rate < 1 else rate
+        right = (rng.random(per) < p).astype(float)
         reward = 1.0 - right if pays_against else right.copy()
         adv = (reward - reward.mean()) / (reward.std(ddof=1) + 1e-4)
         rows += [Rollout(step=step, group_id=f"{step}:{g}", prompt=f"q{g}", completion="a" if r else "b",
@@ -64,7 +66,8 @@ def _rollouts(step, rate, groups, per, rng, pays_against=True):
     return rows
 
 
-def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon, seed, pays_against=True):
+def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon, seed, pays_against=True, icc=0.0,
+                   shape=4.0):
     """The finding run as the tap runs it (``LiveFindings``: the basis computed on the rollout rows,
     the watch, the predicate) on ``runs`` streams: ``before`` quiet steps at 50 % (200 tokens for
     length drift), then the rate falls ``change`` points a step (the length grows ``change`` tokens
@@ -85,8 +88,8 @@ def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon
         found = np.inf
         for t in range(before + horizon):
             j = max(0, t - before + 1)
-            rows = (_length_rollouts(t, 200.0 + change * j, groups, per, rng) if length else
-                    _rollouts(t, max(0.0, 0.5 - change * j / 100), groups, per, rng, pays_against))
+            rows = (_length_rollouts(t, 200.0 + change * j, groups, per, rng, shape) if length else
+                    _rollouts(t, max(0.0, 0.5 - change * j / 100), groups, per, rng, pays_against, icc))
             res = live.observe(t, rows)[0]
             last = res
             if t >= before and res.status == "holds":
@@ -163,6 +166,24 @@ def test_stated_delay_matches_the_finding_run_directly(tmp_path, finding, change
     assert np.isfinite(direct).all(), direct
     assert abs(np.median(direct) - median) <= 1, (direct, median)
     assert (direct <= upper).mean() >= 0.75, (direct, upper)
+
+
+@pytest.mark.parametrize("finding,change,disp", [("proxy_gaming", 8, {"icc": 0.3}), ("length_drift", 5, {"cv": 0.25})])
+def test_a_stated_delay_at_a_given_dispersion_matches_the_finding_run_directly(tmp_path, finding, change, disp):
+    """``simulate`` at a dispersion other than the table's (prompts differing at an icc of 0.3; a
+    length's SD a quarter of its mean) against the finding run through LiveFindings on rollout rows
+    made here at that dispersion: the medians within a step, 75 % of direct runs within the
+    simulated 90 % delay."""
+    from reward_lens.power import simulate
+
+    d = simulate(finding, 8, 8, change, runs=60, **disp)
+    assert d.found == 1.0 and d.upper is not None
+    shape = 1 / disp["cv"] ** 2 if "cv" in disp else 4.0
+    direct, _ = _direct_delays(tmp_path, finding, change, 8, 8, runs=40, before=8, horizon=d.upper + 6, seed=11,
+                               icc=disp.get("icc", 0.0), shape=shape)
+    assert np.isfinite(direct).all(), direct
+    assert abs(np.median(direct) - d.median) <= 1, (direct, d.median)
+    assert (direct <= d.upper).mean() >= 0.75, (direct, d.upper)
 
 
 def test_clear_carries_its_power(tmp_path):
