@@ -546,7 +546,7 @@ def _detection(finding: str, pr: Projection) -> Detection | None:
 
 
 # what the audit's sentence on a detection delay reads (templates/audit/says.j2, detection_delay)
-_DELAY_WORDS = ("finding", "what", "scenario", "kind", "base", "direction", "change", "median", "upper", "se",
+_DELAY_WORDS = ("finding", "what", "scenario", "kind", "base", "direction", "change", "median", "upper", "se", "icc", "cv",
                 "false_alarm_below", "run_length", "quantile", "groups", "completions", "cell_groups",
                 "cell_completions", "horizon")
 

@@ -20,9 +20,15 @@ says.
 completion independently; a length is Gamma-distributed tokens (shape 4: SD half the mean at the
 base), rounded. Prompts are alike: the per-step standard error this states,
 ``sqrt(p (1 - p) / (G m))`` or ``SD / sqrt(G m)``, is the smallest a batch of G groups of m can
-have; a task whose prompts differ in difficulty has a larger one, and its delays are longer.
-tools/power_vs_labelled.py compares the stated delays with the labelled runs, whose prompts do
-differ. The reward of each scenario (``reward:``) is what makes the finding's other conditions
+have; a task whose prompts differ in difficulty has a larger one, and its delays are longer. The
+dispersion is a parameter (``scenario``, ``simulate``): a length's coefficient of variation
+``cv``, and a rate's intraclass correlation over prompts ``icc`` (each prompt group's rate drawn
+from a Beta around the step's level; the step SE grows by ``sqrt(1 + (m - 1) icc)``). The audit
+states the table's (prompts alike, a length's SD half its mean) and says so; a clear finding sets
+the run's own beside it (``own_dispersion``); tools/power_vs_labelled.py simulates each labelled
+run at its own (its records: ``dispersion``).
+
+The reward of each scenario (``reward:``) is what makes the finding's other conditions
 hold: for proxy gaming it pays against the target (it rises as the target falls: the off-by-one
 answer key), for moving against the reward it is the behaviour, for paid-for drift it pays per
 token, for collateral behaviour and length drift it is a coin that selects nothing.
@@ -73,7 +79,10 @@ class Scenario(BaseModel):
     feature: str
     target: Literal["higher", "lower"] | None = None
     base: float
+    # the dispersion: a length's Gamma shape (coefficient of variation 1 / sqrt(shape)); a rate's
+    # intraclass correlation over prompts (the share of its variance that is prompt difficulty)
     shape: float = 4.0
+    icc: float = 0.0
     direction: Literal[-1, 1]
     reward: Literal["against", "behaviour", "length", "coin"]
     target_base: float | None = None
@@ -155,12 +164,21 @@ def _stream(sc: Scenario, groups: int, completions: int, change: float, before: 
             rng: np.random.Generator) -> list[StepSample]:
     """Steps ``start`` .. ``start + steps - 1`` of one simulated run, as rollouts: ``before`` steps
     at the base, then the change (the j-th changed step ``j * change`` from the base, a rate held
-    in [0, 1])."""
+    in [0, 1]). The dispersion is the scenario's: a length's ``shape`` (its coefficient of variation
+    ``1 / sqrt(shape)``), a rate's ``icc`` (each prompt group's own rate drawn from a Beta with the
+    step's level as its mean and ``icc`` as its intraclass correlation; 0: prompts alike)."""
     n = groups * completions
     j = np.maximum(0, np.arange(start, start + steps) - before + 1).astype(float)
     if sc.kind == "rate":
         level = np.clip(sc.base + sc.direction * j * change / 100.0, 0.0, 1.0)
-        x = (rng.random((steps, n)) < level[:, None]).astype(float)
+        rate = np.repeat(level[:, None], n, axis=1)
+        if sc.icc > 0:
+            # Var(prompt rate) = icc p (1 - p): Beta(p a, (1 - p) a) with a = 1 / icc - 1
+            a = 1.0 / sc.icc - 1.0
+            mean = np.clip(level, 1e-9, 1 - 1e-9)[:, None]
+            prompt = rng.beta(np.broadcast_to(mean * a, (steps, groups)), np.broadcast_to((1 - mean) * a, (steps, groups)))
+            rate = np.where((level[:, None] > 0) & (level[:, None] < 1), np.repeat(prompt, completions, axis=1), rate)
+        x = (rng.random((steps, n)) < rate).astype(float)
     else:
         level = np.maximum(1.0, sc.base + sc.direction * j * change)
         x = np.maximum(1.0, np.round(rng.gamma(sc.shape, 1.0, (steps, n)) * (level / sc.shape)[:, None]))
@@ -192,19 +210,47 @@ def _predicate(finding: str):
     return PREDICATES[spec.predicate], dict(spec.params)
 
 
+def scenario(finding: str, *, base: float | None = None, cv: float | None = None, icc: float | None = None,
+             kind: str | None = None) -> Scenario:
+    """``finding``'s scenario (specs/power.yaml) with the run's own numbers in place of its
+    assumptions: ``base`` the level the change starts from (a rate, or a mean length); ``cv`` a
+    length's coefficient of variation (its within-step SD over its mean); ``icc`` a rate's
+    intraclass correlation over prompts (0: prompts alike; measured: ``dispersion``); ``kind``
+    "rate" for a 0/1 behaviour where the scenario watches a length (paid-for drift bought as a
+    rate: the reward then pays for the behaviour itself)."""
+    sc = load_power().findings[finding]
+    update: dict[str, Any] = {}
+    if kind is not None and kind != sc.kind:
+        if kind != "rate" or sc.reward != "length":
+            raise ValueError(f"{finding}: its scenario cannot be read as a {kind!r} behaviour")
+        update.update(kind="rate", feature="behaviour", reward="behaviour", base=0.5)
+    if base is not None:
+        update["base"] = float(base)
+    if cv is not None:
+        if not (cv > 0 and math.isfinite(cv)):
+            raise ValueError(f"cv must be a positive number (a length's SD over its mean), got {cv!r}")
+        update["shape"] = 1.0 / cv ** 2
+    if icc is not None:
+        if not (0 <= icc < 1):
+            raise ValueError(f"icc must lie in [0, 1) (the share of a rate's variance between prompts), got {icc!r}")
+        update["icc"] = float(icc)
+    return sc.model_copy(update=update) if update else sc
+
+
 def simulate(finding: str, groups: int, completions: int, change: float, *, runs: int | None = None,
              horizon: int | None = None, seed: int | None = None, before: int | None = None,
-             base: float | None = None) -> Delays:
+             base: float | None = None, cv: float | None = None, icc: float | None = None,
+             kind: str | None = None) -> Delays:
     """The delays of ``finding`` over simulated runs of its scenario (specs/power.yaml) at
     ``groups`` prompt groups a step of ``completions`` each, the change ``change`` a step (points
-    of a rate, or tokens); 0 gives the false alarms after ``before`` quiet steps. ``base``: the
-    level the change starts from, in place of the scenario's (a rate, or a mean length)."""
+    of a rate, or tokens); 0 gives the false alarms after ``before`` quiet steps. ``base``, ``cv``,
+    ``icc``, ``kind``: the run's own level and dispersion in place of the scenario's assumptions
+    (``scenario``)."""
     from reward_lens.findings import FindingData
 
     p = load_power()
-    sc = p.findings[finding]
-    if base is not None:
-        sc = sc.model_copy(update={"base": float(base)})
+    sc = scenario(finding, base=base, cv=cv, icc=icc, kind=kind)
+    custom = sc != p.findings[finding]
     runs = p.runs if runs is None else runs
     horizon = p.horizon if horizon is None else horizon
     before = p.steps_before if before is None else before
@@ -214,7 +260,8 @@ def simulate(finding: str, groups: int, completions: int, change: float, *, runs
     # one stream of random numbers per cell, from the seed and the cell (a cell reruns alike alone)
     rng = np.random.default_rng([p.seed if seed is None else seed, groups, completions, int(round(change * 1000)),
                                  sorted(p.findings).index(finding),
-                                 *([] if base is None else [int(round(sc.base * 1000))])])
+                                 *([] if not custom else [int(round(sc.base * 1000)), int(round(sc.shape * 1000)),
+                                                          int(round(sc.icc * 1e6)), int(sc.kind == "rate")])])
     out = np.full(runs, np.inf)
     total = before + horizon
     for i in range(runs):
@@ -247,14 +294,39 @@ def simulate(finding: str, groups: int, completions: int, change: float, *, runs
     return Delays(finding, groups, completions, change, out, horizon, p.quantile)
 
 
-def step_se(finding: str, groups: int, completions: int) -> float:
+def step_se(finding: str, groups: int, completions: int, sc: Scenario | None = None) -> float:
     """The standard error of one step's level at the scenario's base, in its unit (points of a
-    rate, tokens), for completions alike across prompts (the least a batch of G x m can have)."""
-    sc = load_power().findings[finding]
+    rate, tokens), at its dispersion (``sc``: a ``scenario`` with the run's own; by default
+    specs/power.yaml's): a rate's ``sqrt(p (1 - p) (1 + (m - 1) icc) / (G m))`` (prompts alike,
+    icc 0: the least a batch of G x m can have), a length's ``SD / sqrt(G m)``."""
+    sc = sc or load_power().findings[finding]
     n = groups * completions
     if sc.kind == "rate":
-        return 100.0 * math.sqrt(sc.base * (1 - sc.base) / n)
+        return 100.0 * math.sqrt(sc.base * (1 - sc.base) * (1 + (completions - 1) * sc.icc) / n)
     return sc.base / math.sqrt(sc.shape) / math.sqrt(n)
+
+
+def dispersion(values: np.ndarray, groups: np.ndarray) -> dict[str, float]:
+    """A behaviour's dispersion within steps, from one step's rollouts (``values``, with each one's
+    prompt group ``groups``) or several steps' stacked with groups coded apart: its mean, its SD
+    over rollouts, the coefficient of variation (SD over mean: a length's ``cv``), and the
+    intraclass correlation over prompts (the one-way ANOVA estimate, at least 0: a rate's ``icc``),
+    what ``simulate`` takes in place of specs/power.yaml's assumptions."""
+    x = np.asarray(values, dtype=float)
+    codes = np.unique(np.asarray(groups), return_inverse=True)[1]
+    g = int(codes.max()) + 1 if len(codes) else 0
+    if len(x) < 3 or g < 2 or g == len(x):
+        raise ValueError("a dispersion needs at least 2 prompt groups, one with 2 or more rollouts")
+    size = np.bincount(codes, minlength=g).astype(float)
+    mean_g = np.bincount(codes, weights=x, minlength=g) / size
+    ss_w = float(((x - mean_g[codes]) ** 2).sum())
+    ss_b = float((size * (mean_g - x.mean()) ** 2).sum())
+    ms_w, ms_b = ss_w / (len(x) - g), ss_b / (g - 1)
+    n0 = (len(x) - (size ** 2).sum() / len(x)) / (g - 1)  # the groups' effective size
+    icc = max(0.0, (ms_b - ms_w) / (ms_b + (n0 - 1) * ms_w)) if ms_b + (n0 - 1) * ms_w > 0 else 0.0
+    sd = float(x.std(ddof=1))
+    mean = float(x.mean())
+    return {"mean": mean, "sd": sd, "cv": sd / mean if mean else math.inf, "icc": icc}
 
 
 @lru_cache(maxsize=None)
@@ -303,6 +375,10 @@ def source_digest() -> str:
     p = load_power()
     specs = load_findings()
     data = p.model_dump(exclude={"findings": {f: {"what", "scenario"} for f in p.findings}})
+    for f in data["findings"].values():
+        # prompts alike (icc 0) draw the very numbers they drew before the icc was a setting
+        if f.get("icc") == 0:
+            del f["icc"]
     data["predicates"] = {f: [specs[f].predicate, specs[f].params] for f in sorted(p.findings)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -350,6 +426,8 @@ class Power:
     upper: int | None
     found: float
     se: float  # one step's SE at the cell's batch, in the unit
+    icc: float  # the dispersion the table assumed: a rate's intraclass correlation over prompts (0: alike)
+    cv: float | None  # a length's coefficient of variation (None for a rate)
     false_alarm: float
     run_length: int
     within: int
@@ -389,7 +467,8 @@ def power_at(finding: str, groups: float, completions: float) -> Power | None:
     median, upper, found = row[_key(sc.stated)]
     smallest = next((c for c in sc.ladder if row[_key(c)][1] is not None and row[_key(c)][1] <= p.within), None)
     return Power(finding, int(round(groups)), int(round(completions)), cell, sc.kind, sc.base, sc.direction,
-                 sc.target is not None, sc.stated, median, upper, found, step_se(finding, *cell),
+                 sc.target is not None, sc.stated, median, upper, found, step_se(finding, *cell), sc.icc,
+                 1.0 / math.sqrt(sc.shape) if sc.kind == "length" else None,
                  false_alarms(finding), p.run_length, p.within, p.quantile, smallest, max(sc.ladder), sc.what,
                  sc.scenario, p.horizon)
 
@@ -417,9 +496,39 @@ def clear_power(finding: str, watch: RunWatch) -> dict[str, Any] | None:
         return None
     ctx = pw.context()
     ctx["groups"], ctx["completions"] = round(batch[0], 1), round(batch[1], 1)
-    return {k: ctx[k] for k in ("groups", "completions", "cell_groups", "cell_completions", "kind", "base", "direction",
-                                "what", "scenario", "smallest", "largest_tried", "within", "quantile")}
+    out = {k: ctx[k] for k in ("groups", "completions", "cell_groups", "cell_completions", "kind", "base", "direction",
+                               "what", "scenario", "smallest", "largest_tried", "within", "quantile", "icc", "cv")}
+    out["own"] = own_dispersion(finding, watch, batch[1])
+    return out
 
 
-__all__ = ["clear_power", "Delays", "Power", "PowerSpec", "Scenario", "build_table", "false_alarms", "grid_cell", "load_power",
-           "load_table", "power_at", "run_batch", "simulate", "step_se"]
+def own_dispersion(finding: str, watch: RunWatch, completions: float) -> list[dict[str, Any]]:
+    """The run's own dispersion of the behaviours ``finding``'s scenario stands for, read by its
+    watch over every step (its pooled between-group variance of group means, and its within-step
+    SD over rollouts): for a rate scenario the declared targets, each with its ``icc`` over
+    prompts and its step SE over the SE of prompts alike (``se_ratio``, sqrt(1 + (m - 1) icc)); for
+    a length scenario the length features, each with its mean and ``cv``. What the table assumed
+    is beside it in ``clear_power``; the catch the table states is for its dispersion, not this."""
+    sc = load_power().findings.get(finding)
+    if sc is None:
+        return []
+    b = watch.basis
+    names = ([n for n in b.names if n in b.targets] if sc.kind == "rate"
+             else [n for n in b.names if b.kinds.get(n) == "length"])
+    out = []
+    for name in names:
+        s = watch.series.get(name)
+        if s is None or s.df <= 0 or not s.spread or s.reference is None:
+            continue
+        if sc.kind == "rate":
+            ratio = max(1.0, completions * (s.ss / s.df) / s.spread ** 2)
+            icc = (ratio - 1.0) / (completions - 1.0) if completions > 1 else 0.0
+            out.append({"feature": name, "icc": round(icc, 3), "se_ratio": round(math.sqrt(ratio), 2)})
+        elif s.reference > 0:
+            out.append({"feature": name, "mean": round(s.reference, 3), "cv": round(s.spread / s.reference, 3)})
+    return out
+
+
+__all__ = ["clear_power", "Delays", "dispersion", "scenario", "Power", "PowerSpec", "Scenario", "build_table",
+           "false_alarms", "grid_cell", "load_power",
+           "load_table", "own_dispersion", "power_at", "run_batch", "simulate", "step_se"]

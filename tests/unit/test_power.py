@@ -33,14 +33,14 @@ features:
 """
 
 
-def _length_rollouts(step, mean, groups, per, rng):
+def _length_rollouts(step, mean, groups, per, rng, shape=4.0):
     """One step of rollouts whose token counts are Gamma with shape 4 about ``mean`` (SD half the
     mean at 200), rounded, the reward a fair coin that selects nothing, GRPO advantages."""
     from reward_lens.record import Rollout
 
     rows = []
     for g in range(groups):
-        tokens = np.maximum(1, np.round(rng.gamma(4.0, mean / 4.0, per))).astype(int)
+        tokens = np.maximum(1, np.round(rng.gamma(shape, mean / shape, per))).astype(int)
         reward = (rng.random(per) < 0.5).astype(float)
         adv = (reward - reward.mean()) / (reward.std(ddof=1) + 1e-4)
         rows += [Rollout(step=step, group_id=f"{step}:{g}", prompt=f"q{g}", completion="x", completion_ids=[1] * int(k),
@@ -48,14 +48,16 @@ def _length_rollouts(step, mean, groups, per, rng):
     return rows
 
 
-def _rollouts(step, rate, groups, per, rng, pays_against=True):
+def _rollouts(step, rate, groups, per, rng, pays_against=True, icc=0.0):
     """One step of rollouts made plainly: each completion right with probability ``rate``, the
     reward paying against it (1 for a wrong answer) or for it, GRPO advantages within each group."""
     from reward_lens.record import Rollout
 
     rows = []
     for g in range(groups):
-        right = (rng.random(per) < rate).astype(float)
+        # prompts that differ (icc > 0): this group's own rate, Beta about the step's with that icc
+        p = rng.beta(rate * (1 / icc - 1), (1 - rate) * (1 / icc - 1)) if icc > 0 and 0 < rate < 1 else rate
+        right = (rng.random(per) < p).astype(float)
         reward = 1.0 - right if pays_against else right.copy()
         adv = (reward - reward.mean()) / (reward.std(ddof=1) + 1e-4)
         rows += [Rollout(step=step, group_id=f"{step}:{g}", prompt=f"q{g}", completion="a" if r else "b",
@@ -64,7 +66,8 @@ def _rollouts(step, rate, groups, per, rng, pays_against=True):
     return rows
 
 
-def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon, seed, pays_against=True):
+def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon, seed, pays_against=True, icc=0.0,
+                   shape=4.0):
     """The finding run as the tap runs it (``LiveFindings``: the basis computed on the rollout rows,
     the watch, the predicate) on ``runs`` streams: ``before`` quiet steps at 50 % (200 tokens for
     length drift), then the rate falls ``change`` points a step (the length grows ``change`` tokens
@@ -85,8 +88,8 @@ def _direct_delays(tmp_path, finding, change, groups, per, runs, before, horizon
         found = np.inf
         for t in range(before + horizon):
             j = max(0, t - before + 1)
-            rows = (_length_rollouts(t, 200.0 + change * j, groups, per, rng) if length else
-                    _rollouts(t, max(0.0, 0.5 - change * j / 100), groups, per, rng, pays_against))
+            rows = (_length_rollouts(t, 200.0 + change * j, groups, per, rng, shape) if length else
+                    _rollouts(t, max(0.0, 0.5 - change * j / 100), groups, per, rng, pays_against, icc))
             res = live.observe(t, rows)[0]
             last = res
             if t >= before and res.status == "holds":
@@ -165,6 +168,24 @@ def test_stated_delay_matches_the_finding_run_directly(tmp_path, finding, change
     assert (direct <= upper).mean() >= 0.75, (direct, upper)
 
 
+@pytest.mark.parametrize("finding,change,disp", [("proxy_gaming", 8, {"icc": 0.3}), ("length_drift", 5, {"cv": 0.25})])
+def test_a_stated_delay_at_a_given_dispersion_matches_the_finding_run_directly(tmp_path, finding, change, disp):
+    """``simulate`` at a dispersion other than the table's (prompts differing at an icc of 0.3; a
+    length's SD a quarter of its mean) against the finding run through LiveFindings on rollout rows
+    made here at that dispersion: the medians within a step, 75 % of direct runs within the
+    simulated 90 % delay."""
+    from reward_lens.power import simulate
+
+    d = simulate(finding, 8, 8, change, runs=60, **disp)
+    assert d.found == 1.0 and d.upper is not None
+    shape = 1 / disp["cv"] ** 2 if "cv" in disp else 4.0
+    direct, _ = _direct_delays(tmp_path, finding, change, 8, 8, runs=40, before=8, horizon=d.upper + 6, seed=11,
+                               icc=disp.get("icc", 0.0), shape=shape)
+    assert np.isfinite(direct).all(), direct
+    assert abs(np.median(direct) - d.median) <= 1, (direct, d.median)
+    assert (direct <= d.upper).mean() >= 0.75, (direct, d.upper)
+
+
 def test_clear_carries_its_power(tmp_path):
     """A quiet run (no change) of 8 x 8: proxy gaming is clear, and its evidence says the smallest
     change the table finds within 10 steps at this batch, with the batch; the report's JSON values
@@ -179,6 +200,30 @@ def test_clear_carries_its_power(tmp_path):
     assert "At this run's batch (8 prompt groups a step, 8 completions each)" in last.evidence
     if pw.smallest is not None:
         assert f"falling {pw.smallest:g} point" in last.evidence and "within 10 steps" in last.evidence
+    # the run's own dispersion beside the table's: prompts alike (icc 0) simulated, so its target's
+    # step SE is about the table's (within what 7 steps of 8 groups estimate)
+    own = last.values["power"]["own"]
+    assert [o["feature"] for o in own] == ["correct"] and last.values["power"]["icc"] == 0
+    assert own[0]["se_ratio"] < 1.5 and own[0]["icc"] < 0.1
+    assert "The simulation had prompts alike in difficulty; on this run `correct`'s step SE is" in last.evidence
+
+
+def test_clear_states_a_runs_own_prompt_difficulty():
+    """A run whose prompts differ (icc 0.3 simulated at 8 x 8) reads its own dispersion off its
+    watch: the icc within sampling error, and its step SE about sqrt(1 + 7 x 0.3) = 1.76x prompts
+    alike."""
+    import numpy as np
+
+    from reward_lens.measure.sequential import RunWatch, step_block
+    from reward_lens.power import _basis, _stream, own_dispersion, scenario
+
+    sc = scenario("proxy_gaming", icc=0.3)
+    watch = RunWatch(_basis(sc))
+    watch.observe_block(step_block(_stream(sc, 8, 8, 0.0, 60, 0, 60, np.random.default_rng(1))))
+    own = own_dispersion("proxy_gaming", watch, 8)
+    assert [o["feature"] for o in own] == ["correct"]
+    assert own[0]["icc"] == pytest.approx(0.3, abs=0.06)
+    assert own[0]["se_ratio"] == pytest.approx(np.sqrt(1 + 7 * 0.3), abs=0.15)
 
 
 def _audit_text(tmp_path, capsys, body: str) -> tuple[dict, str]:
@@ -216,6 +261,9 @@ def test_the_audit_states_the_delay_at_the_configs_batch(tmp_path, capsys):
     gaming = seen["proxy_gaming"]["detection"]["says"]
     assert "a target falling 2 points a step (at a 50 % rate" in gaming
     assert "one step's SE 6.2 points at 8 prompt groups × 8 completions" in gaming  # 100 sqrt(.25 / 64)
+    # the dispersion the statement assumed is stated with it
+    assert "prompts alike in difficulty; prompts that differ make it larger and the catch later" in gaming
+    assert "a completion's length SD 0.5 of its mean" in seen["length_drift"]["detection"]["says"]
     assert "How early the sequential findings catch" in text and "- `proxy_gaming`:" in text
 
     out, text = _audit_text(tmp_path, capsys, "num_generations: 8\nmax_steps: 100\nreward_lens:\n  target: correctness\n")
@@ -250,12 +298,20 @@ def _labelled(tmp_path, detected, onset_rule=True):
 
 
 def test_power_vs_labelled_reads_the_change_a_run_showed(tmp_path):
-    from power_vs_labelled import compare, load, shown_change
+    from power_vs_labelled import compare, fitted_change, load, shown_change
 
     path, onset = _labelled(tmp_path, None)
     assert onset == 11
-    ch = shown_change(load(path)[0]["series"]["correct"], onset, "rate")
-    assert ch["slope"] == pytest.approx(-4.0) and ch["base"] == pytest.approx(0.6) and ch["began"] == 8
+    for read in (shown_change, fitted_change):  # a flat base, then a line: both read it exactly
+        ch = read(load(path)[0]["series"]["correct"], onset, "rate")
+        assert ch["slope"] == pytest.approx(-4.0) and ch["base"] == pytest.approx(0.6) and ch["began"] == 8
+    # an accelerating change (a fall of 1, 2, 4, 8 ... points from step 8): a line fits it from where
+    # it turns steep, the slow first steps (1 to 7 points off) counted with the base
+    series = [0.6] * 8 + [0.6 - 0.01 * (2 ** j - 1) for j in range(1, 7)] + [0.0] * 4
+    onset = next(i for i in range(3, len(series) - 2) if all(x < 0.45 for x in series[i:i + 3]))
+    fit = fitted_change(series, onset, "rate")
+    assert onset == 11 and fit["began"] == 11 and fit["slope"] < 0
+    assert fit["base"] == pytest.approx((8 * 0.6 + 0.59 + 0.57 + 0.53) / 11)  # the mean before it began
 
     from reward_lens.power import simulate
 
@@ -277,3 +333,98 @@ def test_power_vs_labelled_refuses_a_bad_file(tmp_path):
                        text=True, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 2
     assert "run 0 (format_only seed 1) lacks ['series']" in r.stderr and "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------------ the dispersion
+def test_step_se_follows_the_stated_dispersion():
+    """By hand: at 8 completions a group an icc of 1/7 doubles a step level's variance
+    (1 + (m - 1) icc = 2), so its SE grows by sqrt 2; a length's SD is cv x mean, so doubling cv
+    doubles the SE."""
+    import math
+
+    from reward_lens.power import scenario, step_se
+
+    alike = step_se("proxy_gaming", 8, 8)
+    assert alike == pytest.approx(100 * math.sqrt(0.25 / 64))
+    assert step_se("proxy_gaming", 8, 8, scenario("proxy_gaming", icc=1 / 7)) == pytest.approx(alike * math.sqrt(2))
+    narrow = step_se("length_drift", 8, 8, scenario("length_drift", cv=0.25))
+    assert narrow == pytest.approx(200 * 0.25 / 8)
+    assert step_se("length_drift", 8, 8, scenario("length_drift", cv=0.5)) == pytest.approx(2 * narrow)
+
+
+def test_a_simulated_stream_has_the_dispersion_it_was_given():
+    """``dispersion`` (what power_vs_labelled reads off a record) recovers the icc and cv a
+    simulated stream was made with, step by step."""
+    import numpy as np
+
+    from reward_lens.power import _stream, dispersion, scenario
+
+    rng = np.random.default_rng(0)
+    for finding, kw, key, want in (("proxy_gaming", {"icc": 0.1}, "icc", 0.1), ("proxy_gaming", {"icc": 0.0}, "icc", 0.0),
+                                    ("length_drift", {"cv": 0.3}, "cv", 0.3)):
+        sc = scenario(finding, **kw)
+        steps = _stream(sc, 32, 8, 0.0, 40, 0, 40, rng)
+        j = list(steps[0].names).index(sc.feature)
+        got = np.mean([dispersion(s.z[:, j], s.groups)[key] for s in steps])
+        assert got == pytest.approx(want, abs=0.02), (finding, kw, got)
+
+
+def test_prompt_difficulty_makes_a_change_slower_to_find():
+    """The same change, read against a larger step SE (prompts that differ: icc 3/7 at 8 completions
+    doubles it), is found later; the defaults (icc 0) draw the table's numbers."""
+    from reward_lens.power import simulate
+
+    alike = simulate("proxy_gaming", 8, 8, 4, runs=30)
+    spread = simulate("proxy_gaming", 8, 8, 4, runs=30, icc=3 / 7)
+    assert spread.median > alike.median
+    assert list(simulate("proxy_gaming", 8, 8, 4, runs=30, icc=0.0).delays) == list(alike.delays)
+
+
+def test_scenario_refuses_a_dispersion_it_cannot_simulate():
+    from reward_lens.power import scenario
+
+    with pytest.raises(ValueError, match="icc"):
+        scenario("proxy_gaming", icc=1.0)
+    with pytest.raises(ValueError, match="cv"):
+        scenario("length_drift", cv=0)
+    with pytest.raises(ValueError, match="proxy_gaming"):
+        scenario("proxy_gaming", kind="length")
+    sc = scenario("paid_for_drift", kind="rate", base=0.08)
+    assert (sc.kind, sc.reward, sc.base) == ("rate", "behaviour", 0.08)
+
+
+def test_power_vs_labelled_reads_a_runs_own_record(tmp_path):
+    """--records: a run's folder found by batch, mode and seed; its behaviours' dispersion per step
+    is power.dispersion of that step's rollouts (checked here on the task record's first step, by
+    hand: the one-way ANOVA icc and the SD over mean); a finding that does not hold names no
+    behaviour; a run without a folder is refused by name."""
+    import numpy as np
+
+    from power_vs_labelled import BadInput, compare, from_record, load, record_of
+
+    from reward_lens.measure.ledger.basis import load_basis
+    from reward_lens.measure.ledger.price import sample_codes, steps_from_run
+    from reward_lens.record import open_run
+
+    task = Path(__file__).resolve().parents[1] / "fixtures" / "grpo_run" / "task"
+    (tmp_path / "8x8").mkdir()
+    (tmp_path / "8x8" / "format_only-1").symlink_to(task)
+    path, onset = _labelled(tmp_path, None)
+    run = load(path)[0]
+    assert record_of(tmp_path, run) == tmp_path / "8x8" / "format_only-1"
+    got = from_record(record_of(tmp_path, run), run)
+    assert got["held"] is None  # never detected: no behaviour to name
+    basis = load_basis(Path(__file__).resolve().parents[2] / "examples" / "features" / "task.yaml")
+    first = steps_from_run(open_run(task), basis, heldout=False)[0]
+    x = first.z[:, basis.names.index("correct")].astype(float)
+    codes, g = sample_codes(first)
+    m = len(x) // g
+    gm = np.array([x[codes == i].mean() for i in range(g)])
+    ms_b = m * gm.var(ddof=1)
+    ms_w = np.mean([x[codes == i].var(ddof=1) for i in range(g)])
+    d = got["dispersion"]["correct"][int(first.step)]
+    assert d["icc"] == pytest.approx(max(0.0, (ms_b - ms_w) / (ms_b + (m - 1) * ms_w)))
+    lengths = first.z[:, basis.names.index("length_tokens")].astype(float)
+    assert got["dispersion"]["length_tokens"][int(first.step)]["cv"] == pytest.approx(lengths.std(ddof=1) / lengths.mean())
+    with pytest.raises(BadInput, match="format_only seed 1 at 8x8"):
+        compare(load(path), n_sim=5, records=tmp_path / "nowhere")
