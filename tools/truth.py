@@ -812,7 +812,8 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
             if r is not None and r.efficiency_debiased is not None:
                 est = book.estimates[pair]
                 eta_rows.append((pair, r.status, r.efficiency_debiased, r.interval, truth.eta,
-                                 dataclasses.replace(est, bias_bound=None).interval() if r.interval is not None else None,
+                                 (dataclasses.replace(est, bias_bound=None).interval()
+                                  if r.interval is not None else None),
                                  r.p_value, *_rollout_dfs(lg, active[pair]), p_star))
         eta_run = None
         run_est = book.run_level() if book is not None else None

@@ -53,8 +53,9 @@ at ``budget=None``). With one scored group the spread across groups is not ident
 pair is refused by name (``few_groups``). KL_min and eta are not touched here: their SEs are the
 delete-one-group jackknife's (``efficiency.eta``), which already count the sampling of the groups
 (as from an unbounded population: without the (1 - n/N) factor, the wider side).
-``PairedLedger.n_groups`` of ``groups_in_step`` says how many were used. A group scored on some rows and not others breaks that contract, and the step
-pair is refused by name (``partly_scored_group``) rather than priced on a guess.
+``PairedLedger.n_groups`` of ``groups_in_step`` says how many were used. A group scored on some
+rows and not others breaks that contract, and the step pair is refused by name
+(``partly_scored_group``) rather than priced on a guess.
 
 Never on the rollouts the step trained on: there log pi_{t+1}/pi_t is inflated by the update
 itself (GRPO raises the log-probability of positive-advantage rollouts), which is why the
