@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -851,6 +852,10 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
         tel = run.telemetry_column("tap_per_group")
         per_group = {pair: int(tel[pair[0]]) for pair in truths if (tel.get(pair[0]) or 0) >= 2}
         result.calibration = _calibration(pools_, truths, names, calibration_draws, active, per_group=per_group)
+        # what the redraws drew: the median completions per group and policy, and whether any pair's
+        # groups were a subset of the step's (the calibration line says so)
+        result.calibration["shape"] = (statistics.median([per_group.get(pair, 4) for pair in truths] or [4]),
+                                       result.measured is not None)
     progress(f"{trained.regime.name}: checked in {time.monotonic() - t0:.0f} s")
     return result
 
@@ -1563,9 +1568,12 @@ def summary_lines(res: RegimeResult) -> list[str]:
         def cover(c, key):
             return f"{100 * c[key] / c['draws']:.1f} %" if c["draws"] else "-"
 
-        shape = ("4 + 4 completions per prompt, the prompts fixed" if res.measured is None else
-                 "the tap's own completions per group and policy, on as many of the step's prompt groups as it "
-                 "measured, drawn afresh each time, against the truth over all of them")
+        k, subset = cal.get("shape", (4, False))
+        shape = (f"{k:g} + {k:g} completions per prompt (the tap's own, a median over updates), "
+                 + ("on as many of the step's prompt groups as it measured, drawn afresh each time, against "
+                    "the truth over all of them" if subset else "the prompts fixed"))
+        if (k, subset) == (4, False):
+            shape = "4 + 4 completions per prompt, the prompts fixed"
         lines.append(f"  calibration, the tap's sampling redrawn ({cal.get('draws_per_update', '')} "
                      f"draws of {shape}): real SD / reported SE (its root "
                      "mean square), median [range] over updates; the median draw's SE / real SD, median over updates; "
