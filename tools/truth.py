@@ -24,10 +24,14 @@ policy pi_t kept:
   does not break.
 
 The oracle. For every step pair (t, t+1) the tap measured it draws ``n`` fresh completions per
-prompt the tap measured it on (``measured_prompts``: generation t's prompt groups it drew extra
-completions for, read from the record) from pi_t *and* from pi_{t+1} (float64 sampling at the trainer's
-temperature), scores each under both policies, sums the full-vocabulary token
-KL(pi_{t+1} || pi_t) along it, and computes the features. The truth is then:
+prompt of the step -- every prompt group of the generation the tap measured the pair on
+(``step_prompts``: generation t two-sided, t + 1 one-sided), the groups it measured among them
+(``measured_prompts``, read from the record) -- from pi_t *and* from pi_{t+1} (float64 sampling at
+the trainer's temperature), scores each under both policies, sums the full-vocabulary token
+KL(pi_{t+1} || pi_t) along it, and computes the features. The truth each number is checked
+against is the step's change over all of its prompts, which is what the report names; where the
+budget measured a subset of the groups, the same checks against the truth over the measured groups
+alone are printed as a second line. The truth is then:
 
 * dz = mean over prompts of (mean z under pi_{t+1} - mean z under pi_t), plain means;
 * D_t = the mean over prompts of the token KL summed along pi_{t+1}'s samples (chain rule);
@@ -39,12 +43,14 @@ Its own sampling error is reported (standard errors over its samples). The recor
 -- what ``reward-lens report`` reads from the tapped record -- are compared cell by cell, and
 the estimator's bias and real spread are measured by replicates: the record's sampling
 (k extra completions per prompt from each policy; one-sided, m rollouts of pi_{t+1}) redrawn
-from the oracle's own samples, the estimator applied to each.
+from the oracle's own samples, the estimator applied to each; where the tap measured n of a step's
+N groups, each redraw draws n groups afresh (the others left unscored, as the tap leaves them).
 
 The tap runs with ``budget=None`` by default (every pair measured whole: 8 prompt groups, 4 extra
 completions per group and policy), so that a run is the same run every time on the same machine
 (the slow test asserts on it, and docs/science.md quotes it). ``--budget default`` runs the tap's
-own default (0.10 of an untapped step): the budget sizes each pair's measurement from timing, so
+own default (0.10 of an untapped step): the budget sizes each pair's measurement from timing (n of
+the step's prompt groups drawn at random, or every group on a share of the pairs), so
 which groups and pairs are measured -- and, since the extra completions share the trainer's
 sampling, the run's tokens -- differ from run to run; its output is saved with ``--save`` and
 quoted as it was printed (tools/bench_quotes.py). Pairs the budget left unmeasured are counted
@@ -56,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -194,7 +201,8 @@ def train(regime: Regime, workdir: Path, **tap_kwargs) -> Trained:
 
 @dataclass
 class Pool:
-    """The oracle's samples of one step pair (t, t+1), for the prompts the tap measured it on: side "a" drawn
+    """The oracle's samples of one step pair (t, t+1), for every prompt of the step (``step_prompts``; the
+    tap's measured groups first): side "a" drawn
     from pi_t, side "b" from pi_{t+1}, ``n`` per prompt each. Per sample: its prompt group, the
     features, log pi_t(y), log pi_{t+1}(y) and the summed token KL(pi_{t+1} || pi_t) along it."""
 
@@ -205,6 +213,25 @@ class Pool:
     logp_t: dict[str, "object"] = field(default_factory=dict)
     logp_t1: dict[str, "object"] = field(default_factory=dict)
     kl: dict[str, "object"] = field(default_factory=dict)
+    # the prompt groups the tap measured: groups 0..measured-1 (``step_prompts``); None: every group
+    measured: int | None = None
+
+    @property
+    def n_groups(self) -> int:
+        import numpy as np
+
+        return len(np.unique(self.groups["b"]))
+
+    def restricted(self) -> "Pool":
+        """The pool of the measured groups alone (itself where every group was measured)."""
+        if self.measured is None or self.measured >= self.n_groups:
+            return self
+        out = Pool(self.step_pair, self.names)
+        for side in ("a", "b"):
+            keep = self.groups[side] < self.measured
+            for name in ("groups", "z", "logp_t", "logp_t1", "kl"):
+                getattr(out, name)[side] = getattr(self, name)[side][keep]
+        return out
 
 
 def _score_many(pre, post, tok, basis, rewards, prompts: list[dict], n: int, cap: int, seed: int, policy):
@@ -255,16 +282,35 @@ def _score_many(pre, post, tok, basis, rewards, prompts: list[dict], n: int, cap
     return np.array([g for g, _ in rows]), z, lp_old, lp_new, kl
 
 
+def step_prompts(trained: Trained) -> dict[tuple[int, int], tuple[list[dict], int]]:
+    """Every prompt of the step each measured pair (t, t + 1) estimates the change over -- the
+    generation the tap measured it on (t two-sided, t + 1 one-sided), all of its prompt groups --
+    with the groups the tap measured first, in ``measured_prompts``' order, and how many those are.
+    At ``budget=None`` the tap measures every group and the two lists are one."""
+    out = {}
+    for pair, (rows, gen) in _measured(trained).items():
+        rest = [p for p in trained.prompts.get(gen, []) if p not in rows]
+        out[pair] = (rows + rest, len(rows))
+    return out
+
+
 def measured_prompts(trained: Trained) -> dict[tuple[int, int], list[dict]]:
+    """``_measured``'s prompts alone."""
+    return {pair: rows for pair, (rows, _) in _measured(trained).items()}
+
+
+def _measured(trained: Trained) -> dict[tuple[int, int], tuple[list[dict], int]]:
     """The prompts the tap measured each step pair (t, t + 1) on, read from the record: two-sided,
     the groups of generation t it drew extra completions for (held-out rows filed under step
     t + 1, drawn by step t, group ``h<g>``: the g-th prompt group of generation t); one-sided,
     the groups of generation t + 1 whose rollouts it scored under pi_t (``kl_prev`` recorded).
-    A pair the budget left unmeasured has none (it is refused as ``not_measured``)."""
+    A pair the budget left unmeasured has none (it is refused as ``not_measured``). Each with the
+    generation its prompts are of."""
     from reward_lens.record.reader import open_run
 
     run = open_run(trained.record)
     out: dict[tuple[int, int], list[dict]] = {}
+    gen: dict[tuple[int, int], int] = {}
     view = run.heldout()
     held = view.read_rollouts(["group_id", "prompt", "drawn_by_step"]).to_pylist() if view is not None else []
     for x in held:
@@ -273,6 +319,7 @@ def measured_prompts(trained: Trained) -> dict[tuple[int, int], list[dict]]:
             continue
         g = int(str(x["group_id"]).rsplit("h", 1)[1])
         rows = out.setdefault((t1 - 1, t1), [])
+        gen[(t1 - 1, t1)] = t1 - 1
         prompt = trained.prompts[t1 - 1][g]
         if prompt.get("prompt", x["prompt"]) != x["prompt"]:
             raise RuntimeError(f"held-out group {x['group_id']} of step {t1} is not prompt {g} of generation {t1 - 1}")
@@ -291,27 +338,29 @@ def measured_prompts(trained: Trained) -> dict[tuple[int, int], list[dict]]:
         idx = [i for i, (_, on) in enumerate(labels) if on]
         if idx:
             out[(t1 - 1, t1)] = [trained.prompts[t1][i] for i in idx]
-    return dict(sorted(out.items()))
+            gen[(t1 - 1, t1)] = t1
+    return {pair: (rows, gen[pair]) for pair, rows in sorted(out.items())}
 
 
 def pools(trained: Trained, n: int, pairs=None, progress=print) -> dict[tuple[int, int], Pool]:
     """The oracle's samples of every measured step pair (or ``pairs``), ``n`` per prompt and
-    policy, for the prompts the tap measured it on (``measured_prompts``)."""
+    policy, for every prompt of the step (``step_prompts``: the groups the tap measured first,
+    ``Pool.measured`` of them)."""
     tok, build, rewards, _, basis = _setup(trained.regime)
     pre, post = build(), build()
     pre.eval()
     post.eval()
-    measured = measured_prompts(trained)
-    pairs = pairs or [p for p in measured if p[1] in trained.params]
+    every = step_prompts(trained)
+    pairs = pairs or [p for p in every if p[1] in trained.params]
     out = {}
     t0 = time.monotonic()
     for t, t1 in pairs:
         pre.load_state_dict(trained.params[t])
         post.load_state_dict(trained.params[t1])
-        pool = Pool((t, t1), tuple(basis.names))
+        pool = Pool((t, t1), tuple(basis.names), measured=every[(t, t1)][1])
         for side, policy in (("a", pre), ("b", post)):
             seed = 7_000_003 * t + (0 if side == "a" else 500_009)
-            g, z, lo, ln, kl = _score_many(pre, post, tok, basis, rewards, measured[(t, t1)], n,
+            g, z, lo, ln, kl = _score_many(pre, post, tok, basis, rewards, every[(t, t1)][0], n,
                                            trained.regime.cap, seed, policy)
             pool.groups[side], pool.z[side], pool.logp_t[side], pool.logp_t1[side], pool.kl[side] = g, z, lo, ln, kl
         out[(t, t1)] = pool
@@ -327,6 +376,8 @@ def save_pools(pools_: dict, path: Path) -> None:
         for side in ("a", "b"):
             for name in ("groups", "z", "logp_t", "logp_t1", "kl"):
                 arrays[f"{t}_{t1}_{side}_{name}"] = getattr(p, name)[side]
+        if p.measured is not None:
+            arrays[f"{t}_{t1}_m_measured"] = np.array(p.measured)
     arrays["names"] = np.array(next(iter(pools_.values())).names)
     np.savez_compressed(path, **arrays)
 
@@ -343,6 +394,9 @@ def load_pools(path: Path) -> dict:
         t, t1, side, name = key.split("_", 3)
         pair = (int(t), int(t1))
         p = out.setdefault(pair, Pool(pair, names))
+        if name == "measured":  # a cache of pools drawn on the measured prompts alone has none: every group
+            p.measured = int(data[key])
+            continue
         getattr(p, name)[side] = data[key]
     return dict(sorted(out.items()))
 
@@ -553,6 +607,10 @@ class RegimeResult:
     # what the tap's budget bought: (pairs measured, pairs, median groups per measured pair, of
     # how many, median completions per group and policy)
     bought: tuple = ()
+    # where the budget measured a subset of a step's prompt groups: the same comparisons against the
+    # truth over the measured groups alone (the second line), and per pair (groups measured, groups)
+    measured: "RegimeResult | None" = None
+    groups: dict = field(default_factory=dict)
 
     # ---- summaries
     def reported(self) -> list[Cell]:
@@ -721,62 +779,83 @@ def check(trained: Trained, pools_: dict, replicates: int = 20, progress=print,
     d_rec = run.telemetry_column("kl_to_previous")
     d_rec_se = run.telemetry_column("kl_to_previous_se")
     names = list(basis.names)
+    # the truth over every prompt of the step (what the report's numbers name), and over the prompts
+    # the tap measured (a second line, where the budget measured a subset of the groups)
     truths = {pair: oracle_truth(pool) for pair, pool in pools_.items()}
     for pair, pool in pools_.items():
         truths[pair].eta_sd, truths[pair].eta_boot = oracle_eta_spread(pool)
-    cells, d_t, eta_rows = [], {}, []
-    for pair, truth in truths.items():
-        lg = ledgers.get(pair)
-        why = (priced.not_formed[pair].reason if pair in priced.not_formed else premises.get(pair)
-               or (None if lg is not None else "not formed"))
-        for j, n in enumerate(names):
-            if why is not None:
-                cells.append(Cell(pair, n, why, truth=float(truth.dz[j]), truth_se=float(truth.dz_se[j])))
-            elif not lg.se[j] > 0:
-                cells.append(Cell(pair, n, "constant in every group", truth=float(truth.dz[j]),
-                                  truth_se=float(truth.dz_se[j])))
-            else:
-                cells.append(Cell(pair, n, "reported", float(lg.delta_z[j]), float(lg.se[j]), float(truth.dz[j]),
-                                  float(truth.dz_se[j])))
-        d_t[pair] = (d_rec.get(pair[0]), _in_sample_d_t(trained, run, pair), truth.d_t, truth.d_t_se,
-                     d_rec_se.get(pair[0], float("nan")))
-        r = rows.get(pair)
-        if r is not None and r.efficiency_debiased is not None:
-            est = book.estimates[pair]
-            eta_rows.append((pair, r.status, r.efficiency_debiased, r.interval, truth.eta,
-                             dataclasses.replace(est, bias_bound=None).interval() if r.interval is not None else None,
-                             r.p_value, *_rollout_dfs(lg, active_index(priced.metric.names, priced.metric.active_of(pair[0]))),
-                             p_star))
-    eta_run = None
-    run_est = book.run_level() if book is not None else None
-    if run_est is not None:
-        checked = [r[0] for r in eta_rows]
-        truth_run = sum(truths[p].kl_min for p in checked) / sum(truths[p].d_t for p in checked)
-        eta_run = (run_est.eta_debiased, run_est.interval(), truth_run)
-    result = RegimeResult(trained.regime.name, list(truths), truths, cells, d_t, eta_rows, eta_run)
-    result.bought = _bought(run, trained.regime.prompts_per_step)
+    subset = {pair: pool.restricted() for pair, pool in pools_.items()}
+    subset = {pair: pool for pair, pool in subset.items() if pool is not pools_[pair]}
+    in_sample = {pair: _in_sample_d_t(trained, run, pair) for pair in truths}
+    active = {}
+    if priced.metric is not None:
+        active = {pair: active_index(priced.metric.names, priced.metric.active_of(pair[0])) for pair in truths}
     moderated = _moderated(ledgers)
-    for pair, truth in truths.items():
-        lg = ledgers.get(pair)
-        if lg is not None and pair in moderated:
-            result.d_t_report[pair] = (lg.d_t, *moderated[pair], truth.d_t, truth.d_t_se, lg.d_t_se, lg.d_t_dof,
-                                       lg.d_t_tail)
-            # the interval ``d_t_coverage`` checks is the one the book states, where the book has the row
-            row = rows.get(pair)
-            stated = getattr(row, "kl_spent_interval", None) if row is not None else None
-            if stated is not None:
-                mine = _window_spread(lg.d_t, [moderated[pair]], [lg.d_t_tail])[1] or (math.nan, math.nan)
-                if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(mine, stated)):
-                    raise RuntimeError(f"{pair}: the harness's D_t interval {mine} is not the book's {stated}")
+
+    def compare(truths: dict) -> RegimeResult:
+        cells, d_t, eta_rows = [], {}, []
+        for pair, truth in truths.items():
+            lg = ledgers.get(pair)
+            why = (priced.not_formed[pair].reason if pair in priced.not_formed else premises.get(pair)
+                   or (None if lg is not None else "not formed"))
+            for j, n in enumerate(names):
+                if why is not None:
+                    cells.append(Cell(pair, n, why, truth=float(truth.dz[j]), truth_se=float(truth.dz_se[j])))
+                elif not lg.se[j] > 0:
+                    cells.append(Cell(pair, n, "constant in every group", truth=float(truth.dz[j]),
+                                      truth_se=float(truth.dz_se[j])))
+                else:
+                    cells.append(Cell(pair, n, "reported", float(lg.delta_z[j]), float(lg.se[j]), float(truth.dz[j]),
+                                      float(truth.dz_se[j])))
+            d_t[pair] = (d_rec.get(pair[0]), in_sample[pair], truth.d_t, truth.d_t_se,
+                         d_rec_se.get(pair[0], float("nan")))
+            r = rows.get(pair)
+            if r is not None and r.efficiency_debiased is not None:
+                est = book.estimates[pair]
+                eta_rows.append((pair, r.status, r.efficiency_debiased, r.interval, truth.eta,
+                                 (dataclasses.replace(est, bias_bound=None).interval()
+                                  if r.interval is not None else None),
+                                 r.p_value, *_rollout_dfs(lg, active[pair]), p_star))
+        eta_run = None
+        run_est = book.run_level() if book is not None else None
+        if run_est is not None:
+            checked = [r[0] for r in eta_rows]
+            truth_run = sum(truths[p].kl_min for p in checked) / sum(truths[p].d_t for p in checked)
+            eta_run = (run_est.eta_debiased, run_est.interval(), truth_run)
+        result = RegimeResult(trained.regime.name, list(truths), truths, cells, d_t, eta_rows, eta_run)
+        result.bought = _bought(run, trained.regime.prompts_per_step)
+        for pair, truth in truths.items():
+            lg = ledgers.get(pair)
+            if lg is not None and pair in moderated:
+                result.d_t_report[pair] = (lg.d_t, *moderated[pair], truth.d_t, truth.d_t_se, lg.d_t_se, lg.d_t_dof,
+                                           lg.d_t_tail)
+                # the interval ``d_t_coverage`` checks is the one the book states, where the book has the row
+                row = rows.get(pair)
+                stated = getattr(row, "kl_spent_interval", None) if row is not None else None
+                if stated is not None:
+                    mine = _window_spread(lg.d_t, [moderated[pair]], [lg.d_t_tail])[1] or (math.nan, math.nan)
+                    if not all(math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12) for a, b in zip(mine, stated)):
+                        raise RuntimeError(f"{pair}: the harness's D_t interval {mine} is not the book's {stated}")
+        return result
+
+    result = compare(truths)
+    if subset:
+        measured = {pair: oracle_truth(pool) for pair, pool in subset.items()}
+        for pair, pool in subset.items():
+            measured[pair].eta_sd, measured[pair].eta_boot = oracle_eta_spread(pool)
+        result.measured = compare({pair: measured.get(pair, truth) for pair, truth in truths.items()})
+        result.groups = {pair: (pool.measured, pool.n_groups) for pair, pool in pools_.items()}
     result.seconds["check"] = time.monotonic() - t0
     if replicates:
-        active = {}
-        if priced.metric is not None:
-            from reward_lens.measure.efficiency.metric import active_index
-
-            active = {pair: active_index(priced.metric.names, priced.metric.active_of(pair[0])) for pair in truths}
         result.replicates = _replicates(pools_, truths, names, replicates)
-        result.calibration = _calibration(pools_, truths, names, calibration_draws, active)
+        # the completions per group and policy the tap drew for each pair (its budget's shape)
+        tel = run.telemetry_column("tap_per_group")
+        per_group = {pair: int(tel[pair[0]]) for pair in truths if (tel.get(pair[0]) or 0) >= 2}
+        result.calibration = _calibration(pools_, truths, names, calibration_draws, active, per_group=per_group)
+        # what the redraws drew: the median completions per group and policy, and whether any pair's
+        # groups were a subset of the step's (the calibration line says so)
+        result.calibration["shape"] = (statistics.median([per_group.get(pair, 4) for pair in truths] or [4]),
+                                       result.measured is not None)
     progress(f"{trained.regime.name}: checked in {time.monotonic() - t0:.0f} s")
     return result
 
@@ -791,20 +870,36 @@ def _moderated(ledgers: dict) -> dict:
 
 def _draw(pool: Pool, pair: tuple[int, int], names: list[str], rng, m: int, h: int):
     """One redraw of the record's sampling from the oracle's samples of a pair: ``m`` of pi_{t+1}'s
-    and ``h`` of pi_t's per prompt, without replacement. Returns the two sides as StepSamples and
-    log pi_{t+1} of their rows in the ledger's order (side b, then side a)."""
+    and ``h`` of pi_t's per prompt, without replacement. Where the tap measured ``pool.measured``
+    of the step's groups (a budget), as many groups are drawn afresh, uniformly without
+    replacement, as the tap draws them, and the others' rows are left unscored (null log pi_t and
+    token KL, no held-out rows: the record a budgeted tap writes), so the ledger knows the step's
+    groups. Returns the two sides as StepSamples and log pi_{t+1} of the scored rows in the
+    ledger's order (side b, then side a)."""
     import numpy as np
 
     from reward_lens.measure.ledger.price import StepSample
 
+    groups = np.unique(pool.groups["b"])
+    scored = set(groups.tolist())
+    if pool.measured is not None and pool.measured < len(groups):
+        scored = set(rng.choice(groups, pool.measured, replace=False).tolist())
     sb, sa = [], []
-    for g in np.unique(pool.groups["b"]):
+    for g in groups:
         sb.append(rng.choice(np.flatnonzero(pool.groups["b"] == g), m, replace=False))
-        sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
+        if g in scored:
+            sa.append(rng.choice(np.flatnonzero(pool.groups["a"] == g), h, replace=False))
     ib, ia = np.concatenate(sb), np.concatenate(sa)
-    sides = [StepSample(pair[1], tuple(names), pool.z[k][i], groups=pool.groups[k][i], logp=pool.logp_t1[k][i],
-                        logp_prev=pool.logp_t[k][i], kl_prev=pool.kl[k][i]) for k, i in (("b", ib), ("a", ia))]
-    return sides[0], sides[1], np.r_[pool.logp_t1["b"][ib], pool.logp_t1["a"][ia]]
+    on = np.isin(pool.groups["b"][ib], list(scored))
+
+    def blank(a):
+        return a if on.all() else np.where(on, a, np.nan)
+
+    roll = StepSample(pair[1], tuple(names), pool.z["b"][ib], groups=pool.groups["b"][ib], logp=pool.logp_t1["b"][ib],
+                      logp_prev=blank(pool.logp_t["b"][ib]), kl_prev=blank(pool.kl["b"][ib]))
+    held = StepSample(pair[1], tuple(names), pool.z["a"][ia], groups=pool.groups["a"][ia], logp=pool.logp_t1["a"][ia],
+                      logp_prev=pool.logp_t["a"][ia], kl_prev=pool.kl["a"][ia])
+    return roll, held, np.r_[pool.logp_t1["b"][ib][on], pool.logp_t1["a"][ia]]
 
 
 def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8, hs=(0, 4)) -> dict:
@@ -876,9 +971,12 @@ def _replicates(pools_: dict, truths: dict, names: list[str], r: int, m: int = 8
     return out
 
 
-def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: dict, m: int = 4, h: int = 4) -> dict:
-    """The tap's two-sided sampling (m extra completions of pi_{t+1} and h of pi_t per prompt)
-    redrawn ``r`` times for the same prompts from the oracle's samples: per update and quantity,
+def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: dict, m: int = 4, h: int = 4,
+                 per_group: dict | None = None) -> dict:
+    """The tap's two-sided sampling (m extra completions of pi_{t+1} and h of pi_t per prompt; where
+    ``per_group`` has the pair, as many of each as the tap drew for it) redrawn ``r`` times from the
+    oracle's samples -- for the same prompts, or, where the tap measured a subset of the step's
+    groups (a budget), on as many groups drawn afresh each time (``_draw``) --: per update and quantity,
     the real SD of the estimate over the draws against the root mean square of the SE the
     package reports (D_t's and dz's conditional on the prompts: the stratified jackknife over
     each prompt's completions of each policy, D_t's moderated across updates; eta's from the
@@ -919,7 +1017,8 @@ def _calibration(pools_: dict, truths: dict, names: list[str], r: int, active: d
         truth = truths[pair]
         lgs, logps, every = [], [], []
         for _ in range(r):
-            roll, held, logp = _draw(pool, pair, names, rng, m, h)
+            k = (per_group or {}).get(pair)
+            roll, held, logp = _draw(pool, pair, names, rng, k or m, k or h)
             lg = paired_ledger(roll, heldout=held)
             if getattr(lg, "d_t", None) is not None and lg.d_t_se is not None:
                 lgs.append(lg)
@@ -1365,6 +1464,27 @@ def machine() -> str:
     return f"run with torch {torch.__version__} on CPU kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
+def _measured_lines(res: RegimeResult) -> list[str]:
+    """The second line where the budget measured a subset of the groups: the record's numbers
+    against the truth over the prompt groups the tap measured, not over all the step's."""
+    import numpy as np
+
+    m = res.measured
+    rep = m.reported()
+    within = sum(c.within for c in rep)
+    cov, n_cov = m.eta_coverage()
+    covered, total = m.d_t_coverage()
+    sub = [a for a, b in res.groups.values() if a is not None and a < b]
+    run = ""
+    if m.eta_run is not None:
+        e, (lo, hi), t = m.eta_run
+        run = f"; the run-level eta's interval {'covers' if lo <= t <= hi else 'MISSES'} its {t:.3f}"
+    return [f"  against the truth over the prompt groups the tap measured (a subset on {len(sub)} of "
+            f"{len(res.groups)} pairs, a median {np.median(sub) if sub else 0:g} groups there): dz within "
+            f"{CELL_Z:g} SE {within} of {len(rep)} ({100 * within / max(len(rep), 1):.1f} %); D_t's 95 % intervals "
+            f"cover it on {covered} of {total} updates; eta's per-pair intervals on {cov} of {n_cov}{run}"]
+
+
 def summary_lines(res: RegimeResult) -> list[str]:
     """What the harness prints for one regime (and the README quotes)."""
     import numpy as np
@@ -1389,6 +1509,9 @@ def summary_lines(res: RegimeResult) -> list[str]:
              f"  dz cells reported as a number: {len(rep)}, within {CELL_Z:g} SE of the truth: {within} "
              f"({100 * within / max(len(rep), 1):.1f} %); refused by name: "
              + (", ".join(f"{n} {k}" for k, n in sorted(res.refused().items())) or "none")]
+    if res.measured is not None:
+        lines[-1] += " (the truth over all the step's prompt groups)"
+        lines += _measured_lines(res)
     if n_cov:
         resolved = [r for r in res.eta_rows if r[1] == "resolved" and r[3] is not None]
         bare = [r for r in res.eta_rows if r[3] is None]
@@ -1445,8 +1568,14 @@ def summary_lines(res: RegimeResult) -> list[str]:
         def cover(c, key):
             return f"{100 * c[key] / c['draws']:.1f} %" if c["draws"] else "-"
 
+        k, subset = cal.get("shape", (4, False))
+        shape = (f"{k:g} + {k:g} completions per prompt (the tap's own, a median over updates), "
+                 + ("on as many of the step's prompt groups as it measured, drawn afresh each time, against "
+                    "the truth over all of them" if subset else "the prompts fixed"))
+        if (k, subset) == (4, False):
+            shape = "4 + 4 completions per prompt, the prompts fixed"
         lines.append(f"  calibration, the tap's sampling redrawn ({cal.get('draws_per_update', '')} "
-                     "draws of 4 + 4 completions per prompt, the prompts fixed): real SD / reported SE (its root "
+                     f"draws of {shape}): real SD / reported SE (its root "
                      "mean square), median [range] over updates; the median draw's SE / real SD, median over updates; "
                      "95 % intervals covering the truth, over draws")
         for q, words in (("d_t_own", "D_t, the sample's own SE"),
@@ -1546,13 +1675,18 @@ def run_regime(name: str, work: Path, n: int = 256, replicates: int = 20, progre
         ps = load_pools(work / "pools.npz")
         t1 = t2 = time.monotonic()
     else:
-        trained = train(regime, work, **tap_kwargs)
-        progress(f"{name}: trained {regime.steps} steps with the tap in {trained.seconds:.0f} s")
+        if cache and (work / "trained.pt").exists():  # trained, the oracle not drawn yet
+            saved = torch.load(work / "trained.pt")
+            trained = Trained(regime, work / "record", saved["params"], saved["prompts"])
+        else:
+            trained = train(regime, work, **tap_kwargs)
+            progress(f"{name}: trained {regime.steps} steps with the tap in {trained.seconds:.0f} s")
+            if cache:
+                torch.save({"params": trained.params, "prompts": trained.prompts}, work / "trained.pt")
         t1 = time.monotonic()
         ps = pools(trained, n, progress=progress)
         t2 = time.monotonic()
         if cache:
-            torch.save({"params": trained.params, "prompts": trained.prompts}, work / "trained.pt")
             save_pools(ps, work / "pools.npz")
     res = check(trained, ps, replicates=replicates, progress=progress)
     res.seconds.update(train=t1 - t0, oracle=t2 - t1, total=time.monotonic() - t0)

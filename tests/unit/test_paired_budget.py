@@ -2,8 +2,10 @@
 a budget"): a tap that scores only a uniformly random subset of each step's prompt groups leaves
 ``logp_prev``, ``kl_prev``, ``logp_prev_step`` (and possibly ``logp_pre``) null on every rollout
 of the others, and writes held-out rows for scored groups only. The ledger prices the step on the
-scored groups alone; checked here against the ledger of a record that holds only those groups,
-bit for bit, and the contract's violations are refused by name."""
+scored groups alone; checked here against the ledger of a record that holds only those groups:
+the same numbers bit for bit, and standard errors that add the sampling of the scored groups from
+the step's (two-stage sampling, worked out by hand here); the contract's violations are refused by
+name."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ FIELDS = ("delta_z", "se", "cov_delta", "d_hat", "d_t", "d_t_se", "pareto_k", "e
           "n_groups", "kl", "heldout", "dropped_rollouts", "step_pair", "n_pre")
 
 
-def _same(a, b) -> None:
-    for f in FIELDS:
+def _same(a, b, fields=FIELDS) -> None:
+    for f in fields:
         x, y = getattr(a, f), getattr(b, f)
         if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
             assert x is not None and y is not None and x.shape == y.shape, f
@@ -38,6 +40,50 @@ def _same(a, b) -> None:
             assert y != y, f
         else:
             assert x == y, f
+
+
+# what the sampling of the scored groups from the step's changes: the standard errors
+SAMPLED = ("se", "cov_delta", "d_t_se")
+
+
+def _by_hand(lg):
+    """Each prompt group's dz_g and D_t's term, written out from the ledger's rows (the balance
+    heuristic in a loop over groups: q prop. to 1 / (n_a e^-r + n_b), p to 1 / (n_a + n_b e^r))."""
+    dz, d = [], []
+    side = lg.heldout if lg.heldout is not None else np.zeros(len(lg.codes), dtype=bool)
+    for g in range(lg.n_groups):
+        rows = lg.codes == g
+        r, a = lg.log_ratio[rows], side[rows]
+        n_a, n_b = int(a.sum()), int((~a).sum())
+        q = 1.0 / (n_a * np.exp(-r) + n_b)
+        p = 1.0 / (n_a + n_b * np.exp(r))
+        q, p = q / q.sum(), p / p.sum()
+        dz.append(q @ lg.z[rows] - p @ lg.z[rows])
+        d.append(q @ lg.kl[rows])
+    # a behaviour equal on every row of each group moved by exactly 0 (the ledger's rule; the sums
+    # above leave ~1e-16 of rounding)
+    same = np.all([(lg.z[lg.codes == g] == lg.z[lg.codes == g][:1]).all(axis=0) for g in range(lg.n_groups)], axis=0)
+    dz = np.array(dz)
+    dz[:, same] = 0.0
+    return dz, np.array(d)
+
+
+def _same_but_groups_sampled(lg, alone, n_step: int) -> None:
+    """``lg`` (n of the step's ``n_step`` groups scored) holds the numbers of ``alone`` (a record of
+    those n groups only), and its SEs add the sampling of the n groups from the n_step (two-stage:
+    (1 - f) s_b^2 / n + f Var_within, f = n / n_step, s_b^2 the spread of the groups' own values
+    worked out by hand here, Var_within the alone ledger's)."""
+    _same(lg, alone, tuple(f for f in FIELDS if f not in SAMPLED))
+    dz_g, d_g = _by_hand(alone)
+    n = alone.n_groups
+    f = n / n_step
+    assert np.allclose(dz_g.mean(axis=0), lg.delta_z, rtol=1e-10, atol=1e-13)
+    cov = (1 - f) * np.cov(dz_g, rowvar=False, ddof=1) / n + f * alone.cov_delta
+    assert np.allclose(lg.cov_delta, cov, rtol=1e-10, atol=1e-18)
+    assert np.allclose(lg.se, np.sqrt(np.diag(cov)), rtol=1e-10)
+    moved = alone.se > 0  # a behaviour constant in every group moved by exactly 0: no SE either way
+    assert not moved.any() or not np.array_equal(lg.se[moved], alone.se[moved])
+    assert np.isclose(lg.d_t_se ** 2, (1 - f) * d_g.var(ddof=1) / n + f * alone.d_t_se ** 2, rtol=1e-10)
 
 
 def _step(step, rng, n_groups=8, m=6, h=0):
@@ -90,7 +136,7 @@ def _only(s: StepSample | None, groups: np.ndarray) -> StepSample | None:
 
 @pytest.mark.parametrize("h", [0, 2])
 @pytest.mark.parametrize("null_logp", [False, True])
-def test_half_the_groups_unscored_prices_as_the_scored_groups_alone_bit_for_bit(h, null_logp):
+def test_half_the_groups_unscored_prices_as_the_scored_groups_alone_with_their_sampling_added(h, null_logp):
     rng = np.random.default_rng(7 + h)
     s, ho = _step(5, rng, h=h)
     scored = np.zeros(8, dtype=bool)
@@ -102,7 +148,7 @@ def test_half_the_groups_unscored_prices_as_the_scored_groups_alone_bit_for_bit(
                           logp_prev_step=held.logp_prev_step)
     lg = paired_ledger(_budget(s, scored, null_logp), heldout=held)
     want = paired_ledger(_only(s, np.flatnonzero(scored)), heldout=_only(ho, np.flatnonzero(scored)))
-    _same(lg, want)
+    _same_but_groups_sampled(lg, want, 8)
     assert lg.sides == ("two-sided" if h else "one-sided")
     assert (lg.n_groups, lg.groups_in_step, lg.groups_unscored) == (4, 8, 4)
     assert (want.n_groups, want.groups_in_step, want.groups_unscored) == (4, 4, 0)
@@ -115,7 +161,8 @@ def test_half_the_groups_unscored_prices_as_the_scored_groups_alone_bit_for_bit(
 def test_a_series_read_from_one_stack_prices_budgeted_steps_as_their_scored_groups_alone():
     """Steps as the report's one read holds them (views of one stack), each with its own random
     subset of scored groups (some none, one every group), held-out rows for a subset of the
-    scored groups: every ledger equals that of its scored groups alone, bit for bit; the step
+    scored groups: every ledger holds the numbers of its scored groups alone, bit for bit, its SEs
+    with their sampling added (one step has every group scored: equal, SEs too); the step
     with no scored group is ``no_logp_prev``, the one with one scored group ``few_groups``."""
     rng = np.random.default_rng(11)
     steps, held, alone, alone_ho, subsets = [], {}, [], {}, {}
@@ -147,7 +194,10 @@ def test_a_series_read_from_one_stack_prices_budgeted_steps_as_their_scored_grou
     for lg in ledgers:
         t = lg.step_pair[1]
         want = paired_ledger(alone[t - 1], heldout=alone_ho[t])
-        _same(lg, want)
+        if len(subsets[t]) == 8:  # every group scored: the ledger of the record itself, bit for bit
+            _same(lg, want)
+        else:
+            _same_but_groups_sampled(lg, want, 8)
         assert (lg.n_groups, lg.groups_in_step, lg.groups_unscored) == (len(subsets[t]), 8, 8 - len(subsets[t]))
 
 
@@ -175,7 +225,8 @@ def test_a_group_scored_on_some_rows_only_is_refused_by_name():
 def test_a_budgeted_record_read_from_disk_prices_as_the_record_of_its_scored_groups(tmp_path):
     """The tapped fixture rewritten as a tap under a budget writes it (half the groups of every
     step unscored, their held-out rows absent), and again holding only the scored groups' rows:
-    ``steps_from_run`` and the paired ledgers of the two records agree bit for bit, and the cost
+    ``steps_from_run`` and the paired ledgers of the two records agree bit for bit (the SEs with the
+    sampling of the 16 groups from the 32 added), and the cost
     book's rows say on how many groups of how many D_t was measured."""
     from reward_lens.measure.efficiency.of_run import price_run
     from reward_lens.measure.ledger.features import SurfaceFeatures
@@ -228,7 +279,7 @@ def test_a_budgeted_record_read_from_disk_prices_as_the_record_of_its_scored_gro
     assert a.ledger == b.ledger == "paired" and not a.not_formed and not b.not_formed
     assert len(a.ledgers) == len(b.ledgers) == 29
     for x, y in zip(a.ledgers, b.ledgers):
-        _same(x, y)
+        _same_but_groups_sampled(x, y, 32)
         assert x.sides == "two-sided" and x.n_groups == 16 and x.groups_in_step == 32 and x.groups_unscored == 16
     ra, rb = a.book.rows, b.book.rows
     assert [r.efficiency_debiased for r in ra] == [r.efficiency_debiased for r in rb]

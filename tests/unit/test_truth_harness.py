@@ -144,3 +144,57 @@ def test_the_harness_leaves_out_the_draws_the_book_refuses_for_the_envelope():
 
     got = EtaColumns.of([est(1.2, 1.0), est(0.3, 1.0), est(1.4, 1.0), est(0.1, 0.0), est(0.1, float("nan"))])
     assert got.outside_envelope.tolist() == [False, False, True, True, True]
+
+
+def _step_pool(rng, groups=8, per=16, measured=2):
+    """A pool of ``groups`` prompt groups, ``per`` samples of each policy per group, the tap having
+    measured the first ``measured`` (``truth.step_prompts``' order)."""
+    pool = truth.Pool((3, 4), ("x", "y"), measured=measured)
+    for side in ("a", "b"):
+        g = np.repeat(np.arange(groups), per)
+        pool.groups[side] = g
+        pool.z[side] = rng.normal(size=(len(g), 2)) + g[:, None]  # the groups differ
+        lp = -3.0 + rng.normal(size=len(g))
+        pool.logp_t[side], pool.logp_t1[side] = lp, lp + 0.2 * rng.normal(size=len(g))
+        pool.kl[side] = 0.01 * (1 + g) + 0.001 * rng.random(len(g))  # later groups spend more
+    return pool
+
+
+def test_the_measured_groups_truth_is_over_those_groups_alone_and_survives_the_cache(tmp_path):
+    rng = np.random.default_rng(3)
+    pool = _step_pool(rng)
+    sub = pool.restricted()
+    assert sub.n_groups == 2 and set(sub.groups["a"].tolist()) == {0, 1}
+    every, measured = truth.oracle_truth(pool), truth.oracle_truth(sub)
+    # the groups' token KL grows with their index: the measured two spend less than the step's eight
+    assert every.dz.shape == measured.dz.shape == (2,)
+    assert 0.01 < measured.d_t < 0.03 < every.d_t
+    whole = truth.Pool((3, 4), ("x", "y"))  # no count: every group was measured
+    whole.groups, whole.z, whole.logp_t, whole.logp_t1, whole.kl = (
+        pool.groups, pool.z, pool.logp_t, pool.logp_t1, pool.kl)
+    assert whole.restricted() is whole
+    truth.save_pools({(3, 4): pool}, tmp_path / "p.npz")
+    back = truth.load_pools(tmp_path / "p.npz")[(3, 4)]
+    assert back.measured == 2 and np.array_equal(back.z["b"], pool.z["b"])
+
+
+def test_a_redraw_under_a_budget_scores_as_many_groups_afresh_and_leaves_the_others_unscored():
+    """As the tap writes a budgeted pair: n of the step's N groups scored (both log-probabilities,
+    the token KL, held-out rows), the others' rollouts present with null scores; the ledger then
+    knows the step's N groups, and which n are scored varies from draw to draw."""
+    from reward_lens.measure.ledger.paired import paired_ledger
+
+    rng = np.random.default_rng(4)
+    pool = _step_pool(rng)
+    seen = set()
+    for _ in range(20):
+        roll, held, logp = truth._draw(pool, (3, 4), ["x", "y"], rng, 4, 4)
+        scored = np.isfinite(roll.logp_prev)
+        on = sorted(set(roll.groups[scored].tolist()))
+        assert len(on) == 2 and sorted(set(held.groups.tolist())) == on
+        assert np.isnan(roll.kl_prev[~scored]).all() and len(roll.groups) == 8 * 4
+        assert len(logp) == scored.sum() + len(held.groups)
+        lg = paired_ledger(roll, heldout=held)
+        assert (lg.n_groups, lg.groups_in_step, lg.groups_unscored) == (2, 8, 6)
+        seen.add(tuple(on))
+    assert len(seen) > 5

@@ -18,7 +18,10 @@ window's mean as the prior and the sample's own weighing alike:
     v_t = w u_t + (1 - w) mean_{s in window(t)} u_s,   w = ``OWN_WEIGHT`` = 1/2
     SE_t = D_t sqrt(v_t / G_t)
 
-with Welch-Satterthwaite degrees of freedom over the independent samples it sums. It is the
+with Welch-Satterthwaite degrees of freedom over the independent samples it sums. Where the tap's
+budget measured a subset of an update's prompt groups, SE_s is the ledger's two-stage SE (the
+sampling of the groups added, ``paired.group_sampling``) and its degrees of freedom those of that
+SE: what is pooled is then the relative variance of the step's D_t over all its prompts. It is the
 relative variance that is pooled, not the variance: D_t itself ranges over orders of magnitude
 within a run (7 nats at the first updates of the collapsing run, 0.001 at its last). What it
 costs: an update whose tail is heavier than its neighbours' borrows their lighter one, and one

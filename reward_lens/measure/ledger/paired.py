@@ -38,10 +38,24 @@ Under a cost budget the tap scores only a uniformly random subset of a step's pr
 (``logp_prev``, ``kl_prev``, ``logp_prev_step`` null on every rollout of the others, held-out
 rows only for scored groups). The ledger then prices the step pair on the scored groups alone,
 each unscored group dropped whole: the subset was drawn independently of every sampled value,
-so the mean over scored groups is unbiased for the batch's, and the spread across them (fewer
-units) widens the SE as it should. ``PairedLedger.n_groups`` of ``groups_in_step`` says how
-many were used. A group scored on some rows and not others breaks that contract, and the step
-pair is refused by name (``partly_scored_group``) rather than priced on a guess.
+so the mean over scored groups is unbiased for the batch's. Its SE must then hold the sampling of
+those n groups from the step's N as well as the sampling of completions within them (two-stage
+sampling, Cochran 1977, sec. 10.2 and 11.2, the second stage from an unbounded population):
+
+    Var = (1 - n/N) s_b^2 / n + (n/N) Var_within,
+
+s_b^2 the spread across the measured groups of their estimates (which holds their within-group
+noise too: hence the second term carries only n/N of the conditional variance ``Var_within``,
+the stratified jackknife's below), for dz and D_t alike (``group_sampling``). Its degrees of
+freedom are Welch-Satterthwaite's over the two terms: the between-group term's n - 1 wherever it
+dominates. At n = N the first term vanishes and the SE is the conditional one unchanged (a run
+at ``budget=None``). With one scored group the spread across groups is not identified, and the
+pair is refused by name (``few_groups``). KL_min and eta are not touched here: their SEs are the
+delete-one-group jackknife's (``efficiency.eta``), which already count the sampling of the groups
+(as from an unbounded population: without the (1 - n/N) factor, the wider side).
+``PairedLedger.n_groups`` of ``groups_in_step`` says how many were used. A group scored on some
+rows and not others breaks that contract, and the step pair is refused by name
+(``partly_scored_group``) rather than priced on a guess.
 
 Never on the rollouts the step trained on: there log pi_{t+1}/pi_t is inflated by the update
 itself (GRPO raises the log-probability of positive-advantage rollouts), which is why the
@@ -99,7 +113,9 @@ class PairedLedger(Ledger):
     kl: np.ndarray | None = None  # (n,) token KL(pi_{t+1} || pi_t) summed along each row's prefixes
     d_hat: float = float("nan")  # mean_g KL(q_g || p_g): the same sample's plug-in, nats/seq (>= its KL_min)
     d_t: float | None = None  # D_t = mean_g E_q[kl]: the token-level KL along the sample, nats/seq
-    d_t_se: float | None = None  # its standard error, conditional on the prompts (``Strata``)
+    # its standard error: conditional on the prompts (``Strata``) where every group of the step was
+    # scored, with the sampling of the scored groups from the step's added where not (``group_sampling``)
+    d_t_se: float | None = None
     d_t_dof: float = float("nan")  # the degrees of freedom of that SE (Welch-Satterthwaite over the strata)
     # what its interval's upper end adds for the tail a sharpened policy's sample did not hold, nats/seq
     # (``tail_allowance``; 0 where no prompt group is sharpened)
@@ -842,6 +858,10 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
         dev = dz_g[lost] - dz[lost][:, None, :]
         cov[lost] = np.matmul(dev.transpose(0, 2, 1), dev) / (n_groups - 1) / n_groups
         dof[lost] = n_groups - 1
+    # the scored groups are a sample of the step's (a cost budget): their sampling added
+    share = np.array([n_groups / (n_groups + prep.unscored) for _, _, prep, _ in items])
+    if (share < 1.0).any():
+        cov, dof = group_sampling(cov, dof, dz_g, share)
     se = np.sqrt(np.clip(np.diagonal(cov, axis1=1, axis2=2), 0, None))
     if block is not None:  # the block's rows hold them; the ledgers are views of those rows
         b, lo = block[0].arrays, block[1]
@@ -880,6 +900,9 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
         if lost.any() and n_groups > 1:  # a deletion left a group with no weight: the spread across groups
             var[lost] = per_group[lost].var(axis=1, ddof=1) / n_groups
             dofs[lost] = n_groups - 1
+        if (share[has] < 1.0).any():  # the scored groups are a sample of the step's: as dz's
+            v, f = group_sampling(var[:, None, None], dofs[:, None], per_group[:, :, None], share[has])
+            var, dofs = v[:, 0, 0], f[:, 0]
         tail = tail_allowance(logp[has], logp_prev[has], kh, codes, n_groups).tolist()
         for j, v, e, f, a in zip(has, per_group.mean(axis=1).tolist(), np.sqrt(var).tolist(), dofs.tolist(), tail):
             d_t[j], d_t_se[j], d_t_dof[j], d_t_tail[j] = v, e, f, a
@@ -901,6 +924,45 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             "sampler_kl_se": sampler_se, "block": None if block is None else block[0],
             "row": -1 if block is None else block[1] + j, "n_heldout": n_heldout}))
     return out
+
+
+def group_sampling(cov: np.ndarray, dof: np.ndarray, per_group: np.ndarray, share: np.ndarray
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """The covariance of a mean over n measured prompt groups as an estimate of the mean over all
+    N of the step's, the n drawn uniformly without replacement (the tap's budget): two-stage
+    sampling (module docstring),
+
+        Cov = (1 - f) S_b / n + f Cov_within,     f = n / N,
+
+    ``cov`` (P, k, k) the covariance conditional on the measured groups (``Cov_within``), ``dof``
+    (P, k) its degrees of freedom (NaN: none), ``per_group`` (P, n, k) each measured group's
+    estimate (S_b: their sample covariance), ``share`` (P,) f. Each diagonal entry's degrees of
+    freedom are Welch-Satterthwaite's over the two terms, the first on n - 1. Where f = 1 the
+    inputs are returned as they are, exactly. With one group (n < 2) S_b is not identified: a
+    ValueError (the ledger refuses such a pair as ``few_groups`` before this)."""
+    per_group = np.asarray(per_group, dtype=np.float64)
+    n = per_group.shape[1]
+    f = np.asarray(share, dtype=np.float64)
+    if not ((f > 0) & (f <= 1)).all():
+        raise ValueError(f"share must be in (0, 1], not {f}")
+    part = f < 1.0
+    if not part.any():
+        return cov, dof
+    if n < 2:
+        raise ValueError("one measured prompt group: the spread across groups is not identified")
+    cov, dof = np.array(cov, dtype=np.float64), np.array(dof, dtype=np.float64)
+    dev = per_group[part] - per_group[part].mean(axis=1, keepdims=True)
+    between = np.matmul(dev.transpose(0, 2, 1), dev) / (n - 1) / n  # (Q, k, k): S_b / n
+    fp = f[part][:, None, None]
+    a = (1.0 - fp) * between
+    c = fp * cov[part]
+    cov[part] = a + c
+    a_d, c_d = np.diagonal(a, axis1=1, axis2=2), np.diagonal(c, axis1=1, axis2=2)
+    d_c = dof[part]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        den = a_d ** 2 / (n - 1) + np.where(c_d > 0, c_d ** 2 / np.where(d_c > 0, d_c, np.nan), 0.0)
+        dof[part] = np.where(den > 0, (a_d + c_d) ** 2 / np.where(den > 0, den, 1.0), d_c)
+    return cov, dof
 
 
 # Every field of a PairedLedger that has a default, with it: ``_made`` starts from these.
