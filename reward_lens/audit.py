@@ -105,6 +105,9 @@ class Detection(_Out):
     read_at: str = Field(description="the table's batch read (<groups>x<completions>): the nearest at or below")
     step_se: float = Field(description="one step's standard error of the level at read_at, in the unit, for "
                                        "completions alike across prompts")
+    icc: float | None = Field(None, description="the simulation's spread of a 0/1 rate over prompts (an intraclass "
+                                                "correlation; 0: prompts alike in difficulty); null for a length")
+    cv: float | None = Field(None, description="the simulation's length SD over its mean; null for a 0/1 rate")
     median: int | None = Field(description="changed steps seen when it first holds, median; null: past the horizon")
     within_90: int | None = Field(description="the 90 % quantile of that delay; null: past the horizon")
     false_alarm: float = Field(description="the chance one watched behaviour's CUSUM false-alarms over run_length "
@@ -539,7 +542,9 @@ def _detection(finding: str, pr: Projection) -> Detection | None:
     ctx = pw.context()
     return Detection(change=pw.change, unit="points" if pw.kind == "rate" else "tokens", base=pw.base,
                      direction=pw.direction, prompt_groups=pr.prompt_groups, completions=pr.completions,
-                     read_at=f"{pw.cell[0]}x{pw.cell[1]}", step_se=round(pw.se, 4), median=pw.median,
+                     read_at=f"{pw.cell[0]}x{pw.cell[1]}", step_se=round(pw.se, 4),
+                     icc=ctx["icc"] if pw.kind == "rate" else None, cv=ctx["cv"] if pw.kind != "rate" else None,
+                     median=pw.median,
                      within_90=pw.upper, false_alarm=pw.false_alarm, run_length=pw.run_length,
                      says=_say("detection_delay", default_key=pr.batch_default,
                                **{k: ctx[k] for k in _DELAY_WORDS}))

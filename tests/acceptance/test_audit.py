@@ -213,6 +213,8 @@ def test_no_number_that_the_config_does_not_give(tmp_path, name, cfg, opts):
             below = next(b for b in (*FALSE_ALARM_BOUNDS, 1.0) if d.false_alarm < b)
             allowed |= {round(100 * d.base) if d.unit == "points" else d.base, 100 * power.quantile,
                         float(f"{d.step_se:.2g}"), float(f"{100 * below:g}")}
+            # the dispersion the simulation assumed, as the Detection states it
+            allowed |= {float(f"{x:.2g}") for x in (d.icc, d.cv) if x is not None}
     for verbose in (False, True):
         text = audit_text(res, verbose=verbose)
         assert _numbers(text) <= allowed, (verbose, sorted(_numbers(text) - allowed), text)

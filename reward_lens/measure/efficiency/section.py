@@ -84,7 +84,9 @@ class EfficiencyRows(_M):
     kl_min: list[float] = Field(description="nats per sequence (paired: the exact I-projection on the sample)")
     kl_spent: list[float] = Field(description="D_t, nats per sequence: the denominator of this eta")
     kl_spent_se: list[float | None] = Field(description="D_t's standard error, nats per sequence: paired, the "
-                                            "sample's own (conditional on the prompts) moderated across the "
+                                            "sample's own (conditional on the prompts; with the sampling of the "
+                                            "prompt groups added where the budget measured a subset of them) "
+                                            "moderated across the "
                                             "neighbouring updates (a window's members' added); unpaired, the "
                                             "record's as recorded; null where none")
     kl_spent_interval: list[tuple[float, float] | None] = Field(description="95 % interval of kl_spent (t on the "
