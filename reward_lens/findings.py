@@ -35,6 +35,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from reward_lens.measure.sequential import final_stretch
 from reward_lens.measure.mismatch import logged_mismatch, logged_source, mismatch_of_table, run_logged_mismatch, run_mismatch
 from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats, watch_samples
 from reward_lens_spec import load_findings
@@ -225,17 +226,6 @@ def _rolling(x: np.ndarray, w: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def _final_stretch(steps: np.ndarray, holds: np.ndarray) -> tuple[bool, int | None]:
-    """Whether the condition holds at the last step, and the first step of the stretch of
-    consecutive holding steps that ends there (the onset)."""
-    if not len(holds) or not holds[-1]:
-        return False, None
-    i = len(holds) - 1
-    while i > 0 and holds[i - 1]:
-        i -= 1
-    return True, int(steps[i])
-
-
 # ------------------------------------------------------------------------------------ predicates
 def entropy_collapse(d: FindingData, window: int = 5, min_fall: float = 0.5, min_steps: int = 10) -> Outcome:
     """The policy's token entropy fell by ``min_fall`` of its starting level (a mean over the
@@ -253,7 +243,7 @@ def entropy_collapse(d: FindingData, window: int = 5, min_fall: float = 0.5, min
     hk, rk = _rolling(h, window), _rolling(r, window)
     cond = (hk <= (1 - min_fall) * h0) & (rk - r0 <= 0)
     cond[:window] = False
-    holds, onset = _final_stretch(steps, cond)
+    holds, onset = final_stretch(steps, cond)
     return Outcome(holds, onset, {"h0": h0, "h_end": float(hk[-1]), "fall": 1 - float(hk[-1]) / h0 if h0 else None,
                                   "r0": r0, "r_end": float(rk[-1]), "window": window, "min_fall": min_fall})
 
@@ -267,7 +257,7 @@ def advantage_collapse(d: FindingData, window: int = 5, share: float = 0.5, min_
     zk = _rolling(z, window)
     cond = zk >= share
     cond[: window - 1] = False
-    holds, onset = _final_stretch(steps, cond)
+    holds, onset = final_stretch(steps, cond)
     return Outcome(holds, onset, {"share_end": float(zk[-1]), "share": share, "window": window,
                                   "share_max": float(z.max())})
 
@@ -309,7 +299,7 @@ def clipping_saturation(d: FindingData, window: int = 10, share: float = 0.8, mi
     ck = _rolling(clipped, window)
     cond = ck >= share
     cond[: window - 1] = False
-    holds, onset = _final_stretch(steps, cond)
+    holds, onset = final_stretch(steps, cond)
     return Outcome(holds, onset, {"share_end": float(ck[-1]), "share": share, "window": window,
                                   "max_grad_norm": float(mx[int(steps[-1])]),
                                   "median_unclipped": float(np.median([un[int(s)] for s in steps[-window:]]))})
@@ -609,7 +599,7 @@ def spending_without_buying(d: FindingData, max_eta: float = 0.05, min_nats: flo
             with np.errstate(divide="ignore", invalid="ignore"):
                 ratio = np.where(np.cumsum(dt) > 0, np.cumsum(kl) / np.cumsum(dt), np.nan)
             steps = np.array([p[1] for p in rows.step_pair], dtype=np.int64)
-            _, onset = _final_stretch(steps, ratio < max_eta)
+            _, onset = final_stretch(steps, ratio < max_eta)
     return Outcome(holds, onset, seen)
 
 
@@ -705,7 +695,7 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
         """(the one-step rule's onset, the pooled rule's onset; None where it does not hold at the
         last step) and the CUSUM at the last step."""
         over = scores >= z
-        one = _final_stretch(steps, over)[1] if over[-persist:].all() else None
+        one = final_stretch(steps, over)[1] if over[-persist:].all() else None
         c, start = 0.0, None
         for s, u in zip(steps, scores):
             c = max(0.0, c + float(u) - K)

@@ -52,6 +52,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from reward_lens.measure.sequential import final_stretch
+
 # The tail's probability ratio: a sequence the sampler gives more than 3x, or less than a third,
 # of the policy's probability. 3.0 is TRL's default `vllm_importance_sampling_clip_max` (TRL 1.16,
 # trl/trainer/grpo_config.py line 338: under its default `sequence_mask` mode a sequence whose ratio
@@ -320,14 +322,6 @@ def logged_source(field: str, framework: str | None) -> dict:
     return {"framework": name, "key": entry.key if entry is not None else None}
 
 
-def _stretch_start(steps: list[int], flags: list[bool]) -> int | None:
-    """The first step of the final run of True flags (None where the last flag is False)."""
-    start = None
-    for s, f in zip(steps, flags):
-        start = (s if start is None else start) if f else None
-    return start
-
-
 def logged_mismatch(series: Mapping[int, LoggedMismatch], d_t: Mapping[int, float] | None = None, *,
                     share: float, critical: float, warn_token: float, critical_token: float, persist: int,
                     min_steps: int) -> dict:
@@ -385,9 +379,9 @@ def logged_mismatch(series: Mapping[int, LoggedMismatch], d_t: Mapping[int, floa
     if not all(warn[-persist:]):
         return {**seen, "holds": False, "onset": None}
     severity = "critical" if all(crit[-persist:]) else "warn"
-    out = {**seen, "holds": True, "onset": _stretch_start(steps, warn), "severity": severity}
+    out = {**seen, "holds": True, "onset": final_stretch(steps, warn)[1], "severity": severity}
     if severity == "critical":
-        out["critical_from"] = _stretch_start(steps, crit)
+        out["critical_from"] = final_stretch(steps, crit)[1]
     return out
 
 

@@ -261,6 +261,18 @@ def _series(sample) -> np.ndarray:
     return np.column_stack([z, r])
 
 
+def final_stretch(steps, holds) -> tuple[bool, int | None]:
+    """Whether the condition holds at the last step, and the first step of the stretch of
+    consecutive holding steps that ends there (the onset). The findings' and the logged
+    mismatch's one reading of "from which step"."""
+    if not len(holds) or not holds[-1]:
+        return False, None
+    i = len(holds) - 1
+    while i > 0 and holds[i - 1]:
+        i -= 1
+    return True, int(steps[i])
+
+
 def normal_score(w: float, df: float) -> float:
     """Student's t on ``df`` degrees of freedom mapped to the standard normal with the same
     tail probability (Hawkins's normal scores), clipped at ``U_MAX``."""
