@@ -14,16 +14,22 @@ costs the tap has measured so far (seconds per scored token of each kind):
 * one-sided: ``m`` groups of the next generation's rollouts scored under pi_t (no extra
   completions);
 
-in this order of preference: the two-sided shape with the most groups at ``k = 2``, then more
-completions per group up to ``heldout`` (more groups before more rows per group: the groups are
-the units of every paired estimate's standard error); failing that (not even two groups fit
-two-sided), **two-sided pairs on a share of the step pairs**, each measured whole (every group,
-``k = 2``), each pair measured with probability ``p`` = what the allowance covers of its cost, and
-never fewer than ``MIN_SHARE`` of the pairs. Two-sided comes first, and a share of two-sided
-pairs before one-sided pairs on all of them (the owner's ruling on issue 57: the one-sided
-estimator reads a step that sharpens the policy from its heavy-tailed side, docs/science.md), and
-a measured pair is whole so that its estimate is of the step's change over all the step's
-prompts. One-sided (the next generation's rollouts scored under pi_t) is what a tap that draws
+in this order of preference: the two-sided shape with the most groups at ``k = heldout`` (the
+completions per group ``budget=None`` draws: 4 by default); failing that (not even two groups fit),
+**two-sided pairs on a share of the step pairs**, each measured whole (every group, ``k =
+heldout``: exactly as ``budget=None`` measures it), each pair measured with probability ``p`` =
+what the allowance covers of its cost, and never fewer than ``MIN_SHARE`` of the pairs. Two-sided
+comes first, and a share of two-sided pairs before one-sided pairs on all of them (the owner's
+ruling on issue 57: the one-sided estimator reads a step that sharpens the policy from its
+heavy-tailed side, docs/science.md), and a measured pair is whole so that its estimate is of the
+step's change over all the step's prompts. Completions per group come before groups (issue 62):
+until stop 65 the budget bought ``k = 2`` on more groups or pairs, and on the truth harness's
+collapsing run (tools/truth.py, a sharpened policy) a 2 + 2 sample failed five of the issue's
+lines that ``budget=None``'s 4 + 4 met: a sharpened prompt's behaviours are constant in most 2 + 2
+groups (no within-group contrast to read), the token KL's heavy tail is seldom in a 2 + 2 sample,
+and eta's ratio leans with the small sample. A measured pair is now the pair ``budget=None``
+measures, so what the harness checks at ``budget=None`` holds for each measured pair at any
+budget; the budget sets how many pairs (and, on a generation large enough, how many groups). One-sided (the next generation's rollouts scored under pi_t) is what a tap that draws
 no extra completions (``heldout=0``, or a generation that cannot take them) measures: the most
 groups that fit, else whole on a share of the pairs as above.
 
@@ -227,8 +233,9 @@ class Budget:
         shape = self._shape(n_groups, rows_per_group, tokens_per_row, allowance, heldout)
         if shape is not None:
             return Plan(shape, self.choose(n_groups, shape.groups), 1.0, "fits")
-        # whole, on a share of the pairs: two-sided where the generation can take extra completions
-        share = Shape(n_groups, MIN_PER_GROUP if heldout >= MIN_PER_GROUP else 0)
+        # whole, on a share of the pairs: two-sided (as budget=None measures it) where the generation
+        # can take extra completions
+        share = Shape(n_groups, heldout if heldout >= MIN_PER_GROUP else 0)
         cost = self.cost(share, rows_per_group, tokens_per_row)
         covered = max(0.0, min(1.0, allowance / cost)) if cost > 0 else 1.0
         p, reason = (covered, "share") if covered >= MIN_SHARE else (MIN_SHARE, "floor")
@@ -252,13 +259,10 @@ class Budget:
 
         least = min(MIN_GROUPS, n_groups)
         if heldout >= MIN_PER_GROUP:
-            m = next((g for g in range(n_groups, least - 1, -1) if fits(Shape(g, MIN_PER_GROUP))), None)
-            if m is not None:
-                k = MIN_PER_GROUP
-                while k < heldout and fits(Shape(m, k + 1)):
-                    k += 1
-                return Shape(m, k)
-            return None  # two-sided on a share of the pairs before one-sided on all of them (``plan``)
+            # budget=None's completions per group, on as many groups as fit (issue 62: not more
+            # groups at 2 + 2, which a sharpened policy's estimates fail on)
+            m = next((g for g in range(n_groups, least - 1, -1) if fits(Shape(g, heldout))), None)
+            return Shape(m, heldout) if m is not None else None  # else a share of the pairs (``plan``)
         m = next((g for g in range(n_groups, least - 1, -1) if fits(Shape(g, 0))), None)
         return Shape(m, 0) if m is not None else None
 

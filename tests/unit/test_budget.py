@@ -43,42 +43,46 @@ def test_two_sided_shapes_by_hand():
     # one extra row of 50 tokens: 2 passes x 1e-3 s a token, and 50 decoding steps x 2e-4 s: 0.11 s
     b = _fed(Budget(0.1, heldout=4, passes=2))
     assert b.cost(Shape(1, 1), 8, 50) == pytest.approx(2 * 0.11)  # a row from each policy
-    # allowance 0.85 s. Two-sided at k = 2 costs 4 rows x 0.11 = 0.44 s a group: 1 group fits, not
-    # the 2 a two-sided shape needs. One-sided would fit 2 groups (0.4 s a group), but two-sided
-    # pairs on a share of the steps come first: whole (8 groups, k = 2: 3.52 s), covered 0.85 / 3.52
-    # = 0.24 of the pairs, under the floor: a quarter of them
+    # allowance 0.85 s. Two-sided at k = heldout = 4 costs 8 rows x 0.11 = 0.88 s a group: not one
+    # group fits, let alone the 2 a two-sided shape needs. One-sided would fit 2 groups (0.4 s a
+    # group), but two-sided pairs on a share of the steps come first: whole (8 groups, k = 4: 7.04
+    # s), covered 0.85 / 7.04 = 0.12 of the pairs, under the floor: a quarter of them
     plan = b.plan(8, 8, 50)
     assert plan.probability == MIN_SHARE and plan.reason in ("floor", "skipped")
-    assert (plan.shape, plan.groups) in ((Shape(8, 2), tuple(range(8))), (None, ()))
-    # one pass per row (the drawing side from its generation): 0.06 s a row, k = 2: 0.24 s a group
+    assert (plan.shape, plan.groups) in ((Shape(8, 4), tuple(range(8))), (None, ()))
+    # one pass per row (the drawing side from its generation): 0.06 s a row, k = 4: 0.48 s a group;
+    # one group fits 0.85 s, not two: a share again (whole 3.84 s, covered 0.22: the floor)
     b1 = _fed(Budget(0.1, heldout=4, passes=1))
-    plan = b1.plan(8, 8, 50)
-    assert plan.shape == Shape(3, 2) and plan.reason == "fits"  # 3 groups two-sided: 0.72 s; 4 would cost 0.96 s
+    assert b1.plan(8, 8, 50).reason in ("floor", "skipped")
+    # issue 62: never more groups at k = 2 (3 groups of 2 + 2 cost 0.72 s and would fit)
+    assert all(x.shape is None or x.shape.per_group == 4 for x in (b1.plan(8, 8, 50) for _ in range(8)))
     b2 = _fed(Budget(0.3, heldout=4, passes=1))  # allowance 0.3 * 9.5 - 0.1 = 2.75 s
     plan = b2.plan(8, 8, 50)
-    # 8 groups at k = 2 cost 1.92 s; k = 3 costs 2.88 s > 2.75: two per group and policy
-    assert plan.shape == Shape(8, 2) and plan.groups == tuple(range(8))
-    b3 = _fed(Budget(0.5, heldout=4, passes=1))  # allowance 4.65 s: k = 4 costs 3.84 s
+    # k = 4 costs 0.48 s a group: 5 groups (2.40 s) fit, 6 (2.88 s) do not; 8 at k = 2 (1.92 s) would
+    assert plan.shape == Shape(5, 4) and plan.reason == "fits" and len(plan.groups) == 5
+    b3 = _fed(Budget(0.5, heldout=4, passes=1))  # allowance 4.65 s: every group at k = 4 costs 3.84 s
     assert b3.plan(8, 8, 50).shape == Shape(8, 4)
+    b4 = _fed(Budget(0.3, heldout=3, passes=1))  # a tap of heldout 3: 0.36 s a group, 7 groups fit
+    assert b4.plan(8, 8, 50).shape == Shape(7, 3)
 
 
 def test_a_share_is_two_sided_and_whole_with_the_probability_its_allowance_covers():
     b = _fed(Budget(0.2, heldout=4, passes=2))  # allowance 0.2 * 9.5 - 0.1 = 1.8 s
-    assert b.plan(8, 8, 50).shape == Shape(4, 2)  # two-sided at k = 2 is 0.44 s a group: 4 groups, 1.76 s
-    # allowance 0.85 s: 2 groups two-sided cost 0.88 s, so no shape fits every pair. A generation of
-    # 3 groups: whole (3 groups, k = 2) costs 1.32 s, the allowance covers 0.85 / 1.32 of the pairs
+    assert b.plan(8, 8, 50).shape == Shape(2, 4)  # two-sided at k = 4 is 0.88 s a group: 2 groups, 1.76 s
+    # allowance 0.85 s: one group two-sided costs 0.88 s, so no shape fits every pair. A generation
+    # of 3 groups: whole (3 groups, k = 4) costs 2.64 s, the allowance covers 0.85 / 2.64 of the pairs
     c = _fed(Budget(0.1, heldout=4, passes=2))
     plans = [c.plan(3, 8, 50) for _ in range(400)]
-    p = 0.85 / 1.32
-    assert all(x.probability == pytest.approx(p) for x in plans)
+    p = 0.85 / 2.64
+    assert p > MIN_SHARE and all(x.probability == pytest.approx(p) for x in plans)
     measured = [x for x in plans if x.measured]
-    assert all(x.shape == Shape(3, 2) and x.groups == (0, 1, 2) and x.reason == "share" for x in measured)
+    assert all(x.shape == Shape(3, 4) and x.groups == (0, 1, 2) and x.reason == "share" for x in measured)
     assert all(x.reason == "skipped" and x.shape is None for x in plans if not x.measured)
     # systematic: the count is within one of n p, never an unlucky coin's
     assert abs(len(measured) - 400 * p) <= 1
-    # a generation of 8 groups: whole costs 3.52 s, covered 0.24 < MIN_SHARE: the floor
+    # a generation of 8 groups: whole costs 7.04 s, covered 0.12 < MIN_SHARE: the floor
     plans = [c.plan(8, 8, 50) for _ in range(400)]
-    assert 0.85 / 3.52 < MIN_SHARE and all(x.probability == MIN_SHARE for x in plans)
+    assert 0.85 / 7.04 < MIN_SHARE and all(x.probability == MIN_SHARE for x in plans)
     assert {x.reason for x in plans} == {"floor", "skipped"}
     assert sum(x.measured for x in plans) in (99, 100, 101)
 
@@ -88,7 +92,7 @@ def test_a_budget_too_small_for_any_group_measures_a_quarter_of_the_pairs_whole(
     plans = [b.plan(8, 8, 50) for _ in range(800)]
     assert all(x.probability == MIN_SHARE for x in plans)
     measured = [x for x in plans if x.measured]
-    assert all(x.shape == Shape(8, 2) and x.reason == "floor" for x in measured)
+    assert all(x.shape == Shape(8, 4) and x.reason == "floor" for x in measured)
     assert all(x.reason == "skipped" for x in plans if not x.measured)
     assert abs(len(measured) - 800 * MIN_SHARE) <= 1
     # the allowance below the fixed cost (a budget of 1e-4): the floor still measures a quarter
@@ -119,7 +123,8 @@ def test_a_tap_that_draws_no_extra_completions_is_one_sided():
 def test_a_small_run_is_never_starved():
     """24 updates of 8 prompt groups of 4 at the default budget, where the tap's fixed work alone
     takes a tenth of the step (issue 57: 10 of 24 updates unread, 2 two-sided, nothing resolved):
-    a quarter or more of the pairs are measured two-sided over every group, spread over the run."""
+    a quarter or more of the pairs are measured two-sided over every group (4 + 4, as budget=None
+    measures a pair), spread over the run."""
     b = Budget(0.1, heldout=4, seed=3)
     plans = [b.plan(8, 4, 40)]  # the first pair, whole: the costs are learned from it
     for _ in range(23):
@@ -130,7 +135,7 @@ def test_a_small_run_is_never_starved():
     measured = [i for i, x in enumerate(plans) if x.measured]
     assert plans[0].reason == "first"
     assert len(measured) >= 1 + int(23 * MIN_SHARE)
-    assert all(plans[i].shape == Shape(8, 2) and plans[i].reason in ('share', 'floor') for i in measured[1:])
+    assert all(plans[i].shape == Shape(8, 4) and plans[i].reason in ('share', 'floor') for i in measured[1:])
     gaps = [b - a for a, b in zip(measured[1:], measured[2:])]
     assert max(gaps) <= 1 / MIN_SHARE + 1  # spread evenly, not in a clump
 

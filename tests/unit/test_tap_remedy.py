@@ -30,7 +30,7 @@ def test_the_record_is_the_floor_s():
     later = range(2, 9)
     assert t["tap_budget"][0] == 1e-4 and [t["tap_probability"][i] for i in later] == [TAP_MIN_SHARE] * 7
     measured = [i for i in later if t["tap_groups"][i]]
-    assert measured and all(t["tap_per_group"][i] == 2 and t["tap_groups"][i] == t["tap_groups_total"][i]
+    assert measured and all(t["tap_per_group"][i] == 4 and t["tap_groups"][i] == t["tap_groups_total"][i]
                             for i in measured)
 
 
