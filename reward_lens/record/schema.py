@@ -41,10 +41,23 @@ _TELEMETRY_VERSIONED = re.compile(r"^telemetry-(\d{5})\.parquet$")
 IN_SAMPLE_ESTIMATORS = frozenset({"rollout", "rollout_stale", "rollout_teacher_forced"})
 # The telemetry fields that are D_t or describe it, withheld at in-sample steps.
 D_T_FIELDS = ("kl_to_previous", "kl_to_previous_se")
-# The least share of the step pairs a tap's cost budget measures, whatever the allowance (a pair
-# planned at this floor records it as its ``tap_probability``): reward_lens/taps/budget.py says
-# why; here so that the report, which reads records and not taps, can name it.
+# The least share of the step pairs a tap's cost budget measures at its smallest sample (2 + 2
+# completions per group, or one-sided), whatever the allowance: reward_lens/taps/budget.py says
+# why; here so that the report, which reads records and not taps, can name it. The floor is a
+# spend, not a count (``tap_floor``): a pair of k + k completions costs k / 2 of a 2 + 2 one.
 TAP_MIN_SHARE = 0.25
+# The fewest completions per group and side of a two-sided measurement (one row per side has no
+# within-group information: the paired ledger drops such groups).
+TAP_MIN_PER_GROUP = 2
+
+
+def tap_floor(per_group: int | float | None) -> float:
+    """The floor's probability for pairs measured at ``per_group`` completions per group and
+    policy (0 or None: one-sided): ``TAP_MIN_SHARE`` of the pairs at 2 + 2 or one-sided, and the
+    same spend at more, ``TAP_MIN_SHARE * 2 / k`` (an eighth of the pairs at 4 + 4). A pair
+    planned at the floor records it as its ``tap_probability``."""
+    k = float(per_group or 0)
+    return TAP_MIN_SHARE * TAP_MIN_PER_GROUP / k if k > TAP_MIN_PER_GROUP else TAP_MIN_SHARE
 
 
 def telemetry_name(name: str) -> bool:

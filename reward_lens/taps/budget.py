@@ -18,27 +18,33 @@ in this order of preference: the two-sided shape with the most groups at ``k = h
 completions per group ``budget=None`` draws: 4 by default); failing that (not even two groups fit),
 **two-sided pairs on a share of the step pairs**, each measured whole (every group, ``k =
 heldout``: exactly as ``budget=None`` measures it), each pair measured with probability ``p`` =
-what the allowance covers of its cost, and never fewer than ``MIN_SHARE`` of the pairs. Two-sided
+what the allowance covers of its cost, and never fewer than the floor (below). Two-sided
 comes first, and a share of two-sided pairs before one-sided pairs on all of them (the owner's
 ruling on issue 57: the one-sided estimator reads a step that sharpens the policy from its
 heavy-tailed side, docs/science.md), and a measured pair is whole so that its estimate is of the
 step's change over all the step's prompts. Completions per group come before groups (issue 62):
-until stop 65 the budget bought ``k = 2`` on more groups or pairs, and on the truth harness's
+through stop 65 the budget bought ``k = 2`` on more groups or pairs, and on the truth harness's
 collapsing run (tools/truth.py, a sharpened policy) a 2 + 2 sample failed five of the issue's
 lines that ``budget=None``'s 4 + 4 met: a sharpened prompt's behaviours are constant in most 2 + 2
 groups (no within-group contrast to read), the token KL's heavy tail is seldom in a 2 + 2 sample,
 and eta's ratio leans with the small sample. A measured pair is now the pair ``budget=None``
 measures, so what the harness checks at ``budget=None`` holds for each measured pair at any
-budget; the budget sets how many pairs (and, on a generation large enough, how many groups). One-sided (the next generation's rollouts scored under pi_t) is what a tap that draws
-no extra completions (``heldout=0``, or a generation that cannot take them) measures: the most
+budget; the budget sets how many pairs (and, on a generation large enough, how many groups).
+One-sided (the next generation's rollouts scored under pi_t) is what a tap that draws no extra
+completions (``heldout=0``, or a generation that cannot take them) measures: the most
 groups that fit, else whole on a share of the pairs as above.
 
-The floor. Where the allowance covers less than ``MIN_SHARE`` of a whole pair's cost -- a small
-or short run, where the tap's fixed work alone is a tenth of a step that takes tens of
+The floor. Where the allowance covers less than the floor's share of a whole pair's cost -- a
+small or short run, where the tap's fixed work alone is a tenth of a step that takes tens of
 milliseconds -- the budget would measure a handful of pairs or none, and the report would resolve
-nothing: the run would have paid the tap's fixed cost for no answer. The budget then measures
-``MIN_SHARE`` of the pairs anyway, spends more than ``budget`` on average, and says so (the plan's
-reason ``floor``, its probability in the telemetry; the report's tap sentence).
+nothing: the run would have paid the tap's fixed cost for no answer. The budget then measures the
+floor's share anyway, spends more than ``budget`` on average, and says so (the plan's reason
+``floor``, its probability in the telemetry; the report's tap sentence). The floor is a spend, not
+a count (``record.schema.tap_floor``): ``MIN_SHARE`` (a quarter) of the pairs at 2 + 2 completions
+or one-sided, and as much sampling at more completions, ``MIN_SHARE * 2 / k`` of the pairs at k +
+k (an eighth at 4 + 4). Issue 57's small runs needed that much sampling, and a count floor would
+have doubled the floor's spend when the measured pair doubled (on bench/tap_forward.py's 31.7M
+model the default would have spent about 0.14 of a step, past its tenth).
 
 Which pairs. A share is taken by systematic sampling with a random start: a running sum of the
 pairs' probabilities, started at a uniform draw of the tap's seeded generator, and pair i is
@@ -70,7 +76,7 @@ from statistics import median
 
 import numpy as np
 
-from reward_lens.record.schema import TAP_MIN_SHARE
+from reward_lens.record.schema import TAP_MIN_PER_GROUP, TAP_MIN_SHARE, tap_floor
 
 # Steps over which the untapped step time and the fixed cost are medians.
 WINDOW = 8
@@ -79,12 +85,14 @@ WINDOW = 8
 MIN_GROUPS = 2
 # The fewest completions per group and side of a two-sided measurement: the paired ledger keeps
 # groups of two or more rows per side (one row has no within-group information).
-MIN_PER_GROUP = 2
+MIN_PER_GROUP = TAP_MIN_PER_GROUP
 # The least share of the step pairs a budget measures, whatever the allowance: a quarter. A run of
 # 24 updates then has 6 or more pairs measured whole besides the first, which a report can pool
 # into windows; below it a small run's report resolved nothing (issue 57: 2 of 24 pairs two-sided,
 # "resolved from noise at 0 of 14"). Where it binds, the tap spends more than its budget, and the
-# plan says so (reason "floor").
+# plan says so (reason "floor"). It is a spend: at k + k completions per group the floor measures
+# MIN_SHARE * 2 / k of the pairs (``tap_floor``: an eighth at 4 + 4), as much sampling as a quarter
+# of the pairs at 2 + 2, which is what issue 57's small runs needed.
 MIN_SHARE = TAP_MIN_SHARE
 
 
@@ -111,7 +119,7 @@ class Plan:
     probability: float
     # "unbounded" (no budget), "first" (whole, the unit costs are learned from it), "fits" (the
     # largest shape the allowance covers), "share" (whole, on the share of the pairs the allowance
-    # covers), "floor" (whole, on MIN_SHARE of the pairs: more than the allowance covers),
+    # covers), "floor" (whole, on the floor's share of the pairs, ``tap_floor``: more than the allowance covers),
     # "skipped" (not in the share), "few_groups" (under MIN_GROUPS groups in the generation),
     # "no_side_b" (planned two-sided, but the next generation could not take the extra completions)
     reason: str
@@ -238,7 +246,8 @@ class Budget:
         share = Shape(n_groups, heldout if heldout >= MIN_PER_GROUP else 0)
         cost = self.cost(share, rows_per_group, tokens_per_row)
         covered = max(0.0, min(1.0, allowance / cost)) if cost > 0 else 1.0
-        p, reason = (covered, "share") if covered >= MIN_SHARE else (MIN_SHARE, "floor")
+        floor = tap_floor(share.per_group)
+        p, reason = (covered, "share") if covered >= floor else (floor, "floor")
         if not self.take(p):
             return Plan(None, (), p, "skipped")
         return Plan(share, tuple(range(n_groups)), p, reason)

@@ -76,21 +76,22 @@ def test_one_sided_and_unmeasured_pairs_are_said_by_name(tmp_path):
     assert "one-sided on 3 pairs" in said and "no extra completions" in said
 
     # a budget of a ten-thousandth of a step covers less than the tap's fixed cost: after the
-    # two pairs measured whole to learn the costs, the budget's floor measures a quarter of the
-    # rest, two-sided over every group (it used to leave every one unmeasured: a starved run)
-    from reward_lens.taps.budget import MIN_SHARE
+    # two pairs measured whole to learn the costs, the budget's floor measures an eighth of the
+    # rest (a spend: a quarter's worth of 2 + 2 sampling at 4 + 4), two-sided over every group (it
+    # used to leave every one unmeasured: a starved run)
+    from reward_lens.record.schema import tap_floor
 
-    ex.train(tmp_path / "tiny", steps=10, budget=1e-4)
+    ex.train(tmp_path / "tiny", steps=12, budget=1e-4)
     t = open_run(tmp_path / "tiny").telemetry.to_pydict()
     assert t["tap_groups"][:2] == [4, 4]
-    later = range(2, 9)  # pairs 2->3 .. 8->9 (step 9 has no next generation)
-    assert [t["tap_probability"][i] for i in later] == [MIN_SHARE] * 7
+    later = range(2, 11)  # pairs 2->3 .. 10->11 (step 11 has no next generation)
+    assert tap_floor(4) == 0.125 and [t["tap_probability"][i] for i in later] == [0.125] * 9
     measured = [i for i in later if t["tap_groups"][i]]
-    # systematic sampling of 7 pairs at a quarter: 1 or 2 of them, each over all 4 groups, two-sided
+    # systematic sampling of 9 pairs at an eighth: 1 or 2 of them, each over all 4 groups, two-sided
     assert len(measured) in (1, 2)
     assert all(t["tap_groups"][i] == 4 and t["tap_per_group"][i] == 4 for i in measured)  # as budget=None
     assert all(t["kl_to_previous"][i] is None for i in later if i not in measured)
     assert all(t["kl_to_previous"][i] is not None for i in measured)
     said = _tap_sentence(tmp_path / "b", tmp_path / "tiny")
-    assert f"The tap measured {2 + len(measured)} of 9 step pairs" in said
-    assert f"{7 - len(measured)} pairs not measured" in said and "measured 25 % of them anyway" in said
+    assert f"The tap measured {2 + len(measured)} of 11 step pairs" in said
+    assert f"{9 - len(measured)} pairs not measured" in said and "measured 12.5 % of them anyway" in said

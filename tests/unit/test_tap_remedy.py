@@ -16,7 +16,7 @@ import yaml
 
 from reward_lens.measure.efficiency.section import larger_budgets
 from reward_lens.record.reader import open_run
-from reward_lens.record.schema import TAP_MIN_SHARE
+from reward_lens.record.schema import tap_floor
 from reward_lens.report import build_report
 from reward_lens.report.render import to_json
 from reward_lens_spec.paths import specs_dir
@@ -27,8 +27,8 @@ RECORD = Path(__file__).resolve().parents[1] / "fixtures" / "tap_floor" / "recor
 
 def test_the_record_is_the_floor_s():
     t = open_run(RECORD).telemetry.to_pydict()
-    later = range(2, 9)
-    assert t["tap_budget"][0] == 1e-4 and [t["tap_probability"][i] for i in later] == [TAP_MIN_SHARE] * 7
+    later = range(2, 11)
+    assert t["tap_budget"][0] == 1e-4 and [t["tap_probability"][i] for i in later] == [tap_floor(4)] * 9
     measured = [i for i in later if t["tap_groups"][i]]
     assert measured and all(t["tap_per_group"][i] == 4 and t["tap_groups"][i] == t["tap_groups_total"][i]
                             for i in measured)
@@ -42,12 +42,12 @@ def test_a_tapped_record_s_remedy_names_the_budget_and_what_it_bought():
     r = unread[0]
     tap = cost["data"]["tap"]
     n = len(r["step_pairs"])
-    assert n == tap["skipped"] == 9 - (tap["step_pairs"] - tap["skipped"])
+    assert n == tap["skipped"] == 11 - (tap["step_pairs"] - tap["skipped"])
     lead = first_sentence(r["remedy"])
     curve = yaml.safe_load((specs_dir() / "cost_precision.yaml").read_text())["rows"]
     larger = [c for c in curve if not c["own"] and (c["budget"] is None or c["budget"] > 1e-4)]
     assert lead.startswith("Raise the tap's `budget=`")
-    assert f"at this run's `budget=0.0001` it measured {tap['step_pairs'] - tap['skipped']} of 9 step pairs" in lead
+    assert f"at this run's `budget=0.0001` it measured {tap['step_pairs'] - tap['skipped']} of 11 step pairs" in lead
     assert f"left these {n} unread" in lead
     assert f"{larger[0]['eta_width']} wide at `budget={larger[0]['budget']}`" in lead
     assert f"{larger[-1]['eta_width']} at `budget=None`" in lead

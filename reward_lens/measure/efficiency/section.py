@@ -18,7 +18,7 @@ from reward_lens.measure.books import BookResult, RunContext, status_of
 from reward_lens.measure.efficiency.cost import CostBook, rollouts_refusal
 from reward_lens.measure.efficiency.metric import step_sums
 from reward_lens.measure.figures import FigureOut, Panel, Series
-from reward_lens.record.schema import TAP_MIN_SHARE as MIN_SHARE
+from reward_lens.record.schema import tap_floor
 from reward_lens_spec import Refusal, Subject, load_book, make_refusal
 from reward_lens_spec.render import render_template
 
@@ -266,8 +266,9 @@ class TapOut(_M):
     share: float | None = Field(description="the tap's own time over the untapped step's (median over steps)")
     floored: int = Field(0, description="step pairs planned at the budget's floor: the allowance covered less than "
                                         "min_share of them, and min_share were measured anyway")
-    min_share: float = Field(0.25, description="the least share of the step pairs the budget measures "
-                                               "(reward_lens.taps.budget.MIN_SHARE)")
+    min_share: float = Field(0.25, description="the least share of the step pairs the budget measures at "
+                                               "the run's completions per group (reward_lens.record.schema."
+                                               "tap_floor: a quarter at 2 + 2 or one-sided, an eighth at 4 + 4)")
     sentence: str = Field(description="the same, in words")
 
 
@@ -286,13 +287,16 @@ def tap_summary(run) -> TapOut | None:
     two = [t for t in measured if (per.get(t) or 0) > 0]
     shares = [tap_s[t] / (step_s[t] - tap_s[t]) for t in tap_s if t in step_s and step_s[t] > tap_s[t]]
     prob = run.telemetry_column("tap_probability")
-    # the floor's probability is MIN_SHARE itself (a share the allowance covers is above it)
-    floored = sum(1 for t in pairs if prob.get(t) == MIN_SHARE)
     med = lambda xs: float(np.median(xs)) if len(xs) else None  # noqa: E731
+    # the floor's probability is tap_floor's at the pairs' completions per group (a share the
+    # allowance covers is above it); a skipped pair records no shape, so the run's are read
+    floors = {tap_floor(k) for k in {per.get(t) or 0 for t in measured} | {0}}
+    floored = sum(1 for t in pairs if prob.get(t) in floors)
+    min_share = tap_floor(med([per[t] for t in two]) if two else 0)
     out = dict(budget=budgets[0] if len(budgets) == 1 else None, step_pairs=len(pairs), two_sided=len(two),
                one_sided=len(measured) - len(two), skipped=len(pairs) - len(measured),
                groups=med([groups[t] for t in measured]), groups_total=med([total[t] for t in measured if t in total]),
-               per_group=med([per[t] for t in two]), share=med(shares), floored=floored, min_share=MIN_SHARE)
+               per_group=med([per[t] for t in two]), share=med(shares), floored=floored, min_share=min_share)
     return TapOut(**out, sentence=render_template("report/cost_tap.j2", {"t": out}).strip())
 
 
