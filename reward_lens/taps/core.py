@@ -322,6 +322,7 @@ class TapCore:
         self.findings_log: dict[int, list[str]] = {}
         self.estimates: dict[int, dict[str, KlEstimate]] = {}
         self.plans: dict[int, Plan] = {}
+        self._groups_total: dict[int, int] = {}  # step -> the prompt groups its generation held
         self._pending: dict[int, Row] = {}  # rollouts by their global index
         self._pending_extra: list[Row] = []
         self._next_index = 0
@@ -489,6 +490,7 @@ class TapCore:
         if not self.paired:
             return
         n_groups = max(1, total // max(1, group_size))
+        self._groups_total[step] = n_groups  # the share a pair's measured groups are of the step's
         heldout = self.heldout if two_sided else 0
         plan = self.budget.plan(n_groups, group_size, self._tokens_per_row(), heldout=heldout)
         self.plans[step] = plan
@@ -806,8 +808,11 @@ class TapCore:
         groups = np.array([x[0] for x in got])
         labels, codes = np.unique(groups, return_inverse=True)
         side = np.array([x[1] for x in got], dtype=bool)
+        # the measured groups are a sample of the step's where the budget measured a subset: the SE
+        # is then two-stage, the books' (``paired.group_sampling``), of D over all the step's groups
+        share = min(1.0, len(labels) / max(self._groups_total.get(prev_step, len(labels)), 1))
         mean, se = independent_d_t(np.array([x[2] for x in got]), side if side.any() else None,
-                                   np.array([x[3] for x in got]), codes, len(labels))
+                                   np.array([x[3] for x in got]), codes, len(labels), share=share)
         name = "independent_two_sided" if side.any() else "independent_next"
         self.estimates.setdefault(prev_step, {})[name] = KlEstimate(mean, se, len(got), (), name)
         if self.estimator == "independent":

@@ -80,3 +80,22 @@ def test_unbiased_for_the_variance_about_the_mean_of_all_groups_by_enumeration(n
     mean_cond /= count
     assert np.allclose(mean_est, mse, rtol=1e-12, atol=1e-14)
     assert (np.diag(mean_cond) < 0.9 * np.diag(mse)).all()  # conditional on the groups alone: too narrow
+
+
+def test_the_tap_s_recorded_d_t_se_is_two_stage_where_the_budget_measured_a_subset():
+    """``independent_d_t`` (what the tap records as ``kl_to_previous_se``) with ``share`` < 1:
+    the books' two-stage variance, (1 - f) s_b^2 / n + f Var_within, its terms worked here from
+    the rows (one-sided, equal weights: each group's D is the mean of its rows' KL)."""
+    from reward_lens.measure.ledger.paired import independent_d_t
+
+    kl = np.array([0.1, 0.3, 0.2, 0.6, 1.0, 0.8])
+    codes = np.array([0, 0, 1, 1, 2, 2])
+    mean, se_within = independent_d_t(np.zeros(6), None, kl, codes, 3)
+    per_group = np.array([0.2, 0.4, 0.9])
+    assert mean == pytest.approx(per_group.mean(), rel=1e-12)
+    s_b2 = per_group.var(ddof=1)  # ((0.2-0.5)^2 + (0.4-0.5)^2 + (0.9-0.5)^2) / 2 = 0.13
+    assert s_b2 == pytest.approx(0.13, rel=1e-12)
+    f = 3 / 8  # 3 of the step's 8 groups measured
+    _, se = independent_d_t(np.zeros(6), None, kl, codes, 3, share=f)
+    assert se ** 2 == pytest.approx((1 - f) * 0.13 / 3 + f * se_within ** 2, rel=1e-12)
+    assert independent_d_t(np.zeros(6), None, kl, codes, 3, share=1.0)[1] == se_within  # every group: as before

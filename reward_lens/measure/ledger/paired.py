@@ -1015,11 +1015,14 @@ def _sampler_kl(s: StepSample, prep: _Prepared, ho: StepSample | None = None) ->
 
 
 def independent_d_t(log_ratio: np.ndarray, heldout: np.ndarray | None, kl: np.ndarray, codes: np.ndarray,
-                    n_groups: int) -> tuple[float, float]:
+                    n_groups: int, share: float = 1.0) -> tuple[float, float]:
     """D_t from rows independent of the step (``PairedLedger.d_t``, one sample): the token KL
     along each row weighted towards pi_{t+1} (balance heuristic), averaged over groups, and its
     standard error conditional on the prompts (the stratified jackknife over (group, side)
-    strata: ``Strata``); NaN where no stratum has two rows."""
+    strata: ``Strata``); NaN where no stratum has two rows. ``share``: the measured groups' share
+    of the step's (a budget measured n of N); below 1 the SE is the ledger's two-stage one
+    (``group_sampling``), an estimate of the mean over all the step's prompt groups, as the books
+    read it, so that the tap's recorded ``kl_to_previous_se`` is the books' SE."""
     kl = np.asarray(kl, dtype=np.float64)
     codes = np.asarray(codes, dtype=np.int64)
     q = np.exp(mis_log_weights(np.asarray(log_ratio, dtype=np.float64), heldout, codes, n_groups)[0])
@@ -1027,10 +1030,16 @@ def independent_d_t(log_ratio: np.ndarray, heldout: np.ndarray | None, kl: np.nd
     strata = Strata(codes, None if heldout is None else np.asarray(heldout, dtype=bool), n_groups)
     mean = float(per_group.mean())
     deleted = mean + (strata.deleted_means(q[None], kl[None], per_group[None], codes) - per_group[codes][None]) / n_groups
-    var, _ = strata.jackknife(deleted)
+    var, dof = strata.jackknife(deleted)
     if not np.isfinite(var[0]) and n_groups > 1:  # a deletion left a group with no weight: the spread across groups
-        var = per_group.var(ddof=1)[None] / n_groups
-    return mean, float(math.sqrt(var[0])) if strata.spread else float("nan")
+        var, dof = per_group.var(ddof=1)[None] / n_groups, np.array([n_groups - 1.0])
+    if not strata.spread:
+        return mean, float("nan")
+    if share < 1.0 and n_groups > 1:
+        v, _ = group_sampling(var[:, None, None], np.asarray(dof, dtype=np.float64)[:, None],
+                              per_group[None, :, None], np.array([share]))
+        var = v[:, 0, 0]
+    return mean, float(math.sqrt(var[0]))
 
 
 class Strata:
