@@ -70,17 +70,25 @@ def test_two_sided_shapes_by_hand():
     assert all(x.shape is None or x.shape.per_group == 4 for x in (b1.plan(8, 8, 50) for _ in range(8)))
     b2 = _fed(Budget(0.3, heldout=4, passes=1))  # allowance 0.3 * 9.5 - 0.1 = 2.75 s
     plan = b2.plan(8, 8, 50)
-    # k = 4 costs 0.48 s a group: 5 groups (2.40 s) fit, 6 (2.88 s) do not; 8 at k = 2 (1.92 s) would
-    assert plan.shape == Shape(5, 4) and plan.reason == "fits" and len(plan.groups) == 5
-    b3 = _fed(Budget(0.5, heldout=4, passes=1))  # allowance 4.65 s: every group at k = 4 costs 3.84 s
+    # k = 4 costs 0.48 s a group: 5 groups (2.40 s) fit, 6 (2.88 s) do not; 8 at k = 2 (1.92 s) would.
+    # 5 is under MIN_SUBSET_GROUPS (8): whole pairs (3.84 s) on 2.75 / 3.84 of the steps instead
+    assert plan.probability == pytest.approx(2.75 / 3.84) and plan.reason in ("share", "skipped")
+    assert plan.shape in (Shape(8, 4), None)
+    # a generation of 32 groups: 5 fit, still under 8; at allowance 4.65 s, 9 groups (4.32 s) fit
+    b3 = _fed(Budget(0.5, heldout=4, passes=1))  # allowance 4.65 s: every group of 8 at k = 4 costs 3.84 s
     assert b3.plan(8, 8, 50).shape == Shape(8, 4)
-    b4 = _fed(Budget(0.3, heldout=3, passes=1))  # a tap of heldout 3: 0.36 s a group, 7 groups fit
-    assert b4.plan(8, 8, 50).shape == Shape(7, 3)
+    plan = b3.plan(32, 8, 50)
+    assert plan.shape == Shape(9, 4) and plan.reason == "fits" and len(plan.groups) == 9
+    b4 = _fed(Budget(0.3, heldout=3, passes=1))  # a tap of heldout 3: 0.36 s a group, 7 groups fit: a share
+    plan = b4.plan(8, 8, 50)
+    assert plan.probability == pytest.approx(2.75 / 2.88) and plan.shape in (Shape(8, 3), None)
 
 
 def test_a_share_is_two_sided_and_whole_with_the_probability_its_allowance_covers():
     b = _fed(Budget(0.2, heldout=4, passes=2))  # allowance 0.2 * 9.5 - 0.1 = 1.8 s
-    assert b.plan(8, 8, 50).shape == Shape(2, 4)  # two-sided at k = 4 is 0.88 s a group: 2 groups, 1.76 s
+    # two-sided at k = 4 is 0.88 s a group: 2 groups (1.76 s) fit, under MIN_SUBSET_GROUPS: whole
+    # pairs (7.04 s) on 1.8 / 7.04 of the steps
+    assert b.plan(8, 8, 50).probability == pytest.approx(1.8 / 7.04)
     # allowance 0.85 s: one group two-sided costs 0.88 s, so no shape fits every pair. A generation
     # of 3 groups: whole (3 groups, k = 4) costs 2.64 s, the allowance covers 0.85 / 2.64 of the pairs
     c = _fed(Budget(0.1, heldout=4, passes=2))
