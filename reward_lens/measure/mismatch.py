@@ -31,17 +31,52 @@ sampler_mismatch``, a step pair whose sampler departs from pi_{t+1} by more than
 ``SAMPLER_KL_MAX_SHARE`` of D_t) calls ``group_kl`` on its rows, so its number for the pair
 (t-1, t) is this series' per-sequence value at step t wherever the ledger kept every rollout.
 
+The series' SE, moderated across neighbouring steps (``series_se``; the one SE the finding, its
+evidence and the paired ledger's refusal read). A step's own SE (its sample's spread across prompt
+groups, ``StepMismatch.kl_seq_se``) has the fault D_t's had (``ledger.moderated``'s docstring): where
+the per-sequence gap is nearly constant with a rare tail, the sample's spread is small exactly on
+the draws that missed the tail, which sit off the truth. The tail's shape is the engine's (its
+precision, its top-p, its lag), which moves little from one step to the next; whether a step's
+sample caught it is chance. So each step's variance per prompt group, u_s = G_s SE_s^2, is pooled
+with its neighbours' by ``ledger.moderated.pooled_variances`` (the one pooling D_t's and eta's SEs
+use, with their window of 3 measured steps either side and own weight 1/2), SE_t = sqrt(v_t / G_t)
+on the Welch-Satterthwaite degrees of freedom it returns (a step's own: its groups less one).
+
+What is pooled is the variance itself, not D_t's relative variance (SE / estimate)^2, for two
+reasons. The k1 estimate sits at 0 where the engine matches the policy and is often negative on
+a small mismatch (a bfloat16 engine's 0.0015 nats with a spread of 0.007): a relative variance is
+unbounded there, where D_t, a sum of token KLs, is never 0. And at the jump a real run shows (the
+engine departs at an onset step: stale weights, a changed sampling setting) the two err in opposite
+directions. Pooled relatively, the steps after the onset would borrow the near-infinite relative
+variance of the matched steps before it and the finding would be delayed by the window. Pooled as
+variance, they borrow the small variance of the matched steps: their SE is less than the
+mismatched steps' pooled among themselves would be (at the live edge the onset step's variance is
+at least (1/2 + 1/8) of its own, its SE 0.79 of it), so the matched steps do not delay the
+finding; and the onset it names does not move earlier, because the matched steps before it borrow
+the larger variance after it: their excess over the line is negative, a larger SE moves it towards
+0 but not past it, and a negative score adds nothing to the rules (the CUSUM's k is 1). Where the
+mismatch after the jump sits exactly at the line (the null's worst case), the three steps after it
+read scores of SD up to 1/0.79: tests/unit/test_engine_mismatch.py measures the rules' false
+alarms on such a jump. The finding reads this SE with its t on the step's own groups less one, not
+on the pooled degrees of freedom its interval reads (``findings.engine_mismatch`` says why:
+neighbouring steps share their variance, and a CUSUM adds up a stretch whose pooled variance came
+out low). A step with one prompt group (no SE of its own) takes no part and is no one's neighbour.
+
 Checked against the truth (tests/unit/test_mismatch.py): a tabular autoregressive policy (next
 token from the previous one, per prompt), so KL(pi_sampler || pi_t) is exact by dynamic
 programming; sampled by its bfloat16 cast (exact KL 8.7e-6 nats/seq), a temperature of 1.3
 (0.091) and top-p 0.9 the scorer does not apply (0.197), 8 prompt groups x 8 completions redrawn
-400 times, the 95 % interval (t quantile, 7 dof) covered the exact per-sequence KL 94.8 %, 93.5 %,
-96.5 % of the time, and the per-token one 94.8 %, 92.8 %, 94.8 %. On the benchmark's own policy and
-stand-in engine (``tools/mismatch_runs.py --coverage``: the truth the full-vocabulary token KL along
-fresh engine samples, 200 fresh steps of 8 groups x 8; docs/science.md quotes the line) bfloat16 and
-temperature cover at their rate and top-p 0.9 at 74 %: there the per-sequence KL is nearly the same
-for every completion that runs to the length cap and lower on the rare early-ending ones, and a
-step that draws none of those has too small an SE.
+400 times, the step's own 95 % interval (t quantile, 7 dof) covered the exact per-sequence KL
+94.8 %, 93.5 %, 96.5 % of the time, and the per-token one 94.8 %, 92.8 %, 94.8 %. On the
+benchmark's own policy and stand-in engine (``tools/mismatch_runs.py --coverage``: the truth the
+full-vocabulary token KL along fresh engine samples, 200 fresh steps of 8 groups x 8;
+docs/science.md quotes the line) the step's own SE covered bfloat16 and temperature at their rate
+and top-p 0.9 at 74 %: there the per-sequence KL is nearly the same for every completion that runs
+to the length cap and lower on the rare early-ending ones, and a step that draws none of those
+has too small an SE. The series' SE (the 200 steps read as one run's consecutive steps, t on its
+pooled degrees of freedom) covers bfloat16 94.5 %, temperature 96.0 %, top-p 97.0 %, the step's
+own beside it 93.5 %, 96.0 %, 74.0 % (bench/results/mismatch_coverage.json, run once with the
+moderation decided); on the tabular check it covers all three within the same band as the own.
 """
 
 from __future__ import annotations
@@ -52,6 +87,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from reward_lens.measure.ledger.moderated import pooled_variances
 from reward_lens.measure.sequential import final_stretch
 
 # The tail's probability ratio: a sequence the sampler gives more than 3x, or less than a third,
@@ -68,7 +104,7 @@ class StepMismatch:
 
     step: int
     kl_seq: float  # nats/seq: mean over groups of the mean gap log pi_sampler - log pi_t
-    kl_seq_se: float  # its SE across groups (NaN with one group)
+    kl_seq_se: float  # its own sample's SE across groups (NaN with one group); the series' SE is series_se's
     kl_token: float | None  # nats/token: sum of gaps / sum of tokens (None without token counts)
     kl_token_se: float | None
     max_log_ratio: float  # the largest |gap| of one sequence, nats
@@ -101,6 +137,38 @@ def group_kl(gap: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[float, 
     means = np.bincount(codes[ok], weights=gap[ok], minlength=n_groups)[present] / count[present]
     se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else float("nan")
     return float(means.mean()), se
+
+
+def moderated_kl_se(se, groups) -> tuple[np.ndarray, np.ndarray]:
+    """The series' SEs of the per-sequence mismatch and their degrees of freedom, for a run's steps
+    in step order: ``se`` each step's own SE (``group_kl``'s, across its prompt groups) and
+    ``groups`` the groups it was measured on. Each step's variance per prompt group, G_s SE_s^2,
+    is pooled with its neighbours' (``pooled_variances``, its own degrees of freedom G_s - 1):
+    SE_t = sqrt(v_t / G_t) (module docstring: why the variance and not a relative one). A step
+    without a finite SE or with fewer than two groups takes no part (NaN out) and is no one's
+    neighbour; where every pooled variance is 0 the SE is 0 with NaN degrees of freedom."""
+    s, g = np.asarray(se, dtype=np.float64), np.asarray(groups, dtype=np.float64)
+    if s.shape != g.shape or s.ndim != 1:
+        raise ValueError(f"se and groups must be 1-d of one length, not {s.shape}, {g.shape}")
+    out_se = np.full(s.shape, np.nan)
+    out_dof = np.full(s.shape, np.nan)
+    with np.errstate(over="ignore", invalid="ignore"):
+        u = g * s * s  # beyond the float range it takes no part
+    ok = np.flatnonzero(np.isfinite(s) & (s >= 0) & (g >= 2) & np.isfinite(u))
+    if len(ok):
+        var, out_dof[ok] = pooled_variances(u[ok], g[ok] - 1.0)
+        out_se[ok] = np.sqrt(var / g[ok])
+    return out_se, out_dof
+
+
+def series_se(series: Mapping[int, StepMismatch]) -> dict[int, tuple[float, float]]:
+    """Step -> (SE, degrees of freedom) of ``kl_seq``: the series' SE, ``moderated_kl_se`` over the
+    steps of ``series`` in step order (the one SE the finding and its evidence read). It depends on
+    which steps the series holds: at a prefix of a run (the live tap's view) the last steps have
+    neighbours on one side only."""
+    steps = sorted(series)
+    se, dof = moderated_kl_se([series[s].kl_seq_se for s in steps], [series[s].groups for s in steps])
+    return {s: (a, b) for s, a, b in zip(steps, se.tolist(), dof.tolist())}
 
 
 def step_mismatch(step: int, gap: np.ndarray, codes: np.ndarray, n_groups: int,
@@ -386,4 +454,5 @@ def logged_mismatch(series: Mapping[int, LoggedMismatch], d_t: Mapping[int, floa
 
 
 __all__ = ["LOGGED_FIELDS", "LoggedMismatch", "TAIL_RATIO", "StepMismatch", "group_kl", "logged_mismatch", "logged_series", "logged_source", "logged_step",
-           "mismatch_of_table", "mismatch_series", "run_logged_mismatch", "run_mismatch", "step_mismatch"]
+           "mismatch_of_table", "mismatch_series", "moderated_kl_se", "run_logged_mismatch", "run_mismatch", "series_se",
+           "step_mismatch"]

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
-from reward_lens.measure.mismatch import TAIL_RATIO, group_kl, step_mismatch
+from reward_lens.measure.mismatch import TAIL_RATIO, group_kl, moderated_kl_se, series_se, step_mismatch
 
 V, L, P = 6, 5, 16  # vocabulary (token 0 is EOS), longest completion, prompts in the pool
 EOS = 0
@@ -101,17 +101,24 @@ def test_the_series_interval_covers_the_exact_kl(cause):
     t = stats.t.ppf(0.975, groups - 1)
     hit_seq = hit_tok = 0
     redraws = 400
-    for _ in range(redraws):
+    series = {}
+    for k in range(redraws):
         prompts = rng.integers(0, P, size=groups)
         rows = np.repeat(prompts, per)
         gap, tokens = _draw(rng, ls, lp, rows)
-        m = step_mismatch(0, gap, np.repeat(np.arange(groups), per), groups, tokens)
+        m = step_mismatch(k, gap, np.repeat(np.arange(groups), per), groups, tokens)
+        series[k] = m
         hit_seq += abs(m.kl_seq - truth_seq) <= t * m.kl_seq_se
         hit_tok += abs(m.kl_token - truth_tok) <= t * m.kl_token_se
     assert truth_seq > 0
     # 400 redraws: a binomial SE of 1.1 % at 95 %; the band is 3.5 of them below and 3 above
     assert 0.91 <= hit_seq / redraws <= 0.985, (cause, hit_seq / redraws)
     assert 0.91 <= hit_tok / redraws <= 0.985, (cause, hit_tok / redraws)
+    # the series' SE (each step's own moderated across its neighbours: the redraws read as one
+    # run's steps) covers at the same rate
+    spread = series_se(series)
+    hit = sum(abs(series[k].kl_seq - truth_seq) <= stats.t.ppf(0.975, spread[k][1]) * spread[k][0] for k in series)
+    assert 0.91 <= hit / redraws <= 0.985, (cause, hit / redraws)
 
 
 def test_the_estimator_is_the_plain_definition_and_its_tail():
@@ -128,3 +135,85 @@ def test_the_estimator_is_the_plain_definition_and_its_tail():
     m2 = step_mismatch(4, np.r_[gap, np.nan], np.r_[codes, 2], 3, np.r_[tokens, 9])
     assert m2.n == 6 and m2.kl_seq == m.kl_seq
     assert step_mismatch(4, np.array([np.nan]), np.array([0]), 1) is None
+
+
+# ------------------------------------------------------------------ the series' SE (issue 59)
+def _pooled_plain(u, f, window=3, own=0.5):
+    """The moderation written out: each step's variance is ``own`` of its own and 1 - ``own`` of
+    the mean over the steps within ``window`` of it (itself among them); Welch-Satterthwaite's
+    degrees of freedom over the terms."""
+    n = len(u)
+    v, dof = [], []
+    for j in range(n):
+        idx = list(range(max(0, j - window), min(n, j + window + 1)))
+        coef = {i: (1 - own) / len(idx) for i in idx}
+        coef[j] += own
+        total = sum(coef[i] * u[i] for i in idx)
+        v.append(total)
+        dof.append(total * total / sum((coef[i] * u[i]) ** 2 / f[i] for i in idx))
+    return np.array(v), np.array(dof)
+
+
+def test_the_series_se_worked_by_hand():
+    """Three steps of 4 prompt groups, own SEs 0.1, 0.2, 0.3: variances per group u = 4 SE^2 =
+    0.04, 0.16, 0.36, every step in every other's window (3 either side), their mean 0.18667.
+    Step 0: v = 0.04 / 2 + 0.18667 / 2 = 0.11333, SE = sqrt(v / 4) = 0.16833; its terms (2/3) 0.04,
+    (1/6) 0.16, (1/6) 0.36, each on 3 degrees of freedom: 0.11333^2 / ((0.02667^2 + 0.02667^2 +
+    0.06^2) / 3) = 7.672. Step 2: v = 0.36 / 2 + 0.18667 / 2 = 0.27333, SE 0.26141. A step of one
+    group (no SE) takes no part and is no one's neighbour; the result does not depend on which
+    steps lie beyond the window."""
+    se, dof = moderated_kl_se([0.1, 0.2, 0.3], [4, 4, 4])
+    assert se[0] == pytest.approx(0.16833, abs=1e-5) and se[2] == pytest.approx(0.26141, abs=1e-5)
+    assert dof[0] == pytest.approx(7.672, abs=1e-3)
+    v, f = _pooled_plain([0.04, 0.16, 0.36], [3, 3, 3])
+    assert np.allclose(se, np.sqrt(v / 4)) and np.allclose(dof, f)
+    se2, dof2 = moderated_kl_se([0.1, float("nan"), 0.2, 0.3], [4, 1, 4, 4])
+    assert np.isnan(se2[1]) and np.isnan(dof2[1]) and np.allclose(se2[[0, 2, 3]], se)
+    # groups of different sizes: pooled per group, each step's SE over its own groups
+    se3, _ = moderated_kl_se([0.1, 0.1], [4, 16])
+    u = np.array([4 * 0.01, 16 * 0.01])
+    assert se3 == pytest.approx(np.sqrt((u / 2 + u.mean() / 2) / np.array([4, 16])))
+    # equal variances keep the SE and add degrees of freedom: 3 / (a^2 + (m - 1) b^2) with m steps
+    # in the window, a = 1/2 + 1/(2m), b = 1/(2m): 8.4 with 3 on either side (m = 7)
+    se4, dof4 = moderated_kl_se([0.1] * 9, [4] * 9)
+    assert np.allclose(se4, 0.1) and dof4[4] == pytest.approx(8.4) and dof4[0] == pytest.approx(48 / 7)
+    # the series' SE of StepMismatch values, by step
+    steps = {s: step_mismatch(s, np.array([0.1, 0.3, 0.2, 0.6]) * (s + 1), np.array([0, 0, 1, 1]), 2) for s in (3, 5, 9)}
+    got = series_se(steps)
+    want = moderated_kl_se([steps[s].kl_seq_se for s in (3, 5, 9)], [2, 2, 2])
+    assert sorted(got) == [3, 5, 9] and [got[s][0] for s in (3, 5, 9)] == pytest.approx(want[0].tolist())
+
+
+def test_at_a_jump_the_variance_is_pooled_not_the_relative_variance():
+    """A matched engine (gaps within 1e-4 of 0) for 10 steps, then one 0.5 nats a sequence off the
+    policy with a spread across groups of 0.3. Pooled as a variance, each step after the jump
+    within reach of the matched steps (3) borrows their small variance: its SE is less than the
+    mismatched steps alone would give it and, at the live edge (the onset step the last), between
+    sqrt(1/2 + 1/8) of its own and its own; the matched steps borrow the larger
+    variance after it. Pooled as D_t's relative variance (SE / estimate)^2, the onset step would
+    borrow the near-infinite relative variance of estimates at 0 and read an SE many times its
+    own: the finding would wait out the window."""
+    from reward_lens.measure.ledger.moderated import moderated_d_t_se
+
+    rng = np.random.default_rng(0)
+    groups, per = 8, 4
+    codes = np.repeat(np.arange(groups), per)
+    series = {}
+    for s in range(20):
+        level, sd = (0.5, 0.3) if s >= 10 else (0.0, 1e-4)
+        gap = level + rng.normal(0.0, sd, size=groups)[codes] + rng.normal(0.0, sd / 3, size=len(codes))
+        series[s] = step_mismatch(s, gap, codes, groups)
+    own = np.array([series[s].kl_seq_se for s in range(20)])
+    whole = series_se(series)
+    se = np.array([whole[s][0] for s in range(20)])
+    after = series_se({s: series[s] for s in range(10, 20)})  # as if the run began at the jump
+    alone = np.array([after[s][0] for s in range(10, 20)])
+    assert (se[10:13] < alone[:3]).all() and np.allclose(se[13:], alone[3:])  # the onset's reach reads less
+    assert (se[7:10] > 10 * own[7:10]).all()  # the matched steps within reach borrow the larger
+    assert np.allclose(se[:7], own[:7], rtol=0.6)  # beyond reach, their own scale
+    edge = series_se({s: series[s] for s in range(11)})  # the live tap at the onset step
+    assert own[10] * math.sqrt(0.5 + 1 / 8) <= edge[10][0] <= own[10]
+    assert edge[10][1] >= groups - 1  # degrees of freedom never fewer than the fewest pooled
+    kl = np.array([series[s].kl_seq for s in range(20)])
+    rel, _ = moderated_d_t_se(np.abs(kl), own, np.full(20, groups - 1.0), np.full(20, groups))
+    assert rel[10] > 20 * own[10]  # what the relative pooling would have stated
