@@ -438,7 +438,7 @@ def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
             ses.append(m.kl_seq_se)
             groups.append(m.groups)
         est_a, own = np.array(est), np.array(ses)
-        series, dof = moderated_kl_se(own, groups)  # the 200 steps as one run's, in the order drawn
+        series, dof = moderated_kl_se(est_a, own, groups)  # the 200 steps as one run's, in the order drawn
         half = np.array([t975(f) for f in dof]) * series
         out.append({"cause": cause, "exact_kl_seq": exact, "exact_kl_seq_se": exact_se, "redraws": REDRAWS,
                     "groups": GROUPS, "per_group": GENERATIONS, "mean_estimate": float(est_a.mean()),

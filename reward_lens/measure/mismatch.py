@@ -37,30 +37,34 @@ groups, ``StepMismatch.kl_seq_se``) has the fault D_t's had (``ledger.moderated`
 the per-sequence gap is nearly constant with a rare tail, the sample's spread is small exactly on
 the draws that missed the tail, which sit off the truth. The tail's shape is the engine's (its
 precision, its top-p, its lag), which moves little from one step to the next; whether a step's
-sample caught it is chance. So each step's variance per prompt group, u_s = G_s SE_s^2, is pooled
-with its neighbours' by ``ledger.moderated.pooled_variances`` (the one pooling D_t's and eta's SEs
-use, with their window of 3 measured steps either side and own weight 1/2), SE_t = sqrt(v_t / G_t)
-on the Welch-Satterthwaite degrees of freedom it returns (a step's own: its groups less one).
+sample caught it is chance. So, as D_t's, each step's relative variance per prompt group,
+u_s = G_s (SE_s / kl_s)^2, is pooled with its neighbours' by ``ledger.moderated.pooled_variances``
+(the one pooling D_t's and eta's SEs use, with their window of 3 measured steps either side and own
+weight 1/2): SE_t = kl_t sqrt(v_t / G_t), on the Welch-Satterthwaite degrees of freedom it returns
+(a step's own: its groups less one). Only steps whose mismatch is resolved take part: those whose
+own 95 % interval lies above 0 (kl_s > t_{.975, G-1} SE_s). A step not resolved keeps its own SE
+and lends nothing.
 
-What is pooled is the variance itself, not D_t's relative variance (SE / estimate)^2, for two
-reasons. The k1 estimate sits at 0 where the engine matches the policy and is often negative on
-a small mismatch (a bfloat16 engine's 0.0015 nats with a spread of 0.007): a relative variance is
-unbounded there, where D_t, a sum of token KLs, is never 0. And at the jump a real run shows (the
-engine departs at an onset step: stale weights, a changed sampling setting) the two err in opposite
-directions. Pooled relatively, the steps after the onset would borrow the near-infinite relative
-variance of the matched steps before it and the finding would be delayed by the window. Pooled as
-variance, they borrow the small variance of the matched steps: their SE is less than the
-mismatched steps' pooled among themselves would be (at the live edge the onset step's variance is
-at least (1/2 + 1/8) of its own, its SE 0.79 of it), so the matched steps do not delay the
-finding; and the onset it names does not move earlier, because the matched steps before it borrow
-the larger variance after it: their excess over the line is negative, a larger SE moves it towards
-0 but not past it, and a negative score adds nothing to the rules (the CUSUM's k is 1). Where the
-mismatch after the jump sits exactly at the line (the null's worst case), the three steps after it
-read scores of SD up to 1/0.79: tests/unit/test_engine_mismatch.py measures the rules' false
-alarms on such a jump. The finding reads this SE with its t on the step's own groups less one, not
-on the pooled degrees of freedom its interval reads (``findings.engine_mismatch`` says why:
+Why relative, and why only where resolved. The spread of a k1 estimate grows with the mismatch:
+on the benchmark's stale engine the estimate fell from 22 to 4 nats a sequence within three steps
+of its onset while its relative SE stayed between 0.23 and 0.37 (``tools/mismatch_runs.py``, seed
+22). Pooled as variance, the later steps borrowed the early steps' variance, several times theirs,
+and the finding lost that run (named at the last step with each step's own SE; clear with the
+variance pooled: the first version of this moderation, measured and dropped). But a relative
+variance is unbounded where the estimate is near 0 -- a matched engine, whose k1 estimate sits at
+0, or a bfloat16 engine's 0.0015 nats under a spread of 0.007 -- so those steps cannot lend one. At
+the jump a real run shows (the engine departs at an onset step: stale weights, a changed sampling
+setting) the matched steps before it are not resolved and lend nothing: the onset step pools only
+with the resolved steps after it, and at the live edge, where it is the last, with none -- its own
+SE, as without the moderation: the finding is neither delayed nor advanced by the matched steps,
+and the onset it names is where the scores say. An engine whose mismatch is resolved at no step
+(bfloat16 here) keeps each step's own SE, which covers it (the coverage line below).
+tests/unit/test_mismatch.py checks the jump and a case worked by hand;
+tests/unit/test_engine_mismatch.py the rules' false alarms with this SE, at the null's boundary
+and across such a jump. The finding reads this SE with its t on the step's own groups less one,
+not on the pooled degrees of freedom its interval reads (``findings.engine_mismatch`` says why:
 neighbouring steps share their variance, and a CUSUM adds up a stretch whose pooled variance came
-out low). A step with one prompt group (no SE of its own) takes no part and is no one's neighbour.
+out low). A step with one prompt group (no SE of its own) has no SE and is no one's neighbour.
 
 Checked against the truth (tests/unit/test_mismatch.py): a tabular autoregressive policy (next
 token from the previous one, per prompt), so KL(pi_sampler || pi_t) is exact by dynamic
@@ -74,9 +78,11 @@ docs/science.md quotes the line) the step's own SE covered bfloat16 and temperat
 and top-p 0.9 at 74 %: there the per-sequence KL is nearly the same for every completion that runs
 to the length cap and lower on the rare early-ending ones, and a step that draws none of those
 has too small an SE. The series' SE (the 200 steps read as one run's consecutive steps, t on its
-pooled degrees of freedom) covers bfloat16 94.5 %, temperature 96.0 %, top-p 97.0 %, the step's
-own beside it 93.5 %, 96.0 %, 74.0 % (bench/results/mismatch_coverage.json, run once with the
-moderation decided); on the tabular check it covers all three within the same band as the own.
+pooled degrees of freedom) covers bfloat16 93.5 % (resolved at few steps: mostly its own SE),
+temperature 96.5 %, top-p 97.0 %, the step's own beside it 93.5 %, 96.0 %, 74.0 %
+(bench/results/mismatch_coverage.json; a first version pooling the variance itself, run once
+too, read 94.5 %, 96.0 %, 97.0 % and was dropped for the stale run it lost, above); on the
+tabular check it covers all three within the same band as the own.
 """
 
 from __future__ import annotations
@@ -139,25 +145,31 @@ def group_kl(gap: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[float, 
     return float(means.mean()), se
 
 
-def moderated_kl_se(se, groups) -> tuple[np.ndarray, np.ndarray]:
+def moderated_kl_se(kl, se, groups) -> tuple[np.ndarray, np.ndarray]:
     """The series' SEs of the per-sequence mismatch and their degrees of freedom, for a run's steps
-    in step order: ``se`` each step's own SE (``group_kl``'s, across its prompt groups) and
-    ``groups`` the groups it was measured on. Each step's variance per prompt group, G_s SE_s^2,
-    is pooled with its neighbours' (``pooled_variances``, its own degrees of freedom G_s - 1):
-    SE_t = sqrt(v_t / G_t) (module docstring: why the variance and not a relative one). A step
-    without a finite SE or with fewer than two groups takes no part (NaN out) and is no one's
-    neighbour; where every pooled variance is 0 the SE is 0 with NaN degrees of freedom."""
-    s, g = np.asarray(se, dtype=np.float64), np.asarray(groups, dtype=np.float64)
-    if s.shape != g.shape or s.ndim != 1:
-        raise ValueError(f"se and groups must be 1-d of one length, not {s.shape}, {g.shape}")
-    out_se = np.full(s.shape, np.nan)
-    out_dof = np.full(s.shape, np.nan)
-    with np.errstate(over="ignore", invalid="ignore"):
-        u = g * s * s  # beyond the float range it takes no part
-    ok = np.flatnonzero(np.isfinite(s) & (s >= 0) & (g >= 2) & np.isfinite(u))
+    in step order: ``kl`` each step's estimate, ``se`` its own SE (``group_kl``'s, across its prompt
+    groups) and ``groups`` the groups it was measured on. A step whose own 95 % interval lies above
+    0 (kl > t_{.975, G-1} SE: the mismatch resolved) has its relative variance per prompt group,
+    G_s (SE_s / kl_s)^2, pooled with its resolved neighbours' (``pooled_variances``, its own degrees
+    of freedom G_s - 1): SE_t = kl_t sqrt(v_t / G_t), on the Welch-Satterthwaite degrees of freedom.
+    A step not resolved keeps its own SE on G_s - 1 and lends nothing (module docstring: why). A
+    step without a finite SE or with fewer than two groups has none (NaN out) and is no one's
+    neighbour."""
+    from reward_lens.measure.ledger.moderated import t975
+
+    k, s, g = (np.asarray(x, dtype=np.float64) for x in (kl, se, groups))
+    if not (k.shape == s.shape == g.shape) or k.ndim != 1:
+        raise ValueError(f"kl, se and groups must be 1-d of one length, not {k.shape}, {s.shape}, {g.shape}")
+    has = np.isfinite(s) & (s >= 0) & (g >= 2) & np.isfinite(k)
+    out_se = np.where(has, s, np.nan)
+    out_dof = np.where(has, g - 1.0, np.nan)
+    q = np.array([t975(f) if ok else np.inf for f, ok in zip((g - 1.0).tolist(), has.tolist())])
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        u = g * (s / k) ** 2  # beyond the float range it takes no part
+    ok = np.flatnonzero(has & (k > q * s) & np.isfinite(u))
     if len(ok):
         var, out_dof[ok] = pooled_variances(u[ok], g[ok] - 1.0)
-        out_se[ok] = np.sqrt(var / g[ok])
+        out_se[ok] = k[ok] * np.sqrt(var / g[ok])
     return out_se, out_dof
 
 
@@ -167,7 +179,8 @@ def series_se(series: Mapping[int, StepMismatch]) -> dict[int, tuple[float, floa
     which steps the series holds: at a prefix of a run (the live tap's view) the last steps have
     neighbours on one side only."""
     steps = sorted(series)
-    se, dof = moderated_kl_se([series[s].kl_seq_se for s in steps], [series[s].groups for s in steps])
+    se, dof = moderated_kl_se([series[s].kl_seq for s in steps], [series[s].kl_seq_se for s in steps],
+                              [series[s].groups for s in steps])
     return {s: (a, b) for s, a, b in zip(steps, se.tolist(), dof.tolist())}
 
 

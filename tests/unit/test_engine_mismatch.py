@@ -216,43 +216,48 @@ def test_a_clean_stream_stays_quiet_at_every_prefix():
 
 
 def _boundary_runs(groups: int, runs: int, steps: int, transform: bool, seed: int = 0, moderate: bool = True,
-                   pooled_dof: bool = False, jump: int | None = None) -> float:
+                   pooled_dof: bool = False, level: float = 2.0, jump: int | None = None) -> float:
     """Share of simulated runs on which the rule alarms at some step, checked at every step, the
-    true mismatch exactly a tenth of D_t (the worst case of the null): per step, ``groups`` normal
-    group means, the t-statistic of their excess on the series' SE (``moderate``: each step's
-    variance half its own and half its window's mean, 3 steps either side within the prefix the
-    check sees; else the step's own), scored through Student's t on groups - 1 degrees of freedom
-    (``transform``; ``pooled_dof``: on the pooled SE's Welch-Satterthwaite ones) or read as a
-    normal score as it stands. ``jump``:
-    before that step the engine matches the policy (the excess one SD under the line, its spread a
-    hundredth), the mismatch jumping to the line there. Written out here, not read from the
-    package."""
-    from scipy import special
+    true mismatch exactly a tenth of D_t (the worst case of the null), ``level`` SDs of a group mean
+    above 0: per step, ``groups`` normal group means, the t-statistic of their excess on the
+    series' SE (``moderate``: a step whose own 95 % interval lies above 0 has its relative variance
+    G (SE / kl)^2 half its own and half the mean over the resolved steps within 3 of it, within the
+    prefix the check sees, and SE = kl sqrt(v / G); a step not resolved, and every step without
+    ``moderate``, its own), scored through Student's t on groups - 1 degrees of freedom
+    (``transform``; ``pooled_dof``: on the pooled SE's Welch-Satterthwaite ones) or read as a normal
+    score as it stands. ``jump``: before that step the engine matches the policy (the mismatch 0,
+    its spread a hundredth), the mismatch jumping to the line there. Written out here, not read
+    from the package."""
+    from scipy import special, stats
 
     rng = np.random.default_rng(seed)
     f = groups - 1.0
-    e, u = np.zeros((steps, runs)), np.zeros((steps, runs))  # each step's excess mean, variance per group
+    q = stats.t.ppf(0.975, f)
+    kl, u = np.zeros((steps, runs)), np.zeros((steps, runs))  # each step's estimate, variance per group
     c_final = np.zeros(runs)  # the CUSUM over the steps whose window the prefix already holds whole
     alarmed = np.zeros(runs, dtype=bool)
 
     def score(j: int, k: int) -> np.ndarray:  # step j's normal score as the check at the end of step k reads it
+        v, dof = u[j] / groups, np.full(runs, f)
         if moderate:
-            idx = range(max(0, j - 3), min(k, j + 3) + 1)
-            m = len(idx)
-            coef = {i: 0.5 / m + (0.5 if i == j else 0.0) for i in idx}
-            v = sum(coef[i] * u[i] for i in idx)
-            dof = v * v / sum((coef[i] * u[i]) ** 2 / f for i in idx) if pooled_dof else np.full(runs, f)
-        else:
-            v, dof = u[j], np.full(runs, f)
-        t = e[j] / np.sqrt(v / groups)
+            res = {i: kl[i] > q * np.sqrt(u[i] / groups) for i in range(max(0, j - 3), min(k, j + 3) + 1)}
+            rel = {i: u[i] / kl[i] ** 2 for i in res}
+            m = sum(r.astype(float) for r in res.values())  # resolved steps in the window, j among them where it is
+            with np.errstate(divide="ignore", invalid="ignore"):
+                coef = {i: np.where(res[i], 0.5 / m + (0.5 if i == j else 0.0), 0.0) for i in res}
+                pooled = sum(coef[i] * rel[i] for i in res)
+                wsd = pooled ** 2 / sum((coef[i] * rel[i]) ** 2 / f for i in res)
+            v = np.where(res[j], kl[j] ** 2 * pooled / groups, v)
+            if pooled_dof:
+                dof = np.where(res[j], wsd, dof)
+        t = (kl[j] - level) / np.sqrt(v)
         # the normal score of t's upper tail: ndtri(1 - tail) = -ndtri(tail), tail = stdtr(df, -t)
         return np.clip(-special.ndtri(special.stdtr(dof, -t)), -8.0, 8.0) if transform else np.clip(t, -8.0, 8.0)
 
     for k in range(steps):
         x = rng.normal(size=(runs, groups))
-        if jump is not None and k < jump:
-            x = -1.0 + 0.01 * x
-        e[k], u[k] = x.mean(1), x.var(1, ddof=1)
+        x = 0.01 * x if jump is not None and k < jump else level + x
+        kl[k], u[k] = x.mean(1), x.var(1, ddof=1)
         if k >= 3:  # step k - 3's window is whole from here on
             c_final = np.maximum(0.0, c_final + score(k - 3, k) - 1.0)
         c = c_final
@@ -281,7 +286,7 @@ def test_the_false_alarm_rate_over_a_run_is_what_the_docs_state(groups):
     assert false_alarm_probability(5.0, 1000) + 999 * 0.00135 ** 2 < 0.012
     assert _boundary_runs(groups, 1500, 1000, transform=True) < 0.012 + 3 * 0.0028
     if groups == 4:
-        assert _boundary_runs(groups, 600, 1000, transform=True, pooled_dof=True) > 0.012 + 3 * 0.0044
+        assert _boundary_runs(groups, 600, 1000, transform=True, pooled_dof=True, level=1.0) > 0.012 + 3 * 0.0044
         assert _boundary_runs(groups, 300, 1000, transform=False, moderate=False) > 0.5
 
 

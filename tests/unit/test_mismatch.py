@@ -155,45 +155,48 @@ def _pooled_plain(u, f, window=3, own=0.5):
 
 
 def test_the_series_se_worked_by_hand():
-    """Three steps of 4 prompt groups, own SEs 0.1, 0.2, 0.3: variances per group u = 4 SE^2 =
-    0.04, 0.16, 0.36, every step in every other's window (3 either side), their mean 0.18667.
-    Step 0: v = 0.04 / 2 + 0.18667 / 2 = 0.11333, SE = sqrt(v / 4) = 0.16833; its terms (2/3) 0.04,
-    (1/6) 0.16, (1/6) 0.36, each on 3 degrees of freedom: 0.11333^2 / ((0.02667^2 + 0.02667^2 +
-    0.06^2) / 3) = 7.672. Step 2: v = 0.36 / 2 + 0.18667 / 2 = 0.27333, SE 0.26141. A step of one
-    group (no SE) takes no part and is no one's neighbour; the result does not depend on which
-    steps lie beyond the window."""
-    se, dof = moderated_kl_se([0.1, 0.2, 0.3], [4, 4, 4])
-    assert se[0] == pytest.approx(0.16833, abs=1e-5) and se[2] == pytest.approx(0.26141, abs=1e-5)
-    assert dof[0] == pytest.approx(7.672, abs=1e-3)
-    v, f = _pooled_plain([0.04, 0.16, 0.36], [3, 3, 3])
-    assert np.allclose(se, np.sqrt(v / 4)) and np.allclose(dof, f)
-    se2, dof2 = moderated_kl_se([0.1, float("nan"), 0.2, 0.3], [4, 1, 4, 4])
-    assert np.isnan(se2[1]) and np.isnan(dof2[1]) and np.allclose(se2[[0, 2, 3]], se)
-    # groups of different sizes: pooled per group, each step's SE over its own groups
-    se3, _ = moderated_kl_se([0.1, 0.1], [4, 16])
-    u = np.array([4 * 0.01, 16 * 0.01])
-    assert se3 == pytest.approx(np.sqrt((u / 2 + u.mean() / 2) / np.array([4, 16])))
-    # equal variances keep the SE and add degrees of freedom: 3 / (a^2 + (m - 1) b^2) with m steps
-    # in the window, a = 1/2 + 1/(2m), b = 1/(2m): 8.4 with 3 on either side (m = 7)
-    se4, dof4 = moderated_kl_se([0.1] * 9, [4] * 9)
+    """Three steps of 4 prompt groups, estimates 1.0, 2.0, 1.5 with own SEs 0.1, 0.2, 0.3, each
+    resolved (above t_{.975,3} = 3.182 own SEs): relative variances per group u = 4 (SE / kl)^2 =
+    0.04, 0.04, 0.16, every step in every other's window (3 either side), their mean 0.08. Step 0:
+    v = 0.04 / 2 + 0.08 / 2 = 0.06, SE = 1.0 sqrt(0.06 / 4) = 0.12247; its terms (2/3) 0.04, (1/6)
+    0.04, (1/6) 0.16 on 3 degrees of freedom each: 0.06^2 / ((0.02667^2 + 0.00667^2 + 0.02667^2) / 3)
+    = 7.364. Step 1: the same v, SE = 2.0 x 0.12247 = 0.24495. Step 2: v = 0.08 + 0.04 = 0.12, SE =
+    1.5 sqrt(0.03) = 0.25981. A step not resolved (0.1 with an SE of 0.1) keeps its own SE on 3
+    degrees of freedom and lends nothing; one of one group (no SE) has none."""
+    se, dof = moderated_kl_se([1.0, 2.0, 1.5], [0.1, 0.2, 0.3], [4, 4, 4])
+    assert se == pytest.approx([0.12247, 0.24495, 0.25981], abs=1e-5)
+    assert dof[0] == pytest.approx(7.364, abs=1e-3)
+    v, f = _pooled_plain([0.04, 0.04, 0.16], [3, 3, 3])
+    assert np.allclose(se, np.array([1.0, 2.0, 1.5]) * np.sqrt(v / 4)) and np.allclose(dof, f)
+    se2, dof2 = moderated_kl_se([1.0, 0.1, 2.0, 7.0, 1.5], [0.1, 0.1, 0.2, float("nan"), 0.3], [4, 4, 4, 1, 4])
+    assert se2[1] == 0.1 and dof2[1] == 3 and np.isnan(se2[3]) and np.isnan(dof2[3])
+    assert np.allclose(se2[[0, 2, 4]], se) and np.allclose(dof2[[0, 2, 4]], dof)
+    # equal relative variances keep each SE and add degrees of freedom: 3 / (a^2 + (m - 1) b^2) with m
+    # steps in the window, a = 1/2 + 1/(2m), b = 1/(2m): 8.4 with 3 on either side (m = 7)
+    se4, dof4 = moderated_kl_se([1.0] * 9, [0.1] * 9, [4] * 9)
     assert np.allclose(se4, 0.1) and dof4[4] == pytest.approx(8.4) and dof4[0] == pytest.approx(48 / 7)
     # the series' SE of StepMismatch values, by step
-    steps = {s: step_mismatch(s, np.array([0.1, 0.3, 0.2, 0.6]) * (s + 1), np.array([0, 0, 1, 1]), 2) for s in (3, 5, 9)}
+    steps = {s: step_mismatch(s, np.array([1.0, 1.2, 2.0, 2.6]) * (s + 1), np.array([0, 0, 1, 1]), 2) for s in (3, 5, 9)}
     got = series_se(steps)
-    want = moderated_kl_se([steps[s].kl_seq_se for s in (3, 5, 9)], [2, 2, 2])
+    want = moderated_kl_se([steps[s].kl_seq for s in (3, 5, 9)], [steps[s].kl_seq_se for s in (3, 5, 9)], [2, 2, 2])
     assert sorted(got) == [3, 5, 9] and [got[s][0] for s in (3, 5, 9)] == pytest.approx(want[0].tolist())
 
 
-def test_at_a_jump_the_variance_is_pooled_not_the_relative_variance():
+def _scaled(levels, spread, offsets=(-1.5, -0.5, 0.5, 1.5)):
+    """Per step, one rollout per prompt group whose gaps are ``level`` (1 + ``spread`` x offset):
+    group means known exactly, the relative SE the same at every step."""
+    codes = np.arange(len(offsets))
+    return {s: step_mismatch(s, lv * (1 + spread * np.array(offsets)), codes, len(offsets)) for s, lv in enumerate(levels)}
+
+
+def test_at_a_jump_the_matched_steps_lend_nothing():
     """A matched engine (gaps within 1e-4 of 0) for 10 steps, then one 0.5 nats a sequence off the
-    policy with a spread across groups of 0.3. Pooled as a variance, each step after the jump
-    within reach of the matched steps (3) borrows their small variance: its SE is less than the
-    mismatched steps alone would give it and, at the live edge (the onset step the last), between
-    sqrt(1/2 + 1/8) of its own and its own; the matched steps borrow the larger
-    variance after it. Pooled as D_t's relative variance (SE / estimate)^2, the onset step would
-    borrow the near-infinite relative variance of estimates at 0 and read an SE many times its
-    own: the finding would wait out the window."""
-    from reward_lens.measure.ledger.moderated import moderated_d_t_se
+    policy. The matched steps are not resolved: each keeps its own SE and lends nothing, so the
+    onset step pools only with the mismatched steps after it, and at the live edge (the onset the
+    last step) with none: its own SE. Pooled as a variance (the first version of the moderation),
+    the matched steps before the onset would have borrowed its large variance and the onset step
+    their small one."""
+    from reward_lens.measure.ledger.moderated import pooled_variances
 
     rng = np.random.default_rng(0)
     groups, per = 8, 4
@@ -206,14 +209,54 @@ def test_at_a_jump_the_variance_is_pooled_not_the_relative_variance():
     own = np.array([series[s].kl_seq_se for s in range(20)])
     whole = series_se(series)
     se = np.array([whole[s][0] for s in range(20)])
+    assert (se[:10] == own[:10]).all() and [whole[s][1] for s in range(10)] == [groups - 1] * 10
     after = series_se({s: series[s] for s in range(10, 20)})  # as if the run began at the jump
-    alone = np.array([after[s][0] for s in range(10, 20)])
-    assert (se[10:13] < alone[:3]).all() and np.allclose(se[13:], alone[3:])  # the onset's reach reads less
-    assert (se[7:10] > 10 * own[7:10]).all()  # the matched steps within reach borrow the larger
-    assert np.allclose(se[:7], own[:7], rtol=0.6)  # beyond reach, their own scale
+    assert np.allclose(se[10:], [after[s][0] for s in range(10, 20)])  # the matched steps lent nothing
     edge = series_se({s: series[s] for s in range(11)})  # the live tap at the onset step
-    assert own[10] * math.sqrt(0.5 + 1 / 8) <= edge[10][0] <= own[10]
-    assert edge[10][1] >= groups - 1  # degrees of freedom never fewer than the fewest pooled
-    kl = np.array([series[s].kl_seq for s in range(20)])
-    rel, _ = moderated_d_t_se(np.abs(kl), own, np.full(20, groups - 1.0), np.full(20, groups))
-    assert rel[10] > 20 * own[10]  # what the relative pooling would have stated
+    assert edge[10] == (own[10], groups - 1)
+    var, _ = pooled_variances(groups * own ** 2, np.full(20, groups - 1.0))
+    assert (np.sqrt(var[7:10] / groups) > 10 * own[7:10]).all() and np.sqrt(var[10] / groups) < own[10]
+
+
+def test_a_mismatch_that_changes_size_keeps_its_relative_se():
+    """A stale engine's mismatch shrinks as the policy slows: 20, 10, 5, 2.5, 1.25 nats a sequence,
+    its spread across groups a third of its size at every step. Equal relative variances pool to
+    themselves: each step keeps its own SE. Pooled as a variance, the last step would borrow the
+    first steps' spread, an SE over three times its own."""
+    from reward_lens.measure.ledger.moderated import pooled_variances
+
+    series = _scaled([20.0, 10.0, 5.0, 2.5, 1.25], spread=0.2)
+    own = np.array([series[s].kl_seq_se for s in range(5)])
+    got = series_se(series)
+    assert [got[s][0] for s in range(5)] == pytest.approx(own.tolist())
+    var, _ = pooled_variances(4 * own ** 2, np.full(5, 3.0))
+    assert np.sqrt(var[4] / 4) > 3 * own[4]
+
+
+def test_the_ledgers_refusal_reads_the_series_se():
+    """The paired ledger's ``sampler_mismatch`` (a pair refused where its engine departs from the
+    policy by more than a tenth of D_t beyond 2 SE) reads the series' SE: each pair's own moderated
+    across the run's pairs in step order by the same function, its own kept beside it. Worked on
+    three pairs of estimates 1.0, 2.0, 1.5 and own SEs 0.1, 0.2, 0.3 over 4 groups
+    (test_the_series_se_worked_by_hand: 0.12247, 0.24495, 0.25981), listed out of order; a pair
+    without an SE is no one's neighbour."""
+    from types import SimpleNamespace
+
+    from reward_lens.measure.ledger.paired import PairedLedger, _series_sampler_se
+
+    def pair(t, kl, se):
+        return SimpleNamespace(step_pair=(t - 1, t), n_groups=4, sampler_kl=kl, sampler_kl_se=se, sampler_kl_se_own=se,
+                               d_t=4.0, d_hat=4.0)
+
+    ledgers = [pair(3, 1.5, 0.3), pair(1, 1.0, 0.1), pair(4, 9.0, float("nan")), pair(2, 2.0, 0.2)]
+    _series_sampler_se(ledgers)
+    got = {lg.step_pair[1]: lg.sampler_kl_se for lg in ledgers}
+    assert [got[1], got[2], got[3]] == pytest.approx([0.12247, 0.24495, 0.25981], abs=1e-5) and math.isnan(got[4])
+    assert [lg.sampler_kl_se_own for lg in ledgers][:2] == [0.3, 0.1]
+    # the refusal at 2 SE: at D_t = 7.9 (the line 0.79) the pair's own SE refuses it (1.0 - 2 x 0.1 =
+    # 0.8 > 0.79), the series' keeps it (1.0 - 2 x 0.12247 = 0.755); at D_t = 7 (0.7) both refuse
+    first = ledgers[1]
+    first.d_t = 7.9
+    assert 1.0 - 2 * first.sampler_kl_se_own > 0.1 * first.d_t and not PairedLedger.sampler_mismatch.fget(first)
+    first.d_t = 7.0
+    assert PairedLedger.sampler_mismatch.fget(first)
