@@ -155,7 +155,7 @@ def moderated_kl_se(kl, se, groups) -> tuple[np.ndarray, np.ndarray]:
     A step not resolved keeps its own SE on G_s - 1 and lends nothing (module docstring: why). A
     step without a finite SE or with fewer than two groups has none (NaN out) and is no one's
     neighbour."""
-    from reward_lens.measure.ledger.moderated import t975
+    from scipy import special
 
     k, s, g = (np.asarray(x, dtype=np.float64) for x in (kl, se, groups))
     if not (k.shape == s.shape == g.shape) or k.ndim != 1:
@@ -163,7 +163,8 @@ def moderated_kl_se(kl, se, groups) -> tuple[np.ndarray, np.ndarray]:
     has = np.isfinite(s) & (s >= 0) & (g >= 2) & np.isfinite(k)
     out_se = np.where(has, s, np.nan)
     out_dof = np.where(has, g - 1.0, np.nan)
-    q = np.array([t975(f) if ok else np.inf for f, ok in zip((g - 1.0).tolist(), has.tolist())])
+    # each step's own t quantile, at once (the live tap re-reads the whole series at every step)
+    q = np.where(has, special.stdtrit(np.where(has, g - 1.0, 1.0), 0.975), np.inf)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         u = g * (s / k) ** 2  # beyond the float range it takes no part
     ok = np.flatnonzero(has & (k > q * s) & np.isfinite(u))
