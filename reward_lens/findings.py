@@ -637,7 +637,8 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     and a CUSUM adds such a stretch up. Simulated at the null's boundary (below; 1,500 runs of
     1,000 steps), on the pooled degrees of freedom the rules alarmed on 7.3 % of runs at 4 groups
     (the line one SD of a group mean above 0), over the bound; on the step's own, on none at 4 or
-    8 groups (the line two SDs above 0; each step's own SE, before issue 59: 0.9 % and 0.6 %).
+    8 groups (the line two SDs above 0) and 0.3 % at 4 (half an SD above 0); each step's own SE,
+    before issue 59: 0.9 % and 0.6 %.
     Reading the t on the fewer degrees of freedom is conservative: it gives up some of the
     pooling's power for the rules' stated bound. Two rules read the scores, and the finding
     holds where either does at the last step judged:

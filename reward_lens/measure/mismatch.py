@@ -29,7 +29,8 @@ labelled as what they are (``engine_mismatch``'s sources), never as this series.
 One computation, read by both: the paired ledger's premise check (``PREMISE_FAILED
 sampler_mismatch``, a step pair whose sampler departs from pi_{t+1} by more than
 ``SAMPLER_KL_MAX_SHARE`` of D_t) calls ``group_kl`` on its rows, so its number for the pair
-(t-1, t) is this series' per-sequence value at step t wherever the ledger kept every rollout.
+(t-1, t) is this series' per-sequence value at step t wherever the ledger kept every rollout, and
+its SE is moderated across the run's pairs by the series' own ``moderated_kl_se``.
 
 The series' SE, moderated across neighbouring steps (``series_se``; the one SE the finding, its
 evidence and the paired ledger's refusal read). A step's own SE (its sample's spread across prompt
@@ -59,7 +60,7 @@ with the resolved steps after it, and at the live edge, where it is the last, wi
 SE, as without the moderation: the finding is neither delayed nor advanced by the matched steps,
 and the onset it names is where the scores say. An engine whose mismatch is resolved at no step
 (bfloat16 here) keeps each step's own SE, which covers it (the coverage line below).
-tests/unit/test_mismatch.py checks the jump and a case worked by hand;
+tests/unit/test_mismatch.py checks the jump, a mismatch that changes size and a case worked by hand;
 tests/unit/test_engine_mismatch.py the rules' false alarms with this SE, at the null's boundary
 and across such a jump. The finding reads this SE with its t on the step's own groups less one,
 not on the pooled degrees of freedom its interval reads (``findings.engine_mismatch`` says why:

@@ -286,6 +286,9 @@ def test_the_false_alarm_rate_over_a_run_is_what_the_docs_state(groups):
     assert false_alarm_probability(5.0, 1000) + 999 * 0.00135 ** 2 < 0.012
     assert _boundary_runs(groups, 1500, 1000, transform=True) < 0.012 + 3 * 0.0028
     if groups == 4:
+        # the line half an SD of a group mean above 0: whether a step is resolved (and pools) is
+        # itself chance there, and the rate still holds
+        assert _boundary_runs(groups, 1500, 1000, transform=True, level=0.5) < 0.012 + 3 * 0.0028
         assert _boundary_runs(groups, 600, 1000, transform=True, pooled_dof=True, level=1.0) > 0.012 + 3 * 0.0044
         assert _boundary_runs(groups, 300, 1000, transform=False, moderate=False) > 0.5
 
