@@ -728,7 +728,7 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     peak = max(rows, key=lambda r: r[1].kl_seq / r[2])
     seen = {"steps": len(rows), "share": share, "critical": critical, "z": z, "persist": persist, "h": h, "k": K,
             "last_step": last[0], "kl_seq": last[1].kl_seq, "kl_seq_se": last[4], "kl_seq_se_own": last[1].kl_seq_se,
-            "kl_seq_dof": last[5], "d_t": last[2],
+            "kl_seq_dof": last[5] if last[5] == last[5] else None, "d_t": last[2],
             "ratio": last[1].kl_seq / last[2], "kl_token": last[1].kl_token, "max_log_ratio": last[1].max_log_ratio,
             "tail_share": last[1].tail_share, "peak_step": peak[0], "peak_ratio": peak[1].kl_seq / peak[2],
             "groups": last[1].groups, "score": float(warn_scores[-1]), "cusum": cusum, "cusum_critical": cusum_crit,

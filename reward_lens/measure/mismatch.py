@@ -59,7 +59,9 @@ setting) the matched steps before it are not resolved and lend nothing: the onse
 with the resolved steps after it, and at the live edge, where it is the last, with none -- its own
 SE, as without the moderation: the finding is neither delayed nor advanced by the matched steps,
 and the onset it names is where the scores say. An engine whose mismatch is resolved at no step
-(bfloat16 here) keeps each step's own SE, which covers it (the coverage line below).
+(bfloat16 here) keeps each step's own SE, which covers it (the coverage line below). A matched
+step resolved by chance (one in forty) lends a relative variance of at most G / t^2, the widest a
+resolved step can have.
 tests/unit/test_mismatch.py checks the jump, a mismatch that changes size and a case worked by hand;
 tests/unit/test_engine_mismatch.py the rules' false alarms with this SE, at the null's boundary
 and across such a jump. The finding reads this SE with its t on the step's own groups less one,
