@@ -36,7 +36,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from reward_lens.measure.sequential import final_stretch
-from reward_lens.measure.mismatch import logged_mismatch, logged_source, mismatch_of_table, run_logged_mismatch, run_mismatch
+from reward_lens.measure.mismatch import (logged_mismatch, logged_source, mismatch_of_table, run_logged_mismatch, run_mismatch,
+                                          series_se)
 from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats, watch_samples
 from reward_lens_spec import load_findings
 from reward_lens_spec.models import FindingSpec
@@ -625,11 +626,21 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     """The engine that sampled the rollouts departs from the policy the trainer scores them with
     by more than ``share`` of the update's own divergence. A step is judged where it has the
     mismatch (``measure.mismatch``: KL(pi_sampler || pi_t) along its rollouts, nats/seq), its SE
-    (two prompt groups or more) and a positive D_t. Its evidence at a level (``share`` or
-    ``critical`` x D_t) is one number: the excess KL - level x D_t over its SE (its own and level
-    times D_t's, combined), turned into a normal score through Student's t on the step's prompt
-    groups less one (``measure.sequential.normal_score``: at 4 groups a t of 3 is a tail of 2.9 %,
-    not the normal 0.13 %, and the score says which). Two rules read the scores, and the finding
+    (the series', ``measure.mismatch.series_se``: its own across two prompt groups or more,
+    moderated across its neighbouring steps) and a positive D_t. Its evidence at a level
+    (``share`` or ``critical`` x D_t) is one number: the excess KL - level x D_t over its SE (the
+    series' and level times D_t's, combined), turned into a normal score through Student's t on
+    the step's prompt groups less one (``measure.sequential.normal_score``: at 4 groups a t of 3 is
+    a tail of 2.9 %, not the normal 0.13 %, and the score says which). Not on the series' pooled
+    degrees of freedom, which its interval reads: neighbouring steps share their variance, so a
+    stretch whose pooled variance came out low inflates the scores of every step in it together,
+    and a CUSUM adds such a stretch up. Simulated at the null's boundary (below; 1,500 runs of
+    1,000 steps), on the pooled degrees of freedom the rules alarmed on 7.3 % of runs at 4 groups
+    (the line one SD of a group mean above 0), over the bound; on the step's own, on none at 4 or
+    8 groups (the line two SDs above 0) and 0.3 % at 4 (half an SD above 0); each step's own SE,
+    before issue 59: 0.9 % and 0.6 %.
+    Reading the t on the fewer degrees of freedom is conservative: it gives up some of the
+    pooling's power for the rules' stated bound. Two rules read the scores, and the finding
     holds where either does at the last step judged:
 
     * *one step at a time*: the score is at least ``z`` at each of the last ``persist`` steps;
@@ -650,7 +661,9 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     1.8e-6 per pair of steps, under 0.2 % over 1,000 steps; the CUSUM at h = 5 crosses within
     1,000 steps with probability 0.94 % (``false_alarm_probability``, Brook & Evans 1972); the
     union is under 1.2 % (tests/unit/test_engine_mismatch.py checks it by simulation at 4 and 8
-    groups). With no mismatch at all the scores sit far below zero and the rate is lower still."""
+    groups, on the series' SE as the check at every prefix reads it, and across a jump from a
+    matched engine to one at the line). With no mismatch at all the scores sit far below zero and
+    the rate is lower still."""
     from reward_lens.measure.ledger.paired import SAMPLER_KL_MAX_SHARE
     from reward_lens.measure.sequential import K, normal_scores
 
@@ -667,19 +680,25 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
         sev = e.get("severity") if e.get("severity") == "critical" else None
         return Outcome(e["holds"], e.get("onset"), e, judged=e["judged"], severity=sev)
     d_t, d_se = d.series("kl_to_previous"), d.series("kl_to_previous_se")
+    # the series' SE (measure.mismatch.series_se: each step's own moderated across its neighbours),
+    # over every step the series holds, judged or not
+    spread = series_se(d.mismatch)
     rows = []
     for s, m in sorted(d.mismatch.items()):
         dt = d_t.get(int(s))
-        if dt is None or not dt > 0 or not (m.kl_seq_se == m.kl_seq_se):
+        se_s, dof_s = spread[s]
+        if dt is None or not dt > 0 or not (se_s == se_s):
             continue
-        rows.append((int(s), m, dt, d_se.get(int(s), 0.0) or 0.0))
+        rows.append((int(s), m, dt, d_se.get(int(s), 0.0) or 0.0, se_s, dof_s))
     seen_steps = len(d.mismatch)
     if (short := _too_short(len(rows), min_steps, persist, "engine_mismatch")) is not None:
         return unjudged(**short.evidence, mismatch_steps=seen_steps, no_d_t=seen_steps > 0 and not rows)
     steps = np.array([r[0] for r in rows], dtype=np.int64)
     kl = np.array([r[1].kl_seq for r in rows])
-    kl_se = np.array([r[1].kl_seq_se for r in rows])
+    kl_se = np.array([r[4] for r in rows])
     dt_arr, dse_arr = np.array([r[2] for r in rows]), np.array([r[3] for r in rows])
+    # the score's t on the step's own groups less one, not the series' pooled degrees of freedom:
+    # neighbouring steps share their variance, so their scores are not independent (docstring)
     df = np.array([max(r[1].groups - 1, 1) for r in rows], dtype=float)
 
     def scores(level: float) -> np.ndarray:
@@ -708,7 +727,8 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     last = rows[-1]
     peak = max(rows, key=lambda r: r[1].kl_seq / r[2])
     seen = {"steps": len(rows), "share": share, "critical": critical, "z": z, "persist": persist, "h": h, "k": K,
-            "last_step": last[0], "kl_seq": last[1].kl_seq, "kl_seq_se": last[1].kl_seq_se, "d_t": last[2],
+            "last_step": last[0], "kl_seq": last[1].kl_seq, "kl_seq_se": last[4], "kl_seq_se_own": last[1].kl_seq_se,
+            "kl_seq_dof": last[5] if last[5] == last[5] else None, "d_t": last[2],
             "ratio": last[1].kl_seq / last[2], "kl_token": last[1].kl_token, "max_log_ratio": last[1].max_log_ratio,
             "tail_share": last[1].tail_share, "peak_step": peak[0], "peak_ratio": peak[1].kl_seq / peak[2],
             "groups": last[1].groups, "score": float(warn_scores[-1]), "cusum": cusum, "cusum_critical": cusum_crit,

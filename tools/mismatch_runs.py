@@ -379,13 +379,17 @@ def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
     ``REDRAWS`` steps are drawn, each fresh and independent of the others: ``GROUPS`` prompts drawn
     with replacement, ``GENERATIONS`` engine completions of each; each step gives the series'
     estimate (``measure.mismatch.step_mismatch``, on the gaps log pi_engine - log pi_t the tap
-    records) and its 95 % interval, t quantile on GROUPS - 1 degrees of freedom. (A first version
-    redrew the steps from a shared pool of 64 completions a prompt: its redraws centred on the
-    pool's mean, not the truth, and top-p read 44 %.) The stale engine needs a trained policy beside
-    it and is not in it."""
+    records). Its 95 % interval is the series' (``measure.mismatch.moderated_kl_se``, each step's
+    own SE moderated across its neighbours, t quantile on the degrees of freedom it returns), the
+    REDRAWS steps read in the order drawn as one run's consecutive steps; the step's own SE (t on
+    GROUPS - 1 degrees of freedom), the SE before issue 59's moderation, is measured beside it.
+    (A first version redrew the steps from a shared pool of 64 completions a prompt: its redraws
+    centred on the pool's mean, not the truth, and top-p read 44 %.) The stale engine needs a
+    trained policy beside it and is not in it."""
     from scipy import stats
 
-    from reward_lens.measure.mismatch import step_mismatch
+    from reward_lens.measure.ledger.moderated import t975
+    from reward_lens.measure.mismatch import moderated_kl_se, step_mismatch
 
     out = []
     for cause in causes:
@@ -421,8 +425,7 @@ def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
         exact_se = float(math.sqrt(np.sum(np.square(truth_se))) / len(truth_se))
         q = stats.t.ppf(0.975, GROUPS - 1)
         used = [0] * len(PROMPTS)
-        hit = 0
-        est, ses = [], []
+        est, ses, groups = [], [], []
         for row in picks:  # every completion is used once: the redraws are independent
             gap, tokens = [], []
             for p in row:
@@ -433,22 +436,29 @@ def coverage(causes=("bf16", "temperature", "top_p")) -> list[dict]:
                               np.concatenate(tokens))
             est.append(m.kl_seq)
             ses.append(m.kl_seq_se)
-            hit += abs(m.kl_seq - exact) <= q * m.kl_seq_se
+            groups.append(m.groups)
+        est_a, own = np.array(est), np.array(ses)
+        series, dof = moderated_kl_se(est_a, own, groups)  # the 200 steps as one run's, in the order drawn
+        half = np.array([t975(f) for f in dof]) * series
         out.append({"cause": cause, "exact_kl_seq": exact, "exact_kl_seq_se": exact_se, "redraws": REDRAWS,
-                    "groups": GROUPS, "per_group": GENERATIONS, "mean_estimate": float(np.mean(est)),
-                    "spread": float(np.std(est, ddof=1)), "mean_se": float(np.mean(ses)), "coverage": hit / REDRAWS})
+                    "groups": GROUPS, "per_group": GENERATIONS, "mean_estimate": float(est_a.mean()),
+                    "spread": float(np.std(est_a, ddof=1)), "mean_se": float(series.mean()),
+                    "median_dof": float(np.median(dof)), "coverage": float(np.mean(np.abs(est_a - exact) <= half)),
+                    "mean_se_own": float(own.mean()),
+                    "coverage_own": float(np.mean(np.abs(est_a - exact) <= q * own))})
         print(json.dumps(out[-1]), flush=True)
     return out
 
 
 def coverage_line(rows: list[dict]) -> str:
     """The coverage line the quote ends with, from bench/results/mismatch_coverage.json."""
-    parts = [f"{r['cause']} {100 * r['coverage']:.1f} % (exact {r['exact_kl_seq']:.3g} ± {r['exact_kl_seq_se']:.2g} "
-             f"nats/seq; estimates {r['mean_estimate']:.3g} on average, spread {r['spread']:.2g}, mean SE "
-             f"{r['mean_se']:.2g})" for r in rows]
+    parts = [f"{r['cause']} {100 * r['coverage']:.1f} % (step's own SE {100 * r['coverage_own']:.1f} %; exact "
+             f"{r['exact_kl_seq']:.3g} ± {r['exact_kl_seq_se']:.2g} nats/seq; estimates {r['mean_estimate']:.3g} on "
+             f"average, spread {r['spread']:.2g}, mean SE {r['mean_se']:.2g}, own {r['mean_se_own']:.2g})" for r in rows]
     n = rows[0]
-    return (f"the series' 95 % interval covers the exact KL(π_engine ‖ π_t) per sequence over {n['redraws']} redraws "
-            f"of {n['groups']} prompt groups × {n['per_group']}, each drawn fresh: " + "; ".join(parts))
+    return (f"the series' 95 % interval (its SE moderated across neighbouring steps) covers the exact "
+            f"KL(π_engine ‖ π_t) per sequence over {n['redraws']} redraws of {n['groups']} prompt groups × "
+            f"{n['per_group']}, each drawn fresh and read as one run's consecutive steps: " + "; ".join(parts))
 
 
 def main(argv=None) -> list[dict]:

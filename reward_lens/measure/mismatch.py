@@ -29,19 +29,63 @@ labelled as what they are (``engine_mismatch``'s sources), never as this series.
 One computation, read by both: the paired ledger's premise check (``PREMISE_FAILED
 sampler_mismatch``, a step pair whose sampler departs from pi_{t+1} by more than
 ``SAMPLER_KL_MAX_SHARE`` of D_t) calls ``group_kl`` on its rows, so its number for the pair
-(t-1, t) is this series' per-sequence value at step t wherever the ledger kept every rollout.
+(t-1, t) is this series' per-sequence value at step t wherever the ledger kept every rollout, and
+its SE is moderated across the run's pairs by the series' own ``moderated_kl_se``.
+
+The series' SE, moderated across neighbouring steps (``series_se``; the one SE the finding, its
+evidence and the paired ledger's refusal read). A step's own SE (its sample's spread across prompt
+groups, ``StepMismatch.kl_seq_se``) has the fault D_t's had (``ledger.moderated``'s docstring): where
+the per-sequence gap is nearly constant with a rare tail, the sample's spread is small exactly on
+the draws that missed the tail, which sit off the truth. The tail's shape is the engine's (its
+precision, its top-p, its lag), which moves little from one step to the next; whether a step's
+sample caught it is chance. So, as D_t's, each step's relative variance per prompt group,
+u_s = G_s (SE_s / kl_s)^2, is pooled with its neighbours' by ``ledger.moderated.pooled_variances``
+(the one pooling D_t's and eta's SEs use, with their window of 3 measured steps either side and own
+weight 1/2): SE_t = kl_t sqrt(v_t / G_t), on the Welch-Satterthwaite degrees of freedom it returns
+(a step's own: its groups less one). Only steps whose mismatch is resolved take part: those whose
+own 95 % interval lies above 0 (kl_s > t_{.975, G-1} SE_s). A step not resolved keeps its own SE
+and lends nothing.
+
+Why relative, and why only where resolved. The spread of a k1 estimate grows with the mismatch:
+on the benchmark's stale engine the estimate fell from 22 to 4 nats a sequence within three steps
+of its onset while its relative SE stayed between 0.23 and 0.37 (``tools/mismatch_runs.py``, seed
+22). Pooled as variance, the later steps borrowed the early steps' variance, several times theirs,
+and the finding lost that run (named at the last step with each step's own SE; clear with the
+variance pooled: the first version of this moderation, measured and dropped). But a relative
+variance is unbounded where the estimate is near 0 -- a matched engine, whose k1 estimate sits at
+0, or a bfloat16 engine's 0.0015 nats under a spread of 0.007 -- so those steps cannot lend one. At
+the jump a real run shows (the engine departs at an onset step: stale weights, a changed sampling
+setting) the matched steps before it are not resolved and lend nothing: the onset step pools only
+with the resolved steps after it, and at the live edge, where it is the last, with none -- its own
+SE, as without the moderation: the finding is neither delayed nor advanced by the matched steps,
+and the onset it names is where the scores say. An engine whose mismatch is resolved at no step
+(bfloat16 here) keeps each step's own SE, which covers it (the coverage line below). A matched
+step resolved by chance (one in forty) lends a relative variance of at most G / t^2, the widest a
+resolved step can have.
+tests/unit/test_mismatch.py checks the jump, a mismatch that changes size and a case worked by hand;
+tests/unit/test_engine_mismatch.py the rules' false alarms with this SE, at the null's boundary
+and across such a jump. The finding reads this SE with its t on the step's own groups less one,
+not on the pooled degrees of freedom its interval reads (``findings.engine_mismatch`` says why:
+neighbouring steps share their variance, and a CUSUM adds up a stretch whose pooled variance came
+out low). A step with one prompt group (no SE of its own) has no SE and is no one's neighbour.
 
 Checked against the truth (tests/unit/test_mismatch.py): a tabular autoregressive policy (next
 token from the previous one, per prompt), so KL(pi_sampler || pi_t) is exact by dynamic
 programming; sampled by its bfloat16 cast (exact KL 8.7e-6 nats/seq), a temperature of 1.3
 (0.091) and top-p 0.9 the scorer does not apply (0.197), 8 prompt groups x 8 completions redrawn
-400 times, the 95 % interval (t quantile, 7 dof) covered the exact per-sequence KL 94.8 %, 93.5 %,
-96.5 % of the time, and the per-token one 94.8 %, 92.8 %, 94.8 %. On the benchmark's own policy and
-stand-in engine (``tools/mismatch_runs.py --coverage``: the truth the full-vocabulary token KL along
-fresh engine samples, 200 fresh steps of 8 groups x 8; docs/science.md quotes the line) bfloat16 and
-temperature cover at their rate and top-p 0.9 at 74 %: there the per-sequence KL is nearly the same
-for every completion that runs to the length cap and lower on the rare early-ending ones, and a
-step that draws none of those has too small an SE.
+400 times, the step's own 95 % interval (t quantile, 7 dof) covered the exact per-sequence KL
+94.8 %, 93.5 %, 96.5 % of the time, and the per-token one 94.8 %, 92.8 %, 94.8 %. On the
+benchmark's own policy and stand-in engine (``tools/mismatch_runs.py --coverage``: the truth the
+full-vocabulary token KL along fresh engine samples, 200 fresh steps of 8 groups x 8;
+docs/science.md quotes the line) the step's own SE covered bfloat16 and temperature at their rate
+and top-p 0.9 at 74 %: there the per-sequence KL is nearly the same for every completion that runs
+to the length cap and lower on the rare early-ending ones, and a step that draws none of those
+has too small an SE. The series' SE (the 200 steps read as one run's consecutive steps, t on its
+pooled degrees of freedom) covers bfloat16 93.5 % (resolved at few steps: mostly its own SE),
+temperature 96.5 %, top-p 97.0 %, the step's own beside it 93.5 %, 96.0 %, 74.0 %
+(bench/results/mismatch_coverage.json; a first version pooling the variance itself, run once
+too, read 94.5 %, 96.0 %, 97.0 % and was dropped for the stale run it lost, above); on the
+tabular check it covers all three within the same band as the own.
 """
 
 from __future__ import annotations
@@ -52,6 +96,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from reward_lens.measure.ledger.moderated import pooled_variances
 from reward_lens.measure.sequential import final_stretch
 
 # The tail's probability ratio: a sequence the sampler gives more than 3x, or less than a third,
@@ -68,7 +113,7 @@ class StepMismatch:
 
     step: int
     kl_seq: float  # nats/seq: mean over groups of the mean gap log pi_sampler - log pi_t
-    kl_seq_se: float  # its SE across groups (NaN with one group)
+    kl_seq_se: float  # its own sample's SE across groups (NaN with one group); the series' SE is series_se's
     kl_token: float | None  # nats/token: sum of gaps / sum of tokens (None without token counts)
     kl_token_se: float | None
     max_log_ratio: float  # the largest |gap| of one sequence, nats
@@ -101,6 +146,46 @@ def group_kl(gap: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[float, 
     means = np.bincount(codes[ok], weights=gap[ok], minlength=n_groups)[present] / count[present]
     se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else float("nan")
     return float(means.mean()), se
+
+
+def moderated_kl_se(kl, se, groups) -> tuple[np.ndarray, np.ndarray]:
+    """The series' SEs of the per-sequence mismatch and their degrees of freedom, for a run's steps
+    in step order: ``kl`` each step's estimate, ``se`` its own SE (``group_kl``'s, across its prompt
+    groups) and ``groups`` the groups it was measured on. A step whose own 95 % interval lies above
+    0 (kl > t_{.975, G-1} SE: the mismatch resolved) has its relative variance per prompt group,
+    G_s (SE_s / kl_s)^2, pooled with its resolved neighbours' (``pooled_variances``, its own degrees
+    of freedom G_s - 1): SE_t = kl_t sqrt(v_t / G_t), on the Welch-Satterthwaite degrees of freedom.
+    A step not resolved keeps its own SE on G_s - 1 and lends nothing (module docstring: why). A
+    step without a finite SE or with fewer than two groups has none (NaN out) and is no one's
+    neighbour."""
+    from scipy import special
+
+    k, s, g = (np.asarray(x, dtype=np.float64) for x in (kl, se, groups))
+    if not (k.shape == s.shape == g.shape) or k.ndim != 1:
+        raise ValueError(f"kl, se and groups must be 1-d of one length, not {k.shape}, {s.shape}, {g.shape}")
+    has = np.isfinite(s) & (s >= 0) & (g >= 2) & np.isfinite(k)
+    out_se = np.where(has, s, np.nan)
+    out_dof = np.where(has, g - 1.0, np.nan)
+    # each step's own t quantile, at once (the live tap re-reads the whole series at every step)
+    q = np.where(has, special.stdtrit(np.where(has, g - 1.0, 1.0), 0.975), np.inf)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        u = g * (s / k) ** 2  # beyond the float range it takes no part
+    ok = np.flatnonzero(has & (k > q * s) & np.isfinite(u))
+    if len(ok):
+        var, out_dof[ok] = pooled_variances(u[ok], g[ok] - 1.0)
+        out_se[ok] = k[ok] * np.sqrt(var / g[ok])
+    return out_se, out_dof
+
+
+def series_se(series: Mapping[int, StepMismatch]) -> dict[int, tuple[float, float]]:
+    """Step -> (SE, degrees of freedom) of ``kl_seq``: the series' SE, ``moderated_kl_se`` over the
+    steps of ``series`` in step order (the one SE the finding and its evidence read). It depends on
+    which steps the series holds: at a prefix of a run (the live tap's view) the last steps have
+    neighbours on one side only."""
+    steps = sorted(series)
+    se, dof = moderated_kl_se([series[s].kl_seq for s in steps], [series[s].kl_seq_se for s in steps],
+                              [series[s].groups for s in steps])
+    return {s: (a, b) for s, a, b in zip(steps, se.tolist(), dof.tolist())}
 
 
 def step_mismatch(step: int, gap: np.ndarray, codes: np.ndarray, n_groups: int,
@@ -386,4 +471,5 @@ def logged_mismatch(series: Mapping[int, LoggedMismatch], d_t: Mapping[int, floa
 
 
 __all__ = ["LOGGED_FIELDS", "LoggedMismatch", "TAIL_RATIO", "StepMismatch", "group_kl", "logged_mismatch", "logged_series", "logged_source", "logged_step",
-           "mismatch_of_table", "mismatch_series", "run_logged_mismatch", "run_mismatch", "step_mismatch"]
+           "mismatch_of_table", "mismatch_series", "moderated_kl_se", "run_logged_mismatch", "run_mismatch", "series_se",
+           "step_mismatch"]

@@ -44,7 +44,9 @@ def test_holds_from_its_onset_at_warn_and_names_the_number_and_the_switches():
 
 def test_one_step_over_the_line_is_not_a_finding():
     f = _judge([0.0] * 9 + [0.06])  # persist = 2: the last step alone
-    assert f.status == "clear"
+    # 24 series' SEs over the line, a t its own 7 degrees of freedom read as a normal score of 5.4:
+    # the CUSUM at 4.4, under h = 5 (a score past h + k = 6 would carry the pooled rule alone)
+    assert f.status == "clear" and f.values["cusum"] < 5.0, f.values
 
 
 def test_critical_once_the_mismatch_is_the_size_of_the_updates():
@@ -170,10 +172,11 @@ def _exact_groups(kl: list[float], offsets=(-0.3, -0.1, 0.1, 0.3)) -> dict:
 
 def test_a_persistent_mismatch_no_step_resolves_is_found_by_the_pooled_rule():
     """Worked by hand: 4 group means 0.4 -/+ 0.1, 0.3 against D_t = 1: the excess over a tenth of
-    D_t is 0.3, its SE sd(-0.3, -0.1, 0.1, 0.3)/2 = 0.1291, t = 2.324 on 3 degrees of freedom, a
-    one-sided tail of 5.1 %: a normal score of 1.63, under 3 at every step (the old rule, 0.4 less
-    3 SE, is 0.013: under 0.1 too). Pooled, each step adds 1.63 - 1 to the CUSUM: 5 is passed at
-    the 8th step (index 7), and the onset is the first step of the excursion, the mismatch's own."""
+    D_t is 0.3, its SE sd(-0.3, -0.1, 0.1, 0.3)/2 = 0.1291 (the step's own, and the series' too:
+    pooling equal variances keeps them), t = 2.324 on 3 degrees of freedom, a one-sided tail of
+    5.1 %: a normal score of 1.63, under 3 at every step (the old rule, 0.4 less 3 SE, is 0.013:
+    under 0.1 too). Pooled, each step adds 1.63 - 1 to the CUSUM: 5 is passed at the 8th step
+    (index 7), and the onset is the first step of the excursion, the mismatch's own."""
     from scipy import stats
 
     se = np.std([-0.3, -0.1, 0.1, 0.3], ddof=1) / 2
@@ -186,6 +189,7 @@ def test_a_persistent_mismatch_no_step_resolves_is_found_by_the_pooled_rule():
     for end in (2, 6, 9, 5 + first - 1, 5 + first, len(kl)):
         data = FindingData({"kl_to_previous": {s: 1.0 for s in range(end)}}, mismatch=_exact_groups(kl[:end]))
         f = evaluate_one(SPEC, data, [])
+        assert f.values["kl_seq_se"] == pytest.approx(se)
         if end < 5 + first:
             assert f.status == "clear", (end, f.values)
         else:
@@ -211,26 +215,58 @@ def test_a_clean_stream_stays_quiet_at_every_prefix():
     assert all(s == "clear" and c == 0.0 for s, c in live), live
 
 
-def _boundary_runs(groups: int, runs: int, steps: int, transform: bool, seed: int = 0) -> float:
-    """Share of simulated runs on which the rule alarms at some step, the true mismatch exactly a
-    tenth of D_t (the worst case of the null): per step, ``groups`` normal group means, the
-    t-statistic of their excess, scored through Student's t (``transform``) or read as a normal
-    score as it stands; written out here, not read from the package."""
-    from scipy import special
+def _boundary_runs(groups: int, runs: int, steps: int, transform: bool, seed: int = 0, moderate: bool = True,
+                   pooled_dof: bool = False, level: float = 2.0, jump: int | None = None) -> float:
+    """Share of simulated runs on which the rule alarms at some step, checked at every step, the
+    true mismatch exactly a tenth of D_t (the worst case of the null), ``level`` SDs of a group mean
+    above 0: per step, ``groups`` normal group means, the t-statistic of their excess on the
+    series' SE (``moderate``: a step whose own 95 % interval lies above 0 has its relative variance
+    G (SE / kl)^2 half its own and half the mean over the resolved steps within 3 of it, within the
+    prefix the check sees, and SE = kl sqrt(v / G); a step not resolved, and every step without
+    ``moderate``, its own), scored through Student's t on groups - 1 degrees of freedom
+    (``transform``; ``pooled_dof``: on the pooled SE's Welch-Satterthwaite ones) or read as a normal
+    score as it stands. ``jump``: before that step the engine matches the policy (the mismatch 0,
+    its spread a hundredth), the mismatch jumping to the line there. Written out here, not read
+    from the package."""
+    from scipy import special, stats
 
     rng = np.random.default_rng(seed)
-    c = np.zeros(runs)
-    prev_over = np.zeros(runs, dtype=bool)
+    f = groups - 1.0
+    q = stats.t.ppf(0.975, f)
+    kl, u = np.zeros((steps, runs)), np.zeros((steps, runs))  # each step's estimate, variance per group
+    c_final = np.zeros(runs)  # the CUSUM over the steps whose window the prefix already holds whole
     alarmed = np.zeros(runs, dtype=bool)
-    for _ in range(steps):
-        x = rng.normal(size=(runs, groups))
-        t = x.mean(1) / (x.std(1, ddof=1) / np.sqrt(groups))
+
+    def score(j: int, k: int) -> np.ndarray:  # step j's normal score as the check at the end of step k reads it
+        v, dof = u[j] / groups, np.full(runs, f)
+        if moderate:
+            res = {i: kl[i] > q * np.sqrt(u[i] / groups) for i in range(max(0, j - 3), min(k, j + 3) + 1)}
+            rel = {i: u[i] / kl[i] ** 2 for i in res}
+            m = sum(r.astype(float) for r in res.values())  # resolved steps in the window, j among them where it is
+            with np.errstate(divide="ignore", invalid="ignore"):
+                coef = {i: np.where(res[i], 0.5 / m + (0.5 if i == j else 0.0), 0.0) for i in res}
+                pooled = sum(coef[i] * rel[i] for i in res)
+                wsd = pooled ** 2 / sum((coef[i] * rel[i]) ** 2 / f for i in res)
+            v = np.where(res[j], kl[j] ** 2 * pooled / groups, v)
+            if pooled_dof:
+                dof = np.where(res[j], wsd, dof)
+        t = (kl[j] - level) / np.sqrt(v)
         # the normal score of t's upper tail: ndtri(1 - tail) = -ndtri(tail), tail = stdtr(df, -t)
-        u = np.clip(-special.ndtri(special.stdtr(groups - 1, -t)), -8.0, 8.0) if transform else np.clip(t, -8.0, 8.0)
-        over = u >= 3.0
-        c = np.maximum(0.0, c + u - 1.0)
-        alarmed |= (over & prev_over) | (c >= 5.0)
-        prev_over = over
+        return np.clip(-special.ndtri(special.stdtr(dof, -t)), -8.0, 8.0) if transform else np.clip(t, -8.0, 8.0)
+
+    for k in range(steps):
+        x = rng.normal(size=(runs, groups))
+        x = 0.01 * x if jump is not None and k < jump else level + x
+        kl[k], u[k] = x.mean(1), x.var(1, ddof=1)
+        if k >= 3:  # step k - 3's window is whole from here on
+            c_final = np.maximum(0.0, c_final + score(k - 3, k) - 1.0)
+        c = c_final
+        last = {}
+        for j in range(max(0, k - 2), k + 1):
+            last[j] = score(j, k)
+            c = np.maximum(0.0, c + last[j] - 1.0)
+        over = (last[k] >= 3.0) & (last[k - 1] >= 3.0) if k >= 1 else np.zeros(runs, dtype=bool)
+        alarmed |= over | (c >= 5.0)
     return float(alarmed.mean())
 
 
@@ -238,15 +274,33 @@ def _boundary_runs(groups: int, runs: int, steps: int, transform: bool, seed: in
 def test_the_false_alarm_rate_over_a_run_is_what_the_docs_state(groups):
     """At the boundary of the null, over 1,000 steps checked at every step, the two rules together
     alarm on under 1.2 % of runs (docs/findings.md; the CUSUM's 0.94 % by Brook & Evans, the pair
-    rule's 0.2 % by a union bound): 1,500 simulated runs, a binomial SE of 0.28 %, so the bound is
-    1.2 % + 3 SE. Without the t-to-normal scores, at 4 groups a t of 3 is a tail of 2.9 % and the
-    same rules alarm on most runs: the transform is what holds the rate."""
+    rule's 0.2 % by a union bound), each step's SE the series' (moderated across its neighbours)
+    and its t read on the step's groups less one: 1,500 simulated runs, a binomial SE of 0.28 %, so
+    the bound is 1.2 % + 3 SE. Read on the series' pooled degrees of freedom the same scores alarm
+    over the bound (neighbouring steps share their variance: the engine_mismatch docstring), which
+    is why the finding does not. Without the t-to-normal scores, on each step's own SE (the first
+    version of the finding), at 4 groups a t of 3 is a tail of 2.9 % and the same rules alarm on
+    most runs: the transform is what holds the rate."""
     from reward_lens.measure.sequential import false_alarm_probability
 
     assert false_alarm_probability(5.0, 1000) + 999 * 0.00135 ** 2 < 0.012
     assert _boundary_runs(groups, 1500, 1000, transform=True) < 0.012 + 3 * 0.0028
     if groups == 4:
-        assert _boundary_runs(groups, 300, 1000, transform=False) > 0.5
+        # the line half an SD of a group mean above 0: whether a step is resolved (and pools) is
+        # itself chance there, and the rate still holds
+        assert _boundary_runs(groups, 1500, 1000, transform=True, level=0.5) < 0.012 + 3 * 0.0028
+        assert _boundary_runs(groups, 600, 1000, transform=True, pooled_dof=True, level=1.0) > 0.012 + 3 * 0.0044
+        assert _boundary_runs(groups, 300, 1000, transform=False, moderate=False) > 0.5
+
+
+def test_a_jump_to_the_line_raises_no_false_alarm_beyond_the_bound():
+    """A matched engine for 20 steps, then a mismatch exactly at the line for 200 more, at 4 groups:
+    the three steps after the jump borrow the matched steps' small variance (their SE as low as 0.79
+    of their own: ``measure.mismatch``'s docstring), and the rules must still alarm on no more runs
+    than the bound over a run (1.2 %; 2,000 runs, a binomial SE of 0.24 %). The same runs without
+    the jump, for the difference it makes."""
+    with_jump = _boundary_runs(4, 2000, 220, transform=True, seed=3, jump=20)
+    assert with_jump < 0.012 + 3 * 0.0024, with_jump
 
 
 def test_the_science_page_quotes_the_coverage_line_as_its_script_prints_it():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from scipy import stats
 
-from reward_lens.measure.mismatch import TAIL_RATIO, group_kl, step_mismatch
+from reward_lens.measure.mismatch import TAIL_RATIO, group_kl, moderated_kl_se, series_se, step_mismatch
 
 V, L, P = 6, 5, 16  # vocabulary (token 0 is EOS), longest completion, prompts in the pool
 EOS = 0
@@ -101,17 +101,24 @@ def test_the_series_interval_covers_the_exact_kl(cause):
     t = stats.t.ppf(0.975, groups - 1)
     hit_seq = hit_tok = 0
     redraws = 400
-    for _ in range(redraws):
+    series = {}
+    for k in range(redraws):
         prompts = rng.integers(0, P, size=groups)
         rows = np.repeat(prompts, per)
         gap, tokens = _draw(rng, ls, lp, rows)
-        m = step_mismatch(0, gap, np.repeat(np.arange(groups), per), groups, tokens)
+        m = step_mismatch(k, gap, np.repeat(np.arange(groups), per), groups, tokens)
+        series[k] = m
         hit_seq += abs(m.kl_seq - truth_seq) <= t * m.kl_seq_se
         hit_tok += abs(m.kl_token - truth_tok) <= t * m.kl_token_se
     assert truth_seq > 0
     # 400 redraws: a binomial SE of 1.1 % at 95 %; the band is 3.5 of them below and 3 above
     assert 0.91 <= hit_seq / redraws <= 0.985, (cause, hit_seq / redraws)
     assert 0.91 <= hit_tok / redraws <= 0.985, (cause, hit_tok / redraws)
+    # the series' SE (each step's own moderated across its neighbours: the redraws read as one
+    # run's steps) covers at the same rate
+    spread = series_se(series)
+    hit = sum(abs(series[k].kl_seq - truth_seq) <= stats.t.ppf(0.975, spread[k][1]) * spread[k][0] for k in series)
+    assert 0.91 <= hit / redraws <= 0.985, (cause, hit / redraws)
 
 
 def test_the_estimator_is_the_plain_definition_and_its_tail():
@@ -128,3 +135,128 @@ def test_the_estimator_is_the_plain_definition_and_its_tail():
     m2 = step_mismatch(4, np.r_[gap, np.nan], np.r_[codes, 2], 3, np.r_[tokens, 9])
     assert m2.n == 6 and m2.kl_seq == m.kl_seq
     assert step_mismatch(4, np.array([np.nan]), np.array([0]), 1) is None
+
+
+# ------------------------------------------------------------------ the series' SE (issue 59)
+def _pooled_plain(u, f, window=3, own=0.5):
+    """The moderation written out: each step's variance is ``own`` of its own and 1 - ``own`` of
+    the mean over the steps within ``window`` of it (itself among them); Welch-Satterthwaite's
+    degrees of freedom over the terms."""
+    n = len(u)
+    v, dof = [], []
+    for j in range(n):
+        idx = list(range(max(0, j - window), min(n, j + window + 1)))
+        coef = {i: (1 - own) / len(idx) for i in idx}
+        coef[j] += own
+        total = sum(coef[i] * u[i] for i in idx)
+        v.append(total)
+        dof.append(total * total / sum((coef[i] * u[i]) ** 2 / f[i] for i in idx))
+    return np.array(v), np.array(dof)
+
+
+def test_the_series_se_worked_by_hand():
+    """Three steps of 4 prompt groups, estimates 1.0, 2.0, 1.5 with own SEs 0.1, 0.2, 0.3, each
+    resolved (above t_{.975,3} = 3.182 own SEs): relative variances per group u = 4 (SE / kl)^2 =
+    0.04, 0.04, 0.16, every step in every other's window (3 either side), their mean 0.08. Step 0:
+    v = 0.04 / 2 + 0.08 / 2 = 0.06, SE = 1.0 sqrt(0.06 / 4) = 0.12247; its terms (2/3) 0.04, (1/6)
+    0.04, (1/6) 0.16 on 3 degrees of freedom each: 0.06^2 / ((0.02667^2 + 0.00667^2 + 0.02667^2) / 3)
+    = 7.364. Step 1: the same v, SE = 2.0 x 0.12247 = 0.24495. Step 2: v = 0.08 + 0.04 = 0.12, SE =
+    1.5 sqrt(0.03) = 0.25981. A step not resolved (0.1 with an SE of 0.1) keeps its own SE on 3
+    degrees of freedom and lends nothing; one of one group (no SE) has none."""
+    se, dof = moderated_kl_se([1.0, 2.0, 1.5], [0.1, 0.2, 0.3], [4, 4, 4])
+    assert se == pytest.approx([0.12247, 0.24495, 0.25981], abs=1e-5)
+    assert dof[0] == pytest.approx(7.364, abs=1e-3)
+    v, f = _pooled_plain([0.04, 0.04, 0.16], [3, 3, 3])
+    assert np.allclose(se, np.array([1.0, 2.0, 1.5]) * np.sqrt(v / 4)) and np.allclose(dof, f)
+    se2, dof2 = moderated_kl_se([1.0, 0.1, 2.0, 7.0, 1.5], [0.1, 0.1, 0.2, float("nan"), 0.3], [4, 4, 4, 1, 4])
+    assert se2[1] == 0.1 and dof2[1] == 3 and np.isnan(se2[3]) and np.isnan(dof2[3])
+    assert np.allclose(se2[[0, 2, 4]], se) and np.allclose(dof2[[0, 2, 4]], dof)
+    # equal relative variances keep each SE and add degrees of freedom: 3 / (a^2 + (m - 1) b^2) with m
+    # steps in the window, a = 1/2 + 1/(2m), b = 1/(2m): 8.4 with 3 on either side (m = 7)
+    se4, dof4 = moderated_kl_se([1.0] * 9, [0.1] * 9, [4] * 9)
+    assert np.allclose(se4, 0.1) and dof4[4] == pytest.approx(8.4) and dof4[0] == pytest.approx(48 / 7)
+    # the series' SE of StepMismatch values, by step
+    steps = {s: step_mismatch(s, np.array([1.0, 1.2, 2.0, 2.6]) * (s + 1), np.array([0, 0, 1, 1]), 2) for s in (3, 5, 9)}
+    got = series_se(steps)
+    want = moderated_kl_se([steps[s].kl_seq for s in (3, 5, 9)], [steps[s].kl_seq_se for s in (3, 5, 9)], [2, 2, 2])
+    assert sorted(got) == [3, 5, 9] and [got[s][0] for s in (3, 5, 9)] == pytest.approx(want[0].tolist())
+
+
+def _scaled(levels, spread, offsets=(-1.5, -0.5, 0.5, 1.5)):
+    """Per step, one rollout per prompt group whose gaps are ``level`` (1 + ``spread`` x offset):
+    group means known exactly, the relative SE the same at every step."""
+    codes = np.arange(len(offsets))
+    return {s: step_mismatch(s, lv * (1 + spread * np.array(offsets)), codes, len(offsets)) for s, lv in enumerate(levels)}
+
+
+def test_at_a_jump_the_matched_steps_lend_nothing():
+    """A matched engine (gaps within 1e-4 of 0) for 10 steps, then one 0.5 nats a sequence off the
+    policy. The matched steps are not resolved: each keeps its own SE and lends nothing, so the
+    onset step pools only with the mismatched steps after it, and at the live edge (the onset the
+    last step) with none: its own SE. Pooled as a variance (the first version of the moderation),
+    the matched steps before the onset would have borrowed its large variance and the onset step
+    their small one."""
+    from reward_lens.measure.ledger.moderated import pooled_variances
+
+    rng = np.random.default_rng(0)
+    groups, per = 8, 4
+    codes = np.repeat(np.arange(groups), per)
+    series = {}
+    for s in range(20):
+        level, sd = (0.5, 0.3) if s >= 10 else (0.0, 1e-4)
+        gap = level + rng.normal(0.0, sd, size=groups)[codes] + rng.normal(0.0, sd / 3, size=len(codes))
+        series[s] = step_mismatch(s, gap, codes, groups)
+    own = np.array([series[s].kl_seq_se for s in range(20)])
+    whole = series_se(series)
+    se = np.array([whole[s][0] for s in range(20)])
+    assert (se[:10] == own[:10]).all() and [whole[s][1] for s in range(10)] == [groups - 1] * 10
+    after = series_se({s: series[s] for s in range(10, 20)})  # as if the run began at the jump
+    assert np.allclose(se[10:], [after[s][0] for s in range(10, 20)])  # the matched steps lent nothing
+    edge = series_se({s: series[s] for s in range(11)})  # the live tap at the onset step
+    assert edge[10] == (own[10], groups - 1)
+    var, _ = pooled_variances(groups * own ** 2, np.full(20, groups - 1.0))
+    assert (np.sqrt(var[7:10] / groups) > 10 * own[7:10]).all() and np.sqrt(var[10] / groups) < own[10]
+
+
+def test_a_mismatch_that_changes_size_keeps_its_relative_se():
+    """A stale engine's mismatch shrinks as the policy slows: 20, 10, 5, 2.5, 1.25 nats a sequence,
+    its spread across groups a third of its size at every step. Equal relative variances pool to
+    themselves: each step keeps its own SE. Pooled as a variance, the last step would borrow the
+    first steps' spread, an SE over three times its own."""
+    from reward_lens.measure.ledger.moderated import pooled_variances
+
+    series = _scaled([20.0, 10.0, 5.0, 2.5, 1.25], spread=0.2)
+    own = np.array([series[s].kl_seq_se for s in range(5)])
+    got = series_se(series)
+    assert [got[s][0] for s in range(5)] == pytest.approx(own.tolist())
+    var, _ = pooled_variances(4 * own ** 2, np.full(5, 3.0))
+    assert np.sqrt(var[4] / 4) > 3 * own[4]
+
+
+def test_the_ledgers_refusal_reads_the_series_se():
+    """The paired ledger's ``sampler_mismatch`` (a pair refused where its engine departs from the
+    policy by more than a tenth of D_t beyond 2 SE) reads the series' SE: each pair's own moderated
+    across the run's pairs in step order by the same function, its own kept beside it. Worked on
+    three pairs of estimates 1.0, 2.0, 1.5 and own SEs 0.1, 0.2, 0.3 over 4 groups
+    (test_the_series_se_worked_by_hand: 0.12247, 0.24495, 0.25981), listed out of order; a pair
+    without an SE is no one's neighbour."""
+    from types import SimpleNamespace
+
+    from reward_lens.measure.ledger.paired import PairedLedger, _series_sampler_se
+
+    def pair(t, kl, se):
+        return SimpleNamespace(step_pair=(t - 1, t), n_groups=4, sampler_kl=kl, sampler_kl_se=se, sampler_kl_se_own=se,
+                               d_t=4.0, d_hat=4.0)
+
+    ledgers = [pair(3, 1.5, 0.3), pair(1, 1.0, 0.1), pair(4, 9.0, float("nan")), pair(2, 2.0, 0.2)]
+    _series_sampler_se(ledgers)
+    got = {lg.step_pair[1]: lg.sampler_kl_se for lg in ledgers}
+    assert [got[1], got[2], got[3]] == pytest.approx([0.12247, 0.24495, 0.25981], abs=1e-5) and math.isnan(got[4])
+    assert [lg.sampler_kl_se_own for lg in ledgers][:2] == [0.3, 0.1]
+    # the refusal at 2 SE: at D_t = 7.9 (the line 0.79) the pair's own SE refuses it (1.0 - 2 x 0.1 =
+    # 0.8 > 0.79), the series' keeps it (1.0 - 2 x 0.12247 = 0.755); at D_t = 7 (0.7) both refuse
+    first = ledgers[1]
+    first.d_t = 7.9
+    assert 1.0 - 2 * first.sampler_kl_se_own > 0.1 * first.d_t and not PairedLedger.sampler_mismatch.fget(first)
+    first.d_t = 7.0
+    assert PairedLedger.sampler_mismatch.fget(first)

@@ -83,7 +83,7 @@ from functools import cached_property
 
 import numpy as np
 
-from reward_lens.measure.mismatch import group_kl
+from reward_lens.measure.mismatch import group_kl, moderated_kl_se
 from reward_lens.measure.ledger.price import (Ledger, LedgerArrays, LedgerBlock, StepSample, blocks, group_codes,
                                               in_threads, sample_codes, stack_range, stacked)
 
@@ -130,9 +130,13 @@ class PairedLedger(Ledger):
     groups_in_step: int = 0
     groups_unscored: int = 0
     # KL(pi_sampler || pi_{t+1}) along the rollouts (mean over groups of log pi_sampler - log pi_{t+1})
-    # and its SE, where the record has the sampler's log-probabilities (vLLM); None where it has not
+    # and its SE, where the record has the sampler's log-probabilities (vLLM); None where it has not.
+    # In a run's series of ledgers (``paired_ledger_series``) the SE is the engine-mismatch series'
+    # (each pair's own moderated across its neighbours, ``measure.mismatch.moderated_kl_se``), the
+    # pair's own sample's beside it (a ledger made alone: the two are its own)
     sampler_kl: float | None = None
     sampler_kl_se: float | None = None
+    sampler_kl_se_own: float | None = None
     # the block of ledgers this one was made in, and its row there (``price.LedgerBlock``)
     block: LedgerBlock | None = field(default=None, repr=False)
     row: int = field(default=-1, repr=False)
@@ -162,7 +166,18 @@ class PairedLedger(Ledger):
     @property
     def sampler_mismatch(self) -> bool:
         """The sampling engine departs from pi_{t+1} by more than SAMPLER_KL_MAX_SHARE of D_t
-        (the plug-in D_hat where there is no token KL), beyond twice its standard error."""
+        (the plug-in D_hat where there is no token KL), beyond twice its standard error.
+
+        The estimator and its SE are the engine-mismatch series' (``measure.mismatch``: ``group_kl``
+        on the pair's rows, the SE moderated across the run's pairs as the series' is across its
+        steps), and the line, a tenth of D_t, is the finding ``engine_mismatch``'s. What differs is
+        the decision, on purpose: this refuses one step pair, on that pair's evidence alone, at 2
+        SE (a one-sided 2.3 % at the line: a pair wrongly kept costs a dz read off another
+        policy's samples, a pair wrongly refused costs one priced step); the finding is a
+        sequential claim about the run, checked at every step, which must stay quiet over a
+        1,000-step run at its boundary, so it asks 3 SE at two steps in a row or a CUSUM of the
+        scores past 5 (reading its t on the step's groups less one). A pair can be refused
+        where the finding, needing evidence over steps, has not yet held."""
         if self.sampler_kl is None:
             return False
         d = self.d_t if self.d_t is not None else self.d_hat
@@ -528,7 +543,26 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
     for block in blocks_made:
         for a in (block.arrays.delta_z, block.arrays.se, block.arrays.cov_delta):
             a.flags.writeable = False  # read-only from here: ledger_arrays hands out slices of them
+    _series_sampler_se(ledgers)
     return ledgers, why
+
+
+def _series_sampler_se(ledgers: Sequence[PairedLedger]) -> None:
+    """Each ledger's ``sampler_kl_se`` made the engine-mismatch series' SE over the run's ledgers
+    in step order (``measure.mismatch.moderated_kl_se``: where resolved, its relative variance per
+    prompt group pooled with its resolved neighbours'), the pair's own staying in
+    ``sampler_kl_se_own``; a ledger without a finite
+    SE of its own keeps what it has and is no one's neighbour. Done once, as the ledgers are made,
+    before any book reads their premise."""
+    have = sorted((lg for lg in ledgers if lg.sampler_kl_se is not None and lg.sampler_kl_se == lg.sampler_kl_se),
+                  key=lambda lg: tuple(lg.step_pair)[::-1])
+    if not have:
+        return
+    se, _ = moderated_kl_se([lg.sampler_kl for lg in have], [lg.sampler_kl_se for lg in have],
+                            [lg.n_groups for lg in have])
+    for lg, v in zip(have, se.tolist()):
+        if v == v:
+            lg.__dict__["sampler_kl_se"] = v  # frozen: set as _made sets every field
 
 
 # False: the paired ledgers' sums by one-hot products and gathers whatever the layout (``Segments``
@@ -921,7 +955,7 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             "d_t": d_t[j], "d_t_se": d_t_se[j], "d_t_dof": d_t_dof[j], "d_t_tail": d_t_tail[j], "dof": dof[j], "pareto_k": khat_j,
             "pareto_k_max": threshold, "ess": (ess_pj, ess_qj), "dropped_rollouts": prep.dropped,
             "groups_in_step": prep.groups_in_step, "groups_unscored": prep.unscored, "sampler_kl": sampler_kl,
-            "sampler_kl_se": sampler_se, "block": None if block is None else block[0],
+            "sampler_kl_se": sampler_se, "sampler_kl_se_own": sampler_se, "block": None if block is None else block[0],
             "row": -1 if block is None else block[1] + j, "n_heldout": n_heldout}))
     return out
 
