@@ -201,11 +201,17 @@ def curve(rows: list[dict]) -> str:
     import yaml
 
     keep = ("budget", "share", "measured", "groups", "per_group", "rel_se", "eta_width")
+
+    def printed(k, v):  # as the table prints them: counts whole, the rest to 3 significant digits
+        if v is None or k == "budget":
+            return v
+        return int(round(v)) if k in ("groups", "per_group") else float(f"{v:.3g}")
+
     head = ("# What the tap's cost budget buys, measured by tools/cost_precision.py --save on the truth\n"
             "# harness's moderate run (the rows of docs/recording.md's table; `own: true`: one-sided, read\n"
             "# off its own run). Written by that tool, never by hand; the report quotes it.\n")
     return head + yaml.safe_dump({"run": "the truth harness's moderate run (tools/truth.py), 8 prompt groups a step",
-                                  "rows": [{**{k: r.get(k) for k in keep}, "own": bool(r.get("own"))} for r in rows]},
+                                  "rows": [{**{k: printed(k, r.get(k)) for k in keep}, "own": bool(r.get("own"))} for r in rows]},
                                  sort_keys=False)
 
 
