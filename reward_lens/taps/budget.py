@@ -45,7 +45,8 @@ a count (``record.schema.tap_floor``): ``MIN_SHARE`` (a quarter) of the pairs at
 or one-sided, and as much sampling at more completions, ``MIN_SHARE * 2 / k`` of the pairs at k +
 k (an eighth at 4 + 4). Issue 57's small runs needed that much sampling, and a count floor would
 have doubled the floor's spend when the measured pair doubled (on bench/tap_forward.py's 31.7M
-model the default would have spent about 0.14 of a step, past its tenth).
+model, by its stop-65 unit costs, the default would have spent about 0.14 of a step, past its
+tenth: an estimate, not a measurement).
 
 Which pairs. A share is taken by systematic sampling with a random start: a running sum of the
 pairs' probabilities, started at a uniform draw of the tap's seeded generator, and pair i is
