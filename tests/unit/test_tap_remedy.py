@@ -20,7 +20,7 @@ from reward_lens.record.schema import tap_floor
 from reward_lens.report import build_report
 from reward_lens.report.render import to_json
 from reward_lens_spec.paths import specs_dir
-from reward_lens_spec.render import first_sentence
+from reward_lens_spec.render import first_sentence, percent
 
 RECORD = Path(__file__).resolve().parents[1] / "fixtures" / "tap_floor" / "record"
 
@@ -49,8 +49,9 @@ def test_a_tapped_record_s_remedy_names_the_budget_and_what_it_bought():
     assert lead.startswith("Raise the tap's `budget=`")
     assert f"at this run's `budget=0.0001` it measured {tap['step_pairs'] - tap['skipped']} of 11 step pairs" in lead
     assert f"left these {n} unread" in lead
-    assert f"{larger[0]['eta_width']} wide at `budget={larger[0]['budget']}`" in lead
-    assert f"{larger[-1]['eta_width']} at `budget=None`" in lead
+    assert f"{larger[0]['eta_width']} wide at `budget={larger[0]['budget']}` ({percent(larger[0]['measured'])} of the pairs)" in lead
+    assert f"{larger[-1]['eta_width']} at `budget=None` (100 %)" in lead
+    assert "measured every pair" not in lead  # the curve's 0.25 measured a share of them (issue 62's budget)
     assert f"{tap['floored']} pairs were planned at the budget's floor" in r["remedy"]
     for c in larger:  # every larger budget's precision, as the curve has it
         assert f"D_t relative SE of {c['rel_se']} and a run-level η interval {c['eta_width']} wide" in r["remedy"]
