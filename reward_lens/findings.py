@@ -626,19 +626,20 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     """The engine that sampled the rollouts departs from the policy the trainer scores them with
     by more than ``share`` of the update's own divergence. A step is judged where it has the
     mismatch (``measure.mismatch``: KL(pi_sampler || pi_t) along its rollouts, nats/seq), its SE
-    (the series', ``measure.mismatch.series_se``: its own across two prompt groups or more,
-    moderated across its neighbouring steps) and a positive D_t. Its evidence at a level
-    (``share`` or ``critical`` x D_t) is one number: the excess KL - level x D_t over its SE (the
-    series' and level times D_t's, combined), turned into a normal score through Student's t on
-    the step's prompt groups less one (``measure.sequential.normal_score``: at 4 groups a t of 3 is
-    a tail of 2.9 %, not the normal 0.13 %, and the score says which). Not on the series' pooled
-    degrees of freedom, which its interval reads: neighbouring steps share their variance, so a
-    stretch whose pooled variance came out low inflates the scores of every step in it together,
-    and a CUSUM adds such a stretch up. Simulated at the null's boundary (below; 1,500 runs of
-    1,000 steps), on the pooled degrees of freedom the rules alarmed on 7.3 % of runs at 4 groups
-    (the line one SD of a group mean above 0), over the bound; on the step's own, on none at 4 or
-    8 groups (the line two SDs above 0) and 0.3 % at 4 (half an SD above 0); each step's own SE,
-    before issue 59: 0.9 % and 0.6 %.
+    (the series', ``measure.mismatch.series_se``: its own given the step's prompts, from the
+    completions within each group, moderated across its neighbouring steps) and a positive D_t.
+    Its evidence at a level (``share`` or ``critical`` x D_t) is one number: the excess KL - level
+    x D_t over its SE (the series' and level times D_t's, combined; both given the step's prompts),
+    turned into a normal score through Student's t on the step's own SE's degrees of freedom
+    (``measure.sequential.normal_score``: on 3 a t of 3 is a tail of 2.9 %, not the normal 0.13 %,
+    and the score says which). Not on the series' pooled degrees of freedom, which its interval
+    reads: neighbouring steps share their variance, so a stretch whose pooled variance came out
+    low inflates the scores of every step in it together, and a CUSUM adds such a stretch up.
+    Simulated at the null's boundary (below; 1,000 runs of 1,000 steps, 4 groups of 4, each
+    group's spread its own), on the step's own degrees of freedom the rules alarmed on none (the
+    line two SDs of a group mean above 0) and under the bound half an SD above 0. Until stop 67
+    the SE was the group means' spread across prompts, on the groups less one; read on the pooled
+    degrees of freedom, the rules then alarmed on 7.3 % of runs, over the bound.
     Reading the t on the fewer degrees of freedom is conservative: it gives up some of the
     pooling's power for the rules' stated bound. Two rules read the scores, and the finding
     holds where either does at the last step judged:
@@ -697,13 +698,13 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     kl = np.array([r[1].kl_seq for r in rows])
     kl_se = np.array([r[4] for r in rows])
     dt_arr, dse_arr = np.array([r[2] for r in rows]), np.array([r[3] for r in rows])
-    # the score's t on the step's own groups less one, not the series' pooled degrees of freedom:
+    # the score's t on the step's own SE's degrees of freedom, not the series' pooled ones:
     # neighbouring steps share their variance, so their scores are not independent (docstring)
-    df = np.array([max(r[1].groups - 1, 1) for r in rows], dtype=float)
+    df = np.array([max(r[1].kl_seq_dof, 1.0) for r in rows], dtype=float)
 
     def scores(level: float) -> np.ndarray:
-        """Each step's normal score of (KL - level x D_t) / SE, Student's t on its groups less one;
-        a zero SE gives +-inf (past the clip) or 0 where the excess is zero too."""
+        """Each step's normal score of (KL - level x D_t) / SE, Student's t on its own SE's degrees
+        of freedom; a zero SE gives +-inf (past the clip) or 0 where the excess is zero too."""
         excess = kl - level * dt_arr
         se = np.sqrt(kl_se ** 2 + (level * dse_arr) ** 2)
         with np.errstate(divide="ignore", invalid="ignore"):

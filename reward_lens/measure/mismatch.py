@@ -6,11 +6,11 @@ g_i = log pi_sampler(y_i) - log pi_t(y_i) (``logp_sampler - logp_pre``) along th
 samples has expectation KL(pi_sampler || pi_t) summed over the sequence (the k1 estimator,
 unbiased because the rollouts are the sampler's draws). Per step:
 
-* per sequence (nats/seq): the mean over prompt groups of each group's mean gap, with the SE of
-  that mean across groups (groups are the independent units: a prompt's completions share it);
+* per sequence (nats/seq): the mean over prompt groups of each group's mean gap, with its SE given
+  the step's prompts (``group_kl``: the stratified SE, each group's completions its own sample);
 * per token (nats/token, the token-weighted mean ``fields.yaml`` gives that unit): sum g / sum
-  tokens, a ratio of group totals, its SE by linearisation over groups (the delta method for a
-  ratio estimator, Cochran 1977 ch. 6);
+  tokens, a ratio of totals, its SE by linearisation within the groups the same way (the delta
+  method for a ratio estimator, Cochran 1977 ch. 6);
 * its tail: the largest per-sequence |g| and the share of sequences whose probability ratio
   pi_sampler / pi_t is beyond ``TAIL_RATIO`` either way;
 * its size against the update: per sequence over D_t = KL(pi_{t+1} || pi_t) (``kl_to_previous``,
@@ -32,19 +32,29 @@ sampler_mismatch``, a step pair whose sampler departs from pi_{t+1} by more than
 (t-1, t) is this series' per-sequence value at step t wherever the ledger kept every rollout, and
 its SE is moderated across the run's pairs by the series' own ``moderated_kl_se``.
 
+Why given the prompts (stop 67; before it the SE was the spread of the group means across
+prompts, on G - 1 degrees of freedom). The finding asks whether the engine departed from the
+policy on the prompts this update trained on, by a share of the D_t it spent on them, and D_t's
+SE is given the prompts too. Across prompts the SE also held how much the engine's departure
+differs from prompt to prompt, which is not noise about that number: on the benchmark's stale
+engine (``tools/mismatch_runs.py``, seeds 21-23) that spread was about three times the
+within-group one (group means from 0.8 to 110 D_t at one step), so no step's score could pass
+about 1 / (its relative SE) however far past D_t the mismatch was, and `check` said critical on 1
+of the 5 runs whose mismatch reached D_t. Given the prompts the same steps resolve it at once.
+
 The series' SE, moderated across neighbouring steps (``series_se``; the one SE the finding, its
-evidence and the paired ledger's refusal read). A step's own SE (its sample's spread across prompt
-groups, ``StepMismatch.kl_seq_se``) has the fault D_t's had (``ledger.moderated``'s docstring): where
+evidence and the paired ledger's refusal read). A step's own SE (``StepMismatch.kl_seq_se``) has
+the fault D_t's had (``ledger.moderated``'s docstring): where
 the per-sequence gap is nearly constant with a rare tail, the sample's spread is small exactly on
 the draws that missed the tail, which sit off the truth. The tail's shape is the engine's (its
 precision, its top-p, its lag), which moves little from one step to the next; whether a step's
-sample caught it is chance. So, as D_t's, each step's relative variance per prompt group,
-u_s = G_s (SE_s / kl_s)^2, is pooled with its neighbours' by ``ledger.moderated.pooled_variances``
+sample caught it is chance. So, as D_t's, each step's relative variance per rollout,
+u_s = N_s (SE_s / kl_s)^2, is pooled with its neighbours' by ``ledger.moderated.pooled_variances``
 (the one pooling D_t's and eta's SEs use, with their window of 3 measured steps either side and own
-weight 1/2): SE_t = kl_t sqrt(v_t / G_t), on the Welch-Satterthwaite degrees of freedom it returns
-(a step's own: its groups less one). Only steps whose mismatch is resolved take part: those whose
-own 95 % interval lies above 0 (kl_s > t_{.975, G-1} SE_s). A step not resolved keeps its own SE
-and lends nothing.
+weight 1/2): SE_t = kl_t sqrt(v_t / N_t), on the Welch-Satterthwaite degrees of freedom it returns
+(a step's own: its SE's). Only steps whose mismatch is resolved take part: those whose own 95 %
+interval lies above 0 (kl_s > t_{.975} SE_s). A step not resolved keeps its own SE and lends
+nothing.
 
 Why relative, and why only where resolved. The spread of a k1 estimate grows with the mismatch:
 on the benchmark's stale engine the estimate fell from 22 to 4 nats a sequence within three steps
@@ -64,10 +74,11 @@ step resolved by chance (one in forty) lends a relative variance of at most G / 
 resolved step can have.
 tests/unit/test_mismatch.py checks the jump, a mismatch that changes size and a case worked by hand;
 tests/unit/test_engine_mismatch.py the rules' false alarms with this SE, at the null's boundary
-and across such a jump. The finding reads this SE with its t on the step's own groups less one,
+and across such a jump. The finding reads this SE with its t on the step's own degrees of freedom,
 not on the pooled degrees of freedom its interval reads (``findings.engine_mismatch`` says why:
 neighbouring steps share their variance, and a CUSUM adds up a stretch whose pooled variance came
-out low). A step with one prompt group (no SE of its own) has no SE and is no one's neighbour.
+out low). A step with no SE of its own (one prompt group of one completion) has none and is no
+one's neighbour.
 
 Checked against the truth (tests/unit/test_mismatch.py): a tabular autoregressive policy (next
 token from the previous one, per prompt), so KL(pi_sampler || pi_t) is exact by dynamic
@@ -93,6 +104,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -113,7 +125,10 @@ class StepMismatch:
 
     step: int
     kl_seq: float  # nats/seq: mean over groups of the mean gap log pi_sampler - log pi_t
-    kl_seq_se: float  # its own sample's SE across groups (NaN with one group); the series' SE is series_se's
+    kl_seq_se: float  # its own sample's SE given the step's prompts (group_kl); the series' SE is series_se's
+    kl_seq_dof: float  # its degrees of freedom
+    kl_seq_size: int  # the units its variance is a mean over (GroupKL.size)
+    se_within: bool  # True: the SE is from the completions within each group (group_kl)
     kl_token: float | None  # nats/token: sum of gaps / sum of tokens (None without token counts)
     kl_token_se: float | None
     max_log_ratio: float  # the largest |gap| of one sequence, nats
@@ -132,48 +147,88 @@ class StepMismatch:
         return {**asdict(self), "ratio": self.ratio, "tail_ratio": TAIL_RATIO}
 
 
-def group_kl(gap: np.ndarray, codes: np.ndarray, n_groups: int) -> tuple[float, float] | None:
+class GroupKL(NamedTuple):
+    """The per-sequence estimate of one step's rollouts (``group_kl``)."""
+
+    kl: float  # nats/seq: the mean over prompt groups of each group's mean gap
+    se: float  # its SE given the step's prompts (NaN where none can be formed)
+    dof: float  # the SE's degrees of freedom (NaN with it)
+    size: int  # the units the SE's variance is a mean over: rollouts (within) or groups (across)
+    within: bool  # True: the SE is from the completions within each group; False: across groups
+
+
+def group_kl(gap: np.ndarray, codes: np.ndarray, n_groups: int) -> GroupKL | None:
     """The per-sequence estimate: the mean over prompt groups of each group's mean gap, and its SE
-    across groups (NaN with one group); None where no gap is finite. Non-finite gaps are left out
-    (a row the engine could not score)."""
+    given the step's prompts; None where no gap is finite. Non-finite gaps are left out (a row the
+    engine could not score).
+
+    The SE is the stratified one (Cochran 1977, 5.9): the step's prompts are fixed, its
+    completions drawn by the engine, so the estimate's variance is the sum over groups of each
+    group mean's, sum_g s_g^2 / n_g / G^2, with Welch-Satterthwaite's degrees of freedom over the
+    groups (each s_g^2 on n_g - 1). That is the question the finding asks of a step: did the
+    engine depart from the policy on the prompts this update trained on, by a share of the D_t it
+    spent on them -- and D_t's SE is conditional on the prompts too (``ledger.paired.independent_d_t``,
+    a stratified jackknife). The spread of the group means across prompts is not noise about
+    that number: a stale engine departs more on the prompts whose policy moved more, and on the
+    benchmark's stale runs that spread was three times the within-group one (module docstring).
+    Where a group holds fewer than two finite gaps (one completion a prompt, as PPO samples) no
+    within-group variance can be formed, and the SE is the spread of the group means across groups
+    on G - 1 degrees of freedom: its expectation is the within-group variance plus the prompts'
+    spread, so it is the conditional SE's, widened (NaN with one group)."""
     gap = np.asarray(gap, dtype=np.float64)
     codes = np.asarray(codes, dtype=np.int64)
     ok = np.isfinite(gap)
     if not ok.any():
         return None
-    count = np.bincount(codes[ok], minlength=n_groups)
+    g, c = gap[ok], codes[ok]
+    count = np.bincount(c, minlength=n_groups)
     present = count > 0
-    means = np.bincount(codes[ok], weights=gap[ok], minlength=n_groups)[present] / count[present]
-    se = float(means.std(ddof=1) / math.sqrt(len(means))) if len(means) > 1 else float("nan")
-    return float(means.mean()), se
+    n = count[present].astype(np.float64)
+    means = np.bincount(c, weights=g, minlength=n_groups)[present] / n
+    m = len(means)
+    kl = float(means.mean())
+    if (n >= 2).all():
+        dev = g - (np.bincount(c, weights=g, minlength=n_groups) / np.maximum(count, 1))[c]
+        var_g = np.bincount(c, weights=dev * dev, minlength=n_groups)[present] / (n - 1)  # each group's s_g^2
+        w = var_g / n
+        total = float(w.sum())
+        se = math.sqrt(total) / m
+        denom = float((w * w / (n - 1)).sum())
+        dof = total * total / denom if denom > 0 else float(n.sum() - m)
+        return GroupKL(kl, se, dof, int(n.sum()), True)
+    if m > 1:
+        return GroupKL(kl, float(means.std(ddof=1) / math.sqrt(m)), float(m - 1), m, False)
+    return GroupKL(kl, float("nan"), float("nan"), m, False)
 
 
-def moderated_kl_se(kl, se, groups) -> tuple[np.ndarray, np.ndarray]:
+def moderated_kl_se(kl, se, dof, size) -> tuple[np.ndarray, np.ndarray]:
     """The series' SEs of the per-sequence mismatch and their degrees of freedom, for a run's steps
-    in step order: ``kl`` each step's estimate, ``se`` its own SE (``group_kl``'s, across its prompt
-    groups) and ``groups`` the groups it was measured on. A step whose own 95 % interval lies above
-    0 (kl > t_{.975, G-1} SE: the mismatch resolved) has its relative variance per prompt group,
-    G_s (SE_s / kl_s)^2, pooled with its resolved neighbours' (``pooled_variances``, its own degrees
-    of freedom G_s - 1): SE_t = kl_t sqrt(v_t / G_t), on the Welch-Satterthwaite degrees of freedom.
-    A step not resolved keeps its own SE on G_s - 1 and lends nothing (module docstring: why). A
-    step without a finite SE or with fewer than two groups has none (NaN out) and is no one's
-    neighbour."""
+    in step order: ``kl`` each step's estimate, ``se`` its own SE and ``dof`` its degrees of freedom
+    (``group_kl``'s), ``size`` the units its variance is a mean over (``GroupKL.size``: rollouts for
+    the within-group SE, groups for the across-group one). A step whose own 95 % interval lies
+    above 0 (kl > t_{.975, dof} SE: the mismatch resolved) has its relative variance per unit,
+    n_s (SE_s / kl_s)^2, pooled with its resolved neighbours' (``pooled_variances``, on its own
+    degrees of freedom): SE_t = kl_t sqrt(v_t / n_t), on the Welch-Satterthwaite degrees of
+    freedom. A step not resolved keeps its own SE and degrees of freedom and lends nothing (module
+    docstring: why). A step without a finite SE (or under one degree of freedom) has none (NaN out)
+    and is no one's neighbour."""
     from scipy import special
 
-    k, s, g = (np.asarray(x, dtype=np.float64) for x in (kl, se, groups))
-    if not (k.shape == s.shape == g.shape) or k.ndim != 1:
-        raise ValueError(f"kl, se and groups must be 1-d of one length, not {k.shape}, {s.shape}, {g.shape}")
-    has = np.isfinite(s) & (s >= 0) & (g >= 2) & np.isfinite(k)
+    k, s, f, n = (np.asarray(x, dtype=np.float64) for x in (kl, se, dof, size))
+    if not (k.shape == s.shape == f.shape == n.shape) or k.ndim != 1:
+        raise ValueError(f"kl, se, dof and size must be 1-d of one length, not {k.shape}, {s.shape}, {f.shape}, "
+                         f"{n.shape}")
+    has = np.isfinite(s) & (s >= 0) & np.isfinite(f) & (f >= 1) & (n >= 2) & np.isfinite(k)
     out_se = np.where(has, s, np.nan)
-    out_dof = np.where(has, g - 1.0, np.nan)
+    out_dof = np.where(has, f, np.nan)
     # each step's own t quantile, at once (the live tap re-reads the whole series at every step)
-    q = np.where(has, special.stdtrit(np.where(has, g - 1.0, 1.0), 0.975), np.inf)
+    q = np.where(has, special.stdtrit(np.where(has, f, 1.0), 0.975), np.inf)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
-        u = g * (s / k) ** 2  # beyond the float range it takes no part
+        u = n * (s / k) ** 2  # beyond the float range it takes no part
     ok = np.flatnonzero(has & (k > q * s) & np.isfinite(u))
     if len(ok):
-        var, out_dof[ok] = pooled_variances(u[ok], g[ok] - 1.0)
-        out_se[ok] = k[ok] * np.sqrt(var / g[ok])
+        var, out_dof[ok] = pooled_variances(u[ok], f[ok])
+        out_se[ok] = k[ok] * np.sqrt(var / n[ok])
     return out_se, out_dof
 
 
@@ -184,7 +239,7 @@ def series_se(series: Mapping[int, StepMismatch]) -> dict[int, tuple[float, floa
     neighbours on one side only."""
     steps = sorted(series)
     se, dof = moderated_kl_se([series[s].kl_seq for s in steps], [series[s].kl_seq_se for s in steps],
-                              [series[s].groups for s in steps])
+                              [series[s].kl_seq_dof for s in steps], [series[s].kl_seq_size for s in steps])
     return {s: (a, b) for s, a, b in zip(steps, se.tolist(), dof.tolist())}
 
 
@@ -206,13 +261,25 @@ def step_mismatch(step: int, gap: np.ndarray, codes: np.ndarray, n_groups: int,
         if np.isfinite(tk).all() and tk.sum() > 0:
             a = np.bincount(c, weights=g, minlength=n_groups)
             b = np.bincount(c, weights=tk, minlength=n_groups)
-            keep = np.bincount(c, minlength=n_groups) > 0
-            a, b = a[keep], b[keep]
-            kl_tok = float(a.sum() / b.sum())
-            m = len(a)
-            kl_tok_se = (float(math.sqrt(((a - kl_tok * b) ** 2).sum() * m / (m - 1)) / b.sum())
-                         if m > 1 else float("nan"))
-    return StepMismatch(step=int(step), kl_seq=seq[0], kl_seq_se=seq[1], kl_token=kl_tok, kl_token_se=kl_tok_se,
+            count = np.bincount(c, minlength=n_groups)
+            keep = count > 0
+            kl_tok = float(a[keep].sum() / b[keep].sum())
+            # the ratio's SE by linearisation (Cochran 1977, 6.3): its residuals e = gap - kl_tok x tokens,
+            # given the prompts as the per-sequence SE is (group_kl): sum over groups of n_g s_g^2(e)
+            # over the squared token total; across groups where a group has one completion
+            e = g - kl_tok * tk
+            if seq.within:
+                em = np.bincount(c, weights=e, minlength=n_groups) / np.maximum(count, 1)
+                ss = np.bincount(c, weights=(e - em[c]) ** 2, minlength=n_groups)[keep]
+                n_g = count[keep].astype(np.float64)
+                kl_tok_se = float(math.sqrt((n_g * ss / (n_g - 1)).sum()) / b[keep].sum())
+            else:
+                ag, bg = a[keep], b[keep]
+                m = len(ag)
+                kl_tok_se = (float(math.sqrt(((ag - kl_tok * bg) ** 2).sum() * m / (m - 1)) / bg.sum())
+                             if m > 1 else float("nan"))
+    return StepMismatch(step=int(step), kl_seq=seq.kl, kl_seq_se=seq.se, kl_seq_dof=seq.dof, kl_seq_size=seq.size,
+                        se_within=seq.within, kl_token=kl_tok, kl_token_se=kl_tok_se,
                         max_log_ratio=float(np.abs(g).max()),
                         tail_share=float((np.abs(g) > math.log(TAIL_RATIO)).mean()),
                         n=int(ok.sum()), groups=int((np.bincount(c, minlength=n_groups) > 0).sum()))
@@ -470,6 +537,6 @@ def logged_mismatch(series: Mapping[int, LoggedMismatch], d_t: Mapping[int, floa
     return out
 
 
-__all__ = ["LOGGED_FIELDS", "LoggedMismatch", "TAIL_RATIO", "StepMismatch", "group_kl", "logged_mismatch", "logged_series", "logged_source", "logged_step",
+__all__ = ["GroupKL", "LOGGED_FIELDS", "LoggedMismatch", "TAIL_RATIO", "StepMismatch", "group_kl", "logged_mismatch", "logged_series", "logged_source", "logged_step",
            "mismatch_of_table", "mismatch_series", "moderated_kl_se", "run_logged_mismatch", "run_mismatch", "series_se",
            "step_mismatch"]

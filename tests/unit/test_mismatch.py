@@ -91,33 +91,36 @@ def _draw(rng, ls, lp, prompts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("cause", ["bf16", "temperature", "top_p"])
 def test_the_series_interval_covers_the_exact_kl(cause):
+    """The truth is the step's own: the exact KL averaged over the prompts the step drew (the SE is
+    given the step's prompts, ``group_kl``), per sequence and per token, not the mean over the
+    whole pool, which the prompts drawn estimate too."""
     w = _policy()
     lp, ls = _log_softmax(w), _sampler(w, cause)
     kl, length = _exact(ls, lp)
-    truth_seq = float(kl.mean())  # prompts drawn uniformly from the pool
-    truth_tok = float(kl.sum() / length.sum())
     rng = np.random.default_rng(7)
     groups, per = 8, 8
-    t = stats.t.ppf(0.975, groups - 1)
     hit_seq = hit_tok = 0
     redraws = 400
-    series = {}
+    series, truth = {}, {}
     for k in range(redraws):
         prompts = rng.integers(0, P, size=groups)
         rows = np.repeat(prompts, per)
         gap, tokens = _draw(rng, ls, lp, rows)
         m = step_mismatch(k, gap, np.repeat(np.arange(groups), per), groups, tokens)
         series[k] = m
-        hit_seq += abs(m.kl_seq - truth_seq) <= t * m.kl_seq_se
-        hit_tok += abs(m.kl_token - truth_tok) <= t * m.kl_token_se
-    assert truth_seq > 0
+        truth[k] = float(kl[prompts].mean())
+        t = stats.t.ppf(0.975, m.kl_seq_dof)
+        assert m.se_within and m.kl_seq_dof <= groups * (per - 1)
+        hit_seq += abs(m.kl_seq - truth[k]) <= t * m.kl_seq_se
+        hit_tok += abs(m.kl_token - kl[prompts].sum() / length[prompts].sum()) <= t * m.kl_token_se
+    assert min(truth.values()) > 0
     # 400 redraws: a binomial SE of 1.1 % at 95 %; the band is 3.5 of them below and 3 above
     assert 0.91 <= hit_seq / redraws <= 0.985, (cause, hit_seq / redraws)
     assert 0.91 <= hit_tok / redraws <= 0.985, (cause, hit_tok / redraws)
     # the series' SE (each step's own moderated across its neighbours: the redraws read as one
     # run's steps) covers at the same rate
     spread = series_se(series)
-    hit = sum(abs(series[k].kl_seq - truth_seq) <= stats.t.ppf(0.975, spread[k][1]) * spread[k][0] for k in series)
+    hit = sum(abs(series[k].kl_seq - truth[k]) <= stats.t.ppf(0.975, spread[k][1]) * spread[k][0] for k in series)
     assert 0.91 <= hit / redraws <= 0.985, (cause, hit / redraws)
 
 
@@ -127,10 +130,22 @@ def test_the_estimator_is_the_plain_definition_and_its_tail():
     tokens = np.array([3, 4, 5, 6, 7, 8])
     m = step_mismatch(4, gap, codes, 3, tokens)
     means = [(0.1 - 0.2) / 2, (0.4 + gap[3]) / 2, gap[5] / 2]
-    assert m.kl_seq == pytest.approx(np.mean(means)) and m.kl_seq_se == pytest.approx(np.std(means, ddof=1) / math.sqrt(3))
+    # the SE given the prompts (stratified): each group's s_g^2 = (a - b)^2 / 2 over n_g = 2, so its
+    # mean's variance is (a - b)^2 / 4; their sum over 3^2, on Welch-Satterthwaite's degrees of freedom
+    w = np.array([(0.1 + 0.2) ** 2, (0.4 - gap[3]) ** 2, gap[5] ** 2]) / 4
+    assert m.kl_seq == pytest.approx(np.mean(means)) and m.kl_seq_se == pytest.approx(math.sqrt(w.sum()) / 3)
+    assert m.se_within and m.kl_seq_size == 6 and m.kl_seq_dof == pytest.approx(w.sum() ** 2 / (w ** 2).sum())
+    # per token, its residuals e = gap - kl_tok x tokens the same way: sum of n_g s_g^2(e) over the token total
+    e = gap - m.kl_token * tokens
+    assert m.kl_token_se == pytest.approx(math.sqrt(sum(2 * (e[i] - e[i + 1]) ** 2 / 2 for i in (0, 2, 4))) / tokens.sum())
     assert m.kl_token == pytest.approx(gap.sum() / tokens.sum())
     assert m.max_log_ratio == pytest.approx(abs(gap[5])) and m.tail_share == pytest.approx(2 / 6)
-    assert group_kl(gap, codes, 3) == (m.kl_seq, m.kl_seq_se)
+    assert group_kl(gap, codes, 3)[:2] == (m.kl_seq, m.kl_seq_se)
+    # a group of one completion (as PPO samples) has no spread of its own: the SE is the group means'
+    # across groups, on G - 1 degrees of freedom (wider: the prompts' spread is in it)
+    one = group_kl(gap[[0, 2, 4]], np.array([0, 1, 2]), 3)
+    assert not one.within and one.se == pytest.approx(np.std(gap[[0, 2, 4]], ddof=1) / math.sqrt(3)) and one.dof == 2
+    assert math.isnan(group_kl(gap[:1], np.array([0]), 1).se)
     # a row the engine could not score is left out, not read as zero
     m2 = step_mismatch(4, np.r_[gap, np.nan], np.r_[codes, 2], 3, np.r_[tokens, 9])
     assert m2.n == 6 and m2.kl_seq == m.kl_seq
@@ -163,22 +178,25 @@ def test_the_series_se_worked_by_hand():
     = 7.364. Step 1: the same v, SE = 2.0 x 0.12247 = 0.24495. Step 2: v = 0.08 + 0.04 = 0.12, SE =
     1.5 sqrt(0.03) = 0.25981. A step not resolved (0.1 with an SE of 0.1) keeps its own SE on 3
     degrees of freedom and lends nothing; one of one group (no SE) has none."""
-    se, dof = moderated_kl_se([1.0, 2.0, 1.5], [0.1, 0.2, 0.3], [4, 4, 4])
+    se, dof = moderated_kl_se([1.0, 2.0, 1.5], [0.1, 0.2, 0.3], [3, 3, 3], [4, 4, 4])
     assert se == pytest.approx([0.12247, 0.24495, 0.25981], abs=1e-5)
     assert dof[0] == pytest.approx(7.364, abs=1e-3)
     v, f = _pooled_plain([0.04, 0.04, 0.16], [3, 3, 3])
     assert np.allclose(se, np.array([1.0, 2.0, 1.5]) * np.sqrt(v / 4)) and np.allclose(dof, f)
-    se2, dof2 = moderated_kl_se([1.0, 0.1, 2.0, 7.0, 1.5], [0.1, 0.1, 0.2, float("nan"), 0.3], [4, 4, 4, 1, 4])
+    se2, dof2 = moderated_kl_se([1.0, 0.1, 2.0, 7.0, 1.5], [0.1, 0.1, 0.2, float("nan"), 0.3], [3, 3, 3, float("nan"), 3],
+                                [4, 4, 4, 1, 4])
     assert se2[1] == 0.1 and dof2[1] == 3 and np.isnan(se2[3]) and np.isnan(dof2[3])
     assert np.allclose(se2[[0, 2, 4]], se) and np.allclose(dof2[[0, 2, 4]], dof)
     # equal relative variances keep each SE and add degrees of freedom: 3 / (a^2 + (m - 1) b^2) with m
     # steps in the window, a = 1/2 + 1/(2m), b = 1/(2m): 8.4 with 3 on either side (m = 7)
-    se4, dof4 = moderated_kl_se([1.0] * 9, [0.1] * 9, [4] * 9)
+    se4, dof4 = moderated_kl_se([1.0] * 9, [0.1] * 9, [3] * 9, [4] * 9)
     assert np.allclose(se4, 0.1) and dof4[4] == pytest.approx(8.4) and dof4[0] == pytest.approx(48 / 7)
     # the series' SE of StepMismatch values, by step
     steps = {s: step_mismatch(s, np.array([1.0, 1.2, 2.0, 2.6]) * (s + 1), np.array([0, 0, 1, 1]), 2) for s in (3, 5, 9)}
     got = series_se(steps)
-    want = moderated_kl_se([steps[s].kl_seq for s in (3, 5, 9)], [steps[s].kl_seq_se for s in (3, 5, 9)], [2, 2, 2])
+    want = moderated_kl_se(*([getattr(steps[s], a) for s in (3, 5, 9)] for a in ("kl_seq", "kl_seq_se", "kl_seq_dof",
+                                                                                 "kl_seq_size")))
+    assert all(steps[s].se_within and steps[s].kl_seq_size == 4 for s in (3, 5, 9))
     assert sorted(got) == [3, 5, 9] and [got[s][0] for s in (3, 5, 9)] == pytest.approx(want[0].tolist())
 
 
@@ -204,18 +222,22 @@ def test_at_a_jump_the_matched_steps_lend_nothing():
     series = {}
     for s in range(20):
         level, sd = (0.5, 0.3) if s >= 10 else (0.0, 1e-4)
-        gap = level + rng.normal(0.0, sd, size=groups)[codes] + rng.normal(0.0, sd / 3, size=len(codes))
+        # a matched engine departs on no prompt: its gaps are the numbers' noise alone, each prompt's KL 0
+        prompt = rng.normal(0.0, sd, size=groups)[codes] if s >= 10 else 0.0
+        gap = level + prompt + rng.normal(0.0, sd / 3, size=len(codes))
         series[s] = step_mismatch(s, gap, codes, groups)
     own = np.array([series[s].kl_seq_se for s in range(20)])
+    own_dof = np.array([series[s].kl_seq_dof for s in range(20)])
+    n = groups * per
     whole = series_se(series)
     se = np.array([whole[s][0] for s in range(20)])
-    assert (se[:10] == own[:10]).all() and [whole[s][1] for s in range(10)] == [groups - 1] * 10
+    assert (se[:10] == own[:10]).all() and [whole[s][1] for s in range(10)] == own_dof[:10].tolist()
     after = series_se({s: series[s] for s in range(10, 20)})  # as if the run began at the jump
     assert np.allclose(se[10:], [after[s][0] for s in range(10, 20)])  # the matched steps lent nothing
     edge = series_se({s: series[s] for s in range(11)})  # the live tap at the onset step
-    assert edge[10] == (own[10], groups - 1)
-    var, _ = pooled_variances(groups * own ** 2, np.full(20, groups - 1.0))
-    assert (np.sqrt(var[7:10] / groups) > 10 * own[7:10]).all() and np.sqrt(var[10] / groups) < own[10]
+    assert edge[10] == (own[10], own_dof[10])
+    var, _ = pooled_variances(n * own ** 2, own_dof)
+    assert (np.sqrt(var[7:10] / n) > 10 * own[7:10]).all() and np.sqrt(var[10] / n) < own[10]
 
 
 def test_a_mismatch_that_changes_size_keeps_its_relative_se():
@@ -246,7 +268,7 @@ def test_the_ledgers_refusal_reads_the_series_se():
 
     def pair(t, kl, se):
         return SimpleNamespace(step_pair=(t - 1, t), n_groups=4, sampler_kl=kl, sampler_kl_se=se, sampler_kl_se_own=se,
-                               d_t=4.0, d_hat=4.0)
+                               sampler_kl_dof=3.0, sampler_kl_size=4, d_t=4.0, d_hat=4.0)
 
     ledgers = [pair(3, 1.5, 0.3), pair(1, 1.0, 0.1), pair(4, 9.0, float("nan")), pair(2, 2.0, 0.2)]
     _series_sampler_se(ledgers)

@@ -83,7 +83,7 @@ from functools import cached_property
 
 import numpy as np
 
-from reward_lens.measure.mismatch import group_kl, moderated_kl_se
+from reward_lens.measure.mismatch import GroupKL, group_kl, moderated_kl_se
 from reward_lens.measure.ledger.price import (Ledger, LedgerArrays, LedgerBlock, StepSample, blocks, group_codes,
                                               in_threads, sample_codes, stack_range, stacked)
 
@@ -137,6 +137,8 @@ class PairedLedger(Ledger):
     sampler_kl: float | None = None
     sampler_kl_se: float | None = None
     sampler_kl_se_own: float | None = None
+    sampler_kl_dof: float | None = None  # the own SE's degrees of freedom and the units its variance is a mean
+    sampler_kl_size: int = 0  # over (measure.mismatch.GroupKL)
     # the block of ledgers this one was made in, and its row there (``price.LedgerBlock``)
     block: LedgerBlock | None = field(default=None, repr=False)
     row: int = field(default=-1, repr=False)
@@ -559,7 +561,7 @@ def _series_sampler_se(ledgers: Sequence[PairedLedger]) -> None:
     if not have:
         return
     se, _ = moderated_kl_se([lg.sampler_kl for lg in have], [lg.sampler_kl_se for lg in have],
-                            [lg.n_groups for lg in have])
+                            [lg.sampler_kl_dof for lg in have], [lg.sampler_kl_size for lg in have])
     for lg, v in zip(have, se.tolist()):
         if v == v:
             lg.__dict__["sampler_kl_se"] = v  # frozen: set as _made sets every field
@@ -946,7 +948,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
     n_heldout = int(heldout.sum()) if heldout is not None else 0  # the batch's one layout
     for j, ((s, ho, prep, lr), d_hat_j, khat_j, ess_pj, ess_qj) in enumerate(zip(
             items, d_hat.tolist(), khat.tolist(), ess_p.tolist(), ess_q.tolist())):
-        sampler_kl, sampler_se = _sampler_kl(s, prep, ho)
+        sampler = _sampler_kl(s, prep, ho)
+        sampler_kl, sampler_se = (None, None) if sampler is None else (sampler.kl, sampler.se)
         out.append(_made({
             **_LEDGER_DEFAULTS,
             "step_pair": (prep.prev, s.step), "names": s.names, "delta_z": dz[j], "se": se[j], "cov_delta": cov[j],
@@ -955,7 +958,9 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             "d_t": d_t[j], "d_t_se": d_t_se[j], "d_t_dof": d_t_dof[j], "d_t_tail": d_t_tail[j], "dof": dof[j], "pareto_k": khat_j,
             "pareto_k_max": threshold, "ess": (ess_pj, ess_qj), "dropped_rollouts": prep.dropped,
             "groups_in_step": prep.groups_in_step, "groups_unscored": prep.unscored, "sampler_kl": sampler_kl,
-            "sampler_kl_se": sampler_se, "sampler_kl_se_own": sampler_se, "block": None if block is None else block[0],
+            "sampler_kl_se": sampler_se, "sampler_kl_se_own": sampler_se,
+            "sampler_kl_dof": None if sampler is None else sampler.dof,
+            "sampler_kl_size": 0 if sampler is None else sampler.size, "block": None if block is None else block[0],
             "row": -1 if block is None else block[1] + j, "n_heldout": n_heldout}))
     return out
 
@@ -1019,12 +1024,12 @@ def _made(values: dict) -> PairedLedger:
     return lg
 
 
-def _sampler_kl(s: StepSample, prep: _Prepared, ho: StepSample | None = None) -> tuple[float | None, float | None]:
+def _sampler_kl(s: StepSample, prep: _Prepared, ho: StepSample | None = None) -> GroupKL | None:
     """KL(pi_sampler || pi) along each side's kept rows (samples of the sampler), where the
     record has the sampler's log-probabilities: side b against pi_{t+1} (``logp``), side a (the
     held-out rows, drawn by the engine while it held pi_t) against pi_t (``logp_prev``). Each is
-    the mean over groups of mean(log pi_sampler - log pi), with its SE; the side furthest from its
-    policy (by the mean less twice its SE) is returned; (None, None) where no side has them."""
+    the mean over groups of mean(log pi_sampler - log pi), with its SE (``group_kl``); the side
+    furthest from its policy (by the mean less twice its SE) is returned; None where no side has them."""
     sides = []
     if s.logp_sampler is not None and s.logp is not None:
         gap = (np.asarray(s.logp_sampler, dtype=np.float64) - np.asarray(s.logp, dtype=np.float64))[prep.keep]
@@ -1034,17 +1039,16 @@ def _sampler_kl(s: StepSample, prep: _Prepared, ho: StepSample | None = None) ->
         gap = (np.asarray(ho.logp_sampler, dtype=np.float64)
                - np.asarray(ho.logp_prev, dtype=np.float64))[prep.keep_heldout]
         sides.append((gap, prep.codes[len(prep.codes) - len(gap):]))
-    best = (None, None)
+    best = None
     for gap, codes in sides:
         # the engine-mismatch series' own estimator (measure.mismatch): one computation, so this
         # check and the series (its finding, its curve) state the same number for the same rows
         got = group_kl(gap, codes, prep.n_groups)
         if got is None:
             continue
-        kl, se = got
-        low = kl - 2.0 * (se if se == se else 0.0)
-        if best[0] is None or low > best[0] - 2.0 * (best[1] if best[1] == best[1] else 0.0):
-            best = (kl, se)
+        low = got.kl - 2.0 * (got.se if got.se == got.se else 0.0)
+        if best is None or low > best.kl - 2.0 * (best.se if best.se == best.se else 0.0):
+            best = got
     return best
 
 
