@@ -82,21 +82,20 @@ one's neighbour.
 
 Checked against the truth (tests/unit/test_mismatch.py): a tabular autoregressive policy (next
 token from the previous one, per prompt), so KL(pi_sampler || pi_t) is exact by dynamic
-programming; sampled by its bfloat16 cast (exact KL 8.7e-6 nats/seq), a temperature of 1.3
-(0.091) and top-p 0.9 the scorer does not apply (0.197), 8 prompt groups x 8 completions redrawn
-400 times, the step's own 95 % interval (t quantile, 7 dof) covered the exact per-sequence KL
-94.8 %, 93.5 %, 96.5 % of the time, and the per-token one 94.8 %, 92.8 %, 94.8 %. On the
-benchmark's own policy and stand-in engine (``tools/mismatch_runs.py --coverage``: the truth the
-full-vocabulary token KL along fresh engine samples, 200 fresh steps of 8 groups x 8;
-docs/science.md quotes the line) the step's own SE covered bfloat16 and temperature at their rate
-and top-p 0.9 at 74 %: there the per-sequence KL is nearly the same for every completion that runs
-to the length cap and lower on the rare early-ending ones, and a step that draws none of those
-has too small an SE. The series' SE (the 200 steps read as one run's consecutive steps, t on its
-pooled degrees of freedom) covers bfloat16 93.5 % (resolved at few steps: mostly its own SE),
-temperature 96.5 %, top-p 97.0 %, the step's own beside it 93.5 %, 96.0 %, 74.0 %
-(bench/results/mismatch_coverage.json; a first version pooling the variance itself, run once
-too, read 94.5 %, 96.0 %, 97.0 % and was dropped for the stale run it lost, above); on the
-tabular check it covers all three within the same band as the own.
+programming; sampled by its bfloat16 cast, a temperature of 1.3 and top-p 0.9 the scorer does not
+apply, 8 prompt groups x 8 completions redrawn 400 times, the step's own 95 % interval (t on its
+own degrees of freedom) covered the exact per-sequence KL of the step's own prompts 95.3 %,
+93.5 %, 95.3 % of the time, the per-token one 95.5 %, 93.0 %, 95.8 %, and the series' 95.0 %,
+95.8 %, 95.3 %. On the benchmark's own policy and stand-in engine (``tools/mismatch_runs.py
+--coverage``: the truth the full-vocabulary token KL along fresh engine samples, 200 fresh steps
+of 8 groups x 8; docs/science.md quotes the line) the series' SE covers bfloat16 95.0 %,
+temperature 94.0 %, top-p 97.5 %, the step's own beside it 95.5 %, 97.0 %, 74.5 %: on top-p the
+per-sequence KL is nearly the same for every completion that runs to the length cap and lower on
+the rare early-ending ones, and a step that draws none of those has too small an SE, which its
+neighbours' relative variance widens (bench/results/mismatch_coverage.json; the SE across prompts
+before stop 67 read 93.5 %, 96.5 %, 97.0 % and own 74 % on top-p against the mean over all
+prompts, and a first version pooling the variance itself 94.5 %, 96.0 %, 97.0 %, dropped for the
+stale run it lost, above).
 """
 
 from __future__ import annotations
