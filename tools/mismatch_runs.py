@@ -294,7 +294,7 @@ def check(record_dir: Path):
     prefixes = {}
     for k in sorted(full.mismatch):
         data = FindingData({n: {s: v for s, v in full.series(n).items() if s < k}
-                            for n in ("kl_to_previous", "kl_to_previous_se")},
+                            for n in ("kl_to_previous", "kl_to_previous_se", "tap_groups")},
                            mismatch={s: m for s, m in full.mismatch.items() if s <= k})
         g = evaluate_one(spec, data, [])
         prefixes[k] = g.severity if g.status == "holds" else g.status

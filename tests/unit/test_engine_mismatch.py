@@ -351,3 +351,32 @@ def test_the_science_page_quotes_the_coverage_line_as_its_script_prints_it():
     block = re.search(r"<!-- mismatch-coverage:start -->\n(.*?)\n<!-- mismatch-coverage:end -->", page, re.S).group(1)
     assert block == mismatch_runs.coverage_line(json.loads(mismatch_runs.COVERAGE.read_text())), \
         "python tools/mismatch_runs.py --quote"
+
+
+def test_d_ts_se_is_moderated_as_the_cost_book_states_it(monkeypatch):
+    """Critical compares the mismatch with D_t itself, so D_t's SE weighs in the score; it is read as
+    the cost book reads it, each step's own moderated across its measured neighbours. Worked by hand
+    (ledger.moderated: relative variances per group u = G (SE / D)^2 pooled half own, half the
+    window's mean): three steps of D_t 1, 2, 4 with own SEs 0.01, 0.4, 0.8 on 4 groups, u = 0.0004,
+    0.16, 0.16, their mean 0.10680; step 0: v = 0.0002 + 0.0534 = 0.0536, SE = sqrt(0.0536 / 4) =
+    0.11576, eleven times its own. A step without an SE (5) takes no part; without ``tap_groups`` at
+    every step the relative variances are read as they stand (equal counts: the same SEs here)."""
+    from reward_lens.findings import moderated_d_t
+
+    d_t, se = {0: 1.0, 1: 2.0, 2: 4.0, 5: 3.0}, {0: 0.01, 1: 0.4, 2: 0.8}
+    got = moderated_d_t(d_t, se, {0: 4, 1: 4, 2: 4, 5: 4})
+    assert sorted(got) == [0, 1, 2] and got[0] == pytest.approx(0.11576, abs=1e-5)
+    assert moderated_d_t(d_t, se, {}) == pytest.approx(got)
+    # the finding reads it: a mismatch 1.3 x D_t at steps 3 and 4, D_t's own SE 0.001 there (a
+    # sample that missed the tail) beside neighbours whose relative SE is 0.4: critical on the own
+    # SE, warn on the moderated one
+    kl = [0.0] * 3 + [1.3] * 2
+    own = {0: 0.4, 1: 0.4, 2: 0.4, 3: 0.001, 4: 0.001}
+    data = FindingData({"kl_to_previous": {s: 1.0 for s in range(5)}, "kl_to_previous_se": own},
+                       mismatch=_mismatch(kl, spread=0.01))
+    f = evaluate_one(SPEC, data, [])
+    assert f.status == "holds" and f.severity == "warn", f.values
+    import reward_lens.findings as findings
+
+    monkeypatch.setattr(findings, "moderated_d_t", lambda d_t, d_se, groups: dict(d_se))
+    assert evaluate_one(SPEC, data, []).severity == "critical"
