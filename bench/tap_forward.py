@@ -14,16 +14,21 @@ order):
   from each policy);
 * the tap with two other budgets (0.05 and 0.25).
 
-Per configuration: the median over rounds of (median tapped step / median untapped step of the
-same round), with its range; the tap's own time per step (the core's clock, recorded in the
-telemetry as ``tap_seconds``: its callbacks, its scoring, and the extra completions' marginal
-share of the trainer's generation) as a share of the untapped step and in forward-pass
-equivalents (one no-gradient forward pass over the step's 64 rollouts, timed in the same
-process); and what the budget bought (prompt groups measured of 8, completions per group and
-policy). The first ``--skip`` steps of each training are dropped: warm-up, and the first two step
-pairs, which the tap measures whole to learn its unit costs.
+Per configuration: the median over rounds of (mean tapped step / mean untapped step of the
+same round), with its range; the tap's own time per step, its mean over the timed steps (the
+core's clock, recorded in the telemetry as ``tap_seconds``: its callbacks, its scoring, and the
+extra completions' marginal share of the trainer's generation) as a share of the untapped step
+and in forward-pass equivalents (one no-gradient forward pass over the step's 64 rollouts, timed
+in the same process); and what the budget bought: the step pairs it measured of those timed, and
+a measured pair's shape (prompt groups of 8, completions per group and policy). Means, not
+medians: since stop 66 a budget measures whole pairs on a share of the steps, so its cost lands
+on some steps and not others, and a median step is an unmeasured one. The timed window must then
+hold several measured pairs: at the default about one step in seven is measured, so 30 timed
+steps hold four or five. The first ``--skip`` steps of each training are dropped: warm-up, and
+the first two step pairs, which the tap measures whole to learn its unit costs.
 
-    python bench/tap_forward.py --rounds 3 --steps 9 --save   # also writes bench/results/tap_forward.txt
+    python bench/tap_forward.py --rounds 2 --steps 33 --save   # also writes bench/results/tap_forward.txt
+    python bench/tap_forward.py --configs untapped default everything   # a subset, by the names' first words
 """
 
 from __future__ import annotations
@@ -88,8 +93,8 @@ def forward_pass_seconds(model, tok, repeats: int = 3) -> float:
 
 
 def training(init: Path, tok, steps: int, skip: int, tap: dict | None) -> dict:
-    """Median seconds per step after ``skip``; with the tap, the median of its recorded
-    tap_seconds and what it measured over the same steps."""
+    """Mean seconds per step after ``skip``; with the tap, the mean of its recorded tap_seconds
+    over the same steps, the step pairs it measured among them, and a measured pair's shape."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -107,13 +112,15 @@ def training(init: Path, tok, steps: int, skip: int, tap: dict | None) -> dict:
             RewardLensTap.attach(trainer, Path(tmp) / "rec", flush_every=100, **tap)
         trainer.add_callback(timer)
         trainer.train()
-        out = {"step": statistics.median(timer.times[skip:])}
+        out = {"step": statistics.fmean(timer.times[skip:])}
         if tap is not None:
             t = open_run(Path(tmp) / "rec").telemetry.to_pydict()
             rows = [i for i, s in enumerate(t["step"]) if skip <= s < steps - 1]  # the last pair never completes
-            out["tap"] = statistics.median(t["tap_seconds"][i] for i in rows)
-            out["groups"] = statistics.median(t["tap_groups"][i] or 0 for i in rows)
-            out["per_group"] = statistics.median(t["tap_per_group"][i] or 0 for i in rows)
+            measured = [i for i in rows if (t["tap_groups"][i] or 0) > 0]
+            out["tap"] = statistics.fmean(t["tap_seconds"][i] or 0.0 for i in rows)
+            out["pairs"], out["rows"] = len(measured), len(rows)
+            out["groups"] = statistics.median(t["tap_groups"][i] for i in measured) if measured else 0
+            out["per_group"] = statistics.median(t["tap_per_group"][i] or 0 for i in measured) if measured else 0
         return out
 
 
@@ -126,9 +133,11 @@ CONFIGS = {"untapped": None,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=9)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=33)
     ap.add_argument("--skip", type=int, default=3)
+    ap.add_argument("--configs", nargs="*", help="only these, by the first word after 'tap, ' (untapped, default, "
+                    "budget=None is 'everything', budget=0.05, budget=0.25); untapped always runs")
     ap.add_argument("--save", action="store_true", help=f"also write the output to {RESULTS.relative_to(REPO)}")
     a = ap.parse_args()
     tok = gen.build_tokenizer()
@@ -139,7 +148,8 @@ def main() -> None:
         model.save_pretrained(init)
         tok.save_pretrained(init)
         fwd = forward_pass_seconds(model, tok)
-        names = list(CONFIGS)
+        names = [n for n in CONFIGS if n == "untapped" or not a.configs
+                 or any(n.removeprefix("tap, ").split()[0].strip("(),") == c or c in n for c in a.configs)]
         got: dict[str, list[dict]] = {n: [] for n in names}
         for r in range(a.rounds):
             for n in names[r % len(names):] + names[:r % len(names)]:
@@ -149,17 +159,20 @@ def main() -> None:
     base = [x["step"] for x in got["untapped"]]
     lines = [f"Qwen3 {n_params / 1e6:.1f}M parameters, 64 rollouts x up to {COMPLETION} tokens a step, "
              f"{a.rounds} interleaved rounds of {a.steps} steps (first {a.skip} dropped)",
-             f"one no-gradient forward pass over the step's rollouts: {unit:.2f} s; untapped step: median "
-             f"{statistics.median(base):.1f} s ({min(base):.1f}-{max(base):.1f})"]
+             f"one no-gradient forward pass over the step's rollouts: {unit:.2f} s; untapped step: mean "
+             f"{statistics.median(base):.1f} s (rounds {min(base):.1f}-{max(base):.1f})"]
     for n in names[1:]:
         ratios = [x["step"] / b for x, b in zip(got[n], base)]
         share = [x["tap"] / b for x, b in zip(got[n], base)]
-        own = statistics.median(x["tap"] for x in got[n])
-        groups = statistics.median(x["groups"] for x in got[n])
-        k = statistics.median(x["per_group"] for x in got[n])
+        own = statistics.median(x["tap"] for x in got[n])  # each round's mean over its timed steps
+        pairs, rows = sum(x["pairs"] for x in got[n]), sum(x["rows"] for x in got[n])
+        shaped = [x for x in got[n] if x["pairs"]]
+        groups = statistics.median(x["groups"] for x in shaped) if shaped else 0
+        k = statistics.median(x["per_group"] for x in shaped) if shaped else 0
         lines.append(f"{n:32s}: wall ratio {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}); "
                      f"the tap's own time {statistics.median(share):.3f} of an untapped step "
-                     f"({own:.2f} s = {own / unit:.2f} forward-pass equivalents); measured {groups:g} of 8 groups, "
+                     f"({own:.2f} s = {own / unit:.2f} forward-pass equivalents); measured {pairs} of {rows} step "
+                     f"pairs timed ({100 * pairs / max(rows, 1):.0f} %), a measured pair {groups:g} of 8 groups x "
                      f"{k:g} completions per group and policy")
     text = "\n".join(lines)
     print(text)
