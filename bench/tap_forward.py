@@ -172,8 +172,9 @@ def main() -> None:
         lines.append(f"{n:32s}: wall ratio {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}); "
                      f"the tap's own time {statistics.median(share):.3f} of an untapped step "
                      f"({own:.2f} s = {own / unit:.2f} forward-pass equivalents); measured {pairs} of {rows} step "
-                     f"pairs timed ({100 * pairs / max(rows, 1):.0f} %), a measured pair {groups:g} of 8 groups x "
-                     f"{k:g} completions per group and policy")
+                     f"pairs timed ({100 * pairs / max(rows, 1):.0f} %)" + (
+                         f", a measured pair {groups:g} of 8 groups x {k:g} completions per group and policy" if shaped
+                         else ": the window holds no measured pair, so this is not the budget's cost"))
     text = "\n".join(lines)
     print(text)
     if a.save:
