@@ -36,6 +36,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from reward_lens.measure.sequential import final_stretch
+from reward_lens.measure.ledger.moderated import moderated_by_step
 from reward_lens.measure.mismatch import (logged_mismatch, logged_source, mismatch_of_table, run_logged_mismatch, run_mismatch,
                                           series_se)
 from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats, watch_samples
@@ -620,26 +621,6 @@ def run_diverged(d: FindingData) -> Outcome:
                                       "last": steps[-1]})
 
 
-def moderated_d_t(d_t: Mapping[int, float], d_se: Mapping[int, float], groups: Mapping[int, float]
-                  ) -> dict[int, float]:
-    """D_t's SE by step, each step's own (the tap's ``kl_to_previous_se``) moderated across its
-    measured neighbours as the cost book moderates it (``ledger.moderated.moderated_d_t_se``: its own
-    SE is small exactly on the samples that missed the token KL's tail). ``groups``: the prompt
-    groups each step's D_t was measured on (``tap_groups``), where every step has it; else each
-    step's relative variance is read as it stands (equal counts, as a budget measuring whole pairs
-    gives). Steps without a positive D_t and a finite SE are left out."""
-    from reward_lens.measure.ledger.moderated import moderated_d_t_se
-
-    steps = sorted(s for s, v in d_t.items() if v > 0 and math.isfinite(v) and d_se.get(s) is not None
-                   and math.isfinite(d_se[s]) and d_se[s] >= 0)
-    if not steps:
-        return {}
-    g = [groups.get(s) for s in steps]
-    g = [float(x) for x in g] if all(x is not None and x >= 1 for x in g) else [1.0] * len(steps)
-    se, _ = moderated_d_t_se([d_t[s] for s in steps], [d_se[s] for s in steps], [float("nan")] * len(steps), g)
-    return {s: v for s, v in zip(steps, se.tolist()) if v == v}
-
-
 def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z: float = 3.0, persist: int = 2,
                     h: float = 5.0, min_steps: int = 2, logged_warn: float = 0.01, logged_critical: float = 0.1,
                     logged_persist: int = 2, logged_min_steps: int = 2) -> Outcome:
@@ -650,7 +631,7 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
     completions within each group, moderated across its neighbouring steps) and a positive D_t.
     Its evidence at a level (``share`` or ``critical`` x D_t) is one number: the excess KL - level
     x D_t over its SE (the series' and level times D_t's, moderated as the cost book states it
-    (``moderated_d_t``), combined; both given the step's prompts),
+    (``ledger.moderated.moderated_by_step``), combined; both given the step's prompts),
     turned into a normal score through Student's t on the step's own SE's degrees of freedom
     (``measure.sequential.normal_score``: on 3 a t of 3 is a tail of 2.9 %, not the normal 0.13 %,
     and the score says which). Not on the series' pooled degrees of freedom, which its interval
@@ -701,9 +682,9 @@ def engine_mismatch(d: FindingData, share: float = 0.1, critical: float = 1.0, z
         e.update(logged_source(e["field"], d.framework))
         sev = e.get("severity") if e.get("severity") == "critical" else None
         return Outcome(e["holds"], e.get("onset"), e, judged=e["judged"], severity=sev)
-    # D_t's SE moderated across its measured neighbours, as the cost book states it (moderated_d_t)
+    # D_t's SE moderated across its measured neighbours, as the cost book states it
     d_t = d.series("kl_to_previous")
-    d_se = moderated_d_t(d_t, d.series("kl_to_previous_se"), d.series("tap_groups"))
+    d_se = moderated_by_step(d_t, d.series("kl_to_previous_se"), d.series("tap_groups"))
     # the series' SE (measure.mismatch.series_se: each step's own moderated across its neighbours),
     # over every step the series holds, judged or not
     spread = series_se(d.mismatch)

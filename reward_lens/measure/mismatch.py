@@ -183,11 +183,12 @@ def group_kl(gap: np.ndarray, codes: np.ndarray, n_groups: int) -> GroupKL | Non
     count = np.bincount(c, minlength=n_groups)
     present = count > 0
     n = count[present].astype(np.float64)
-    means = np.bincount(c, weights=g, minlength=n_groups)[present] / n
+    all_means = np.bincount(c, weights=g, minlength=n_groups) / np.maximum(count, 1)
+    means = all_means[present]
     m = len(means)
     kl = float(means.mean())
     if (n >= 2).all():
-        dev = g - (np.bincount(c, weights=g, minlength=n_groups) / np.maximum(count, 1))[c]
+        dev = g - all_means[c]
         var_g = np.bincount(c, weights=dev * dev, minlength=n_groups)[present] / (n - 1)  # each group's s_g^2
         w = var_g / n
         total = float(w.sum())

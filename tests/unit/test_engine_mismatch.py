@@ -361,7 +361,7 @@ def test_d_ts_se_is_moderated_as_the_cost_book_states_it(monkeypatch):
     0.16, 0.16, their mean 0.10680; step 0: v = 0.0002 + 0.0534 = 0.0536, SE = sqrt(0.0536 / 4) =
     0.11576, eleven times its own. A step without an SE (5) takes no part; without ``tap_groups`` at
     every step the relative variances are read as they stand (equal counts: the same SEs here)."""
-    from reward_lens.findings import moderated_d_t
+    from reward_lens.measure.ledger.moderated import moderated_by_step as moderated_d_t
 
     d_t, se = {0: 1.0, 1: 2.0, 2: 4.0, 5: 3.0}, {0: 0.01, 1: 0.4, 2: 0.8}
     got = moderated_d_t(d_t, se, {0: 4, 1: 4, 2: 4, 5: 4})
@@ -378,5 +378,5 @@ def test_d_ts_se_is_moderated_as_the_cost_book_states_it(monkeypatch):
     assert f.status == "holds" and f.severity == "warn", f.values
     import reward_lens.findings as findings
 
-    monkeypatch.setattr(findings, "moderated_d_t", lambda d_t, d_se, groups: dict(d_se))
+    monkeypatch.setattr(findings, "moderated_by_step", lambda d_t, d_se, groups: dict(d_se))
     assert evaluate_one(SPEC, data, []).severity == "critical"

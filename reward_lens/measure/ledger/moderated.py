@@ -44,6 +44,7 @@ re-tuned for: ``pooled_variances`` is the one pooling both use.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -170,6 +171,24 @@ def moderated_by_pair(ledgers) -> dict[tuple[int, int], tuple[float, float]]:
     return {pair: (a, b) for (pair, _), a, b in zip(have, se.tolist(), dof.tolist())}
 
 
+def moderated_by_step(d_t: Mapping[int, float], d_se: Mapping[int, float], groups: Mapping[int, float]
+                      ) -> dict[int, float]:
+    """D_t's SE by step, each step's own (the tap's ``kl_to_previous_se``) moderated across its
+    measured neighbours as the cost book moderates it (``moderated_d_t_se``, as ``moderated_by_pair``
+    does for ledgers: its own SE is small exactly on the samples that missed the token KL's tail). ``groups``: the prompt
+    groups each step's D_t was measured on (``tap_groups``), where every step has it; else each
+    step's relative variance is read as it stands (equal counts, as a budget measuring whole pairs
+    gives). Steps without a positive D_t and a finite SE are left out."""
+    steps = sorted(s for s, v in d_t.items() if v > 0 and math.isfinite(v) and d_se.get(s) is not None
+                   and math.isfinite(d_se[s]) and d_se[s] >= 0)
+    if not steps:
+        return {}
+    g = [groups.get(s) for s in steps]
+    g = [float(x) for x in g] if all(x is not None and x >= 1 for x in g) else [1.0] * len(steps)
+    se, _ = moderated_d_t_se([d_t[s] for s in steps], [d_se[s] for s in steps], [float("nan")] * len(steps), g)
+    return {s: v for s, v in zip(steps, se.tolist()) if v == v}
+
+
 def t975(dof: float) -> float:
     """The 97.5 % quantile of Student's t on ``dof`` degrees of freedom (at least one); the
     normal's where ``dof`` is NaN or infinite."""
@@ -180,5 +199,5 @@ def t975(dof: float) -> float:
     return float(special.stdtrit(max(float(dof), 1.0), 0.975))
 
 
-__all__ = ["MODERATION_WINDOW", "OWN_WEIGHT", "moderated_by_pair", "moderated_d_t_se", "moderated_eta_se",
+__all__ = ["MODERATION_WINDOW", "OWN_WEIGHT", "moderated_by_pair", "moderated_by_step", "moderated_d_t_se", "moderated_eta_se",
            "pooled_variances", "t975"]
