@@ -201,7 +201,7 @@ def group_kl(gap: np.ndarray, codes: np.ndarray, n_groups: int) -> GroupKL | Non
     return GroupKL(kl, float("nan"), float("nan"), m, False)
 
 
-def moderated_kl_se(kl, se, dof, size) -> tuple[np.ndarray, np.ndarray]:
+def moderated_kl_se(kl, se, dof, size, within=None) -> tuple[np.ndarray, np.ndarray]:
     """The series' SEs of the per-sequence mismatch and their degrees of freedom, for a run's steps
     in step order: ``kl`` each step's estimate, ``se`` its own SE and ``dof`` its degrees of freedom
     (``group_kl``'s), ``size`` the units its variance is a mean over (``GroupKL.size``: rollouts for
@@ -211,13 +211,17 @@ def moderated_kl_se(kl, se, dof, size) -> tuple[np.ndarray, np.ndarray]:
     degrees of freedom): SE_t = kl_t sqrt(v_t / n_t), on the Welch-Satterthwaite degrees of
     freedom. A step not resolved keeps its own SE and degrees of freedom and lends nothing (module
     docstring: why). A step without a finite SE (or under one degree of freedom) has none (NaN out)
-    and is no one's neighbour."""
+    and is no one's neighbour. ``within`` (``GroupKL.within`` per step; None: all of one kind) keeps
+    the two kinds of SE apart: a relative variance per rollout within the groups and one per group
+    across them (which also holds the prompts' spread) are on two scales, so each is pooled only
+    with neighbours of its own kind."""
     from scipy import special
 
     k, s, f, n = (np.asarray(x, dtype=np.float64) for x in (kl, se, dof, size))
-    if not (k.shape == s.shape == f.shape == n.shape) or k.ndim != 1:
-        raise ValueError(f"kl, se, dof and size must be 1-d of one length, not {k.shape}, {s.shape}, {f.shape}, "
-                         f"{n.shape}")
+    w = np.ones(k.shape, dtype=bool) if within is None else np.asarray(within, dtype=bool)
+    if not (k.shape == s.shape == f.shape == n.shape == w.shape) or k.ndim != 1:
+        raise ValueError(f"kl, se, dof, size and within must be 1-d of one length, not {k.shape}, {s.shape}, "
+                         f"{f.shape}, {n.shape}, {w.shape}")
     has = np.isfinite(s) & (s >= 0) & np.isfinite(f) & (f >= 1) & (n >= 2) & np.isfinite(k)
     out_se = np.where(has, s, np.nan)
     out_dof = np.where(has, f, np.nan)
@@ -225,10 +229,12 @@ def moderated_kl_se(kl, se, dof, size) -> tuple[np.ndarray, np.ndarray]:
     q = np.where(has, special.stdtrit(np.where(has, f, 1.0), 0.975), np.inf)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         u = n * (s / k) ** 2  # beyond the float range it takes no part
-    ok = np.flatnonzero(has & (k > q * s) & np.isfinite(u))
-    if len(ok):
-        var, out_dof[ok] = pooled_variances(u[ok], f[ok])
-        out_se[ok] = k[ok] * np.sqrt(var / n[ok])
+    resolved = has & (k > q * s) & np.isfinite(u)
+    for kind in (True, False):
+        ok = np.flatnonzero(resolved & (w == kind))
+        if len(ok):
+            var, out_dof[ok] = pooled_variances(u[ok], f[ok])
+            out_se[ok] = k[ok] * np.sqrt(var / n[ok])
     return out_se, out_dof
 
 
@@ -239,7 +245,8 @@ def series_se(series: Mapping[int, StepMismatch]) -> dict[int, tuple[float, floa
     neighbours on one side only."""
     steps = sorted(series)
     se, dof = moderated_kl_se([series[s].kl_seq for s in steps], [series[s].kl_seq_se for s in steps],
-                              [series[s].kl_seq_dof for s in steps], [series[s].kl_seq_size for s in steps])
+                              [series[s].kl_seq_dof for s in steps], [series[s].kl_seq_size for s in steps],
+                              [series[s].se_within for s in steps])
     return {s: (a, b) for s, a, b in zip(steps, se.tolist(), dof.tolist())}
 
 

@@ -187,6 +187,7 @@ def test_an_engines_log_probabilities_are_recorded_and_a_departing_engine_is_ref
     sides = {s.step: s for s in paired_samples(steps_from_run(off_run, SurfaceFeatures()))}
     for (_, t), lg in ledgers.items():  # 0.3 nats a token along either side's rows, by hand
         assert lg.sampler_kl > 0.1 * lg.d_t
+        assert lg.sampler_kl_within  # groups of several completions: the SE within them, pooled as such
         rows = [x for x in off_run.heldout().read_rollouts(["completion_ids", "drawn_by_step"]).to_pylist()
                 if x["step"] == t]
         by_side = [0.3 * np.mean([len(x["completion_ids"]) for x in rows if (x["drawn_by_step"] == t) == b])

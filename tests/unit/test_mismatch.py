@@ -200,6 +200,33 @@ def test_the_series_se_worked_by_hand():
     assert sorted(got) == [3, 5, 9] and [got[s][0] for s in (3, 5, 9)] == pytest.approx(want[0].tolist())
 
 
+def test_the_two_kinds_of_se_are_pooled_apart():
+    """Steps whose SE is within the groups (relative variance per rollout) and steps whose SE is
+    across them (per group, a group of one completion) alternate. Each kind's relative variances
+    are equal among themselves (0.1 on 16 rollouts: u = 16 x 0.01 = 0.16; 0.3 on 4 groups: u = 4 x
+    0.09 = 0.36), so pooled by kind every SE stays its own (0.1, 0.3). Pooled together the
+    within steps would read u = 0.16 beside 0.36 and widen, the across steps narrow: the argument
+    decides the answer."""
+    within = [True, False] * 4
+    kl, se = [1.0] * 8, [0.1 if w else 0.3 for w in within]
+    dof, size = [15 if w else 3 for w in within], [16 if w else 4 for w in within]
+    got, _ = moderated_kl_se(kl, se, dof, size, within)
+    assert got == pytest.approx(se, abs=1e-12)
+    mixed, _ = moderated_kl_se(kl, se, dof, size)
+    assert all(m > 0.1 + 0.01 for m, w in zip(mixed, within) if w)
+    assert all(m < 0.3 - 0.01 for m, w in zip(mixed, within) if not w)
+    # the series reads each step's kind: a step with a group of one completion is across-group
+    gaps = {s: (np.array([1.0, 1.3, 2.0, 2.4, 1.1, 1.6]) * (1 + s / 10), np.array([0, 0, 1, 1, 2, 2])) for s in range(6)}
+    gaps[3] = (gaps[3][0][:5], np.array([0, 0, 1, 1, 2]))
+    steps = {s: step_mismatch(s, g, c, 3) for s, (g, c) in gaps.items()}
+    assert [steps[s].se_within for s in range(6)] == [True, True, True, False, True, True]
+    series = series_se(steps)
+    alone = moderated_kl_se(*([getattr(steps[s], a) for s in (0, 1, 2, 4, 5)] for a in ("kl_seq", "kl_seq_se", "kl_seq_dof",
+                                                                                        "kl_seq_size")))
+    assert [series[s][0] for s in (0, 1, 2, 4, 5)] == pytest.approx(alone[0].tolist())
+    assert series[3][0] == pytest.approx(steps[3].kl_seq_se)  # its kind's only step: its own
+
+
 def _scaled(levels, spread, offsets=(-1.5, -0.5, 0.5, 1.5)):
     """Per step, one rollout per prompt group whose gaps are ``level`` (1 + ``spread`` x offset):
     group means known exactly, the relative SE the same at every step."""
@@ -268,7 +295,8 @@ def test_the_ledgers_refusal_reads_the_series_se():
 
     def pair(t, kl, se):
         return SimpleNamespace(step_pair=(t - 1, t), n_groups=4, sampler_kl=kl, sampler_kl_se=se, sampler_kl_se_own=se,
-                               sampler_kl_dof=3.0, sampler_kl_size=4, d_t=4.0, d_hat=4.0)
+                               sampler_kl_dof=3.0, sampler_kl_size=4, sampler_kl_within=True, d_t=4.0,
+                               d_hat=4.0)
 
     ledgers = [pair(3, 1.5, 0.3), pair(1, 1.0, 0.1), pair(4, 9.0, float("nan")), pair(2, 2.0, 0.2)]
     _series_sampler_se(ledgers)

@@ -138,7 +138,8 @@ class PairedLedger(Ledger):
     sampler_kl_se: float | None = None
     sampler_kl_se_own: float | None = None
     sampler_kl_dof: float | None = None  # the own SE's degrees of freedom and the units its variance is a mean
-    sampler_kl_size: int = 0  # over (measure.mismatch.GroupKL)
+    sampler_kl_size: int = 0  # over (measure.mismatch.GroupKL), and whether it is
+    sampler_kl_within: bool = True  # the SE within the groups (False: across them)
     # the block of ledgers this one was made in, and its row there (``price.LedgerBlock``)
     block: LedgerBlock | None = field(default=None, repr=False)
     row: int = field(default=-1, repr=False)
@@ -552,7 +553,8 @@ def paired_ledger_series(samples: Sequence[StepSample], eta_by_step: Mapping[int
 def _series_sampler_se(ledgers: Sequence[PairedLedger]) -> None:
     """Each ledger's ``sampler_kl_se`` made the engine-mismatch series' SE over the run's ledgers
     in step order (``measure.mismatch.moderated_kl_se``: where resolved, its relative variance per
-    prompt group pooled with its resolved neighbours'), the pair's own staying in
+    rollout, or per group where the SE is across groups, pooled with its resolved neighbours' of
+    the same kind), the pair's own staying in
     ``sampler_kl_se_own``; a ledger without a finite
     SE of its own keeps what it has and is no one's neighbour. Done once, as the ledgers are made,
     before any book reads their premise."""
@@ -561,7 +563,8 @@ def _series_sampler_se(ledgers: Sequence[PairedLedger]) -> None:
     if not have:
         return
     se, _ = moderated_kl_se([lg.sampler_kl for lg in have], [lg.sampler_kl_se for lg in have],
-                            [lg.sampler_kl_dof for lg in have], [lg.sampler_kl_size for lg in have])
+                            [lg.sampler_kl_dof for lg in have], [lg.sampler_kl_size for lg in have],
+                            [lg.sampler_kl_within for lg in have])
     for lg, v in zip(have, se.tolist()):
         if v == v:
             lg.__dict__["sampler_kl_se"] = v  # frozen: set as _made sets every field
@@ -960,7 +963,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             "groups_in_step": prep.groups_in_step, "groups_unscored": prep.unscored, "sampler_kl": sampler_kl,
             "sampler_kl_se": sampler_se, "sampler_kl_se_own": sampler_se,
             "sampler_kl_dof": None if sampler is None else sampler.dof,
-            "sampler_kl_size": 0 if sampler is None else sampler.size, "block": None if block is None else block[0],
+            "sampler_kl_size": 0 if sampler is None else sampler.size,
+            "sampler_kl_within": True if sampler is None else sampler.within, "block": None if block is None else block[0],
             "row": -1 if block is None else block[1] + j, "n_heldout": n_heldout}))
     return out
 
@@ -1015,7 +1019,7 @@ _LEDGER_FIELDS = frozenset(f.name for f in dataclasses.fields(PairedLedger))
 
 def _made(values: dict) -> PairedLedger:
     """``PairedLedger(**values)`` (every field given, plus ``n_heldout``, its cached count), made
-    by filling the object's attributes at once: a frozen dataclass's __init__ sets its 32 fields
+    by filling the object's attributes at once: a frozen dataclass's __init__ sets its fields (37)
     one by one through object.__setattr__, which for the 10,000 ledgers of a run cost about as
     much as the arithmetic of their batches' weights. tests/unit/test_paired_columns.py holds the
     two to the same attributes."""
