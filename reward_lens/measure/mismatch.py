@@ -129,7 +129,8 @@ class StepMismatch:
     kl_seq_size: int  # the units its variance is a mean over (GroupKL.size)
     se_within: bool  # True: the SE is from the completions within each group (group_kl)
     kl_token: float | None  # nats/token: sum of gaps / sum of tokens (None without token counts)
-    kl_token_se: float | None
+    kl_token_se: float | None  # its own sample's SE (linearised within the groups), not moderated:
+    # no finding or curve reads it; the finding reads kl_seq on series_se's SE
     max_log_ratio: float  # the largest |gap| of one sequence, nats
     tail_share: float  # share of sequences with |gap| > log TAIL_RATIO
     n: int  # rollouts with both log-probabilities
