@@ -35,11 +35,10 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from reward_lens.measure.sequential import final_stretch
 from reward_lens.measure.ledger.moderated import moderated_by_step
 from reward_lens.measure.mismatch import (logged_mismatch, logged_source, mismatch_of_table, run_logged_mismatch, run_mismatch,
                                           series_se)
-from reward_lens.measure.sequential import RunWatch, WatchBasis, step_stats, watch_samples
+from reward_lens.measure.sequential import RunWatch, WatchBasis, final_stretch, step_stats, watch_samples
 from reward_lens_spec import load_findings
 from reward_lens_spec.models import FindingSpec
 from reward_lens_spec.render import render_template

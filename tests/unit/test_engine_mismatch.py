@@ -361,12 +361,12 @@ def test_d_ts_se_is_moderated_as_the_cost_book_states_it(monkeypatch):
     0.16, 0.16, their mean 0.10680; step 0: v = 0.0002 + 0.0534 = 0.0536, SE = sqrt(0.0536 / 4) =
     0.11576, eleven times its own. A step without an SE (5) takes no part; without ``tap_groups`` at
     every step the relative variances are read as they stand (equal counts: the same SEs here)."""
-    from reward_lens.measure.ledger.moderated import moderated_by_step as moderated_d_t
+    from reward_lens.measure.ledger.moderated import moderated_by_step
 
     d_t, se = {0: 1.0, 1: 2.0, 2: 4.0, 5: 3.0}, {0: 0.01, 1: 0.4, 2: 0.8}
-    got = moderated_d_t(d_t, se, {0: 4, 1: 4, 2: 4, 5: 4})
+    got = moderated_by_step(d_t, se, {0: 4, 1: 4, 2: 4, 5: 4})
     assert sorted(got) == [0, 1, 2] and got[0] == pytest.approx(0.11576, abs=1e-5)
-    assert moderated_d_t(d_t, se, {}) == pytest.approx(got)
+    assert moderated_by_step(d_t, se, {}) == pytest.approx(got)
     # the finding reads it: a mismatch 1.3 x D_t at steps 3 and 4, D_t's own SE 0.001 there (a
     # sample that missed the tail) beside neighbours whose relative SE is 0.4: critical on the own
     # SE, warn on the moderated one

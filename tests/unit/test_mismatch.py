@@ -216,13 +216,13 @@ def test_the_two_kinds_of_se_are_pooled_apart():
     assert all(m > 0.1 + 0.01 for m, w in zip(mixed, within) if w)
     assert all(m < 0.3 - 0.01 for m, w in zip(mixed, within) if not w)
     # the series reads each step's kind: a step with a group of one completion is across-group
-    gaps = {s: (np.array([1.0, 1.3, 2.0, 2.4, 1.1, 1.6]) * (1 + s / 10), np.array([0, 0, 1, 1, 2, 2])) for s in range(6)}
-    gaps[3] = (gaps[3][0][:5], np.array([0, 0, 1, 1, 2]))
-    steps = {s: step_mismatch(s, g, c, 3) for s, (g, c) in gaps.items()}
+    base, codes = np.array([1.0, 1.3, 2.0, 2.4, 1.1, 1.6]), np.array([0, 0, 1, 1, 2, 2])
+    steps = {s: step_mismatch(s, base * (1 + s / 10), codes, 3) for s in range(6)}
+    steps[3] = step_mismatch(3, base[:5] * 1.3, codes[:5], 3)  # group 2 holds one completion
     assert [steps[s].se_within for s in range(6)] == [True, True, True, False, True, True]
     series = series_se(steps)
-    alone = moderated_kl_se(*([getattr(steps[s], a) for s in (0, 1, 2, 4, 5)] for a in ("kl_seq", "kl_seq_se", "kl_seq_dof",
-                                                                                        "kl_seq_size")))
+    fields = ("kl_seq", "kl_seq_se", "kl_seq_dof", "kl_seq_size")
+    alone = moderated_kl_se(*([getattr(steps[s], a) for s in (0, 1, 2, 4, 5)] for a in fields))
     assert [series[s][0] for s in (0, 1, 2, 4, 5)] == pytest.approx(alone[0].tolist())
     assert series[3][0] == pytest.approx(steps[3].kl_seq_se)  # its kind's only step: its own
 

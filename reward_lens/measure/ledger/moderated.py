@@ -174,11 +174,12 @@ def moderated_by_pair(ledgers) -> dict[tuple[int, int], tuple[float, float]]:
 def moderated_by_step(d_t: Mapping[int, float], d_se: Mapping[int, float], groups: Mapping[int, float]
                       ) -> dict[int, float]:
     """D_t's SE by step, each step's own (the tap's ``kl_to_previous_se``) moderated across its
-    measured neighbours as the cost book moderates it (``moderated_d_t_se``, as ``moderated_by_pair``
-    does for ledgers: its own SE is small exactly on the samples that missed the token KL's tail). ``groups``: the prompt
-    groups each step's D_t was measured on (``tap_groups``), where every step has it; else each
-    step's relative variance is read as it stands (equal counts, as a budget measuring whole pairs
-    gives). Steps without a positive D_t and a finite SE are left out."""
+    measured neighbours as the cost book moderates it (``moderated_d_t_se``, as
+    ``moderated_by_pair`` does for ledgers: its own SE is small exactly on the samples that missed
+    the token KL's tail). ``groups``: the prompt groups each step's D_t was measured on
+    (``tap_groups``), where every step has it; else each step's relative variance is read as it
+    stands (equal counts, as a budget measuring whole pairs gives). Steps without a positive D_t
+    and a finite SE are left out."""
     steps = sorted(s for s, v in d_t.items() if v > 0 and math.isfinite(v) and d_se.get(s) is not None
                    and math.isfinite(d_se[s]) and d_se[s] >= 0)
     if not steps:
@@ -199,5 +200,5 @@ def t975(dof: float) -> float:
     return float(special.stdtrit(max(float(dof), 1.0), 0.975))
 
 
-__all__ = ["MODERATION_WINDOW", "OWN_WEIGHT", "moderated_by_pair", "moderated_by_step", "moderated_d_t_se", "moderated_eta_se",
-           "pooled_variances", "t975"]
+__all__ = ["MODERATION_WINDOW", "OWN_WEIGHT", "moderated_by_pair", "moderated_by_step", "moderated_d_t_se",
+           "moderated_eta_se", "pooled_variances", "t975"]

@@ -138,8 +138,8 @@ class PairedLedger(Ledger):
     sampler_kl_se: float | None = None
     sampler_kl_se_own: float | None = None
     sampler_kl_dof: float | None = None  # the own SE's degrees of freedom and the units its variance is a mean
-    sampler_kl_size: int = 0  # over (measure.mismatch.GroupKL), and whether it is
-    sampler_kl_within: bool = True  # the SE within the groups (False: across them)
+    sampler_kl_size: int = 0  # over (measure.mismatch.GroupKL)
+    sampler_kl_within: bool = True  # GroupKL.within: the own SE is within the groups (False: across them)
     # the block of ledgers this one was made in, and its row there (``price.LedgerBlock``)
     block: LedgerBlock | None = field(default=None, repr=False)
     row: int = field(default=-1, repr=False)
@@ -964,7 +964,8 @@ def _ledgers(items: Sequence[tuple[StepSample, StepSample | None, _Prepared, flo
             "sampler_kl_se": sampler_se, "sampler_kl_se_own": sampler_se,
             "sampler_kl_dof": None if sampler is None else sampler.dof,
             "sampler_kl_size": 0 if sampler is None else sampler.size,
-            "sampler_kl_within": True if sampler is None else sampler.within, "block": None if block is None else block[0],
+            "sampler_kl_within": True if sampler is None else sampler.within,
+            "block": None if block is None else block[0],
             "row": -1 if block is None else block[1] + j, "n_heldout": n_heldout}))
     return out
 
